@@ -1,0 +1,3 @@
+"""shardzoo: a Flax (linen) model zoo with pluggable sharding rules."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from shardzoo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The model zoo: ``get_model(name, **overrides) -> (module, config)`` and ``list_models()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+import typing
+
+from shardzoo.sharding.errors import UserError
+
+_FAMILY_MODULES = ("shardzoo.models.mlp", "shardzoo.models.transformer", "shardzoo.models.moe")
+_REGISTRY: dict = {}
+
+
+class ModelError(UserError):
+    """An unknown model name or a bad override the user gave."""
+
+
+def register(name: str, config) -> None:
+    """Register a named preset: a frozen config dataclass whose ``build()`` returns the module."""
+    _REGISTRY[name] = config
+
+
+def _load_families() -> None:
+    for mod in _FAMILY_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def list_models() -> list[str]:
+    _load_families()
+    return sorted(_REGISTRY)
+
+
+def get_config(name: str, **overrides):
+    """The preset's config with ``overrides`` applied (strings are parsed to the field's type)."""
+    _load_families()
+    if name not in _REGISTRY:
+        raise ModelError(f"unknown model {name!r}; models: {', '.join(sorted(_REGISTRY))}")
+    config = _REGISTRY[name]
+    return apply_overrides(config, overrides, where=f"model {name!r}")
+
+
+def get_model(name: str, **overrides):
+    """``(module, config)`` for a registered preset, varied by ``overrides``."""
+    config = get_config(name, **overrides)
+    return config.build(), config
+
+
+def _coerce(value, tp, key: str, where: str):
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        if parsed is None:
+            return None
+        tp = args[0] if len(args) == 1 else tp
+        origin = typing.get_origin(tp)
+    if tp is str:
+        return value
+    if tp is float and isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+        return float(parsed)
+    if tp is int and isinstance(parsed, int) and not isinstance(parsed, bool):
+        return parsed
+    if tp is bool and isinstance(parsed, bool):
+        return parsed
+    if origin is tuple and isinstance(parsed, list):
+        return tuple(parsed)
+    if tp in (int, float, bool):
+        raise ModelError(f"{where}: override {key}={value!r} is not a {tp.__name__}")
+    return parsed
+
+
+def apply_overrides(config, overrides: dict, where: str = "config"):
+    """``dataclasses.replace`` with unknown keys reported and string values parsed."""
+    if not overrides:
+        return config
+    hints = typing.get_type_hints(type(config))
+    fields = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ModelError(f"{where}: unknown override {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
+    values = {k: _coerce(v, hints[k], k, where) for k, v in overrides.items()}
+    try:
+        return dataclasses.replace(config, **values)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: {e}") from None
+
+
+def parse_overrides(items) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` from the command line to a dict."""
+    out = {}
+    for item in items or ():
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ModelError(f"--override {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out

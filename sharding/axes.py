@@ -1,0 +1,52 @@
+"""The closed vocabulary of logical axis names.
+
+Models name every dimension of every parameter and of every constrained activation with
+one of these constants; rule tables (``rules.py``) alone map them to mesh axes. A name that
+is not in ``ALL`` is a bug in the model and is reported by validation.
+"""
+
+BATCH = "batch"  # examples in a global batch (activations, data, KV cache)
+LENGTH = "length"  # token positions of activations; only ``sp`` shards it
+EMBED = "embed"  # model width (hidden_size); FSDP shards parameters along it
+HEADS = "heads"  # query attention heads
+KV_HEADS = "kv_heads"  # key/value heads (GQA, MQA)
+HEAD_DIM = "head_dim"  # features within one attention head
+MLP = "mlp"  # feed-forward hidden width (intermediate_size)
+VOCAB = "vocab"  # vocabulary entries, or output classes of a classifier head
+EXPERT = "expert"  # experts of a Mixture-of-Experts layer
+LAYERS = "layers"  # the stacked-layer axis that nn.scan adds to parameters
+POSITION = "position"  # rows of a learned position table (max_position_embeddings)
+CAPACITY = "capacity"  # token slots per expert in MoE dispatch (activations only)
+CACHE_LENGTH = "cache_length"  # positions of a decoding KV cache
+
+ALL = (
+    BATCH,
+    LENGTH,
+    EMBED,
+    HEADS,
+    KV_HEADS,
+    HEAD_DIM,
+    MLP,
+    VOCAB,
+    EXPERT,
+    LAYERS,
+    POSITION,
+    CAPACITY,
+    CACHE_LENGTH,
+)
+
+MEANINGS = {
+    BATCH: "examples in a global batch",
+    LENGTH: "token positions of activations (sequence parallelism shards it)",
+    EMBED: "model width; FSDP shards parameters along it",
+    HEADS: "query attention heads",
+    KV_HEADS: "key/value attention heads",
+    HEAD_DIM: "features within one attention head",
+    MLP: "feed-forward hidden width",
+    VOCAB: "vocabulary entries or output classes",
+    EXPERT: "experts of a Mixture-of-Experts layer",
+    LAYERS: "stacked layers (nn.scan)",
+    POSITION: "rows of a learned position-embedding table",
+    CAPACITY: "token slots per expert in MoE dispatch",
+    CACHE_LENGTH: "positions of a decoding KV cache",
+}

@@ -1,0 +1,9 @@
+"""The base of every error caused by what a user gave (a flag, a file, a config value).
+
+The command line catches ``UserError`` once, prints its one-line message and exits with
+status 2; anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(ValueError):
+    """Bad input from the user; the message names what the user controls."""

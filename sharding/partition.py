@@ -1,0 +1,48 @@
+"""The one place where logical axes meet a mesh: shardings from (abstract tree, mesh, rules)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def logical_specs(abstract_tree):
+    """Logical PartitionSpecs of a tree of (possibly boxed) abstract arrays."""
+    return nn.get_partition_spec(abstract_tree)
+
+
+def logical_shardings(abstract_tree, mesh, rules):
+    """NamedShardings for every leaf of a boxed tree (from ``jax.eval_shape(init)``)."""
+    return nn.logical_to_mesh_sharding(logical_specs(abstract_tree), mesh, tuple(rules))
+
+
+def spec_to_sharding(logical_spec, mesh, rules) -> NamedSharding:
+    """One logical PartitionSpec (or tuple of names) to a NamedSharding."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(logical_spec), tuple(rules)))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def activate(mesh, rules):
+    """Set ``mesh`` and ``rules`` for tracing, so models' logical constraints take effect."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(tuple(rules)):
+        yield
+
+
+def mesh_axes_of(logical_name: str, rules, mesh=None) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to when alone in an array (empty when replicated).
+
+    With ``mesh``, axes of size 1 are dropped. Used by the explicit ``shard_map`` MoE path.
+    """
+    (assigned,) = nn.logical_to_mesh_axes((logical_name,), tuple(rules))
+    names = () if assigned is None else ((assigned,) if isinstance(assigned, str) else tuple(assigned))
+    if mesh is not None:
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        names = tuple(n for n in names if sizes.get(n, 1) > 1)
+    return names
