@@ -1,0 +1,250 @@
+"""The per-process batch iterator and ``make_datasets``, the one call the trainer makes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from shardzoo.data.errors import DataError
+from shardzoo.data.packing import (
+    Rows,
+    batch_arrays,
+    pack_documents,
+    pack_examples,
+    split_documents,
+    tokenize_documents,
+    tokenize_examples,
+)
+from shardzoo.data.sources import STDLIB, check_text_column, load_source
+from shardzoo.data.tokenizer import BYTE_SPEC, load_tokenizer
+from shardzoo.sharding import axes as ax
+from shardzoo.sharding.partition import spec_to_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the data comes from and how it becomes rows (see ``sources.py`` for spec syntax)."""
+
+    data: str = STDLIB  # local file / glob / directory, "stdlib", or hub:NAME[:CONFIG][@SPLIT]
+    text_column: str = "text"
+    prompt_column: str | None = None  # with completion_column: fine-tuning rows, loss on completion
+    completion_column: str | None = None
+    eval_data: str | None = None  # a held-out data spec; or eval_fraction of the documents
+    eval_fraction: float = 0.0
+    tokenizer: str = BYTE_SPEC  # "byte", a tokenizer.json, or an HF model directory
+    add_bos: bool = False  # start every document with bos
+    cache_dir: str | None = None  # datasets' cache (default: HF_DATASETS_CACHE)
+
+    @property
+    def examples(self) -> bool:
+        """True for prompt/completion rows, False for packed documents."""
+        return self.prompt_column is not None
+
+
+def _local_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:
+    """Per dimension, the global indices this process's devices hold, in the order
+    ``jax.make_array_from_process_local_data`` expects them in the local array."""
+    spans = [set() for _ in global_shape]
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        for dim, (s, size) in enumerate(zip(index, global_shape, strict=True)):
+            spans[dim].add(s.indices(size)[:2])
+    return tuple(np.concatenate([np.arange(a, b) for a, b in sorted(s)]) for s in spans)
+
+
+def _num_shards(sharding, dim: int) -> int:
+    spec = tuple(sharding.spec) + (None,) * (dim + 1)
+    names = spec[dim] or ()
+    names = (names,) if isinstance(names, str) else names
+    return math.prod(sharding.mesh.shape[n] for n in names)
+
+
+class BatchIterator:
+    """Batches of packed rows: shuffled per epoch by seed, split across processes, resumable.
+
+    Each ``next`` gives the dict ``inputs, targets, segment_ids, positions, weights`` of the next
+    ``global_batch_size`` rows: global ``jax.Array`` s when ``sharding`` is given, else this
+    process's rows as numpy. The last batch of an epoch is filled with all-padding rows
+    (weights 0), so each epoch yields every row once. With ``repeat=False`` (eval) one pass
+    ends with StopIteration and the iterator rewinds, so each ``for`` loop is one full pass.
+    """
+
+    def __init__(
+        self,
+        rows: Rows,
+        global_batch_size: int,
+        pad_id: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        repeat: bool = True,
+        sharding=None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        self.rows, self.global_batch_size, self.pad_id = rows, global_batch_size, pad_id
+        self.shuffle, self.repeat, self.sharding = shuffle, repeat, sharding
+        self.seed, self.epoch, self.position = int(seed), 0, 0  # position: rows done this epoch
+        self.global_shape = (global_batch_size, rows.seq_len)
+        if sharding is not None:
+            for dim, what in enumerate(("global batch size", "sequence length")):
+                shards = _num_shards(sharding, dim)
+                if self.global_shape[dim] % shards:
+                    raise DataError(
+                        f"{what} {self.global_shape[dim]} is not divisible by its {shards} shards "
+                        f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
+                    )
+            self._local_rows, self._local_cols = _local_indices(sharding, self.global_shape)
+        else:
+            index = jax.process_index() if process_index is None else process_index
+            count = jax.process_count() if process_count is None else process_count
+            if global_batch_size % count:
+                raise DataError(
+                    f"global batch size {global_batch_size} is not divisible by {count} processes"
+                )
+            per_process = global_batch_size // count
+            self._local_rows = np.arange(index * per_process, (index + 1) * per_process)
+            self._local_cols = np.arange(rows.seq_len)
+        self._order_cache = (None, None)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self.rows) // self.global_batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache[0] != (self.seed, epoch):
+            order = np.arange(len(self.rows))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.rows))
+            self._order_cache = ((self.seed, epoch), order)
+        return self._order_cache[1]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position >= len(self.rows):
+            self.position = 0
+            if not self.repeat:
+                raise StopIteration
+            self.epoch += 1
+        indices = self._order(self.epoch)[self.position : self.position + self.global_batch_size]
+        self.position += len(indices)
+        indices = np.pad(indices, (0, self.global_batch_size - len(indices)), constant_values=-1)
+        local = batch_arrays(self.rows, indices[self._local_rows], self.pad_id)
+        local = {k: v[:, self._local_cols] for k, v in local.items()}
+        if self.sharding is None:
+            return local
+        return jax.make_array_from_process_local_data(self.sharding, local, self.global_shape)
+
+    def state(self) -> dict:
+        """A JSON-able position: restoring it makes the next batches those this iterator gives next."""
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_rows": len(self.rows),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue from a ``state()`` (its seed included); the data must have as many rows."""
+        if state.get("num_rows") != len(self.rows):
+            raise DataError(
+                f"the saved data iterator was over {state.get('num_rows')} rows but this data has "
+                f"{len(self.rows)}: the data, tokenizer or seq_len changed since the checkpoint"
+            )
+        self.seed, self.epoch, self.position = (
+            int(state["seed"]),
+            int(state["epoch"]),
+            int(state["position"]),
+        )
+
+
+def _documents(spec: str, config: DataConfig, tokenizer):
+    ds = load_source(spec, cache_dir=config.cache_dir)
+    if config.examples:
+        check_text_column(ds, config.prompt_column, spec, "--prompt-column")
+        check_text_column(ds, config.completion_column, spec, "--completion-column")
+        docs = tokenize_examples(
+            ds, tokenizer, config.prompt_column, config.completion_column, config.add_bos
+        )
+    else:
+        check_text_column(ds, config.text_column, spec)
+        docs = tokenize_documents(ds, tokenizer, config.text_column, config.add_bos)
+    if len(docs) == 0:
+        raise DataError(f"data {spec!r}: empty dataset (all {len(ds)} rows have no text)")
+    return docs
+
+
+def make_datasets(
+    config: DataConfig,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+):
+    """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
+    if (config.prompt_column is None) != (config.completion_column is None):
+        raise DataError("--prompt-column and --completion-column must be given together")
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
+    if config.eval_data and config.eval_fraction:
+        raise DataError("give --eval-data or --eval-fraction, not both")
+    tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
+
+    train_docs = _documents(config.data, config, tokenizer)
+    eval_docs = None
+    if config.eval_data:
+        eval_docs = _documents(config.eval_data, config, tokenizer)
+    elif config.eval_fraction:
+        if len(train_docs) < 2:
+            raise DataError(
+                f"data {config.data!r} has {len(train_docs)} document: --eval-fraction needs at "
+                "least 2 (text files are one document each); give --eval-data instead"
+            )
+        train_docs, eval_docs = split_documents(train_docs, config.eval_fraction, seed)
+
+    pack = pack_examples if config.examples else pack_documents
+    if config.examples and len(train_docs) < global_batch_size:
+        raise DataError(
+            f"data {config.data!r}: {len(train_docs)} examples, fewer than one global batch "
+            f"of {global_batch_size}"
+        )
+    if not config.examples and len(train_docs.tokens) < global_batch_size * seq_len:
+        raise DataError(
+            f"data {config.data!r}: {len(train_docs.tokens)} tokens ({len(train_docs)} documents, "
+            f"tokenizer {tokenizer.spec}), fewer than one global batch of {global_batch_size} x "
+            f"{seq_len} = {global_batch_size * seq_len} tokens"
+        )
+    sharding = None
+    if mesh is not None:
+        if rules is None:
+            raise ValueError("make_datasets: a mesh needs rules to place the batch")
+        sharding = spec_to_sharding((ax.BATCH, ax.LENGTH), mesh, rules)
+    common = dict(sharding=sharding, process_index=process_index, process_count=process_count)
+    train = BatchIterator(
+        pack(train_docs, seq_len, tokenizer.pad_id),
+        global_batch_size,
+        tokenizer.pad_id,
+        seed=seed,
+        shuffle=True,
+        repeat=True,
+        **common,
+    )
+    evaluation = None
+    if eval_docs is not None:
+        evaluation = BatchIterator(
+            pack(eval_docs, seq_len, tokenizer.pad_id),
+            global_batch_size,
+            tokenizer.pad_id,
+            seed=seed,
+            shuffle=False,
+            repeat=False,
+            **common,
+        )
+    return train, evaluation

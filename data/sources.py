@@ -1,0 +1,150 @@
+"""Data sources: a ``--data`` spec to a ``datasets.Dataset``.
+
+Spec syntax, tried in this order:
+
+- ``stdlib``: the embedded corpus (the Python standard library's source files; no download).
+- ``hub:NAME[:CONFIG][@SPLIT]``: a Hugging Face Hub dataset via ``datasets.load_dataset``
+  (split defaults to ``train``), e.g. ``hub:wikitext:wikitext-2-raw-v1@validation``.
+- a local file, a directory (every data file under it, recursively, sorted) or a glob
+  (``data/*.jsonl``). Formats by extension: text (``.txt``, ``.text``, ``.md``: one document per
+  file), ``.jsonl``/``.json``, ``.parquet``, ``.csv``. One format per spec.
+- anything else that does not look like a path (no data-file extension, not starting with
+  ``/``, ``.`` or ``~``) is taken as a Hub name, ``NAME[:CONFIG][@SPLIT]`` without the prefix.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import datasets
+from shardzoo.data.corpus import stdlib_corpus
+from shardzoo.data.errors import DataError
+
+STDLIB = "stdlib"
+HUB_PREFIX = "hub:"
+FORMATS = {  # extension -> datasets' packaged builder
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """``[hub:]NAME[:CONFIG][@SPLIT]`` -> (name, config or None, split)."""
+    rest = spec[len(HUB_PREFIX) :] if spec.startswith(HUB_PREFIX) else spec
+    rest, _, split = rest.partition("@")
+    name, _, config = rest.partition(":")
+    if not name:
+        raise DataError(f"data spec {spec!r}: no dataset name; expected hub:NAME[:CONFIG][@SPLIT]")
+    return name, config or None, split or "train"
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", ".", "~")) or os.path.splitext(spec)[1].lower() in FORMATS
+
+
+def local_files(spec: str) -> list[str] | None:
+    """The data files a local spec names, sorted; None when the spec is not a local path."""
+    path = os.path.expanduser(spec)
+    if glob.has_magic(path):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"data glob {spec!r} matches no files")
+        return files
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            files += [
+                os.path.join(root, n)
+                for n in names
+                if not n.startswith(".") and os.path.splitext(n)[1].lower() in FORMATS
+            ]
+        if not files:
+            raise DataError(f"data directory {spec!r} holds no data files ({', '.join(FORMATS)})")
+        return sorted(files)
+    if os.path.isfile(path):
+        return [path]
+    if _looks_like_path(spec):
+        raise DataError(f"data file {spec!r} does not exist")
+    return None
+
+
+def _load_local(spec: str, files: list[str], cache_dir: str | None) -> datasets.Dataset:
+    kinds = {os.path.splitext(f)[1].lower() for f in files}
+    unknown = sorted(k or "(none)" for k in kinds if k not in FORMATS)
+    if unknown:
+        raise DataError(
+            f"data {spec!r}: unsupported file extension {', '.join(unknown)}; "
+            f"supported: {', '.join(FORMATS)}"
+        )
+    builders = {FORMATS[k] for k in kinds}
+    if len(builders) > 1:
+        raise DataError(
+            f"data {spec!r} mixes formats ({', '.join(sorted(builders))}); give one format"
+        )
+    (builder,) = builders
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(f"data {spec!r}: empty dataset (every file is empty: {', '.join(files)})")
+    options = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(
+            builder, data_files=files, split="train", cache_dir=cache_dir, **options
+        )
+    except Exception as e:  # noqa: BLE001 - a parse error is the user's file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"data {spec!r}: cannot read {builder} file(s) {', '.join(files)}: {reason}"
+        ) from None
+
+
+def _load_hub(spec: str, cache_dir: str | None) -> datasets.Dataset:
+    name, config, split = parse_hub_spec(spec)
+    try:
+        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - the name, the network or the cache: all the user's
+        flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        offline = next((v for v in flags if os.environ.get(v, "0") not in ("", "0")), None)
+        hint = f" (offline: {offline}={os.environ[offline]})" if offline else ""
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"data {spec!r} is not a local file, directory or glob, and Hub dataset {name!r} "
+            f"cannot be loaded{hint}: {reason}"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):  # only when no split was given; we always give one
+        raise DataError(f"data {spec!r}: choose a split with @SPLIT ({', '.join(ds)})")
+    return ds
+
+
+def load_source(spec: str, cache_dir: str | None = None) -> datasets.Dataset:
+    """The ``datasets.Dataset`` a ``--data`` spec names (see the module docstring)."""
+    spec = str(spec).strip()
+    if spec == STDLIB:
+        ds = stdlib_corpus()
+    elif spec.startswith(HUB_PREFIX):
+        ds = _load_hub(spec, cache_dir)
+    else:
+        files = local_files(spec)
+        ds = _load_hub(spec, cache_dir) if files is None else _load_local(spec, files, cache_dir)
+    if len(ds) == 0:
+        raise DataError(f"data {spec!r}: empty dataset (0 rows)")
+    return ds
+
+
+def check_text_column(
+    ds: datasets.Dataset, column: str, spec: str, flag: str = "--text-column"
+) -> None:
+    """A clear error when ``column`` is missing from ``ds`` or does not hold text."""
+    if column not in ds.column_names:
+        raise DataError(
+            f"data {spec!r} has no column {column!r} ({flag}); its columns are: "
+            f"{', '.join(ds.column_names)}"
+        )
+    feature = ds.features[column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise DataError(f"column {column!r} of data {spec!r} holds {feature}, not text ({flag})")
