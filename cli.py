@@ -13,55 +13,213 @@ from shardzoo.sharding.errors import UserError
 
 # --------------------------------------------------------------------------- plan
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the plan work
+    p.add_argument("--model", required=True,
+                   help="a registered model (see shardzoo.models.list_models())")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a config field, e.g. --override remat_policy=full (repeatable)")
+    p.add_argument("--rules", required=True, metavar="NAME|FILE",
+                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, ep) or a YAML/JSON rule file")
+    p.add_argument("--mesh", required=True, metavar="SPEC",
+                   help="e.g. fsdp=32,tensor=8; a spec without -1 that does not match the local "
+                        "device count is planned on an abstract mesh (no devices needed)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: mesh size)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length of an LM (default: min(2048, max_position_embeddings))")
+    p.add_argument("--device-memory", default=None, metavar="SIZE|DEVICE",
+                   help="e.g. 80GB, 16GiB, or h100, h200, a100, v5p, v5e, v4: "
+                        "adds a fits/does-not-fit verdict")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile the train step ahead of time on the local devices (their "
+                        "count must equal the mesh's) and report XLA's memory and collectives")
+    p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
+    p.add_argument("--non-strict", action="store_true",
+                   help="report validation problems as warnings instead of failing")
+
+
+def _format_compiled(result, plan) -> str:
+    from shardzoo.sharding.plan import format_bytes
+
+    m, t = result.memory, plan.totals
+    state = t["params"] + t["optimizer"]
+    lines = ["compiled train step (XLA memory_analysis, per device)"]
+    if m:
+        lines += [
+            f"  arguments  {format_bytes(m['argument'])}  (plan: params + adam {format_bytes(state)}"
+            f" + batch {format_bytes(result.batch_bytes)})",
+            f"  outputs    {format_bytes(m['output'])}"
+            f"  (aliased to donated arguments: {format_bytes(m['alias'])})",
+            f"  temp       {format_bytes(m['temp'])}",
+            f"  total      {format_bytes(m['total'])}  (arguments + outputs + temp - aliased;"
+            f" plan estimate {format_bytes(t['total'])})",
+        ]
+    else:
+        lines.append("  (this backend gives no memory analysis)")
+    lines.append("collectives: " + ", ".join(f"{op} {n}" for op, n in result.collectives.items()))
+    return "\n".join(lines)
 
 
 def cmd_plan(args) -> int:
-    raise NotImplementedError
+    """Print the sharding plan of a model: a table, or JSON with --json."""
+    import json
+    import math
+    import warnings
+
+    from shardzoo.models import get_model, parse_overrides
+    from shardzoo.sharding.mesh import mesh_shape
+    from shardzoo.sharding.plan import plan, planning_mesh
+    from shardzoo.sharding.rules import get_rules
+    from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
+
+    module, config = get_model(args.model, **parse_overrides(args.override))
+    rules = get_rules(args.rules)
+    mesh = planning_mesh(args.mesh)
+    devices = math.prod(mesh_shape(mesh).values())
+    batch = args.batch_size or devices
+    seq_len = args.seq_len
+    if seq_len is None and hasattr(config, "max_position_embeddings"):
+        seq_len = min(2048, config.max_position_embeddings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
+        try:
+            result = plan(config, config.sample_inputs(batch, seq_len), rules, mesh,
+                          strict=not args.non_strict, device_memory=args.device_memory,
+                          name=args.model)
+        except ShardingValidationError as e:
+            raise UserError(e.summary() + " [--non-strict makes these warnings]") from None
+        compiled = None
+        if args.compile:
+            import jax
+
+            if result.abstract_mesh:
+                raise UserError(
+                    f"--compile needs the mesh's {devices} devices locally, this machine has "
+                    f"{jax.device_count()} (fake CPU devices: "
+                    f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
+                )
+            from shardzoo.train.aot import compile_train_step
+
+            compiled = compile_train_step(module, config, rules, mesh, batch, seq_len,
+                                          strict=not args.non_strict)
+    if args.json:
+        out = result.to_dict()
+        out["batch_size"], out["seq_len"] = batch, seq_len
+        out["compile"] = compiled.to_dict() if compiled else None
+        print(json.dumps(out, indent=2))
+    else:
+        print(result.format())
+        if compiled:
+            print()
+            print(_format_compiled(compiled, result))
+    return 0
 
 
 # --------------------------------------------------------------------------- train
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the trainer work
+    from shardzoo.train.config import add_arguments
+
+    add_arguments(p)
 
 
 def cmd_train(args) -> int:
-    raise NotImplementedError
+    """Train (or resume) a run in --out; exit 0 when done or preempted, 3 on a NaN/Inf step."""
+    from shardzoo.train.config import config_from_args
+    from shardzoo.train.launch import run
+
+    return run(config_from_args(args))
 
 
 # --------------------------------------------------------------------------- plot
 def add_plot_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the trainer work
+    p.add_argument("out", metavar="OUT", help="a run directory holding metrics.jsonl")
+    p.add_argument("--output", metavar="PNG", help="where to write the plot (default: OUT/loss.png)")
 
 
 def cmd_plot(args) -> int:
-    raise NotImplementedError
+    """Draw the run's train and eval loss curves to a PNG."""
+    from shardzoo.train.metrics import plot_losses
+
+    print(plot_losses(args.out, args.output))
+    return 0
 
 
 # --------------------------------------------------------------------------- generate
+def _add_sharding_args(p: argparse.ArgumentParser, dtype_default: str) -> None:
+    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table (default: fsdp)")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="mesh spec (default: every device on the first of fsdp, tensor, data "
+                        "that the rules use)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help=f"parameter and compute dtype (default: {dtype_default})")
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the HF interop work
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
+    src.add_argument("--hf", metavar="HF_DIR",
+                     help="a Hugging Face model dir (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_sharding_args(p, "float32 for --hf, the checkpoint's for --checkpoint")
 
 
 def cmd_generate(args) -> int:
-    raise NotImplementedError
+    """Print the prompt and its continuation."""
+    from shardzoo.train import hf_io
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UserError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and "
+                        "0 < --top-p <= 1")
+    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype)
+    print(hf_io.generate_text(*loaded, args.prompt, mesh, rules, args.max_new_tokens,
+                              args.temperature, args.top_k, args.top_p, args.seed))
+    return 0
 
 
 # --------------------------------------------------------------------------- import-hf / export-hf
 def add_import_hf_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the HF interop work
+    p.add_argument("hf_dir", metavar="HF_DIR",
+                   help="config.json + model.safetensors (or an index of shards)")
+    p.add_argument("out", metavar="OUT_DIR",
+                   help="the shardzoo run dir to write (checkpoints/0, tokenizer/)")
+    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="unrolled layers_0, layers_1, ... instead of one scanned stack")
+    _add_sharding_args(p, "float32")
 
 
 def cmd_import_hf(args) -> int:
-    raise NotImplementedError
+    """Convert a Hugging Face model dir into a shardzoo run dir."""
+    from shardzoo.train import hf_io
+
+    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    meta = hf_io.import_hf(args.hf_dir, args.out, mesh, rules, args.dtype, args.scan_layers)
+    print(f"imported {meta['hf_model_type']} from {args.hf_dir} into {args.out}/checkpoints/0"
+          f"{' with its tokenizer' if meta['tokenizer_saved'] else ' (no tokenizer.json)'}")
+    return 0
 
 
 def add_export_hf_args(p: argparse.ArgumentParser) -> None:
-    pass  # filled by the HF interop work
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a shardzoo run or checkpoint dir")
+    p.add_argument("out", metavar="OUT_DIR", help="the Hugging Face model dir to write")
+    p.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB",
+                   help="safetensors shard size in GiB (default: 5)")
+    _add_sharding_args(p, "the checkpoint's param_dtype")
 
 
 def cmd_export_hf(args) -> int:
-    raise NotImplementedError
+    """Write a shardzoo checkpoint as an HF model dir (config.json, safetensors, tokenizer)."""
+    from shardzoo.train import hf_io
+
+    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
+                                int(args.max_shard_size * 2**30))
+    print(f"exported {hf_config['architectures'][0]} to {args.out}")
+    return 0
 
 
 # --------------------------------------------------------------------------- main

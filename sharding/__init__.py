@@ -11,6 +11,9 @@ from shardzoo.sharding.mesh import (
     parse_mesh_spec,
     resolve_mesh_shape,
 )
+
+# ``plan`` is the function; import the module's other names with ``from shardzoo.sharding.plan``.
+from shardzoo.sharding.plan import Plan, parse_device_memory, plan, planning_mesh
 from shardzoo.sharding.rules import (
     MESH_AXES,
     PRESETS,
@@ -20,22 +23,38 @@ from shardzoo.sharding.rules import (
     get_rules,
     list_presets,
 )
+from shardzoo.sharding.validate import (
+    ShardingValidationError,
+    ShardingValidationWarning,
+    check,
+    match_dims,
+    record_activations,
+)
 
 __all__ = [
     "MESH_AXES",
     "PRESETS",
     "MeshError",
+    "Plan",
     "RuleError",
     "Rules",
+    "ShardingValidationError",
+    "ShardingValidationWarning",
     "UserError",
     "axes",
+    "check",
     "describe_mesh",
     "format_rules",
     "get_rules",
     "list_presets",
     "make_abstract_mesh",
     "make_mesh",
+    "match_dims",
     "mesh_shape",
+    "parse_device_memory",
     "parse_mesh_spec",
+    "plan",
+    "planning_mesh",
+    "record_activations",
     "resolve_mesh_shape",
 ]

@@ -6,7 +6,7 @@ import contextlib
 
 import jax
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 
 def logical_specs(abstract_tree):
@@ -30,8 +30,16 @@ def replicated(mesh) -> NamedSharding:
 
 @contextlib.contextmanager
 def activate(mesh, rules):
-    """Set ``mesh`` and ``rules`` for tracing, so models' logical constraints take effect."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(tuple(rules)):
+    """Set ``mesh`` and ``rules`` for tracing, so models' logical constraints take effect.
+
+    An ``AbstractMesh`` (planning without devices) is set with ``use_abstract_mesh``, since
+    ``jax.set_mesh`` accepts only a concrete mesh.
+    """
+    if isinstance(mesh, AbstractMesh):
+        mesh_context = jax.sharding.use_abstract_mesh(mesh)
+    else:
+        mesh_context = jax.set_mesh(mesh)
+    with mesh_context, nn.logical_axis_rules(tuple(rules)):
         yield
 
 
@@ -43,6 +51,6 @@ def mesh_axes_of(logical_name: str, rules, mesh=None) -> tuple[str, ...]:
     (assigned,) = nn.logical_to_mesh_axes((logical_name,), tuple(rules))
     names = () if assigned is None else ((assigned,) if isinstance(assigned, str) else tuple(assigned))
     if mesh is not None:
-        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
         names = tuple(n for n in names if sizes.get(n, 1) > 1)
     return names

@@ -1,0 +1,105 @@
+"""A multilayer perceptron whose parameters and activations carry logical axis names.
+
+Hidden kernels alternate their names so no array names one axis twice and every kernel has
+both an ``embed`` and an ``mlp`` dimension (FSDP shards each along ``embed``, tensor
+parallelism along ``mlp``): layer 0 is (embed, mlp), layer 1 (mlp, embed), layer 2
+(embed, mlp), ... The input features are ``embed``; the head is (embed|mlp, vocab), where
+``vocab`` means output classes (or regression targets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from shardzoo.models import ModelError, register
+from shardzoo.sharding import axes as ax
+
+ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "silu": nn.silu, "tanh": jnp.tanh}
+TASKS = ("classification", "regression")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """An MLP: ``depth`` hidden layers of ``width`` features and a head of ``num_outputs``."""
+
+    in_features: int = 16
+    depth: int = 2
+    width: int = 32
+    num_outputs: int = 4  # classes (classification) or targets (regression)
+    activation: str = "relu"
+    dropout_rate: float = 0.0
+    task: str = "classification"
+    dtype: str = "float32"  # compute
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ModelError(f"MLPConfig.task={self.task!r}; expected one of {', '.join(TASKS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelError(
+                f"MLPConfig.activation={self.activation!r}; expected one of {', '.join(ACTIVATIONS)}"
+            )
+        for name in ("in_features", "depth", "width", "num_outputs"):
+            if getattr(self, name) < 1:
+                raise ModelError(f"MLPConfig.{name}={getattr(self, name)} must be at least 1")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ModelError(f"MLPConfig.dropout_rate={self.dropout_rate} must be in [0, 1)")
+
+    def build(self) -> MLP:
+        return MLP(self)
+
+    def sample_inputs(self, batch_size: int, seq_len: int | None = None):
+        """What ``init`` is called on: features [batch, embed]; ``seq_len`` is unused."""
+        return (jax.ShapeDtypeStruct((batch_size, self.in_features), jnp.float32),)
+
+
+def layer_axes(i: int) -> tuple[str, str]:
+    """Logical (in, out) names of hidden layer ``i``'s kernel."""
+    return (ax.EMBED, ax.MLP) if i % 2 == 0 else (ax.MLP, ax.EMBED)
+
+
+class MLP(nn.Module):
+    config: MLPConfig
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        """Features [batch, embed] to logits (or predictions) [batch, vocab]."""
+        cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        act = ACTIVATIONS[cfg.activation]
+        x = nn.with_logical_constraint(x.astype(dtype), (ax.BATCH, ax.EMBED))
+        out_axis = ax.EMBED
+        for i in range(cfg.depth):
+            in_axis, out_axis = layer_axes(i)
+            x = nn.Dense(
+                cfg.width,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.lecun_normal(), (in_axis, out_axis)
+                ),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)),
+                name=f"layers_{i}",
+            )(x)
+            x = nn.Dropout(cfg.dropout_rate)(act(x), deterministic=deterministic)
+            x = nn.with_logical_constraint(x, (ax.BATCH, out_axis))  # [batch, embed|mlp]
+        logits = nn.Dense(
+            cfg.num_outputs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.lecun_normal(), (out_axis, ax.VOCAB)
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
+            name="head",
+        )(x)
+        return nn.with_logical_constraint(logits, (ax.BATCH, ax.VOCAB))  # [batch, vocab]
+
+
+register("mlp-tiny", MLPConfig())
+register("mlp-tiny-regression", MLPConfig(task="regression", num_outputs=1))
+register("mlp-mnist", MLPConfig(in_features=784, depth=2, width=512, num_outputs=10))

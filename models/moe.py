@@ -1,0 +1,313 @@
+"""Mixture-of-Experts feed-forward layer (Switch / GShard / Mixtral), with pluggable dispatch.
+
+``MoeMLP`` replaces a Transformer block's MLP: a router picks ``num_experts_per_tok`` of
+``num_experts`` gated (SwiGLU) experts per token and sums their outputs, weighted by the
+router's probabilities. Three ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
+
+- ``capacity``: GShard einsum dispatch into fixed ``[expert, batch, capacity, embed]`` buffers.
+  The expert dimension is a logical axis, so rules mapping ``expert`` to a mesh axis (``ep``)
+  give expert parallelism, with XLA inserting the all-to-all. Tokens over capacity are dropped.
+- ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped. The
+  GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
+- ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
+  the mesh axes that the active rules give ``expert`` (asked from ``sharding.partition``).
+
+Groups and priority (``capacity`` and ``shard_map``): a group is one batch row. Each expert
+takes at most ``capacity = min(length, ceil(capacity_factor * length * k / num_experts))``
+assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
+order, then every top-2 choice in token order, and so on. A dropped assignment contributes 0
+to the layer's output; the block's residual add carries the token on.
+
+Router jitter (``router_jitter_noise > 0``, training only) multiplies the router's input by
+uniform noise in ``[1 - eps, 1 + eps]`` (Switch; the experts see the clean input) and draws
+from the ``"dropout"`` rng stream, which trainers pass already for dropout.
+
+Sown per call (one scalar each, so ``nn.scan`` stacks one per layer):
+``losses/moe_aux_loss`` = aux_loss_coef * load_balance + z_loss_coef * router_z_loss (already
+weighted: the trainer adds it to the loss), and ``metrics/{load_balance_loss, router_z_loss,
+dropped_fraction}`` (unweighted, for logging).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from shardzoo.sharding import axes as ax
+from shardzoo.sharding.errors import UserError
+from shardzoo.sharding.partition import mesh_axes_of
+
+DISPATCHES = ("capacity", "dropless", "shard_map")
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "gelu": functools.partial(nn.gelu, approximate=False),
+    "gelu_new": functools.partial(nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+    "relu": nn.relu,
+}
+
+
+class MoeError(UserError):
+    """A MoE setting the user gave cannot be honoured (a config value, the rules or the mesh)."""
+
+
+class ExpertAxisError(MoeError):
+    """``dispatch="shard_map"`` but the active rules put ``expert`` on no mesh axis of size > 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Settings of one MoE layer; the defaults are Mixtral-8x7B's."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    intermediate_size: int = 14336
+    hidden_act: str = "silu"  # gated: act(x @ wi_gate) * (x @ wi_up)
+    dispatch: str = "capacity"  # "capacity" | "dropless" | "shard_map"
+    capacity_factor: float = 1.25
+    router_jitter_noise: float = 0.0
+    norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    dtype: str = "float32"  # compute dtype of the experts; the router is always float32
+    param_dtype: str = "float32"
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        where = "MoeConfig"
+        if self.dispatch not in DISPATCHES:
+            raise MoeError(f"{where}: dispatch={self.dispatch!r}; choose one of {', '.join(DISPATCHES)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise MoeError(f"{where}: hidden_act={self.hidden_act!r}; known: {', '.join(ACTIVATIONS)}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise MoeError(
+                f"{where}: num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"1..num_experts={self.num_experts}"
+            )
+        if not self.capacity_factor > 0:
+            raise MoeError(f"{where}: capacity_factor={self.capacity_factor} must be > 0")
+        if not 0 <= self.router_jitter_noise < 1:
+            raise MoeError(f"{where}: router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
+
+    def capacity(self, group_size: int) -> int:
+        """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
+        k, e = self.num_experts_per_tok, self.num_experts
+        return max(1, min(group_size, math.ceil(self.capacity_factor * group_size * k / e)))
+
+
+def top_k(probs, k: int):
+    """``jax.lax.top_k`` over the last axis as k argmaxes (ties go to the lower index, as there).
+
+    XLA's TopK all-gathers a batch-sharded input (seen on CPU: the whole batch's router
+    probabilities on every device); argmax partitions along batch like any reduction.
+    """
+    num_experts, masked, idx = probs.shape[-1], probs, []
+    for _ in range(k):
+        idx.append(jnp.argmax(masked, axis=-1))
+        masked = jnp.where(jax.nn.one_hot(idx[-1], num_experts, dtype=bool), -jnp.inf, masked)
+    idx = jnp.stack(idx, axis=-1)
+    return jnp.take_along_axis(probs, idx, axis=-1), idx
+
+
+def router_losses(logits, probs, top_idx):
+    """(load_balance, z_loss) of router ``logits`` [..., expert] and its top-k choices.
+
+    load_balance = num_experts * sum_e f_e * P_e as HF Mixtral's ``load_balancing_loss_func``:
+    f_e = top-k assignments to e per token (summed over the k choices, so it equals k at
+    perfect balance), P_e = mean router probability of e. z_loss = mean logsumexp(logits)^2.
+    """
+    num_experts = logits.shape[-1]
+    f = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.float32).sum(-2)  # [..., expert]
+    f = f.reshape(-1, num_experts).mean(0)  # [expert]
+    p = probs.reshape(-1, num_experts).mean(0)  # [expert]
+    z = jax.nn.logsumexp(logits, axis=-1)
+    return num_experts * jnp.sum(f * p), jnp.mean(z**2)
+
+
+def capacity_masks(top_idx, top_p, num_experts: int, capacity: int):
+    """GShard dispatch and combine tensors with one group per batch row.
+
+    top_idx, top_p: [batch, length, k]. Returns dispatch (0/1) and combine (gate weights), both
+    [batch, length, expert, capacity], and the fraction of the batch*length*k assignments dropped.
+    """
+    b, length, k = top_idx.shape
+    mask = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.int32)  # [batch, length, k, expert]
+    # Priority order within a row: all top-1 choices in token order, then all top-2 choices, ...
+    by_choice = mask.transpose(0, 2, 1, 3).reshape(b, k * length, num_experts)  # [batch, k*length, expert]
+    filled = jnp.cumsum(by_choice, axis=1) * by_choice  # 1-based slot where assigned, else 0
+    filled = filled.reshape(b, k, length, num_experts).sum(1)  # [batch, length, expert]; <=1 choice per e
+    # one_hot of -1 (not chosen) or of >= capacity (over capacity) is all zeros: that drops it.
+    dispatch = jax.nn.one_hot(filled - 1, capacity, dtype=jnp.float32)  # [batch, length, expert, capacity]
+    gate = (mask * top_p[..., None]).sum(2)  # [batch, length, expert]
+    combine = dispatch * gate[..., None]
+    dropped = 1.0 - dispatch.sum() / (b * length * k)
+    return dispatch, combine, dropped
+
+
+def expert_ffn(xe, wi_gate, wi_up, wo, act, constrain: bool = True):
+    """Every expert's gated MLP on its own buffer: xe [expert, batch, capacity, embed].
+
+    ``constrain=False`` inside shard_map, where the mesh axes are manual.
+    """
+    h = act(jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)) * jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
+    if constrain:
+        h = nn.with_logical_constraint(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP))
+    return jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
+
+
+def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
+    """GShard einsum dispatch; sharding of the expert axis comes from the rules (XLA all-to-all)."""
+    # Buffers are filled where the tokens live (expert dim unsharded: None), then moved to their
+    # experts' owners: a change of sharding from batch to expert, which XLA does by all-to-all.
+    local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
+    buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
+    xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, batch, capacity, embed]
+    xe = nn.with_logical_constraint(nn.with_logical_constraint(xe, local), buffers)
+    ye = nn.with_logical_constraint(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
+    ye = nn.with_logical_constraint(ye, local)
+    return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
+
+
+def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
+    """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped."""
+    b, length, d = x.shape
+    k, num_experts = top_idx.shape[-1], wi_gate.shape[0]
+    flat = top_idx.reshape(-1)  # [batch*length*k]
+    order = jnp.argsort(flat, stable=True)
+    xs = x.reshape(-1, d)[order // k]  # [batch*length*k, embed], grouped by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
+    h = act(jax.lax.ragged_dot(xs, wi_gate, sizes)) * jax.lax.ragged_dot(xs, wi_up, sizes)
+    ys = jax.lax.ragged_dot(h, wo, sizes)  # [batch*length*k, embed]
+    ys = ys[jnp.argsort(order)].reshape(b, length, k, d)  # back to token order
+    return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
+
+
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if mesh is not None and mesh.axis_names else None
+
+
+def _axes_tuple(assigned) -> tuple[str, ...]:
+    return () if assigned is None else ((assigned,) if isinstance(assigned, str) else tuple(assigned))
+
+
+def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
+    """Explicit expert parallelism: shard_map over the mesh, all_to_all over the expert axes.
+
+    Rows of the batch are split over the batch's mesh axes plus the expert axes; each device
+    fills its rows' buffers for every expert, sends each expert's buffers to its owner, runs its
+    local experts on the buffers of all peers and sends the results back.
+    """
+    rules, mesh = nn.get_logical_axis_rules(), _context_mesh()
+    ep_axes = mesh_axes_of(ax.EXPERT, rules, mesh) if rules and mesh is not None else ()
+    if not ep_axes:
+        (assigned,) = nn.logical_to_mesh_axes((ax.EXPERT,), rules) if rules else (None,)
+        shown = "no mesh" if mesh is None else ",".join(f"{n}={s}" for n, s in mesh.shape.items())
+        raise ExpertAxisError(
+            f"MoE dispatch 'shard_map' needs the rules to put logical axis '{ax.EXPERT}' on a mesh "
+            f"axis of size > 1; the active rules put it on {assigned or 'no mesh axis'} ({shown}). "
+            "Use rules 'ep' with an 'expert=N' mesh, or dispatch 'capacity'."
+        )
+    sizes = dict(mesh.shape)
+    ep = math.prod(sizes[a] for a in ep_axes)
+    num_experts = wi_gate.shape[0]
+    if num_experts % ep:
+        raise MoeError(
+            f"num_experts={num_experts} is not divisible by the expert-parallel size {ep} "
+            f"(mesh axes {', '.join(f'{a}={sizes[a]}' for a in ep_axes)})"
+        )
+    (batch_axes,) = nn.logical_to_mesh_axes((ax.BATCH,), rules)
+    row_axes = tuple(a for a in _axes_tuple(batch_axes) if sizes[a] > 1 and a not in ep_axes)
+    row_axes += ep_axes
+    shards = math.prod(sizes[a] for a in row_axes)
+    if x.shape[0] % shards:
+        raise MoeError(
+            f"MoE dispatch 'shard_map': batch size {x.shape[0]} is not divisible by the "
+            f"{shards} devices along mesh axes {', '.join(row_axes)}"
+        )
+
+    def local(x, dispatch, combine, wi_gate, wi_up, wo):
+        # x [rows, length, embed]; dispatch, combine [rows, length, expert, capacity]
+        xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, rows, capacity, embed]
+        xe = jax.lax.all_to_all(xe, ep_axes, 0, 1, tiled=True)  # [local_expert, ep*rows, capacity, embed]
+        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, constrain=False)
+        ye = jax.lax.all_to_all(ye, ep_axes, 1, 0, tiled=True)  # [expert, rows, capacity, embed]
+        return jnp.einsum("blec,ebcd->bld", combine, ye)  # [rows, length, embed]
+
+    rows, experts = P(row_axes), P(ep_axes)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, experts, experts, experts),
+        out_specs=rows,
+    )(x, dispatch, combine, wi_gate, wi_up, wo)
+
+
+class MoeMLP(nn.Module):
+    """Top-k routed gated-MLP experts: x [batch, length, embed] -> [batch, length, embed]."""
+
+    config: MoeConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        cfg = self.config
+        _, length, embed = x.shape
+        num_experts, k, mlp = cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        init = nn.initializers.normal(cfg.initializer_range)
+        act = ACTIVATIONS[cfg.hidden_act]
+
+        # Router, in float32.
+        router_in = x.astype(jnp.float32)
+        if not deterministic and cfg.router_jitter_noise > 0:
+            eps = cfg.router_jitter_noise
+            noise = jax.random.uniform(self.make_rng("dropout"), x.shape, jnp.float32, 1 - eps, 1 + eps)
+            router_in = router_in * noise
+        logits = nn.Dense(
+            num_experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            kernel_init=nn.with_logical_partitioning(init, (ax.EMBED, ax.EXPERT)),
+            name="router",
+        )(router_in)  # [batch, length, expert]
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_p, top_idx = top_k(probs, k)  # [batch, length, k]
+        if cfg.norm_topk_prob:
+            top_p = top_p / top_p.sum(-1, keepdims=True)
+        load_balance, z_loss = router_losses(logits, probs, top_idx)
+
+        def expert_param(name, shape, names):
+            w = self.param(name, nn.with_logical_partitioning(init, names), shape, param_dtype)
+            return w.astype(dtype)
+
+        wi_gate = expert_param("wi_gate", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
+        wi_up = expert_param("wi_up", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
+        wo = expert_param("wo", (num_experts, mlp, embed), (ax.EXPERT, ax.MLP, ax.EMBED))
+        x = x.astype(dtype)
+
+        if cfg.dispatch == "dropless":
+            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act)
+            dropped = jnp.zeros((), jnp.float32)
+        else:
+            dispatch, combine, dropped = capacity_masks(top_idx, top_p, num_experts, cfg.capacity(length))
+            dispatch, combine = dispatch.astype(dtype), combine.astype(dtype)
+            # init runs the einsum path (same params, same output), so a shard_map layer can be
+            # initialised or shape-evaluated without a mesh (planning, checkpoint import).
+            explicit = cfg.dispatch == "shard_map" and not self.is_initializing()
+            route = shard_map_dispatch if explicit else capacity_dispatch
+            y = route(x, dispatch, combine, wi_gate, wi_up, wo, act)
+
+        aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
+        self.sow("losses", "moe_aux_loss", aux)
+        self.sow("metrics", "load_balance_loss", load_balance)
+        self.sow("metrics", "router_z_loss", z_loss)
+        self.sow("metrics", "dropped_fraction", dropped)
+        return nn.with_logical_constraint(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED))

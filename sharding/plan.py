@@ -1,0 +1,293 @@
+"""The sharding plan: where every parameter lives and what it costs per device.
+
+``plan(model, sample_inputs, rules, mesh)`` traces ``model.init`` with ``jax.eval_shape`` (no
+allocation), validates it (``validate.check``) and, for every parameter, gives its path, shape,
+dtype, logical axes, mesh spec, per-device shape and bytes, and which rule won (or lost) each
+dimension. Totals per device: parameters, gradients (as parameters), Adam state (mu and nu in
+float32: 8 bytes per parameter element held), an activation estimate (``activations.py``) and
+a verdict against a device's memory. Works on an ``AbstractMesh``, i.e. for a mesh larger than
+this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import textwrap
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, NamedSharding
+
+from shardzoo.sharding.activations import ActivationEstimate, estimate_activation_bytes
+from shardzoo.sharding.errors import UserError
+from shardzoo.sharding.mesh import make_abstract_mesh, make_mesh, mesh_shape, parse_mesh_spec
+from shardzoo.sharding.partition import activate
+from shardzoo.sharding.rules import Rules, get_rules
+from shardzoo.sharding.validate import (
+    Resolved,
+    check,
+    record_activations,
+    rule_problems,
+    rule_text,
+    usable_rules,
+)
+
+ADAM_BYTES_PER_ELEMENT = 8  # mu and nu, float32 each
+# Decimal gigabytes, as vendors state them.
+DEVICE_MEMORY = {"h100": 80e9, "h200": 141e9, "a100": 80e9, "v5p": 95e9, "v5e": 16e9, "v4": 32e9}
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_device_memory(text) -> tuple[str, int]:
+    """``"80GB"``, ``"16GiB"``, ``"1.5e9"`` or a device name (``h100``) to (label, bytes)."""
+    key = str(text).strip().lower()
+    if key in DEVICE_MEMORY:
+        return f"{key} ({DEVICE_MEMORY[key] / 1e9:g} GB)", int(DEVICE_MEMORY[key])
+    m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?", key)
+    if not m:
+        raise UserError(
+            f"device memory {text!r}: expected a size like 80GB or 16GiB, "
+            f"or one of {', '.join(DEVICE_MEMORY)}"
+        )
+    return str(text).strip(), int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def planning_mesh(spec):
+    """A real mesh when the spec fits the local devices (or has a -1), else an ``AbstractMesh``."""
+    sizes = parse_mesh_spec(spec)
+    if -1 in sizes.values() or math.prod(sizes.values()) == jax.device_count():
+        return make_mesh(spec)
+    return make_abstract_mesh(spec)
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One array of the plan: its assignment (``array``), per-device shape and bytes."""
+
+    array: Resolved
+    shard_shape: tuple[int, ...]
+    bytes: int  # the whole array
+    bytes_per_device: int
+
+    def to_dict(self, rules) -> dict:
+        a = self.array
+        return {
+            "path": a.path, "shape": list(a.shape), "dtype": a.dtype, "logical": list(a.names),
+            "spec": [list(d.mesh_axes) or None for d in a.dims],
+            "shard_shape": list(self.shard_shape), "bytes": self.bytes,
+            "bytes_per_device": self.bytes_per_device,
+            "dims": [d.to_dict(rules) for d in a.dims],
+        }
+
+
+def _row(array: Resolved, mesh) -> Row:
+    shard = NamedSharding(mesh, array.spec).shard_shape(array.shape)
+    itemsize = jnp.dtype(array.dtype).itemsize
+    return Row(array, tuple(shard), math.prod(array.shape) * itemsize, math.prod(shard) * itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-array placements and per-device totals; ``format()`` for people, ``to_json()`` for tools."""
+
+    model: str
+    mesh: dict
+    abstract_mesh: bool
+    rules: Rules
+    params: tuple[Row, ...]
+    activations: tuple[Row, ...]  # logical constraints seen while tracing (not a memory total)
+    totals: dict  # per device: params, gradients, optimizer, activations (estimate), total
+    activation_estimate: ActivationEstimate | None
+    device_memory: tuple[str, int] | None
+    problems: tuple[str, ...]  # non-strict mode's warnings
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.totals["total"] <= self.device_memory[1]
+
+    def losers(self):
+        """(path, dim index, DimMatch) for every dim where a rule lost because its mesh axis was taken."""
+        return [
+            (row.array.path, i, d)
+            for row in self.params + self.activations
+            for i, d in enumerate(row.array.dims)
+            if d.losers
+        ]
+
+    def to_dict(self) -> dict:
+        est = self.activation_estimate
+        return {
+            "model": self.model,
+            "mesh": self.mesh,
+            "num_devices": math.prod(self.mesh.values()),
+            "abstract_mesh": self.abstract_mesh,
+            "rules": {"name": self.rules.name, "table": [[n, m] for n, m in self.rules]},
+            "params": [r.to_dict(self.rules) for r in self.params],
+            "activations": [r.to_dict(self.rules) for r in self.activations],
+            "totals": self.totals,
+            "activation_estimate": None if est is None else dataclasses.asdict(est),
+            "device_memory": None if self.device_memory is None else {
+                "device": self.device_memory[0], "bytes": self.device_memory[1], "fits": self.fits,
+                "fraction": self.totals["total"] / self.device_memory[1],
+            },
+            "problems": list(self.problems),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format(self) -> str:
+        """A table for people: one line per array, the rule decisions, then the totals."""
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        kind = "abstract mesh, no devices" if self.abstract_mesh else "local devices"
+        out = [f"plan for {self.model}: rules {self.rules.name!r} on mesh {mesh} "
+               f"({math.prod(self.mesh.values())} devices, {kind})"]
+        out += textwrap.wrap("  ".join(rule_text(self.rules, i) for i in range(len(self.rules))),
+                             width=100, initial_indent="rules: ", subsequent_indent="       ")
+        out.append("")
+        sections = (("parameters", self.params), ("activations (logical constraints)", self.activations))
+        for title, rows in sections:
+            if not rows:
+                continue
+            table = [(r.array.path, str(r.array.shape), r.array.dtype, _dims_text(r.array),
+                      str(r.shard_shape), format_bytes(r.bytes_per_device)) for r in rows]
+            head = ("path", "shape", "dtype", "logical->mesh (rule)", "per device", "bytes/device")
+            widths = [max(len(x[i]) for x in table + [head]) for i in range(len(head))]
+            out.append(title)
+            for line in [head] + table:
+                cells = (c.ljust(w) for c, w in zip(line, widths, strict=True))
+                out.append(("  " + "  ".join(cells)).rstrip())
+            out.append("")
+        losers = self.losers()
+        if losers:
+            out.append("rules that lost because their mesh axes were taken")
+            for path, i, d in losers:
+                lost = "; ".join(
+                    f"{rule_text(self.rules, lo.rule)} ({','.join(lo.taken)} taken)" for lo in d.losers
+                )
+                out.append(f"  {path} dim {i} ({d.logical}): {lost}")
+            out.append("")
+        t, est = self.totals, self.activation_estimate
+        lines = [
+            ("parameters", t["params"]),
+            ("gradients", t["gradients"]),
+            ("optimizer (adam mu+nu, float32)", t["optimizer"]),
+            ("activations (estimate)", t["activations"]),
+            ("total", t["total"]),
+        ]
+        width = max(len(k) for k, _ in lines)
+        out.append(f"per device ({t['param_count']:,} parameters in all)")
+        out += [f"  {k.ljust(width)}  {format_bytes(v)}" for k, v in lines]
+        if est is not None:
+            out.append(f"  activation estimate: remat {est.policy}: {est.formula}")
+        if self.device_memory is not None:
+            label, cap = self.device_memory
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            share = f"{100 * t['total'] / cap:.1f}% of {format_bytes(cap)}"
+            out.append(f"  device {label}: {verdict} ({share})")
+        for p in self.problems:
+            out.append(f"warning: {p}")
+        return "\n".join(out)
+
+
+def _dims_text(array: Resolved) -> str:
+    parts = []
+    for d in array.dims:
+        axes = "+".join(d.mesh_axes) or "-"
+        if d.dropped:
+            axes += f"(not {'+'.join(d.dropped)}: indivisible)"
+        rule = "" if d.winner is None else f" #{d.winner}"
+        parts.append(f"{d.logical}:{axes}{rule}")
+    return " ".join(parts)
+
+
+def _as_structs(inputs) -> tuple:
+    """Sample inputs as ShapeDtypeStructs; a plain shape (tuple of ints) means float32."""
+    if isinstance(inputs, Sequence) and inputs and all(isinstance(i, int) for i in inputs):
+        inputs = (tuple(inputs),)
+    out = []
+    for x in inputs:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+        else:
+            out.append(jax.ShapeDtypeStruct(tuple(x), jnp.float32))
+    return tuple(out)
+
+
+def abstract_init(module, sample_inputs, rules, mesh):
+    """``(boxed {"params": ...}, activation records)`` from ``jax.eval_shape`` of ``module.init``.
+
+    Constraints are recorded, not applied, so a bad rule shows up as a report, not a crash.
+    """
+    inputs = _as_structs(sample_inputs)
+
+    def init(key, *args):
+        rngs = {"params": key, "dropout": key, "jitter": key}
+        return module.init(rngs, *args, deterministic=True)
+
+    with activate(mesh, rules), record_activations(apply=False) as sites:
+        variables = jax.eval_shape(init, jax.random.key(0), *inputs)
+    return {"params": variables["params"]}, list(sites)
+
+
+def plan(model, sample_inputs_or_shapes, rules, mesh, *, config=None, strict=True,
+         device_memory=None, name=None) -> Plan:
+    """The sharding plan of ``model`` (a flax module, or a config with ``build()``).
+
+    ``mesh``: a Mesh, an AbstractMesh or a spec (``"fsdp=32,tensor=8"``; see ``planning_mesh``).
+    ``config`` (default: ``model`` when it is a config) enables the activation estimate, read
+    with the batch size and sequence length of the first sample input. ``device_memory``: bytes,
+    ``"80GB"`` or a device name. ``strict=False`` turns validation errors into warnings.
+    """
+    if hasattr(model, "build") and not hasattr(model, "init"):
+        config, model = config or model, model.build()
+    rules = get_rules(rules)
+    mesh = planning_mesh(mesh) if isinstance(mesh, str | dict) else mesh
+    trace_rules = usable_rules(rules, mesh) if rule_problems(rules, mesh) else rules
+    boxed, sites = abstract_init(model, sample_inputs_or_shapes, trace_rules, mesh)
+    report = check(boxed, rules, mesh, activations=sites, strict=strict)
+    params = tuple(_row(a, mesh) for a in report.params)
+    acts = tuple(_row(a, mesh) for a in report.activations)
+    elements = sum(math.prod(r.shard_shape) for r in params)
+    totals = {
+        "param_count": sum(math.prod(r.array.shape) for r in params),
+        "params": sum(r.bytes_per_device for r in params),
+        "gradients": sum(r.bytes_per_device for r in params),
+        "optimizer": ADAM_BYTES_PER_ELEMENT * elements,
+    }
+    est = None
+    if config is not None:
+        shape = _as_structs(sample_inputs_or_shapes)[0].shape
+        seq_len = shape[1] if len(shape) > 1 else None
+        est = estimate_activation_bytes(config, shape[0], seq_len, report.rules, mesh)
+    totals["activations"] = None if est is None else est.bytes
+    totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
+                       + (totals["activations"] or 0))
+    if device_memory is not None and not isinstance(device_memory, tuple):
+        device_memory = parse_device_memory(device_memory)
+    return Plan(
+        model=name or type(model).__name__,
+        mesh=mesh_shape(mesh),
+        abstract_mesh=isinstance(mesh, AbstractMesh),
+        rules=rules,
+        params=params,
+        activations=acts,
+        totals=totals,
+        activation_estimate=est,
+        device_memory=device_memory,
+        problems=tuple(p.message for p in report.problems),
+    )

@@ -1,0 +1,115 @@
+"""``shardzoo plan`` on the command line: table, JSON, --compile, and one-line errors (status 2)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shardzoo.cli import main
+
+TINY = ["plan", "--model", "mlp-tiny"]
+
+
+def _run(capsys, *argv):
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_table(capsys):
+    status, out, err = _run(capsys, *TINY, "--rules", "fsdp", "--mesh", "fsdp=8",
+                            "--device-memory", "v5e")
+    assert status == 0 and err == ""
+    assert "plan for mlp-tiny: rules 'fsdp' on mesh data=1,fsdp=8" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("params/layers_0/kernel"))
+    assert "(16, 32)" in line and "embed:fsdp #1" in line and "(2, 32)" in line
+    assert "device v5e (16 GB): fits" in out
+
+
+def test_json_with_overrides_and_a_256_device_mesh(capsys):
+    status, out, _ = _run(capsys, *TINY, "--override", "width=64", "--override", "num_outputs=8",
+                          "--override", "in_features=64",
+                          "--rules", "fsdp_tp", "--mesh", "fsdp=32,tensor=8",
+                          "--batch-size", "256", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["abstract_mesh"] and data["num_devices"] == 256 and data["batch_size"] == 256
+    rows = {r["path"]: r for r in data["params"]}
+    assert rows["params/layers_1/kernel"]["shape"] == [64, 64]
+    assert rows["params/layers_1/kernel"]["shard_shape"] == [8, 2]  # (mlp/8, embed/32)
+    assert data["totals"]["params"] == sum(r["bytes_per_device"] for r in data["params"])
+    assert data["compile"] is None
+
+
+def test_compile_reports_memory_and_collectives(capsys):
+    status, out, _ = _run(capsys, *TINY, "--rules", "fsdp", "--mesh", "fsdp=8", "--compile", "--json")
+    assert status == 0
+    data = json.loads(out)
+    memory = data["compile"]["memory"]
+    assert memory["total"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    # Parameters are gathered for the forward pass under fsdp; the batch is a few bytes.
+    assert data["compile"]["collectives"]["all-gather"] > 0
+    assert memory["argument"] - data["compile"]["batch_bytes"] >= data["totals"]["params"]
+    status, out, _ = _run(capsys, *TINY, "--rules", "dp", "--mesh", "data=8", "--compile")
+    assert status == 0 and "compiled train step" in out and "arguments" in out
+    collectives = dict(re.findall(r"([a-z-]+) (\d+)", out.split("collectives: ")[1]))
+    assert collectives["all-gather"] == "0" and int(collectives["all-reduce"]) > 0
+
+
+def test_compile_refuses_a_mesh_larger_than_the_machine(capsys):
+    status, _, err = _run(capsys, *TINY, "--rules", "dp", "--mesh", "data=16", "--compile")
+    assert status == 2 and "--compile needs the mesh's 16 devices" in err
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--rules", "zero9", "--mesh", "fsdp=8"], ["unknown rule preset 'zero9'"]),
+        (["--rules", "fsdp", "--mesh", "fsdp=eight"], ["mesh spec", "'eight'"]),
+        (["--rules", "fsdp", "--mesh", "fsdp=2,model=4"], ["unknown mesh axis 'model'"]),
+        (["--rules", "tp", "--mesh", "tensor=8"], ["size 4 is not divisible", "(and 2 more)"]),
+        (["--rules", "fsdp", "--mesh", "fsdp=8", "--override", "width=x"], ["width"]),
+        (["--rules", "fsdp", "--mesh", "fsdp=8", "--device-memory", "big"], ["'big'"]),
+    ],
+)
+def test_user_errors_are_one_line_with_status_2(capsys, args, words):
+    status, out, err = _run(capsys, *TINY, *args)
+    assert status == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("shardzoo plan: error: ")
+    for w in words:
+        assert w in err
+
+
+def test_rule_file_with_an_unknown_mesh_axis(capsys, tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("base: tp\nrules:\n  - [embed, fsdpp]\n")
+    status, _, err = _run(capsys, *TINY, "--rules", str(path), "--mesh", "data=8")
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "'fsdpp'" in err and "typo.yaml" in err
+    status, out, _ = _run(capsys, *TINY, "--rules", str(path), "--mesh", "data=8", "--non-strict")
+    assert status == 0 and "warning: rule table" in out
+
+
+def test_entry_point_in_a_subprocess(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one local device: the 64-device mesh is planned abstractly
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardzoo", *TINY, "--override", "in_features=32",
+         "--rules", "fsdp", "--mesh", "data=2,fsdp=32",
+         "--batch-size", "64", "--json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["abstract_mesh"] and data["mesh"]["fsdp"] == 32
+    kernel = next(r for r in data["params"] if r["path"] == "params/layers_0/kernel")
+    assert kernel["shard_shape"] == [1, 32]  # (embed 32 over fsdp=32, mlp)
+
+
+def test_missing_flag_is_argparse_status_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--rules", "fsdp"])
+    assert e.value.code == 2 and "--mesh" in capsys.readouterr().err
