@@ -7,6 +7,7 @@ import math
 
 import jax
 import numpy as np
+
 from shardzoo.data.errors import DataError
 from shardzoo.data.packing import (
     Rows,

@@ -18,6 +18,7 @@ import glob
 import os
 
 import datasets
+
 from shardzoo.data.corpus import stdlib_corpus
 from shardzoo.data.errors import DataError
 

@@ -11,6 +11,7 @@ import json
 import os
 
 import numpy as np
+
 from shardzoo.data.errors import DataError
 
 BYTE_SPEC = "byte"

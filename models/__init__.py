@@ -69,6 +69,11 @@ def _coerce(value, tp, key: str, where: str):
         origin = typing.get_origin(tp)
     if tp is str:
         return value
+    if tp is float:  # YAML 1.1 reads "1e-6" as a string; Python's float does not
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is float and isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
         return float(parsed)
     if tp is int and isinstance(parsed, int) and not isinstance(parsed, bool):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from shardzoo.data import DataConfig, DataError, load_tokenizer, make_datasets
 from shardzoo.sharding.errors import UserError
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
 from shardzoo.data import DataConfig, DataError, load_tokenizer, make_datasets
 from shardzoo.sharding import get_rules, make_mesh
 

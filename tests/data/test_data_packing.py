@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+
 from shardzoo.data import DataConfig, DataError, load_tokenizer, make_datasets
 
 SEQ, BATCH = 16, 4

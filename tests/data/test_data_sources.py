@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from shardzoo.data import DataConfig, load_source, load_tokenizer, make_datasets
 from shardzoo.data.corpus import stdlib_files
 from shardzoo.data.sources import parse_hub_spec

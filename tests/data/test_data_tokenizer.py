@@ -4,8 +4,9 @@ import json
 
 import numpy as np
 import pytest
-from shardzoo.data import ByteTokenizer, DataConfig, DataError, load_tokenizer, make_datasets
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shardzoo.data import ByteTokenizer, DataConfig, DataError, load_tokenizer, make_datasets
 
 TEXTS = ["hello world, the quick brown fox", "jumps over the lazy dog", "grüße — ünïcode ✓"]
 

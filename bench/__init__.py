@@ -1,0 +1,1 @@
+"""shardzoo's benchmark suite (not part of the installed package): ``python -m bench``."""

@@ -1,0 +1,177 @@
+"""Train-step throughput of shardzoo's Llama against Hugging Face transformers, on one CPU device.
+
+Interleaved A/B rounds in one process (JAX step, then torch step, repeated), medians and their
+ratio; the matmul peak (jnp.dot 2048x2048 float32) measured in the same process; model FLOP/s
+as a fraction of it; and the compile time of the scanned train step at 2 vs 32 layers.
+Prints a markdown section (redirect it to bench/results/transformer.md).
+
+    python bench/bench_transformer.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+from shardzoo.models.transformer import TransformerConfig  # noqa: E402
+
+CONFIG = TransformerConfig(
+    vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+    tie_word_embeddings=False, rms_norm_eps=1e-5,
+)
+BATCH, LENGTH, LR = 8, 256, 1e-4
+
+
+def jax_train_step(config: TransformerConfig):
+    """(step, init): a jitted adamw train step on next-token cross-entropy, and a state init."""
+    module = config.build()
+    tx = optax.adamw(LR)
+
+    def init(key):
+        params = nn.unbox(module.init(key, jnp.zeros((1, LENGTH), jnp.int32))["params"])
+        return params, tx.init(params)
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = module.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), init
+
+
+def torch_train_step(config: TransformerConfig):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=False,
+        rms_norm_eps=config.rms_norm_eps,
+    )
+    model = LlamaForCausalLM(hf).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(tokens):
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step, torch.from_numpy
+
+
+def matmul_peak(reps: int = 10) -> float:
+    """FLOP/s of a jitted float32 2048x2048 jnp.dot (median of ``reps``)."""
+    n = 2048
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def compile_seconds(layers: int) -> float:
+    """Lower + compile of the scanned train step at ``layers`` layers (abstract inputs)."""
+    config = dataclasses.replace(CONFIG, num_hidden_layers=layers)
+    step, init = jax_train_step(config)
+    params, opt_state = jax.eval_shape(init, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH + 1), jnp.int32)
+    t = time.perf_counter()
+    step.lower(params, opt_state, tokens).compile()
+    return time.perf_counter() - t
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    tokens_np = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (BATCH, LENGTH + 1))
+    step, init = jax_train_step(CONFIG)
+    params, opt_state = jax.jit(init)(jax.random.key(0))
+    tokens = jnp.asarray(tokens_np, jnp.int32)
+    torch_step, to_torch = torch_train_step(CONFIG)
+    tokens_t = to_torch(tokens_np.astype(np.int64))
+
+    # warm-up (compiles the JAX step)
+    params, opt_state, loss = step(params, opt_state, tokens)
+    loss.block_until_ready()
+    torch_step(tokens_t)
+
+    jax_times, torch_times = [], []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, tokens)
+        loss.block_until_ready()
+        jax_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch_step(tokens_t)
+        torch_times.append(time.perf_counter() - t)
+
+    peak = matmul_peak()
+    compile_2, compile_32 = compile_seconds(2), compile_seconds(32)
+
+    tokens_per_step = BATCH * LENGTH
+    jax_s, torch_s = statistics.median(jax_times), statistics.median(torch_times)
+    flops_per_step = CONFIG.flops_per_token(LENGTH) * tokens_per_step
+    model_flops = flops_per_step / jax_s
+    torch_flops = flops_per_step / torch_s
+
+    import torch
+    import transformers
+
+    print("## Transformer train step (CPU, one device)\n")
+    print(f"Llama: hidden {CONFIG.hidden_size}, intermediate {CONFIG.intermediate_size}, "
+          f"{CONFIG.num_hidden_layers} layers, {CONFIG.num_attention_heads} heads / "
+          f"{CONFIG.num_key_value_heads} kv heads, vocab {CONFIG.vocab_size}, untied, "
+          f"{CONFIG.num_params() / 1e6:.1f}M params; batch {BATCH} x length {LENGTH}, float32, AdamW, "
+          f"scanned layers, remat none. {args.rounds} interleaved rounds after one warm-up each; medians.\n")
+    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"load average at the end {os.getloadavg()[0]:.1f}; jax {jax.__version__}, "
+          f"torch {torch.__version__} (2 threads), transformers {transformers.__version__}.\n")
+    print("| | step (s) | tokens/s | model FLOP/s | of matmul peak |")
+    print("|---|---|---|---|---|")
+    print(f"| shardzoo (JAX) | {jax_s:.3f} | {tokens_per_step / jax_s:,.0f} | "
+          f"{model_flops / 1e9:.1f} G | {model_flops / peak:.0%} |")
+    print(f"| HF LlamaForCausalLM (torch) | {torch_s:.3f} | {tokens_per_step / torch_s:,.0f} | "
+          f"{torch_flops / 1e9:.1f} G | {torch_flops / peak:.0%} |")
+    print(f"\n- Speed-up over HF: **{torch_s / jax_s:.2f}x** (goal >= 1.2x); "
+          f"JAX step times {', '.join(f'{t:.2f}' for t in jax_times)} s, "
+          f"torch {', '.join(f'{t:.2f}' for t in torch_times)} s.")
+    print(f"- Matmul peak (jnp.dot 2048x2048 float32): {peak / 1e9:.1f} GFLOP/s; model FLOP/s "
+          f"{model_flops / peak:.0%} of it (goal >= 40%). FLOPs/token {CONFIG.flops_per_token(LENGTH) / 1e6:.1f}M "
+          f"(6 x matmul params + causal attention, MaxText's formula).")
+    print(f"- Compile (lower + compile) of the scanned train step: {compile_2:.1f} s at 2 layers, "
+          f"{compile_32:.1f} s at 32 layers: **{compile_32 / compile_2:.2f}x** (goal <= 1.5x).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Model FLOPs utilization of a ~1B Llama training step on one GPU (bf16, cuDNN attention).
+
+llama3.2-1b (16 layers, hidden 2048, GQA 32/8 heads of 64, SwiGLU 8192, vocab 128256, tied
+embeddings) with bfloat16 compute and float32 parameters, one adamw step per call, jitted on
+one device. The first (batch, seq, remat) candidate whose compiled step fits the device's memory
+(XLA's ``memory_analysis``) is timed: warm-up steps, then ``--steps`` timed steps.
+
+MFU follows MaxText (``calculate_tflops_training_per_device``), as ``TransformerConfig.
+flops_per_token`` computes it: 6 x the matmul parameters per token (q, k, v, o, the gated MLP's
+three matrices per layer, the vocab projection) plus the causal attention term
+(12 * layers * heads * head_dim * seq/2 per token), over the measured step time, against the
+dense bf16 peak (989 TFLOP/s for H100/H200 SXM). Remat recomputation is not counted (it is
+not model work). The model is called without segment ids (one document per row), so cuDNN
+sees a plain causal mask.
+
+    python bench/gpu_mfu.py                 # on a GPU; a few minutes including compilation
+    python bench/gpu_mfu.py --tiny          # on CPU: a tiny config through the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # GPU: let the step use the HBM
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from shardzoo.models import get_model  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
+# (batch, seq_len, remat_policy), fastest first; the first that fits is timed.
+CANDIDATES = ((8, 4096, "none"), (8, 4096, "save_attn_mlp"), (8, 4096, "full"), (4, 4096, "full"))
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512)
+
+
+def make_step(module, tx):
+    """``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``: mean token CE."""
+
+    def loss_fn(params, inputs, targets):
+        logits, _ = module.apply({"params": params}, inputs, deterministic=True,
+                                 mutable=["losses", "metrics"])  # [batch, length, vocab]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        return jnp.mean(ce)
+
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def si(x: float) -> str:
+    """1.23 T, 45.6 G, 789 M: FLOP counts readable at any scale."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} "
+
+
+def device_bytes_limit(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("bytes_limit")
+
+
+def init_state(overrides: dict, tx):
+    """Params and adamw state, made once on the device (remat, batch and the attention kernel do
+    not change them; init runs XLA attention on a short dummy row)."""
+    module, _ = get_model("llama3.2-1b", **{**overrides, "attention_impl": "xla"})
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = jax.jit(lambda k: module.init(k, tokens, deterministic=True)["params"])(jax.random.key(0))
+    return params, jax.jit(tx.init)(params)
+
+
+def compile_candidate(overrides: dict, tx, params, opt_state, batch: int, seq_len: int, remat: str):
+    """``(config, compiled step, inputs, targets, bytes the step needs)`` for one candidate."""
+    module, config = get_model("llama3.2-1b", **overrides, remat_policy=remat)
+    inputs = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, config.vocab_size, jnp.int32)
+    targets = jnp.roll(inputs, -1, axis=1)
+    step = jax.jit(make_step(module, tx), donate_argnums=(0, 1))
+    compiled = step.lower(params, opt_state, inputs, targets).compile()
+    stats = compiled.memory_analysis()
+    used = None
+    if stats is not None:
+        used = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+                - stats.alias_size_in_bytes)
+    return config, compiled, inputs, targets, used
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny config, batch 2 x 64, 1+2 steps, XLA attention: exercises the code on CPU")
+    parser.add_argument("--batch", type=int, help="fix the batch (default: try the candidates)")
+    parser.add_argument("--seq-len", type=int, help="fix the sequence length")
+    parser.add_argument("--remat", help="fix the remat policy (none, save_attn_mlp, full, ...)")
+    parser.add_argument("--attention", default=None, help="attention_impl (default: cudnn; xla with --tiny)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak (default: by device kind; 989 with --tiny)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                        help="memory a step may use (default: the device's allocator limit)")
+    parser.add_argument("--out", default=None, help="markdown file to write (default: bench/results/gpu_mfu[_tiny].md)")
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    overrides = dict(dtype="bfloat16", param_dtype="float32",
+                     attention_impl=args.attention or ("xla" if args.tiny else "cudnn"))
+    if args.tiny:
+        overrides.update(TINY)
+        candidates = [(2, 64, "none")]
+    else:
+        candidates = list(CANDIDATES)
+    if args.batch or args.seq_len or args.remat:
+        b, s, r = candidates[0]
+        candidates = [(args.batch or b, args.seq_len or s, args.remat or r)]
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), None)
+    if peak is None and args.tiny:
+        peak = PEAK_BF16_TFLOPS["H200"]
+    limit = args.device_memory * 1e9 if args.device_memory else device_bytes_limit(device)
+    tx = optax.adamw(1e-4, weight_decay=0.1)
+    params, opt_state = init_state(overrides, tx)
+
+    chosen = None
+    for batch, seq_len, remat in candidates:
+        t0 = time.perf_counter()
+        try:
+            config, compiled, inputs, targets, used = compile_candidate(
+                overrides, tx, params, opt_state, batch, seq_len, remat)
+        except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: next one
+            print(f"batch {batch} x {seq_len}, remat {remat}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+            continue
+        fits = limit is None or used is None or used <= limit
+        print(f"batch {batch} x {seq_len}, remat {remat}: compiled in {time.perf_counter() - t0:.1f}s, "
+              f"{'?' if used is None else f'{used / 1e9:.1f} GB'} of "
+              f"{'?' if limit is None else f'{limit / 1e9:.1f} GB'}", file=sys.stderr, flush=True)
+        if fits:
+            chosen = (batch, seq_len, remat, config, compiled)
+            break
+        del compiled
+    if chosen is None:
+        print("no candidate fits this device", file=sys.stderr)
+        return 1
+    batch, seq_len, remat, config, compiled = chosen
+
+    for _ in range(warmup):
+        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+    loss.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+    loss.block_until_ready()
+    step_s = (time.perf_counter() - start) / steps
+    if not bool(jnp.isfinite(loss)):
+        print(f"non-finite loss {float(loss)}", file=sys.stderr)
+        return 1
+
+    flops = config.flops_per_token(seq_len) * batch * seq_len  # MaxText's accounting
+    mfu = f"{100 * flops / step_s / (peak * 1e12):.3g}%" if peak else "n/a (unknown peak)"
+    params_count = sum(x.size for x in jax.tree.leaves(params))
+    label = "llama3.2-1b (tiny config, code-path check)" if args.tiny else "llama3.2-1b"
+    header = ("| model | device | params | batch x seq | attention | remat | step ms | tokens/s | "
+              "model FLOP/s | MFU |\n|---|---|---:|---|---|---|---:|---:|---:|---:|")
+    line = (f"| {label} | {kind} | {si(params_count)} | {batch} x {seq_len} | "
+            f"{overrides['attention_impl']} | {remat} | {step_s * 1e3:.1f} | {batch * seq_len / step_s:,.0f} | "
+            f"{si(flops / step_s)} | {mfu} |")
+    notes = (f"bf16 compute, float32 params, adamw; {warmup} warm-up + {steps} timed steps; "
+             f"model FLOP per step {si(flops)} (`TransformerConfig.flops_per_token`: 6 x matmul "
+             f"params + causal attention)"
+             + f"; peak {peak or '?'} TFLOP/s; jax {jax.__version__}.")
+    print(header)
+    print(line)
+    print(notes)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   "gpu_mfu_tiny.md" if args.tiny else "gpu_mfu.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(f"`python bench/gpu_mfu.py{' --tiny' if args.tiny else ''}`\n\n{header}\n{line}\n\n{notes}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Pieces the model families share: norms, embeddings, rotary positions, attention, MLPs.
+
+Modules take the family's config (fields named as ``TransformerConfig``'s, i.e. Hugging Face's).
+Every parameter names every dimension with the logical vocabulary of ``sharding.axes``; the
+modules never name a mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from shardzoo.sharding import axes as ax
+
+
+def dtype_of(name) -> jnp.dtype:
+    """``"bfloat16"`` (or a dtype) to a jnp dtype."""
+    return jnp.dtype(name)
+
+
+def constrain(x, axes):
+    """Constrain an activation's sharding by logical names (a no-op outside a mesh)."""
+    return nn.with_logical_constraint(x, axes)
+
+
+def _normal(config):
+    return nn.initializers.normal(stddev=config.initializer_range)
+
+
+# ---------------------------------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Llama), computed in float32 like Hugging Face's."""
+
+    eps: float = 1e-6
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
+            (x.shape[-1],), dtype_of(self.param_dtype),
+        )
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(dtype_of(self.dtype))
+
+
+class LayerNorm(nn.Module):
+    """Layer norm with scale and bias (GPT-2), computed in float32."""
+
+    eps: float = 1e-5
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        shape, pdt = (x.shape[-1],), dtype_of(self.param_dtype)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)), shape, pdt)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)), shape, pdt)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale + bias).astype(dtype_of(self.dtype))
+
+
+def make_norm(config, name: str) -> nn.Module:
+    """The config's norm (``norm_type`` "rmsnorm" or "layernorm") as a named submodule."""
+    cls = RMSNorm if config.norm_type == "rmsnorm" else LayerNorm
+    return cls(config.rms_norm_eps, config.dtype, config.param_dtype, name=name)
+
+
+# ------------------------------------------------------------------------------- linear, embed
+class Linear(nn.Module):
+    """``y = x · kernel (+ bias)``; the kernel is (inputs..., features...) with named axes.
+
+    ``axes`` names the kernel's dimensions; its last ``len(features)`` are the outputs, the rest
+    contract with the last dimensions of ``x``. (Not ``nn.DenseGeneral``: see JAX_NOTES.)
+    """
+
+    features: tuple[int, ...]
+    axes: tuple[str, ...]
+    use_bias: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x):
+        n_in = len(self.axes) - len(self.features)
+        shape = tuple(x.shape[x.ndim - n_in:]) + tuple(self.features)
+        init = nn.initializers.normal(stddev=self.init_std)
+        pdt, dt = dtype_of(self.param_dtype), dtype_of(self.dtype)
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape, pdt)
+        y = jnp.tensordot(x.astype(dt), kernel.astype(dt), axes=n_in)
+        if self.use_bias:
+            bias_axes = self.axes[n_in:]
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
+                tuple(self.features), pdt,
+            )
+            y = y + bias.astype(dt)
+        return y
+
+
+class Embed(nn.Module):
+    """A lookup table (rows, embed); ``attend`` gives logits against it (tied output head)."""
+
+    num_embeddings: int
+    features: int
+    row_axis: str = ax.VOCAB
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (self.row_axis, ax.EMBED)),
+            (self.num_embeddings, self.features), dtype_of(self.param_dtype),
+        )
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding, ids, axis=0).astype(dtype_of(self.dtype))
+
+    def attend(self, x):
+        dt = dtype_of(self.dtype)
+        return jnp.einsum("ble,ve->blv", x.astype(dt), self.embedding.astype(dt))
+
+
+# ----------------------------------------------------------------------------------- rotary
+def rope_inv_freq(config) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
+
+    Handles ``partial_rotary_factor`` and ``rope_scaling`` types default, linear and llama3
+    (the latter exactly as ``transformers.modeling_rope_utils._compute_llama3_parameters``).
+    """
+    dim = int(config.head_size * config.partial_rotary_factor)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling_dict
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate the first ``2 * len(inv_freq)`` features of ``x`` (rotate-half, as HF Llama).
+
+    x: [batch, length, heads, head_dim]; positions: [batch, length].
+    """
+    rot = 2 * inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, length, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_rot * cos + rotated * sin
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+# -------------------------------------------------------------------------------- attention
+def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window):
+    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window.
+
+    Slots are each token's index in its row (cache slot when decoding); a query at i sees a
+    key at j when j <= i, i - j < sliding_window, and their segment ids are equal.
+    """
+    i, j = q_slots[:, None, :, None], k_slots[:, None, None, :]
+    mask = j <= i
+    if sliding_window:
+        mask &= i - j < sliding_window
+    if q_segments is not None:
+        mask &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
+    return mask
+
+
+def _implementation(config, dtype):
+    if config.attention_impl != "auto":
+        return config.attention_impl
+    on_gpu = jax.default_backend() == "gpu"
+    fits = config.head_size % 8 == 0 and config.head_size <= 256  # cuDNN flash attention's limits
+    return "cudnn" if on_gpu and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+class Attention(nn.Module):
+    """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache."""
+
+    config: object
+
+    def _cached(self, name, shape, axes, dtype):
+        return self.variable(
+            "cache", name, nn.with_logical_partitioning(jnp.zeros, axes), shape, dtype
+        )
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids=None, decode: bool = False):
+        cfg = self.config
+        dt = dtype_of(cfg.dtype)
+        nh, nkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
+        q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), cfg.attention_bias, name="q", **kw)(x)
+        k = Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name="k", **kw)(x)
+        v = Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name="v", **kw)(x)
+        if cfg.position_embedding == "rope":
+            inv_freq = rope_inv_freq(cfg)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)), "query")
+        k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)), "key")
+        v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)), "value")
+        # [batch, length, heads|kv_heads, head_dim]
+
+        batch, length = x.shape[:2]
+        if decode:
+            k, v, mask = self._update_cache(k, v, segment_ids, batch, length)
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        else:
+            mask = None
+            if segment_ids is not None:
+                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+            window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
+            ctx = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                implementation=_implementation(cfg, dt),
+            )
+        ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
+        out = Linear(
+            (cfg.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), cfg.attention_out_bias, name="o", **kw
+        )(ctx)
+        return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _update_cache(self, k, v, segment_ids, batch, length):
+        """Write this chunk's keys/values at the cache index; mask over the whole cache."""
+        cfg = self.config
+        cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
+        # The cache is created by an init call whose length is the cache length.
+        ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
+        cv = self._cached("cached_value", v.shape, cache_axes, v.dtype)
+        cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
+        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
+        i = index.value
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
+        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
+        index.value = i + length
+        cache_len = ck.value.shape[1]
+        q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
+        k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
+        # Causality also hides the slots not yet written (j >= i + length).
+        mask = attention_mask(q_slots, k_slots, seg, cseg.value, cfg.sliding_window)
+        return ck.value, cv.value, mask
+
+
+# ------------------------------------------------------------------------------------- mlps
+def activation(name: str):
+    """HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu."""
+    acts = {
+        "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    }
+    if name not in acts:
+        raise ValueError(f"hidden_act {name!r} is not one of {', '.join(acts)}")
+    return acts[name]
+
+
+class MLP(nn.Module):
+    """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
+
+    config: object
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
+        act = activation(cfg.hidden_act)
+        up = Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name="up", **kw)(x)
+        if cfg.mlp_type == "gated":
+            gate = Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name="gate", **kw)(x)
+            h = act(gate) * up
+        else:
+            h = act(up)
+        h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP)), "mlp_hidden")
+        out = Linear((cfg.hidden_size,), (ax.MLP, ax.EMBED), cfg.mlp_bias, name="down", **kw)(h)
+        return checkpoint_name(out, "mlp_out")  # [batch, length, embed]

@@ -1,0 +1,314 @@
+"""Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2, Mixtral (MoE).
+
+One frozen config with Hugging Face field names selects the family's pieces; one model covers
+them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
+axis) or unrolled (``layers_0``, ``layers_1``, ...). MoE layers (``num_local_experts > 0``) use
+``models/moe.py``'s ``MoeMLP``; with ``moe_layer_freq > 1`` the layers must be unrolled, so the
+parameter tree stays one homogeneous stack when scanned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from shardzoo.models import ModelError, register
+from shardzoo.models.layers import MLP, Attention, Embed, Linear, constrain, make_norm
+from shardzoo.sharding import axes as ax
+
+BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+
+# checkpoint_name labels in layers.py: query, key, value, attn_context, attn_out, mlp_hidden, mlp_out.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
+}
+_CHOICES = {
+    "mlp_type": ("gated", "plain"),
+    "position_embedding": ("rope", "learned"),
+    "norm_type": ("rmsnorm", "layernorm"),
+    "remat_policy": tuple(REMAT_POLICIES),
+    "attention_impl": ("auto", "xla", "cudnn"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "param_dtype": ("float32", "bfloat16", "float16"),
+    "moe_dispatch": ("capacity", "dropless", "shard_map"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder LM; field names (and defaults, those of ``LlamaConfig``) follow Hugging Face."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: as many as query heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # HF dict, stored as sorted (key, value) pairs
+    partial_rotary_factor: float = 1.0
+    rms_norm_eps: float = 1e-6  # also GPT-2's layer_norm_epsilon
+    sliding_window: int | None = None  # a query at i sees keys j with i - j < sliding_window
+    attention_bias: bool = False  # q/k/v biases
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    mlp_type: str = "gated"
+    position_embedding: str = "rope"
+    norm_type: str = "rmsnorm"
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    initializer_range: float = 0.02
+    dtype: str = "float32"  # compute
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    attention_impl: str = "auto"
+    num_local_experts: int = 0  # 0: dense MLPs
+    num_experts_per_tok: int = 2
+    moe_layer_freq: int = 1  # layer i is MoE iff (i + 1) % moe_layer_freq == 0
+    moe_dispatch: str = "capacity"
+    capacity_factor: float = 1.25
+    router_jitter_noise: float = 0.0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+
+    task: ClassVar[str] = "lm"
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ModelError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ModelError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; set head_dim"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.kv_heads}"
+            )
+        if self.num_local_experts and self.moe_layer_freq > 1 and self.scan_layers:
+            raise ModelError(
+                f"moe_layer_freq={self.moe_layer_freq} mixes dense and MoE layers: set scan_layers=false"
+            )
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling or ())
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_local_experts > 0 and (i + 1) % self.moe_layer_freq == 0
+
+    def moe_config(self):
+        from shardzoo.models.moe import MoeConfig
+
+        return MoeConfig(
+            num_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
+            intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
+            dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor,
+            router_jitter_noise=self.router_jitter_noise, norm_topk_prob=self.norm_topk_prob,
+            aux_loss_coef=self.router_aux_loss_coef, z_loss_coef=self.router_z_loss_coef,
+            dtype=self.dtype, param_dtype=self.param_dtype, initializer_range=self.initializer_range,
+        )
+
+    # ------------------------------------------------------------------ zoo interface
+    def build(self) -> Transformer:
+        return Transformer(self)
+
+    def sample_inputs(self, batch_size: int, seq_len: int):
+        return (jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32),)
+
+    def _layer_matmul_params(self, moe: bool, active: bool) -> int:
+        d, hd = self.hidden_size, self.head_size
+        attn = d * hd * (2 * self.num_attention_heads + 2 * self.kv_heads)
+        n_mats = 3 if self.mlp_type == "gated" else 2
+        if not moe:
+            return attn + n_mats * d * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_local_experts
+        return attn + d * self.num_local_experts + 3 * experts * d * self.intermediate_size
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of the model (``active``: counting only the top-k experts of MoE layers)."""
+        d, hd = self.hidden_size, self.head_size
+        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        if self.position_embedding == "learned":
+            total += self.max_position_embeddings * d
+        norm = d * (2 if self.norm_type == "layernorm" else 1)
+        total += norm  # final norm
+        for i in range(self.num_hidden_layers):
+            moe = self.is_moe_layer(i)
+            total += self._layer_matmul_params(moe, active) + 2 * norm
+            if self.attention_bias:
+                total += hd * (self.num_attention_heads + 2 * self.kv_heads)
+            if self.attention_out_bias:
+                total += d
+            if self.mlp_bias and not moe:
+                total += self.intermediate_size * (2 if self.mlp_type == "gated" else 1) + d
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention."""
+        matmul = sum(self._layer_matmul_params(self.is_moe_layer(i), True)
+                     for i in range(self.num_hidden_layers))
+        matmul += self.vocab_size * self.hidden_size  # output head (tied or not)
+        w = self.sliding_window
+        keys = seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
+        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * keys
+        return 6 * matmul + attn
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    config: TransformerConfig
+    use_moe: bool = False
+    deterministic: bool = True
+    decode: bool = False
+    scanned: bool = False  # return (x, None) as nn.scan wants
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        h = make_norm(cfg, "attn_norm")(x)
+        x = constrain(x + Attention(cfg, name="attn")(h, positions, segment_ids, self.decode), BLE)
+        h = make_norm(cfg, "mlp_norm")(x)
+        if self.use_moe:
+            from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
+
+            h = MoeMLP(config=cfg.moe_config(), name="moe")(h, self.deterministic)
+        else:
+            h = MLP(cfg, name="mlp")(h)
+        x = constrain(x + h, BLE)  # [batch, length, embed]
+        return (x, None) if self.scanned else x
+
+
+class Transformer(nn.Module):
+    """The decoder LM. ``__call__(inputs, positions, segment_ids, deterministic, decode)`` -> logits.
+
+    With ``decode=True`` the layers read and write a "cache" collection (see models/decode.py);
+    the first such call (``init``) sizes the cache by the length of its inputs.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs, positions=None, segment_ids=None, deterministic=True, decode=False):
+        cfg = self.config
+        if positions is None:
+            if decode:
+                raise ValueError("decoding needs explicit positions")
+            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
+        embed = Embed(cfg.vocab_size, cfg.hidden_size, name="embed", **kw)
+        x = embed(inputs)  # [batch, length, embed]
+        if cfg.position_embedding == "learned":
+            pos_embed = Embed(cfg.max_position_embeddings, cfg.hidden_size, ax.POSITION, name="pos_embed", **kw)
+            x = x + pos_embed(positions)
+        x = constrain(x, BLE)
+
+        policy = REMAT_POLICIES[cfg.remat_policy]
+        block = Block
+        if cfg.remat_policy != "none" and not decode:
+            block = nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
+        flags = dict(deterministic=deterministic, decode=decode)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block,
+                variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "intermediates")},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_hidden_layers,
+                metadata_params={nn.PARTITION_NAME: ax.LAYERS},
+            )
+            x, _ = stack(cfg, cfg.num_local_experts > 0, scanned=True, name="layers", **flags)(
+                x, positions, segment_ids
+            )
+        else:
+            for i in range(cfg.num_hidden_layers):
+                x = block(cfg, cfg.is_moe_layer(i), name=f"layers_{i}", **flags)(x, positions, segment_ids)
+
+        x = make_norm(cfg, "final_norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = Linear((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), name="lm_head", **kw)(x)
+        return constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))  # [batch, length, vocab]
+
+
+# ----------------------------------------------------------------------------------- presets
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000,
+               eos_token_id=128001, num_key_value_heads=8)
+_GPT2 = dict(vocab_size=50257, max_position_embeddings=1024, rms_norm_eps=1e-5, attention_bias=True,
+             attention_out_bias=True, mlp_bias=True, tie_word_embeddings=True, hidden_act="gelu_new",
+             mlp_type="plain", position_embedding="learned", norm_type="layernorm",
+             bos_token_id=50256, eos_token_id=50256)
+_QWEN2 = dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1000000.0,
+              bos_token_id=151643, eos_token_id=151643)
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             bos_token_id=None, eos_token_id=None)
+_MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                num_key_value_heads=8, max_position_embeddings=32768)
+
+PRESETS = {
+    "llama2-7b": TransformerConfig(max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama3-8b": TransformerConfig(intermediate_size=14336, max_position_embeddings=8192, **_LLAMA3),
+    "llama3.1-8b": TransformerConfig(
+        intermediate_size=14336, max_position_embeddings=131072, **_LLAMA3,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama3.2-1b": TransformerConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+        max_position_embeddings=131072, tie_word_embeddings=True, **_LLAMA3,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "mistral-7b": TransformerConfig(
+        intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, sliding_window=4096),
+    "qwen2.5-0.5b": TransformerConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, **_QWEN2),
+    "gpt2": TransformerConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                              num_attention_heads=12, **_GPT2),
+    "gpt2-medium": TransformerConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                     num_attention_heads=16, **_GPT2),
+    "mixtral-8x7b": TransformerConfig(intermediate_size=14336, **_MIXTRAL),
+    # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
+    "llama-tiny": TransformerConfig(**_TINY),
+    "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
+    "qwen2-tiny": TransformerConfig(**{**_TINY, **_QWEN2, "num_key_value_heads": 1,
+                                       "bos_token_id": None, "eos_token_id": None}),  # MQA
+    "gpt2-tiny": TransformerConfig(**{**_GPT2, **_TINY, "intermediate_size": 256,
+                                      "num_key_value_heads": None}),
+    "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
+                                         "num_key_value_heads": 2, "max_position_embeddings": 256}),
+}
+for _name, _config in PRESETS.items():
+    register(_name, _config)

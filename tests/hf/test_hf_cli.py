@@ -1,0 +1,153 @@
+"""The command line: import-hf (sharded safetensors), generate (--checkpoint and --hf), export-hf
+with the tokenizer carried over, and clear exit-2 errors for unsupported or incomplete inputs."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from shardzoo import cli
+from shardzoo.models.hf import is_hf_dir
+
+TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
+PROMPT = "the lazy fox"
+SHARDED = ["--rules", "fsdp_tp", "--mesh", "fsdp=4,tensor=2"]
+
+
+def make_tokenizer(path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with <unk>=0, <s>=1, </s>=2 (the Llama config's bos/eos), <= 128 ids."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(sharded HF dir with tokenizer, single-file HF dir without, model, tokenizer)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    sharded, single = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("single")
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    model.save_pretrained(single)
+    return str(sharded), str(single), model, make_tokenizer(sharded)
+
+
+def test_import_generate_export_round_trip(llama, tmp_path, capsys):
+    hf_dir, _, model, tokenizer = llama
+    with open(os.path.join(hf_dir, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1  # really sharded
+    run, out = str(tmp_path / "run"), str(tmp_path / "exported")
+
+    assert cli.main(["import-hf", hf_dir, run]) == 0  # default: fsdp over all 8 devices
+    assert os.path.isfile(os.path.join(run, "tokenizer", "tokenizer.json"))
+    assert is_hf_dir(hf_dir) and not is_hf_dir(run)
+
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():  # greedy, stopping at eos (id 2) like shardzoo
+        want = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    expected = tokenizer.decode(want[0], skip_special_tokens=True)
+    assert expected.startswith(PROMPT) and len(expected) > len(PROMPT) + 8
+    capsys.readouterr()
+    for source in (["--checkpoint", run], ["--hf", hf_dir]):
+        assert cli.main(["generate", *source, "--prompt", PROMPT, "--max-new-tokens", "16",
+                         "--temperature", "0", *SHARDED]) == 0
+        assert capsys.readouterr().out == expected + "\n"
+
+    assert cli.main(["export-hf", run, out]) == 0
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert AutoTokenizer.from_pretrained(out)(PROMPT)["input_ids"] == ids
+
+
+def test_sampling_is_seeded(llama, capsys):
+    hf_dir = llama[0]
+    flags = ["generate", "--hf", hf_dir, "--prompt", PROMPT, "--max-new-tokens", "8", "--temperature", "1.5",
+             "--top-k", "20", "--top-p", "0.9", *SHARDED]
+    texts = []
+    for seed in ("1", "1", "2"):
+        capsys.readouterr()
+        assert cli.main([*flags, "--seed", seed]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith(PROMPT)
+    assert texts[0] != texts[2]
+
+
+def _broken_copy(src, dst, edit):
+    shutil.copytree(src, dst)
+    edit(str(dst))
+    return str(dst)
+
+
+def test_unknown_model_type_exits_2_naming_it(llama, tmp_path, capsys):
+    def set_type(d):
+        with open(os.path.join(d, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**config, "model_type": "falcon"}, f)
+
+    bad = _broken_copy(llama[1], tmp_path / "falcon", set_type)
+    assert cli.main(["import-hf", bad, str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported model_type 'falcon'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_tensor_exits_2_naming_it(llama, tmp_path, capsys):
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def drop(d):
+        path = os.path.join(d, "model.safetensors")
+        tensors = load_file(path)
+        del tensors[name]
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    bad = _broken_copy(llama[1], tmp_path / "missing", drop)
+    assert cli.main(["import-hf", bad, str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"missing tensor {name!r}" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    assert cli.main(["generate", "--hf", bad, "--prompt", "x"]) == 2
+
+
+def test_wrong_tensor_shape_exits_2(llama, tmp_path, capsys):
+    def widen(d):
+        with open(os.path.join(d, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**config, "intermediate_size": 96}, f)
+
+    bad = _broken_copy(llama[1], tmp_path / "shape", widen)
+    assert cli.main(["import-hf", bad, str(tmp_path / "run")]) == 2
+    # gate/up projections are (out, in) = (intermediate, hidden) in the file
+    assert "has shape [64, 32], config.json implies [96, 32]" in capsys.readouterr().err
+
+
+def test_train_settings_rebuild_the_hf_model(llama, tmp_path):
+    """``with_hf_model`` (the trainer's --init-from HF_DIR wiring) gives the HF config + tokenizer."""
+    from shardzoo.models import get_config, parse_overrides
+    from shardzoo.models.hf import load_hf_config
+    from shardzoo.train.config import TrainConfig
+    from shardzoo.train.hf_io import with_hf_model
+
+    hf_dir = llama[0]
+    cfg = with_hf_model(TrainConfig(out=str(tmp_path), init_from=hf_dir, override=("remat_policy=full",)))
+    assert cfg.tokenizer == hf_dir and not cfg.add_bos  # this BPE has no bos post-processor
+    built = get_config(cfg.model, **parse_overrides(cfg.override))
+    assert built == dataclasses.replace(load_hf_config(hf_dir), remat_policy="full")
+    plain = TrainConfig(out=str(tmp_path), init_from=str(tmp_path))
+    assert with_hf_model(plain) is plain  # not an HF dir: unchanged

@@ -1,0 +1,115 @@
+"""KV-cache decoding equals full forward passes; the sampler and ``generate`` behave."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from shardzoo.models import decode as dec
+from shardzoo.models import get_model
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+
+TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
+B, L, PREFILL = 2, 12, 5
+
+
+# Cheaper XLA:CPU compiles (about half the time); both sides of every comparison use them.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _params(module, x):
+    return nn.unbox(jax.jit(module.init, compiler_options=FAST)(jax.random.key(0), x)["params"])
+
+
+# mistral: sliding window 4 (shorter than the sequence), GQA, scanned layers;
+# gpt2: learned positions, biases, MHA, unrolled layers.
+@pytest.mark.parametrize("name,overrides", [
+    ("mistral-tiny", dict(sliding_window=4)),
+    ("gpt2-tiny", dict(scan_layers=False)),
+])
+def test_cached_decoding_matches_full_forward(name, overrides):
+    module, config = get_model(name, **TINY, **overrides)
+    x = jax.random.randint(jax.random.key(1), (B, L), 0, config.vocab_size)
+    params = _params(module, x)
+    full = jax.jit(module.apply, compiler_options=FAST)({"params": params}, x)
+    step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
+    cache = dec.init_cache(module, B, L)
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    logits, cache = step(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])
+    outs = [logits]
+    for i in range(PREFILL, L):
+        logits, cache = step(module, params, cache, x[:, i:i + 1], pos[:, i:i + 1])
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_greedy_generate_is_argmax_of_full_forwards_with_left_padding():
+    module, config = get_model("mistral-tiny", **TINY, sliding_window=4)
+    x = jax.random.randint(jax.random.key(2), (B, 6), 0, config.vocab_size)
+    prompt = x.at[1, :2].set(7)  # row 1: two padding tokens, then a 4-token prompt
+    lengths = jnp.array([6, 4])
+    params = _params(module, prompt)
+    out = dec.generate(module, params, prompt, max_new_tokens=6, prompt_lengths=lengths)
+    again = dec.generate(module, params, prompt, max_new_tokens=6, prompt_lengths=lengths)
+    assert out.shape == (B, 12) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out, again)
+    np.testing.assert_array_equal(out[:, :6], prompt)
+    # Full forwards over each row's real tokens (row 1 without its padding, then filler).
+    rows = jnp.stack([out[0], jnp.concatenate([out[1, 2:], jnp.array([1, 2])])])
+    logits = jax.jit(module.apply, compiler_options=FAST)({"params": params}, rows)
+    np.testing.assert_array_equal(out[0, 6:], jnp.argmax(logits[0, 5:11], axis=-1))
+    np.testing.assert_array_equal(out[1, 6:], jnp.argmax(logits[1, 3:9], axis=-1))
+
+
+def _fake_model(vocab=8):
+    """tokens_to_logits of a bigram table: next token prefers (token + 1) % vocab."""
+    table = jnp.log(jax.nn.one_hot((jnp.arange(vocab) + 1) % vocab, vocab) * 0.6 + 0.4 / vocab)
+
+    def tokens_to_logits(tokens, state):
+        return table[tokens], state + 1
+
+    return table, tokens_to_logits
+
+
+def test_sampler_greedy_eos_and_padding():
+    table, fn = _fake_model()
+    first = table[jnp.array([0, 5])]
+    out, calls = dec.sample_loop(fn, jnp.int32(0), first, 6, jax.random.key(0), eos_ids=(3,), pad_id=-1)
+    np.testing.assert_array_equal(out, [[1, 2, 3, -1, -1, -1], [6, 7, 0, 1, 2, 3]])
+    assert int(calls) == 6
+    out, calls = dec.sample_loop(fn, jnp.int32(0), first[:1], 6, jax.random.key(0), eos_ids=(3,))
+    assert int(calls) == 3  # stopped once every row had ended
+
+
+def test_sampler_top_k_top_p_and_temperature():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    keys = jax.random.key(0)
+    greedy = dec.sample_logits(logits, keys, temperature=0.0)
+    assert set(np.asarray(greedy).tolist()) == {0}
+    top1 = dec.sample_logits(logits, keys, temperature=1.0, top_k=1)
+    assert set(np.asarray(top1).tolist()) == {0}
+    top2 = np.asarray(dec.sample_logits(logits, keys, temperature=1.0, top_k=2))
+    assert set(top2.tolist()) == {0, 1}
+    np.testing.assert_allclose(np.mean(top2 == 0), 0.5 / 0.8, atol=0.03)
+    nucleus = np.asarray(dec.sample_logits(logits, keys, temperature=1.0, top_p=0.7))
+    assert set(nucleus.tolist()) == {0, 1}  # 0.5 < 0.7 needs the second token, not the third
+    free = np.asarray(dec.sample_logits(logits, keys, temperature=1.0))
+    np.testing.assert_allclose(np.bincount(free, minlength=4) / len(free), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    same = dec.sample_logits(logits, keys, temperature=1.0)
+    np.testing.assert_array_equal(free, same)
+
+
+def test_cache_carries_logical_axes_and_shards_under_the_rules():
+    module, _ = get_model("llama-tiny", **TINY)
+    specs = dec.cache_logical_specs(module, 4, 16)["layers"]["attn"]
+    assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
+    assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
+    mesh = make_mesh("data=4,tensor=2")
+    with activate(mesh, get_rules("tp")):
+        cache = dec.init_cache(module, 4, 16)
+    key = cache["layers"]["attn"]["cached_key"]
+    assert key.shape == (2, 4, 16, 2, 8)
+    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2

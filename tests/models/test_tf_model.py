@@ -1,0 +1,210 @@
+"""Transformer family: layer stacking, remat, packing, windows, rotary, presets' names and sizes."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from shardzoo.models import ModelError, get_config, get_model, list_models
+from shardzoo.models.layers import apply_rope, rope_inv_freq
+from shardzoo.models.transformer import PRESETS, REMAT_POLICIES
+from shardzoo.sharding import axes as ax
+from shardzoo.sharding import get_rules, make_abstract_mesh
+from shardzoo.sharding.partition import logical_shardings
+
+TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
+B, L = 2, 16
+
+
+def _tokens(seed, shape=(B, L), vocab=128):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+# Cheaper XLA:CPU compiles (about half the time); both sides of every comparison use them.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _jit(fn, *args):
+    """Compile ``fn`` for ``args`` with FAST options and call it."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST)(*args)
+
+
+def _init(module, x):
+    return nn.unbox(_jit(module.init, jax.random.key(0), x)["params"])
+
+
+def _loss(module):
+    def loss(p, x):
+        logits = module.apply({"params": p}, x)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    return loss
+
+
+def test_scanned_and_unrolled_layers_agree():
+    scanned, config = get_model("llama-tiny", **TINY)
+    unrolled, _ = get_model("llama-tiny", scan_layers=False, **TINY)
+    x = _tokens(1)
+    params = _init(scanned, x)
+    stack = params.pop("layers")
+    per_layer = {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stack)
+                 for i in range(config.num_hidden_layers)}
+    params_u = {**params, **per_layer}
+    assert jax.tree.structure(params_u) == jax.tree.structure(_init(unrolled, x))
+
+    cotangent = jax.random.normal(jax.random.key(9), (B, L, TINY["vocab_size"]))
+
+    def logits_and_grads(module, p):  # gradients of sum(logits * cotangent)
+        logits, vjp = jax.vjp(lambda p: module.apply({"params": p}, x), p)
+        return logits, vjp(cotangent)[0]
+
+    def both(ps, pu):
+        return (*logits_and_grads(scanned, ps), *logits_and_grads(unrolled, pu))
+
+    logits_s, grads_s, logits_u, grads_u = _jit(both, {**params, "layers": stack}, params_u)
+    np.testing.assert_allclose(logits_s, logits_u, atol=1e-5, rtol=0)
+    restacked = jax.tree.map(lambda *a: jnp.stack(a), *[grads_u[f"layers_{i}"] for i in range(2)])
+    for got, want in zip(jax.tree.leaves(restacked), jax.tree.leaves(grads_s["layers"]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(grads_u["embed"]["embedding"], grads_s["embed"]["embedding"], atol=1e-5)
+    assert float(jnp.abs(grads_s["layers"]["attn"]["q"]["kernel"]).max()) > 0
+
+
+def test_every_remat_policy_gives_the_same_gradients():
+    x = _tokens(2)
+    modules = {p: get_model("llama-tiny", remat_policy=p, **TINY)[0] for p in REMAT_POLICIES}
+    params = _init(modules["none"], x)
+    grad_fns = {p: jax.grad(_loss(m)) for p, m in modules.items()}
+    for policy, fn in grad_fns.items():  # remat is really applied (and the names exist)
+        text = str(jax.make_jaxpr(fn)(params, x))
+        assert ("checkpoint" in text or "remat" in text) == (policy != "none"), policy
+    assert "name=attn_context" in text and "name=mlp_hidden" in text
+    grads = _jit(lambda p: {k: f(p, x) for k, f in grad_fns.items()}, params)
+    for policy in REMAT_POLICIES:
+        for got, want in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"]), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=policy)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_packed_documents_do_not_see_each_other(name):
+    module, _ = get_model(name, **TINY)
+    a, b, filler = _tokens(3, (7,)), _tokens(4, (9,)), _tokens(5, (9,))
+    # rows: a|b packed, b|a packed, a alone (then filler), b alone (then filler), a|b unpacked
+    rows = ([a, b], [b, a], [a, filler], [b, filler[:7]], [a, b])
+    x = jnp.stack([jnp.concatenate(r) for r in rows])
+    seg = np.ones((5, L), np.int32)
+    seg[0, 7:], seg[1, 9:] = 2, 2
+    pos = np.tile(np.arange(L), (5, 1))
+    pos[0, 7:], pos[1, 9:] = np.arange(9), np.arange(7)
+    params = _init(module, x)
+    logits = _jit(lambda p: module.apply({"params": p}, x, positions=pos, segment_ids=seg), params)
+    alone_a, alone_b = logits[2, :7], logits[3, :9]
+    np.testing.assert_allclose(logits[0, :7], alone_a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[0, 7:], alone_b, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[1, :9], alone_b, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[1, 9:], alone_a, atol=1e-5, rtol=0)
+    assert float(jnp.abs(logits[4, 7:] - alone_b).max()) > 1e-3  # unpacked, b sees a
+
+
+def test_sliding_window_follows_mistral_semantics():
+    """A query at i attends keys j with i - j < w: over 2 layers token 0 reaches i <= 2w - 2."""
+    w = 4
+    module, _ = get_model("mistral-tiny", sliding_window=w, **TINY)
+    x = _tokens(6, (1, L))
+    x = jnp.concatenate([x, x.at[0, 0].set((x[0, 0] + 1) % 128)])
+    logits = _jit(lambda p: module.apply({"params": p}, x), _init(module, x))
+    changed = np.abs(np.asarray(logits[0] - logits[1])).max(axis=-1) > 1e-6
+    np.testing.assert_array_equal(changed, np.arange(L) <= 2 * w - 2)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = get_config("llama3.2-1b")
+    hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                     head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling_dict,
+                     max_position_embeddings=cfg.max_position_embeddings)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    ours = rope_inv_freq(cfg)
+    plain = rope_inv_freq(get_config("llama3.2-1b", rope_scaling=None))
+    assert ours.dtype == np.float32 and not np.allclose(ours, plain)  # the scaling acts
+    np.testing.assert_array_equal(ours, want.numpy())
+
+
+def test_rope_is_hf_rotate_half_and_partial():
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = get_config("llama-tiny", partial_rotary_factor=0.5)
+    inv = rope_inv_freq(cfg)  # 4 frequencies: rotates 8 of the 16 features
+    q = np.random.default_rng(0).normal(size=(1, 5, 2, 16)).astype(np.float32)
+    pos = np.arange(5)[None]
+    freqs = pos[..., None] * inv
+    emb = torch.tensor(np.concatenate([freqs, freqs], -1))
+    rot = torch.tensor(q[..., :8]).transpose(1, 2)
+    want, _ = apply_rotary_pos_emb(rot, rot, emb.cos(), emb.sin())
+    got = np.asarray(apply_rope(jnp.asarray(q), jnp.asarray(pos), inv))
+    np.testing.assert_allclose(got[..., :8], want.transpose(1, 2).numpy(), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(got[..., 8:], q[..., 8:])
+
+
+# Parameter counts Hugging Face reports for the published checkpoints.
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3.1-8b": 8_030_261_248,
+    "llama3.2-1b": 1_235_814_400, "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768,
+    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "mixtral-8x7b": 46_702_792_704,
+}
+
+
+def test_every_preset_names_every_dimension_and_has_its_published_size():
+    assert set(PRESETS) <= set(list_models())
+    for name in PRESETS:
+        module, config = get_model(name)
+        boxed = jax.eval_shape(module.init, jax.random.key(0), *config.sample_inputs(1, 4))["params"]
+        specs = jax.tree.leaves(nn.get_partition_spec(boxed), is_leaf=lambda s: isinstance(s, tuple))
+        leaves = jax.tree.leaves(nn.unbox(boxed))
+        assert len(specs) == len(leaves)
+        for spec, leaf in zip(specs, leaves, strict=True):
+            assert len(spec) == leaf.ndim and set(spec) <= set(ax.ALL), (name, spec, leaf.shape)
+        assert config.num_params() == sum(math.prod(a.shape) for a in leaves), name
+        if name in PUBLISHED:
+            assert config.num_params() == PUBLISHED[name], name
+
+
+def test_llama3_8b_bytes_per_device_on_64_device_fsdp_tp():
+    module, config = get_model("llama3-8b")
+    boxed = jax.eval_shape(module.init, jax.random.key(0), *config.sample_inputs(1, 4))["params"]
+    shardings = logical_shardings(boxed, make_abstract_mesh("fsdp=8,tensor=8"), get_rules("fsdp_tp"))
+    shapes = nn.unbox(boxed)
+
+    def per_device(*path):
+        sharding, leaf = shardings, shapes
+        for key in path:
+            sharding, leaf = sharding[key], leaf[key]
+        return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+    f32 = 4
+    assert per_device("layers", "attn", "q", "kernel") == 32 * (4096 // 8) * (32 // 8) * 128 * f32
+    assert per_device("layers", "attn", "k", "kernel") == 32 * (4096 // 8) * (8 // 8) * 128 * f32
+    assert per_device("layers", "mlp", "down", "kernel") == 32 * (14336 // 8) * (4096 // 8) * f32
+    assert per_device("embed", "embedding") == (128256 // 8) * (4096 // 8) * f32
+    assert per_device("lm_head", "kernel") == (4096 // 8) * (128256 // 8) * f32
+    assert per_device("final_norm", "scale") == (4096 // 8) * f32
+
+
+def test_config_errors_and_moe_layer_frequency():
+    with pytest.raises(ModelError, match="num_key_value_heads=3"):
+        get_config("llama-tiny", num_key_value_heads=3)
+    with pytest.raises(ModelError, match="scan_layers=false"):
+        get_config("mixtral-tiny", moe_layer_freq=2)
+    with pytest.raises(ModelError, match="remat_policy"):
+        get_config("llama-tiny", remat_policy="sometimes")
+    module, config = get_model("mixtral-tiny", moe_layer_freq=2, scan_layers=False)
+    boxed = jax.eval_shape(module.init, jax.random.key(0), *config.sample_inputs(1, 4))["params"]
+    assert "mlp" in boxed["layers_0"] and "moe" not in boxed["layers_0"]
+    assert "moe" in boxed["layers_1"] and "mlp" not in boxed["layers_1"]
+    assert config.num_params() == sum(math.prod(a.shape) for a in jax.tree.leaves(nn.unbox(boxed)))

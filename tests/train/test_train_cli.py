@@ -1,0 +1,205 @@
+"""``shardzoo train`` and ``shardzoo plot`` as a user runs them: real processes where it matters
+(end to end, kill -9 and resume, SIGTERM), in-process for bad inputs and the plot."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from shardzoo.cli import main
+from shardzoo.train.checkpoint import latest_step, load_model_and_params
+from shardzoo.train.metrics import read_metrics
+
+STEPS = 12
+TINY = ["--override", "hidden_size=32", "--override", "intermediate_size=64",
+        "--override", "num_hidden_layers=1", "--override", "num_key_value_heads=4"]
+
+
+def _write_corpus(path, rows=200, seed=0):
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog while seven small cats sleep on warm mats".split()
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(20)) + "."}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_cli")
+    _write_corpus(root / "corpus.jsonl")
+    (root / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    return root
+
+
+def _args(out, corpus):
+    return ["--out", str(out), "--data", str(corpus), "--eval-fraction", "0.1", "--steps", str(STEPS),
+            "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup-steps", "2",
+            "--log-every", "1", "--save-every", "4", "--eval-every", "6", "--eval-steps", "2",
+            "--debug-batch-hash", "--tensorboard", *TINY]
+
+
+def _env(files):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    # the runs of this module compile the same programs: share them through jax's disk cache
+    env.update(JAX_COMPILATION_CACHE_DIR=str(files / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env
+
+
+def _train(files, out, *extra, wait=True):
+    cmd = [sys.executable, "-m", "shardzoo", "train", *_args(out, files / "corpus.jsonl"), *extra]
+    if not wait:  # stderr to a file: a pipe nobody reads could fill up and stall the run
+        log = open(os.path.join(files, f"{os.path.basename(out)}.stderr"), "w")
+        return subprocess.Popen(cmd, env=_env(files), stdout=subprocess.DEVNULL, stderr=log)
+    return subprocess.run(cmd, env=_env(files), capture_output=True, text=True, timeout=600)
+
+
+def _logged_steps(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return [r["step"] for r in read_metrics(path)] if os.path.exists(path) else []
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended early: {open(proc.stderr.name).read()}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """One uninterrupted run of the CLI: (out dir, stdout)."""
+    out = files / "reference"
+    done = _train(files, out)
+    assert done.returncode == 0, done.stderr
+    return out, done.stdout
+
+
+def test_cli_trains_a_tiny_llama_end_to_end(reference):
+    out, stdout = reference
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for key in ("learning_rate", "grad_norm", "tokens_per_sec", "step_time_s", "batch_hash"):
+        assert key in train[0], key
+    assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
+    first, last = np.mean([r["loss"] for r in train[:3]]), np.mean([r["loss"] for r in train[-3:]])
+    assert last < first - 0.5, (first, last)
+    assert latest_step(str(out / "checkpoints")) == STEPS
+    run = json.loads((out / "run.json").read_text())
+    assert run["model"] == "llama-tiny" and run["overrides"]["hidden_size"] == "32"
+    assert (out / "tokenizer").is_dir()
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(out / "tensorboard"))
+    assert "rule table: fsdp" in stdout and "per device" in stdout
+
+
+def test_config_file_settings_apply_and_flags_win(tmp_path):
+    from shardzoo.cli import build_parser
+    from shardzoo.train.config import config_from_args
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("steps: 50\nlr: 0.02\nbatch-size: 4\noverride: {hidden_size: 32, num_hidden_layers: 1}\n")
+    args = build_parser().parse_args(["train", "--config", str(yaml_file), "--out", "x", "--steps", "7",
+                                      "--override", "hidden_size=48"])
+    cfg = config_from_args(args)
+    assert (cfg.steps, cfg.lr, cfg.batch_size, cfg.out) == (7, 0.02, 4, "x")
+    assert cfg.override == ("hidden_size=32", "num_hidden_layers=1", "hidden_size=48")  # the last wins
+
+
+def test_plot_draws_the_loss_curves_to_a_png(reference, tmp_path):
+    out, _ = reference
+    png = tmp_path / "loss.png"
+    assert main(["plot", str(out), "--output", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_kill_9_and_restart_ends_bit_identical_to_the_uninterrupted_run(reference, files):
+    ref_out, _ = reference
+    out = files / "killed"
+    proc = _train(files, out, "--debug-step-delay", "0.4", wait=False)
+    # kill once checkpoint 4 is committed and the run has gone past it
+    _wait_for(lambda: latest_step(str(out / "checkpoints")) == 4 and max(_logged_steps(out) or [0]) >= 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    logged_before = _logged_steps(out)
+    assert latest_step(str(out / "checkpoints")) == 4 < max(logged_before) < STEPS
+
+    done = _train(files, out)
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout
+    ref_hashes = [r["batch_hash"] for r in read_metrics(ref_out / "metrics.jsonl") if "batch_hash" in r]
+    hashes = [r["batch_hash"] for r in read_metrics(out / "metrics.jsonl") if "batch_hash" in r]
+    assert len(ref_hashes) == STEPS and hashes == ref_hashes  # the same batches, in the same order
+    ref_params, params = load_model_and_params(str(ref_out))[2], load_model_and_params(str(out))[2]
+    for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_0(files):
+    out = files / "preempted"
+    proc = _train(files, out, "--debug-step-delay", "0.4", wait=False)
+    _wait_for(lambda: max(_logged_steps(out) or [0]) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, open(proc.stderr.name).read()
+    current = max(_logged_steps(out))
+    assert 2 <= current < STEPS
+    assert latest_step(str(out / "checkpoints")) == current
+
+
+def _snapshot(path):
+    """Every file under ``path`` with the hash of its bytes."""
+    found = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+BAD = {
+    "unknown model": (["--model", "llama-huge"], "unknown model 'llama-huge'"),
+    "other model on resume": (["--model", "gpt2-tiny"], "holds model 'llama-tiny', not 'gpt2-tiny'"),
+    "other override on resume": (["--override", "hidden_size=64"], "hidden_size=32"),
+    "unknown rules": (["--rules", "fsdp_ultra"], "unknown rule preset 'fsdp_ultra'"),
+    "missing rule file": (["--rules", "nope/rules.yaml"], "rule file nope/rules.yaml"),
+    "mesh of the wrong size": (["--mesh", "data=3"], "mesh spec data=3 has 3 devices but 8"),
+    "unknown mesh axis": (["--mesh", "pipeline=8"], "unknown mesh axis 'pipeline'"),
+    "missing data file": (["--data", "nope/corpus.jsonl"], "nope/corpus.jsonl"),
+    "missing column": (["--text-column", "body"], "no column 'body'"),
+    "empty dataset": (["--data", "{files}/empty.jsonl"], "empty dataset"),
+    "missing config file": (["--config", "nope.yaml"], "--config nope.yaml"),
+    "batch not divisible": (["--batch-size", "12"], "not divisible by the 8 devices"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_input_exits_2_with_one_line_and_leaves_out_untouched(reference, files, case, capsys):
+    out, _ = reference
+    before = _snapshot(out)
+    flags, expected = BAD[case]
+    flags = [f.format(files=files) for f in flags]
+    capsys.readouterr()
+    rc = main(["train", *_args(out, files / "corpus.jsonl"), *flags])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2
+    assert len(lines) == 1 and lines[0].startswith("shardzoo train: error: "), captured.err
+    assert expected in lines[0]
+    assert _snapshot(out) == before
+
+
+def test_a_bad_input_creates_no_out_dir(files, tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["train", *_args(out, files / "corpus.jsonl"), "--model", "llama-huge"]) == 2
+    assert not out.exists()

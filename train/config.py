@@ -1,0 +1,243 @@
+"""Every setting of a training run: one frozen dataclass, its flags and its YAML file.
+
+Precedence: the dataclass defaults, then ``--config FILE`` (YAML with any of the fields, dashes
+or underscores), then the flags given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+
+from shardzoo.sharding.errors import UserError
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
+SCHEDULES = ("cosine", "linear", "constant")
+NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
+
+
+class ConfigError(UserError):
+    """A bad training setting: a flag value, a --config file or a key in it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run's settings; the defaults train llama-tiny on the embedded corpus."""
+
+    out: str | None = None
+    # model, sharding
+    model: str = "llama-tiny"
+    override: tuple[str, ...] = ()
+    rules: str | None = None  # default: fsdp on >1 device, dp on one
+    opt_rules: str | None = None  # default: the optimizer state follows its params
+    mesh: str | None = None  # default: fsdp=-1 when the rules use fsdp, else data=-1
+    # data
+    data: str = "stdlib"  # the embedded standard-library corpus
+    text_column: str = "text"
+    prompt_column: str | None = None
+    completion_column: str | None = None
+    eval_data: str | None = None
+    eval_fraction: float | None = None  # default: 0.05 of the embedded corpus, else 0
+    tokenizer: str = "byte"
+    add_bos: bool = False
+    batch_size: int = 16  # global, over all devices and microbatches
+    seq_len: int = 128
+    # optimization
+    steps: int = 200
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # 0 turns clipping off
+    grad_accum: int = 1
+    seed: int = 0
+    init_from: str | None = None
+    skip_nonfinite: bool = False
+    # output
+    save_every: int = 100
+    keep: int = 3
+    eval_every: int = 100  # 0: only at the end
+    eval_steps: int = 4
+    log_every: int = 10
+    tensorboard: bool = False
+    # multi-host
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed: bool = False
+    # test aids
+    debug_nan_at_step: int | None = None
+    debug_batch_hash: bool = False
+    debug_step_delay: float = 0.0
+
+    def __post_init__(self):
+        positive = ("batch_size", "seq_len", "steps", "grad_accum", "keep", "eval_steps", "log_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("save_every", "eval_every", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        for name in ("lr", "weight_decay", "clip_norm", "debug_step_delay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+HELP = {
+    "out": "run directory: checkpoints/, metrics.jsonl, run.json, tokenizer/ (resumes if it has checkpoints)",
+    "model": "model preset (see shardzoo.models.list_models())",
+    "override": "change one field of the model config (repeatable)",
+    "rules": "rule table: a preset name or a YAML/JSON file (default: fsdp on >1 device, dp on one)",
+    "opt_rules": "separate rule table for the optimizer state, e.g. zero1 (default: as the params)",
+    "mesh": "mesh spec like data=2,fsdp=-1 (default: fsdp=-1 if the rules use fsdp, else data=-1)",
+    "data": "a file, glob, directory, 'stdlib' (the embedded standard-library corpus) or hub:NAME[:CONFIG][@SPLIT]",
+    "text_column": "column holding the documents",
+    "prompt_column": "fine-tuning: the prompt column (no loss); needs --completion-column",
+    "completion_column": "fine-tuning: the completion column (loss)",
+    "eval_data": "held-out data spec for evaluation",
+    "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
+    "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
+    "add_bos": "start every document with bos",
+    "batch_size": "global batch size in sequences (all devices, all microbatches)",
+    "seq_len": "tokens per sequence",
+    "steps": "total optimizer steps of the run (a resumed run continues up to it)",
+    "optimizer": "optimizer",
+    "lr": "peak learning rate",
+    "schedule": "learning-rate schedule after the linear warmup",
+    "warmup_steps": "linear warmup steps from 0 to --lr",
+    "weight_decay": "weight decay of kernels and embeddings, not norms or biases (decoupled in adamw)",
+    "clip_norm": "clip gradients to this global norm (0: off)",
+    "grad_accum": "microbatches per step (gradient accumulation)",
+    "seed": "random seed of init and dropout",
+    "init_from": "initialize params from a shardzoo run or checkpoint dir",
+    "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",
+    "save_every": "checkpoint every N steps (0: only at the end)",
+    "keep": "checkpoints to keep",
+    "eval_every": "evaluate every N steps (0: only at the end)",
+    "eval_steps": "batches per evaluation",
+    "log_every": "log metrics every N steps",
+    "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
+    "coordinator": "multi-host: coordinator address HOST:PORT for jax.distributed.initialize",
+    "num_processes": "multi-host: number of processes",
+    "process_id": "multi-host: this process's id",
+    "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
+    "debug_nan_at_step": "test aid: make the loss and gradient of this step NaN",
+    "debug_batch_hash": "test aid: log a hash of each step's batch in metrics.jsonl",
+    "debug_step_delay": "test aid: sleep this many seconds after each step",
+}
+METAVARS = {"out": "DIR", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+            "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
+            "init_from": "DIR", "coordinator": "HOST:PORT"}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _field_type(name: str):
+    tp = typing.get_type_hints(TrainConfig)[name]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``shardzoo train`` flags, one per TrainConfig field, plus --config."""
+    p.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below (flags win)")
+    defaults = TrainConfig()
+    test_aids = p.add_argument_group("test aids")
+    for field in dataclasses.fields(TrainConfig):
+        name, tp = field.name, _field_type(field.name)
+        group = test_aids if name.startswith("debug_") else p
+        kw = {"dest": name, "default": argparse.SUPPRESS}
+        default = getattr(defaults, name)
+        help_text = HELP[name] + ("" if default in (None, (), False) else f" (default: {default})")
+        if tp is bool:
+            group.add_argument(f"--{_flag(name)}", action="store_true", help=help_text, **kw)
+        elif name == "override":
+            group.add_argument("--override", action="append", metavar=METAVARS[name], help=help_text, **kw)
+        else:
+            choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}.get(name)
+            group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
+                               metavar=METAVARS.get(name), **kw)
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: cannot parse: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"--config {path}: unknown setting {key!r}")
+        if name == "override":
+            if isinstance(value, dict):
+                value = [f"{k}={v}" for k, v in value.items()]
+            elif isinstance(value, str):
+                value = [value]
+        out[name] = _coerce(name, value, f"--config {path}: {key}")
+    return out
+
+
+def _coerce(name: str, value, where: str):
+    if value is None:
+        return None
+    tp = _field_type(name)
+    if name == "override":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of KEY=VALUE strings")
+        return tuple(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and number and float(value).is_integer():
+        return int(value)
+    if tp is float and number:
+        return float(value)
+    if tp is str and (isinstance(value, str) or number):
+        return str(value)
+    wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's TrainConfig from parsed flags (and the --config file they name)."""
+    given = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("command",)}
+    values = _load_yaml(given.pop("config")) if given.get("config") else {}
+    given.pop("config", None)
+    if "override" in given:  # YAML overrides first, flags after: the last value of a key wins
+        given["override"] = tuple(values.get("override", ())) + tuple(given["override"])
+    values.update(given)
+    try:
+        return TrainConfig(**values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+

@@ -1,0 +1,196 @@
+"""``shardzoo train``: resolve and check every input, then write OUT and run the Trainer.
+
+Everything the user gave (model, overrides, rules, mesh, data, tokenizer, an existing run in
+``--out``, ``--init-from``) is resolved and validated before anything is written, so a bad
+input leaves an existing ``--out`` untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+
+from shardzoo.models import get_model, parse_overrides
+from shardzoo.sharding.errors import UserError
+from shardzoo.sharding.mesh import describe_mesh, make_mesh
+from shardzoo.sharding.rules import get_rules
+from shardzoo.train.checkpoint import (
+    CHECKPOINTS,
+    check_same_model,
+    config_to_dict,
+    hf_module,
+    init_params_from,
+    latest_step,
+    read_meta,
+    resolve_checkpoint,
+)
+from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
+from shardzoo.train.trainer import NonFiniteError, Trainer, check_microbatch, is_main_process, say
+
+STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
+
+
+def init_distributed(cfg: TrainConfig) -> None:
+    """``jax.distributed.initialize`` from the multi-host flags; call before touching devices."""
+    explicit = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    if any(v is not None for v in explicit):
+        if None in explicit:
+            raise ConfigError("--coordinator, --num-processes and --process-id go together")
+        jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
+                                   process_id=cfg.process_id)
+    elif cfg.distributed:
+        jax.distributed.initialize()
+
+
+def default_rules(num_devices: int) -> str:
+    return "fsdp" if num_devices > 1 else "dp"
+
+
+def default_mesh(rules) -> str:
+    return "fsdp=-1" if "fsdp" in rules.mesh_axes_used() else "data=-1"
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated run: everything resolved, nothing written yet."""
+
+    cfg: TrainConfig
+    out: str
+    module: object
+    config: object
+    rules: object
+    opt_rules: object
+    mesh: object
+    tokenizer: object
+    train_data: object
+    eval_data: object
+    resume_step: int | None
+    plan_text: str
+
+
+def prepare(cfg: TrainConfig) -> Prepared:
+    """Resolve and check every input of a run; raises a UserError naming the first bad one."""
+    import datasets
+
+    from shardzoo.data import DataConfig, load_tokenizer, make_datasets
+
+    if not sys.stderr.isatty():  # keep a user error one line on a log
+        datasets.disable_progress_bars()
+    if not cfg.out:
+        raise ConfigError("--out DIR is required")
+    out = os.path.abspath(os.path.expanduser(cfg.out))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    module, config = get_model(cfg.model, **parse_overrides(cfg.override))
+    if getattr(config, "task", None) != "lm":
+        raise ConfigError(f"--model {cfg.model}: train supports language models (task 'lm'), "
+                          f"not task {getattr(config, 'task', None)!r}")
+    max_len = getattr(config, "max_position_embeddings", None)
+    if max_len is not None and cfg.seq_len > max_len:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
+    rules = get_rules(cfg.rules or default_rules(jax.device_count()))
+    opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
+    mesh = make_mesh(cfg.mesh or default_mesh(rules))
+    check_microbatch(cfg.batch_size, cfg.grad_accum, mesh, rules)
+    plan_text = _plan(cfg, config, rules, mesh)
+
+    resume_step = latest_step(os.path.join(out, CHECKPOINTS))
+    if resume_step is not None:
+        where = os.path.join(out, CHECKPOINTS, str(resume_step))
+        check_same_model(read_meta(os.path.join(out, CHECKPOINTS), resume_step), cfg.model,
+                         config_to_dict(config), cfg.optimizer, where)
+    elif cfg.init_from:
+        _check_init_from(cfg.init_from)
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
+                          f"{cfg.model!r} has vocab_size {config.vocab_size}")
+    eval_fraction = cfg.eval_fraction
+    if eval_fraction is None:
+        eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
+    data_config = DataConfig(data=cfg.data, text_column=cfg.text_column, prompt_column=cfg.prompt_column,
+                             completion_column=cfg.completion_column, eval_data=cfg.eval_data,
+                             eval_fraction=eval_fraction, tokenizer=cfg.tokenizer, add_bos=cfg.add_bos)
+    train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
+                                          mesh=mesh, rules=rules, seed=cfg.seed)
+    return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
+                    resume_step, plan_text)
+
+
+def _check_init_from(path: str) -> None:
+    hf = hf_module()
+    if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
+        return
+    try:
+        resolve_checkpoint(path)
+    except UserError as e:
+        raise ConfigError(f"--init-from {e}") from None
+
+
+def _plan(cfg, config, rules, mesh) -> str:
+    """The sharding plan's table (validated strictly: a rule that cannot apply is an error)."""
+    from shardzoo.sharding.plan import plan
+    from shardzoo.sharding.validate import ShardingValidationError
+
+    micro = cfg.batch_size // cfg.grad_accum
+    try:
+        result = plan(config, config.sample_inputs(micro, cfg.seq_len), rules, mesh, name=cfg.model)
+    except ShardingValidationError as e:
+        raise ConfigError(f"rules {rules.name!r} on mesh {describe_mesh(mesh)}: {e.summary()}") from None
+    return result.format()
+
+
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def run(cfg: TrainConfig) -> int:
+    """Validate, then train; 0 when done or preempted, NONFINITE_EXIT on a NaN/Inf step."""
+    init_distributed(cfg)
+    from shardzoo.train.hf_io import with_hf_model
+
+    cfg = with_hf_model(cfg)  # --init-from HF_DIR: that model's config and tokenizer
+    p = prepare(cfg)
+    cfg = dataclasses.replace(cfg, out=p.out)
+    rules_spec = cfg.rules or p.rules.name
+    meta = {"model": cfg.model, "overrides": parse_overrides(cfg.override), "rules": rules_spec,
+            "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec, "tokenizer_saved": True,
+            "data": cfg.data}
+    if is_main_process():  # validated: from here on we write
+        os.makedirs(p.out, exist_ok=True)
+        p.tokenizer.save(os.path.join(p.out, "tokenizer"))
+        _write_json(os.path.join(p.out, "run.json"), {
+            **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
+            "processes": jax.process_count(), "settings": cfg.to_dict(),
+        })
+    init_params = None
+    if cfg.init_from and p.resume_step is None:
+        init_params = lambda target: init_params_from(cfg.init_from, target, p.config, p.mesh, p.rules)
+    say(str(p.rules))
+    if p.opt_rules is not None:
+        say(f"optimizer state: {p.opt_rules}")
+    say(p.plan_text)
+    trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
+                      opt_rules=p.opt_rules, meta=meta, init_params=init_params)
+    say(trainer.describe())
+    say(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
+        f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")
+    try:
+        history = trainer.fit()
+    except NonFiniteError as e:
+        if is_main_process():
+            print(f"shardzoo train: error: {e}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT
+    last = next((r for r in reversed(history) if "loss" in r), None)
+    summary = f"; loss {last['loss']:.4f}" if last else ""
+    say(f"stopped at step {trainer.final_step}{summary}; checkpoint {p.out}/{CHECKPOINTS}/{trainer.last_saved}")
+    return 0

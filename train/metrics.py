@@ -1,0 +1,139 @@
+"""Run metrics: OUT/metrics.jsonl, a tqdm progress bar, TensorBoard events, the loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from shardzoo.sharding.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class PlotError(UserError):
+    """``shardzoo plot`` was pointed at a directory without metrics."""
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl (a torn last line, e.g. after a kill, is skipped)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drop the records after ``last_step`` (a resumed run writes them again)."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
+def _number(value):
+    value = float(value)
+    return value if math.isfinite(value) else str(value)  # NaN/Inf as strings: strict JSON
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step, mirrors it to TensorBoard, drives the progress bar.
+
+    Inactive (writes nothing) on every process but process 0.
+    """
+
+    def __init__(self, out_dir: str, total_steps: int, start_step: int, tensorboard: bool = False,
+                 active: bool = True):
+        self.active = active
+        self.path = os.path.join(out_dir, METRICS_FILE)
+        self.file = self.bar = self.tb = None
+        if not active:
+            return
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True, disable=None, file=sys.stderr)
+
+    def log(self, step: int, values: dict) -> None:
+        """Append ``{"step": step, **values}`` (numbers only) and show the headline figures."""
+        if not self.active:
+            return
+        record = {"step": int(step)}
+        for k, v in values.items():
+            record[k] = v if isinstance(v, str) else _number(v)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, float):
+                    self.tb.add_scalar(k, v, step)
+        shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec") if k in record}
+        if self.bar.disable:
+            print(f"step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
+        else:
+            self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+        self.file = self.bar = self.tb = None
+
+
+def _fmt(v) -> str:
+    return v if isinstance(v, str) else f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+
+
+def plot_losses(run_dir: str, out_path: str | None = None) -> str:
+    """Draw train and eval loss against step from ``RUN/metrics.jsonl`` to a PNG; return its path."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise PlotError(f"{path}: no such file (is {run_dir} a shardzoo run directory?)")
+    records = read_metrics(path)
+    curves = {}
+    for key, label in (("loss", "train"), ("eval_loss", "eval")):
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if points:
+            curves[label] = list(zip(*points, strict=True))
+    if not curves:
+        raise PlotError(f"{path}: no loss values to plot")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    for label, (steps, losses) in curves.items():
+        axis.plot(steps, losses, marker="o" if label == "eval" else None, markersize=4, label=label)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.set_title(os.path.basename(os.path.abspath(run_dir)))
+    axis.grid(alpha=0.3)
+    axis.legend()
+    out_path = out_path or os.path.join(run_dir, PLOT_FILE)
+    fig.savefig(out_path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out_path
