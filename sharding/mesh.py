@@ -84,7 +84,7 @@ def make_abstract_mesh(spec, num_devices: int | None = None) -> AbstractMesh:
 
 
 def mesh_shape(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def describe_mesh(mesh) -> str:
