@@ -68,6 +68,8 @@ class TrainConfig:
     num_processes: int | None = None
     process_id: int | None = None
     distributed: bool = False
+    distributed_timeout: int = 300
+    heartbeat_timeout: int = 100
     # test aids
     debug_nan_at_step: int | None = None
     debug_batch_hash: bool = False
@@ -138,6 +140,8 @@ HELP = {
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's id",
     "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
+    "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
+    "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
     "debug_nan_at_step": "test aid: make the loss and gradient of this step NaN",
     "debug_batch_hash": "test aid: log a hash of each step's batch in metrics.jsonl",
     "debug_step_delay": "test aid: sleep this many seconds after each step",

@@ -37,13 +37,15 @@ STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data
 def init_distributed(cfg: TrainConfig) -> None:
     """``jax.distributed.initialize`` from the multi-host flags; call before touching devices."""
     explicit = (cfg.coordinator, cfg.num_processes, cfg.process_id)
+    timeouts = dict(initialization_timeout=cfg.distributed_timeout,
+                    heartbeat_timeout_seconds=cfg.heartbeat_timeout)
     if any(v is not None for v in explicit):
         if None in explicit:
             raise ConfigError("--coordinator, --num-processes and --process-id go together")
         jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
-                                   process_id=cfg.process_id)
+                                   process_id=cfg.process_id, **timeouts)
     elif cfg.distributed:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
 
 
 def default_rules(num_devices: int) -> str:

@@ -72,9 +72,14 @@ def say(*args) -> None:
 
 def batch_hash(batch) -> str:
     """A short hash of a batch's tokens and weights (the debug aid that proves resume order)."""
+    from jax.experimental import multihost_utils
+
     h = hashlib.sha1()
     for key in ("inputs", "targets", "weights"):
-        h.update(np.ascontiguousarray(np.asarray(batch[key])).tobytes())
+        x = batch[key]
+        if jax.process_count() > 1:  # the global batch spans other processes' devices
+            x = multihost_utils.process_allgather(x, tiled=True)
+        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
     return h.hexdigest()[:16]
 
 

@@ -1,14 +1,11 @@
 """Shared pieces of the multi-host tests: the real ``shardzoo train`` in separate processes.
 
-Every run goes through LAUNCHER, which calls ``shardzoo.cli.main`` unchanged, plus two test aids
-switched on by environment variables:
+Every run goes through LAUNCHER, which calls ``shardzoo.cli.main`` unchanged, plus a test aid
+switched on by an environment variable:
 
 - ``SZ_TEST_ROWS=PREFIX``: every call of ``jax.make_array_from_process_local_data`` (the point
   where a process hands its part of a global batch to JAX) appends the hashes of the rows this
   process supplied to ``PREFIX.p<process index>.jsonl``; it observes, and changes nothing.
-- ``SZ_TEST_INIT_TIMEOUT`` / ``SZ_TEST_HEARTBEAT`` (seconds): ``jax.distributed.initialize``'s
-  ``initialization_timeout`` / ``heartbeat_timeout_seconds``, which the trainer does not expose
-  (jax's defaults are 300 s and 100 s, too long for a test).
 """
 
 import json
@@ -24,16 +21,8 @@ import pytest
 
 LAUNCHER = textwrap.dedent(
     """
-    import functools, hashlib, json, os, sys
+    import hashlib, json, os, sys
     import jax
-
-    timeouts = {}
-    if os.environ.get("SZ_TEST_INIT_TIMEOUT"):
-        timeouts["initialization_timeout"] = int(os.environ["SZ_TEST_INIT_TIMEOUT"])
-    if os.environ.get("SZ_TEST_HEARTBEAT"):
-        timeouts["heartbeat_timeout_seconds"] = int(os.environ["SZ_TEST_HEARTBEAT"])
-    if timeouts:
-        jax.distributed.initialize = functools.partial(jax.distributed.initialize, **timeouts)
 
     if os.environ.get("SZ_TEST_ROWS"):
         original = jax.make_array_from_process_local_data
@@ -73,8 +62,8 @@ class Runner:
                 *TINY, *extra]
 
     def env(self, devices: int, **aids) -> dict:
-        """``devices`` fake CPU devices, offline, a shared compile cache; ``aids``: rows=PREFIX,
-        init_timeout=S, heartbeat=S (see LAUNCHER)."""
+        """``devices`` fake CPU devices, offline, a shared compile cache; ``aids``: rows=PREFIX
+        (see LAUNCHER)."""
         e = {k: v for k, v in os.environ.items() if not k.startswith("SZ_TEST_")}
         e.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                  HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",

@@ -1,8 +1,8 @@
 """A multi-process run whose peer dies, or never comes, ends with an error in bounded time
 instead of hanging.
 
-jax's own timeouts do the bounding (``initialization_timeout``, ``heartbeat_timeout_seconds``);
-the trainer does not expose them, so the test launcher shortens them (see conftest.py).
+jax's own timeouts do the bounding (``initialization_timeout``, ``heartbeat_timeout_seconds``),
+set from ``shardzoo train --distributed-timeout / --heartbeat-timeout``.
 """
 
 import os
@@ -35,8 +35,8 @@ def lone(runner):
     Started before the kill test's pair, so the two waits overlap."""
     out = runner.root / "lone"
     proc = runner.start("lone", out, *LONG_RUN, "--coordinator", f"127.0.0.1:{runner.free_port()}",
-                        "--num-processes", "2", "--process-id", "0", devices=4,
-                        init_timeout=INIT_TIMEOUT)
+                        "--num-processes", "2", "--process-id", "0",
+                        "--distributed-timeout", str(INIT_TIMEOUT), devices=4)
     yield proc, time.monotonic(), out
     runner.finish([proc], timeout=0.1)
 
@@ -45,7 +45,7 @@ def test_survivor_of_a_killed_process_exits_with_an_error(runner, lone):
     """kill -9 process 1 once both have initialised: process 0 exits non-zero within the
     heartbeat timeout (+ slack), saying that another process died."""
     out = runner.root / "killed"
-    procs = runner.start_pair("killed", out, *LONG_RUN, heartbeat=HEARTBEAT)
+    procs = runner.start_pair("killed", out, *LONG_RUN, "--heartbeat-timeout", str(HEARTBEAT))
     try:
         _wait_for("rule table", "killed.0", runner, procs)  # printed after jax.distributed init
         os.kill(procs[1].pid, signal.SIGKILL)
