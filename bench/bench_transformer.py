@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import plain_llama  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
@@ -109,66 +110,88 @@ def compile_seconds(layers: int) -> float:
     return time.perf_counter() - t
 
 
+PLAIN = "plain JAX, hand-written (bench/plain_llama.py)"
+FLOOR = "plain JAX without attention (a floor, not a model)"
+
+
+def _runner(step, state, tokens):
+    """A no-argument callable running one step of a jitted JAX ``step`` to completion."""
+    box = list(state)
+
+    def run():
+        *box[:], loss = step(*box, tokens)
+        loss.block_until_ready()
+
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
     tokens_np = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (BATCH, LENGTH + 1))
-    step, init = jax_train_step(CONFIG)
-    params, opt_state = jax.jit(init)(jax.random.key(0))
     tokens = jnp.asarray(tokens_np, jnp.int32)
+    runs = {}  # name -> one step, run to completion
+    for name, config in [
+        ("shardzoo (JAX), scanned layers: the default", CONFIG),
+        ("shardzoo, unrolled layers", dataclasses.replace(CONFIG, scan_layers=False)),
+        ("shardzoo, fuse_projections=false (before)", dataclasses.replace(CONFIG, fuse_projections=False)),
+    ]:
+        step, init = jax_train_step(config)
+        runs[name] = _runner(step, jax.jit(init)(jax.random.key(0)), tokens)
+    for name, attention in [(PLAIN, True), (FLOOR, False)]:
+        step, init = plain_llama.train_step(CONFIG, LR, attention)
+        runs[name] = _runner(step, jax.jit(init)(jax.random.key(0)), tokens)
     torch_step, to_torch = torch_train_step(CONFIG)
     tokens_t = to_torch(tokens_np.astype(np.int64))
+    hf_name = "HF LlamaForCausalLM (torch)"
+    runs[hf_name] = lambda: torch_step(tokens_t)
 
-    # warm-up (compiles the JAX step)
-    params, opt_state, loss = step(params, opt_state, tokens)
-    loss.block_until_ready()
-    torch_step(tokens_t)
-
-    jax_times, torch_times = [], []
+    for run in runs.values():  # warm-up (compiles the JAX steps)
+        run()
+    times = {name: [] for name in runs}
     for _ in range(args.rounds):
-        t = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, tokens)
-        loss.block_until_ready()
-        jax_times.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        torch_step(tokens_t)
-        torch_times.append(time.perf_counter() - t)
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
 
     peak = matmul_peak()
     compile_2, compile_32 = compile_seconds(2), compile_seconds(32)
 
-    tokens_per_step = BATCH * LENGTH
-    jax_s, torch_s = statistics.median(jax_times), statistics.median(torch_times)
-    flops_per_step = CONFIG.flops_per_token(LENGTH) * tokens_per_step
-    model_flops = flops_per_step / jax_s
-    torch_flops = flops_per_step / torch_s
-
     import torch
     import transformers
 
+    tokens_per_step = BATCH * LENGTH
+    flops_per_step = CONFIG.flops_per_token(LENGTH) * tokens_per_step
+    median = {name: statistics.median(t) for name, t in times.items()}
+    ours, hf = next(iter(median)), hf_name
     print("## Transformer train step (CPU, one device)\n")
     print(f"Llama: hidden {CONFIG.hidden_size}, intermediate {CONFIG.intermediate_size}, "
           f"{CONFIG.num_hidden_layers} layers, {CONFIG.num_attention_heads} heads / "
           f"{CONFIG.num_key_value_heads} kv heads, vocab {CONFIG.vocab_size}, untied, "
           f"{CONFIG.num_params() / 1e6:.1f}M params; batch {BATCH} x length {LENGTH}, float32, AdamW, "
-          f"scanned layers, remat none. {args.rounds} interleaved rounds after one warm-up each; medians.\n")
+          f"remat none. {args.rounds} interleaved rounds (every row once per round) after one "
+          "warm-up each; medians.\n")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average at the end {os.getloadavg()[0]:.1f}; jax {jax.__version__}, "
           f"torch {torch.__version__} (2 threads), transformers {transformers.__version__}.\n")
-    print("| | step (s) | tokens/s | model FLOP/s | of matmul peak |")
-    print("|---|---|---|---|---|")
-    print(f"| shardzoo (JAX) | {jax_s:.3f} | {tokens_per_step / jax_s:,.0f} | "
-          f"{model_flops / 1e9:.1f} G | {model_flops / peak:.0%} |")
-    print(f"| HF LlamaForCausalLM (torch) | {torch_s:.3f} | {tokens_per_step / torch_s:,.0f} | "
-          f"{torch_flops / 1e9:.1f} G | {torch_flops / peak:.0%} |")
-    print(f"\n- Speed-up over HF: **{torch_s / jax_s:.2f}x** (goal >= 1.2x); "
-          f"JAX step times {', '.join(f'{t:.2f}' for t in jax_times)} s, "
-          f"torch {', '.join(f'{t:.2f}' for t in torch_times)} s.")
-    print(f"- Matmul peak (jnp.dot 2048x2048 float32): {peak / 1e9:.1f} GFLOP/s; model FLOP/s "
-          f"{model_flops / peak:.0%} of it (goal >= 40%). FLOPs/token {CONFIG.flops_per_token(LENGTH) / 1e6:.1f}M "
-          f"(6 x matmul params + causal attention, MaxText's formula).")
+    print("| | step (s) | tokens/s | model FLOP/s | of matmul peak | vs HF |")
+    print("|---|---|---|---|---|---|")
+    for name, sec in median.items():
+        flops = flops_per_step / sec
+        print(f"| {name} | {sec:.3f} | {tokens_per_step / sec:,.0f} | {flops / 1e9:.1f} G | "
+              f"{flops / peak:.0%} | {median[hf] / sec:.2f}x |")
+    print(f"\n- Speed-up of the default over HF: **{median[hf] / median[ours]:.2f}x** (goal >= 1.2x); "
+          f"over the hand-written plain JAX step: {median[PLAIN] / median[ours]:.2f}x; the plain step "
+          f"without any attention is {median[hf] / median[FLOOR]:.2f}x HF.")
+    print("- Step times (s), by row: " + "; ".join(
+        f"{i}: {', '.join(f'{t:.2f}' for t in ts)}" for i, ts in enumerate(times.values(), 1)) + ".")
+    print(f"- Matmul peak (jnp.dot 2048x2048 float32): {peak / 1e9:.1f} GFLOP/s; the default's model "
+          f"FLOP/s is {flops_per_step / median[ours] / peak:.0%} of it (goal >= 40%). FLOPs/token "
+          f"{CONFIG.flops_per_token(LENGTH) / 1e6:.1f}M (6 x matmul params + causal attention, "
+          "MaxText's formula).")
     print(f"- Compile (lower + compile) of the scanned train step: {compile_2:.1f} s at 2 layers, "
           f"{compile_32:.1f} s at 32 layers: **{compile_32 / compile_2:.2f}x** (goal <= 1.5x).")
 

@@ -82,6 +82,7 @@ class Linear(nn.Module):
 
     ``axes`` names the kernel's dimensions; its last ``len(features)`` are the outputs, the rest
     contract with the last dimensions of ``x``. (Not ``nn.DenseGeneral``: see JAX_NOTES.)
+    ``weights`` creates (or reads) the parameters without applying them, for ``fused``.
     """
 
     features: tuple[int, ...]
@@ -91,22 +92,46 @@ class Linear(nn.Module):
     param_dtype: str = "float32"
     init_std: float = 0.02
 
+    @property
+    def n_in(self) -> int:
+        return len(self.axes) - len(self.features)
+
     @nn.compact
-    def __call__(self, x):
-        n_in = len(self.axes) - len(self.features)
-        shape = tuple(x.shape[x.ndim - n_in:]) + tuple(self.features)
+    def weights(self, in_shape: tuple[int, ...]):
+        """(kernel, bias or None) in the compute dtype; ``in_shape`` is the contracted dims."""
         init = nn.initializers.normal(stddev=self.init_std)
         pdt, dt = dtype_of(self.param_dtype), dtype_of(self.dtype)
+        shape = tuple(in_shape) + tuple(self.features)
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape, pdt)
-        y = jnp.tensordot(x.astype(dt), kernel.astype(dt), axes=n_in)
+        bias = None
         if self.use_bias:
-            bias_axes = self.axes[n_in:]
             bias = self.param(
-                "bias", nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[self.n_in:]),
                 tuple(self.features), pdt,
-            )
-            y = y + bias.astype(dt)
-        return y
+            ).astype(dt)
+        return kernel.astype(dt), bias
+
+    def __call__(self, x):
+        kernel, bias = self.weights(x.shape[x.ndim - self.n_in:])
+        y = jnp.tensordot(x.astype(dtype_of(self.dtype)), kernel, axes=self.n_in)
+        return y if bias is None else y + bias
+
+
+def fused(linears, x):
+    """``[lin(x) for lin in linears]`` as one matmul; the linears must have equal shapes.
+
+    The kernels are stacked on a new leading axis (not concatenated), so a sharded output axis
+    stays sharded as it is and the parameters keep their own names; on CPU one wide matmul
+    beats two narrow ones (``bench/bench_transformer.py``).
+    """
+    first = linears[0]
+    weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
+    kernel = jnp.stack([k for k, _ in weights])  # [n, inputs..., features...]
+    y = jnp.tensordot(x.astype(kernel.dtype), kernel, axes=(
+        tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
+    # y: [batch..., n, features...]
+    outs = [jnp.take(y, i, axis=x.ndim - first.n_in) for i in range(len(linears))]
+    return [o if b is None else o + b for o, (_, b) in zip(outs, weights, strict=True)]
 
 
 class Embed(nn.Module):
@@ -221,8 +246,9 @@ class Attention(nn.Module):
         nh, nkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
         q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), cfg.attention_bias, name="q", **kw)(x)
-        k = Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name="k", **kw)(x)
-        v = Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name="v", **kw)(x)
+        kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name=n, **kw)
+              for n in ("k", "v")]
+        k, v = fused(kv, x) if cfg.fuse_projections else (kv[0](x), kv[1](x))
         if cfg.position_embedding == "rope":
             inv_freq = rope_inv_freq(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -287,6 +313,25 @@ def activation(name: str):
     return acts[name]
 
 
+@jax.custom_vjp
+def swiglu(gate, up):
+    """``silu(gate) * up`` with a hand-written backward (one fused pass on CPU)."""
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, g):
+    gate, up = res
+    sig = jax.nn.sigmoid(gate)
+    return g * up * sig * (1 + gate * (1 - sig)), g * gate * sig
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class MLP(nn.Module):
     """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
 
@@ -297,12 +342,15 @@ class MLP(nn.Module):
         cfg = self.config
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
         act = activation(cfg.hidden_act)
-        up = Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name="up", **kw)(x)
+        def linear(name):
+            return Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name=name, **kw)
+
         if cfg.mlp_type == "gated":
-            gate = Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name="gate", **kw)(x)
-            h = act(gate) * up
+            up, gate = linear("up"), linear("gate")
+            up, gate = fused([up, gate], x) if cfg.fuse_projections else (up(x), gate(x))
+            h = swiglu(gate, up) if cfg.hidden_act in ("silu", "swish") else act(gate) * up
         else:
-            h = act(up)
+            h = act(linear("up")(x))
         h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP)), "mlp_hidden")
         out = Linear((cfg.hidden_size,), (ax.MLP, ax.EMBED), cfg.mlp_bias, name="down", **kw)(h)
         return checkpoint_name(out, "mlp_out")  # [batch, length, embed]

@@ -75,6 +75,7 @@ class TransformerConfig:
     scan_layers: bool = True
     remat_policy: str = "none"
     attention_impl: str = "auto"
+    fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     num_local_experts: int = 0  # 0: dense MLPs
     num_experts_per_tok: int = 2
     moe_layer_freq: int = 1  # layer i is MoE iff (i + 1) % moe_layer_freq == 0

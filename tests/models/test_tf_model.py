@@ -9,7 +9,7 @@ import pytest
 from flax import linen as nn
 
 from shardzoo.models import ModelError, get_config, get_model, list_models
-from shardzoo.models.layers import apply_rope, rope_inv_freq
+from shardzoo.models.layers import apply_rope, rope_inv_freq, swiglu
 from shardzoo.models.transformer import PRESETS, REMAT_POLICIES
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_abstract_mesh
@@ -71,6 +71,41 @@ def test_scanned_and_unrolled_layers_agree():
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     np.testing.assert_allclose(grads_u["embed"]["embedding"], grads_s["embed"]["embedding"], atol=1e-5)
     assert float(jnp.abs(grads_s["layers"]["attn"]["q"]["kernel"]).max()) > 0
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "gpt2-tiny"])
+def test_fused_projections_equal_separate_ones(name):
+    """k|v and up|gate as one stacked matmul: same parameters, logits and gradients (1e-5)."""
+    fused, config = get_model(name, fuse_projections=True, **TINY)
+    separate, _ = get_model(name, fuse_projections=False, **TINY)
+    x = _tokens(3)
+    params = _init(separate, x)
+    assert jax.tree.structure(_init(fused, x)) == jax.tree.structure(params)
+    if config.attention_bias:  # the biases take part: make them non-zero
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, params)
+    cotangent = jax.random.normal(jax.random.key(9), (B, L, TINY["vocab_size"]))
+
+    def logits_and_grads(module, p):
+        logits, vjp = jax.vjp(lambda p: module.apply({"params": p}, x), p)
+        return logits, vjp(cotangent)[0]
+
+    (lf, gf), (ls, gs) = _jit(lambda p: (logits_and_grads(fused, p), logits_and_grads(separate, p)), params)
+    np.testing.assert_allclose(lf, ls, atol=1e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(gf), jax.tree.leaves(gs), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    text = str(jax.make_jaxpr(lambda p: fused.apply({"params": p}, x))(params))
+    assert text.count("dot_general") < str(
+        jax.make_jaxpr(lambda p: separate.apply({"params": p}, x))(params)).count("dot_general")
+
+
+def test_swiglu_backward_equals_autodiff():
+    gate, up, g = (jax.random.normal(jax.random.key(i), (4, 64)) * 3 for i in range(3))
+    want = jax.vjp(lambda a, b: jax.nn.silu(a) * b, gate, up)[1](g)
+    out, vjp = jax.vjp(swiglu, gate, up)
+    np.testing.assert_allclose(out, jax.nn.silu(gate) * up, atol=1e-6, rtol=0)
+    for got, ref in zip(vjp(g), want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-6)
 
 
 def test_every_remat_policy_gives_the_same_gradients():

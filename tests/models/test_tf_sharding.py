@@ -93,3 +93,30 @@ def test_losses_match_single_device(model, preset):
     assert batch_sharding.spec[0] is not None  # the batch is split
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
     assert reference[-1] < reference[0]  # the steps train
+
+
+def test_fused_projections_add_no_collectives_under_tp():
+    """Stacking k|v and up|gate keeps their heads/mlp sharding: no collective is added."""
+    mesh, rules = make_mesh("data=4,tensor=2"), get_rules("tp")
+    x = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    counts = {}
+    for fuse in (True, False):
+        module, _ = get_model("llama-tiny", fuse_projections=fuse, **TINY)
+        boxed = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
+        abstract = nn.unbox(boxed)  # outside the mesh context: unbox would constrain there
+        with activate(mesh, rules):
+            shardings = logical_shardings(boxed, mesh, rules)
+            batch_sharding = spec_to_sharding((ax.BATCH, None), mesh, rules)
+
+            def loss(p, tokens, module=module):
+                return module.apply({"params": p}, tokens).mean()
+
+            params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract, shardings)
+            tokens = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
+            hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile(compiler_options=FAST).as_text()
+        counts[fuse] = {op: hlo.count(f" {op}(") for op in ("all-gather", "all-reduce", "all-to-all",
+                                                           "collective-permute")}
+    assert counts[False]["all-reduce"] > 0  # tensor parallelism does communicate
+    for op, n in counts[True].items():
+        assert n <= counts[False][op], (op, counts)
