@@ -116,29 +116,38 @@ def top_k(probs, k: int):
     return jnp.take_along_axis(probs, idx, axis=-1), idx
 
 
-def router_losses(logits, probs, top_idx):
+def router_losses(logits, probs, top_idx, token_mask=None):
     """(load_balance, z_loss) of router ``logits`` [..., expert] and its top-k choices.
 
     load_balance = num_experts * sum_e f_e * P_e as HF Mixtral's ``load_balancing_loss_func``:
     f_e = top-k assignments to e per token (summed over the k choices, so it equals k at
     perfect balance), P_e = mean router probability of e. z_loss = mean logsumexp(logits)^2.
+    Means are over the tokens where ``token_mask`` [...] is true (all without one), as HF's
+    with an attention mask: padding does not count.
     """
     num_experts = logits.shape[-1]
+    w = jnp.ones(logits.shape[:-1], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+    w = w.reshape(-1) / jnp.maximum(w.sum(), 1.0)  # [tokens], sums to 1
     f = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.float32).sum(-2)  # [..., expert]
-    f = f.reshape(-1, num_experts).mean(0)  # [expert]
-    p = probs.reshape(-1, num_experts).mean(0)  # [expert]
-    z = jax.nn.logsumexp(logits, axis=-1)
-    return num_experts * jnp.sum(f * p), jnp.mean(z**2)
+    f = w @ f.reshape(-1, num_experts)  # [expert]
+    p = w @ probs.reshape(-1, num_experts)  # [expert]
+    z = jax.nn.logsumexp(logits, axis=-1).reshape(-1)
+    return num_experts * jnp.sum(f * p), jnp.sum(w * z**2)
 
 
-def capacity_masks(top_idx, top_p, num_experts: int, capacity: int):
+def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=None):
     """GShard dispatch and combine tensors with one group per batch row.
 
-    top_idx, top_p: [batch, length, k]. Returns dispatch (0/1) and combine (gate weights), both
-    [batch, length, expert, capacity], and the fraction of the batch*length*k assignments dropped.
+    top_idx, top_p: [batch, length, k]; token_mask [batch, length]: tokens to route (padding is
+    not: it takes no slot). Returns dispatch (0/1) and combine (gate weights), both
+    [batch, length, expert, capacity], and the fraction of the routed tokens' assignments dropped.
     """
     b, length, k = top_idx.shape
     mask = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.int32)  # [batch, length, k, expert]
+    routed = b * length
+    if token_mask is not None:
+        mask = mask * token_mask[:, :, None, None].astype(jnp.int32)
+        routed = jnp.maximum(token_mask.sum(), 1)
     # Priority order within a row: all top-1 choices in token order, then all top-2 choices, ...
     by_choice = mask.transpose(0, 2, 1, 3).reshape(b, k * length, num_experts)  # [batch, k*length, expert]
     filled = jnp.cumsum(by_choice, axis=1) * by_choice  # 1-based slot where assigned, else 0
@@ -147,7 +156,7 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int):
     dispatch = jax.nn.one_hot(filled - 1, capacity, dtype=jnp.float32)  # [batch, length, expert, capacity]
     gate = (mask * top_p[..., None]).sum(2)  # [batch, length, expert]
     combine = dispatch * gate[..., None]
-    dropped = 1.0 - dispatch.sum() / (b * length * k)
+    dropped = 1.0 - dispatch.sum() / (routed * k)
     return dispatch, combine, dropped
 
 
@@ -256,7 +265,8 @@ class MoeMLP(nn.Module):
     config: MoeConfig
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
+    def __call__(self, x, deterministic: bool = True, token_mask=None):
+        """``token_mask`` [batch, length]: the real tokens (padding takes no slot, no loss)."""
         cfg = self.config
         _, length, embed = x.shape
         num_experts, k, mlp = cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size
@@ -282,7 +292,7 @@ class MoeMLP(nn.Module):
         top_p, top_idx = top_k(probs, k)  # [batch, length, k]
         if cfg.norm_topk_prob:
             top_p = top_p / top_p.sum(-1, keepdims=True)
-        load_balance, z_loss = router_losses(logits, probs, top_idx)
+        load_balance, z_loss = router_losses(logits, probs, top_idx, token_mask)
 
         def expert_param(name, shape, names):
             w = self.param(name, nn.with_logical_partitioning(init, names), shape, param_dtype)
@@ -297,7 +307,8 @@ class MoeMLP(nn.Module):
             y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act)
             dropped = jnp.zeros((), jnp.float32)
         else:
-            dispatch, combine, dropped = capacity_masks(top_idx, top_p, num_experts, cfg.capacity(length))
+            dispatch, combine, dropped = capacity_masks(
+                top_idx, top_p, num_experts, cfg.capacity(length), token_mask)
             dispatch, combine = dispatch.astype(dtype), combine.astype(dtype)
             # init runs the einsum path (same params, same output), so a shard_map layer can be
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).

@@ -203,7 +203,8 @@ class Block(nn.Module):
         if self.use_moe:
             from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
 
-            h = MoeMLP(config=cfg.moe_config(), name="moe")(h, self.deterministic)
+            token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
+            h = MoeMLP(config=cfg.moe_config(), name="moe")(h, self.deterministic, token_mask)
         else:
             h = MLP(cfg, name="mlp")(h)
         x = constrain(x + h, BLE)  # [batch, length, embed]

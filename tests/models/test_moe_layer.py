@@ -152,6 +152,34 @@ def test_capacity_drops_hand_worked_example(dispatch):
     np.testing.assert_allclose(dropped, 4 / 12, rtol=1e-6)  # 4 of 6*2 assignments per row
 
 
+def test_padding_takes_no_slot_and_no_loss():
+    """Masked tokens (padding) are not routed: a real token gets the slot, losses skip them."""
+    cfg = MoeConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=M, capacity_factor=0.5)
+    x = np.random.default_rng(3).normal(size=(2, 6, D)).astype(np.float32)
+    x[:, :, :4] = HAND_LOGITS
+    params = make_params(num_experts=4)
+    params["router"]["kernel"] = np.eye(D, 4, dtype=np.float32)
+    mask = np.ones((2, 6), bool)
+    mask[:, 0] = False  # t0 is padding: its top-1 slot in e0 goes to t2 (unrouted before)
+    apply = jit(lambda p, x, m: MoeMLP(cfg).apply({"params": p}, x, token_mask=m,
+                                                  mutable=["losses", "metrics"]))
+    y, state = apply(params, x, mask)
+    y_all, _ = apply(params, x, np.ones_like(mask))
+    assert np.all(np.asarray(y_all[:, 2]) == 0.0) and np.all(np.abs(np.asarray(y[:, 2])).sum(-1) > 0)
+    assert np.all(np.asarray(y[:, 0]) == 0.0)  # padding gets nothing
+    # routed t1..t5 by hand: top-1 t1,t2->e0 t3,t5->e1 t4->e2; top-2 t1->e2 t4,t5->e3, and
+    # t2->e1, t3->e0 find their experts full: 2 of the 10 real assignments dropped
+    np.testing.assert_allclose(state["metrics"]["dropped_fraction"][0], 2 / 10, rtol=1e-6)
+    # the losses are those of the real tokens alone
+    cfg_free = dataclasses.replace(cfg, capacity_factor=4.0)
+    _, masked = jit(lambda p, x, m: MoeMLP(cfg_free).apply({"params": p}, x, token_mask=m,
+                                                           mutable=["metrics"]))(params, x, mask)
+    _, alone = jit(lambda p, x: MoeMLP(cfg_free).apply({"params": p}, x, mutable=["metrics"]))(
+        params, x[:, 1:])
+    for name in ("load_balance_loss", "router_z_loss"):
+        np.testing.assert_allclose(masked["metrics"][name][0], alone["metrics"][name][0], rtol=1e-6)
+
+
 def test_router_losses_match_numpy_formula():
     cfg = dataclasses.replace(CFG, aux_loss_coef=0.03, z_loss_coef=0.002)
     x = np.random.default_rng(4).normal(size=(2, 8, D)).astype(np.float32)
@@ -247,3 +275,29 @@ def test_bad_config_is_a_user_error():
         MoeConfig(dispatch="sorted")
     with pytest.raises(MoeError, match="num_experts_per_tok=3"):
         MoeConfig(num_experts=2, num_experts_per_tok=3)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_padding_ids_change_nothing_in_an_moe_transformer(dispatch):
+    """Packed rows end in padding (segment 0): its token ids reach neither the real tokens'
+    logits (attention and expert capacity) nor the router losses."""
+    from shardzoo.models import get_model
+
+    module, config = get_model("mixtral-tiny", moe_dispatch=dispatch, capacity_factor=0.5,
+                               num_hidden_layers=1)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, config.vocab_size, (2, 16))
+    segments = np.array([[1] * 10 + [0] * 6, [1] * 5 + [2] * 7 + [0] * 4])
+    positions = np.concatenate([np.arange(10), np.arange(6), np.arange(5), np.arange(11)]).reshape(2, 16)
+    other = np.where(segments > 0, tokens, rng.integers(0, config.vocab_size, tokens.shape))
+    params = jit(module.init)(jax.random.key(0), tokens[:, :8])["params"]
+
+    def run(p, t):
+        return module.apply({"params": p}, t, positions, segments, mutable=["losses", "metrics"])
+
+    (a, sa), (b, sb) = jit(lambda p: (run(p, tokens), run(p, other)))(params)
+    real = segments > 0
+    np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], atol=1e-6, rtol=0)
+    assert not np.allclose(np.asarray(a)[~real], np.asarray(b)[~real])  # padding ids did differ
+    for got, want in zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
