@@ -26,7 +26,6 @@ from shardzoo.models.hf_config import (  # noqa: F401  (re-exported: hf is the p
     ROPE_TYPES,
     SUPPORTED,
     HFError,
-    _hf_model_type,
     config_from_hf,
     config_to_hf,
     is_hf_dir,

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import get_model
+from shardzoo.models.hf import abstract_params
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate, logical_shardings, spec_to_sharding
@@ -101,19 +102,15 @@ def test_fused_projections_add_no_collectives_under_tp():
     x = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
     counts = {}
     for fuse in (True, False):
-        module, _ = get_model("llama-tiny", fuse_projections=fuse, **TINY)
-        boxed = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
-        abstract = nn.unbox(boxed)  # outside the mesh context: unbox would constrain there
+        module, config = get_model("llama-tiny", fuse_projections=fuse, **TINY)
+        params = abstract_params(module, config, mesh, rules)  # ShapeDtypeStructs with shardings
         with activate(mesh, rules):
-            shardings = logical_shardings(boxed, mesh, rules)
-            batch_sharding = spec_to_sharding((ax.BATCH, None), mesh, rules)
+            tokens = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                          sharding=spec_to_sharding((ax.BATCH, None), mesh, rules))
 
             def loss(p, tokens, module=module):
                 return module.apply({"params": p}, tokens).mean()
 
-            params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract, shardings)
-            tokens = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding)
             hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile(compiler_options=FAST).as_text()
         counts[fuse] = {op: hlo.count(f" {op}(") for op in ("all-gather", "all-reduce", "all-to-all",
                                                            "collective-permute")}
