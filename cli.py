@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 
 # --------------------------------------------------------------------------- plan

@@ -1,6 +1,6 @@
 """The one error type of the data pipeline."""
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 
 class DataError(UserError):

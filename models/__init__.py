@@ -7,7 +7,7 @@ import importlib
 import types
 import typing
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 _FAMILY_MODULES = ("shardzoo.models.mlp", "shardzoo.models.transformer", "shardzoo.models.moe")
 _REGISTRY: dict = {}

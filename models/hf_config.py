@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
 # The zoo preset each family's imported config is recorded against (with every field overridden).

@@ -40,7 +40,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.partition import mesh_axes_of
 
 DISPATCHES = ("capacity", "dropless", "shard_map")

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.rules import MESH_AXES
 
 

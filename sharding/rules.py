@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 DATA, FSDP, SEQUENCE, TENSOR, EXPERT = "data", "fsdp", "sequence", "tensor", "expert"
 # Outermost (slowest links, e.g. across hosts) to innermost (fastest, e.g. NVLink).

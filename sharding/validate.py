@@ -32,7 +32,7 @@ from flax.linen import spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.rules import Rules, get_rules
 
 

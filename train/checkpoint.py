@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from flax import linen as nn
 
 from shardzoo.models import apply_overrides, get_config
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import make_mesh
 from shardzoo.sharding.partition import logical_shardings
 from shardzoo.sharding.rules import get_rules

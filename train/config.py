@@ -11,7 +11,7 @@ import dataclasses
 import math
 import typing
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")

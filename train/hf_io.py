@@ -18,7 +18,7 @@ import numpy as np
 
 from shardzoo.models import hf
 from shardzoo.models.decode import generate
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules

@@ -15,7 +15,7 @@ import sys
 import jax
 
 from shardzoo.models import get_model, parse_overrides
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import (

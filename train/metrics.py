@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

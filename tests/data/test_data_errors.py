@@ -5,7 +5,7 @@ import json
 import pytest
 
 from shardzoo.data import DataConfig, DataError, load_tokenizer, make_datasets
-from shardzoo.sharding.errors import UserError
+from shardzoo.errors import UserError
 
 TOK = load_tokenizer("byte")
 
