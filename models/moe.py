@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from shardzoo.sharding import axes as ax
 from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
 from shardzoo.sharding.partition import mesh_axes_of
 
 DISPATCHES = ("capacity", "dropless", "shard_map")

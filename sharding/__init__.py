@@ -1,7 +1,7 @@
 """Logical axis names, rule tables, meshes, validation and sharding plans."""
 
-from shardzoo.sharding import axes
 from shardzoo.errors import UserError
+from shardzoo.sharding import axes
 from shardzoo.sharding.mesh import (
     MeshError,
     describe_mesh,

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 
-from shardzoo.sharding.activations import ActivationEstimate, estimate_activation_bytes
 from shardzoo.errors import UserError
+from shardzoo.sharding.activations import ActivationEstimate, estimate_activation_bytes
 from shardzoo.sharding.mesh import make_abstract_mesh, make_mesh, mesh_shape, parse_mesh_spec
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import Rules, get_rules

@@ -12,8 +12,8 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
-from shardzoo.sharding import axes as ax
 from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
 
 DATA, FSDP, SEQUENCE, TENSOR, EXPERT = "data", "fsdp", "sequence", "tensor", "expert"
 # Outermost (slowest links, e.g. across hosts) to innermost (fastest, e.g. NVLink).

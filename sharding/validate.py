@@ -31,8 +31,8 @@ from flax import linen as nn
 from flax.linen import spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardzoo.sharding import axes as ax
 from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
 from shardzoo.sharding.rules import Rules, get_rules
 
 

@@ -24,8 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import linen as nn
 
-from shardzoo.models import apply_overrides, get_config
 from shardzoo.errors import UserError
+from shardzoo.models import apply_overrides, get_config
 from shardzoo.sharding.mesh import make_mesh
 from shardzoo.sharding.partition import logical_shardings
 from shardzoo.sharding.rules import get_rules

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardzoo.errors import UserError
 from shardzoo.models import hf
 from shardzoo.models.decode import generate
-from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules

@@ -14,8 +14,8 @@ import sys
 
 import jax
 
-from shardzoo.models import get_model, parse_overrides
 from shardzoo.errors import UserError
+from shardzoo.models import get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import (
