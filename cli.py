@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from shardzoo.errors import UserError
+from shardzoo.train.config import OPTIMIZERS
 
 
 # --------------------------------------------------------------------------- plan
@@ -31,21 +32,26 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also compile the train step ahead of time on the local devices (their "
                         "count must equal the mesh's) and report XLA's memory and collectives")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="the run's optimizer: its state is planned and compiled (default: adamw)")
+    p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
+                   help="a separate rule table for the optimizer state, e.g. zero1")
+    p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
     p.add_argument("--non-strict", action="store_true",
                    help="report validation problems as warnings instead of failing")
 
 
-def _format_compiled(result, plan) -> str:
+def _format_compiled(result: dict, plan) -> str:
     from shardzoo.sharding.plan import format_bytes
 
-    m, t = result.memory, plan.totals
+    m, t = result["memory"], plan.totals
     state = t["params"] + t["optimizer"]
-    lines = ["compiled train step (XLA memory_analysis, per device)"]
+    lines = ["compiled train step (XLA memory_analysis, per device): the step `shardzoo train` runs"]
     if m:
         lines += [
-            f"  arguments  {format_bytes(m['argument'])}  (plan: params + adam {format_bytes(state)}"
-            f" + batch {format_bytes(result.batch_bytes)})",
+            f"  arguments  {format_bytes(m['argument'])}  (plan: params + optimizer state "
+            f"{format_bytes(state)} + batch {format_bytes(result['batch_bytes'])})",
             f"  outputs    {format_bytes(m['output'])}"
             f"  (aliased to donated arguments: {format_bytes(m['alias'])})",
             f"  temp       {format_bytes(m['temp'])}",
@@ -54,56 +60,56 @@ def _format_compiled(result, plan) -> str:
         ]
     else:
         lines.append("  (this backend gives no memory analysis)")
-    lines.append("collectives: " + ", ".join(f"{op} {n}" for op, n in result.collectives.items()))
+    lines.append("collectives: " + ", ".join(f"{op} {n}" for op, n in result["collectives"].items()))
     return "\n".join(lines)
 
 
 def cmd_plan(args) -> int:
-    """Print the sharding plan of a model: a table, or JSON with --json."""
+    """Print the sharding plan of a model's training run: a table, or JSON with --json."""
     import json
     import math
     import warnings
 
     from shardzoo.models import get_model, parse_overrides
     from shardzoo.sharding.mesh import mesh_shape
-    from shardzoo.sharding.plan import plan, planning_mesh
+    from shardzoo.sharding.plan import planning_mesh
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
+    from shardzoo.train.config import TrainConfig
+    from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
     rules = get_rules(args.rules)
+    opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
     mesh = planning_mesh(args.mesh)
     devices = math.prod(mesh_shape(mesh).values())
     batch = args.batch_size or devices
     seq_len = args.seq_len
-    if seq_len is None and hasattr(config, "max_position_embeddings"):
-        seq_len = min(2048, config.max_position_embeddings)
+    if seq_len is None:
+        seq_len = min(2048, getattr(config, "max_position_embeddings", 2048))
+    settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
+                           grad_accum=args.grad_accum)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
         try:
-            result = plan(config, config.sample_inputs(batch, seq_len), rules, mesh,
-                          strict=not args.non_strict, device_memory=args.device_memory,
-                          name=args.model)
+            program = run_program(settings, config, rules, mesh, opt_rules=opt_rules, module=module,
+                                  strict=not args.non_strict)
         except ShardingValidationError as e:
             raise UserError(e.summary() + " [--non-strict makes these warnings]") from None
-        compiled = None
-        if args.compile:
+        result = program.plan(device_memory=args.device_memory, name=args.model)
+        if args.compile and program.is_abstract:
             import jax
 
-            if result.abstract_mesh:
-                raise UserError(
-                    f"--compile needs the mesh's {devices} devices locally, this machine has "
-                    f"{jax.device_count()} (fake CPU devices: "
-                    f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
-                )
-            from shardzoo.train.aot import compile_train_step
-
-            compiled = compile_train_step(module, config, rules, mesh, batch, seq_len,
-                                          strict=not args.non_strict)
+            raise UserError(
+                f"--compile needs the mesh's {devices} devices locally, this machine has "
+                f"{jax.device_count()} (fake CPU devices: "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
+            )
+        compiled = program.compile_report() if args.compile else None
     if args.json:
         out = result.to_dict()
         out["batch_size"], out["seq_len"] = batch, seq_len
-        out["compile"] = compiled.to_dict() if compiled else None
+        out["compile"] = compiled
         print(json.dumps(out, indent=2))
     else:
         print(result.format())

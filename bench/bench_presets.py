@@ -60,7 +60,7 @@ def preset_rows(batch: int, seq_len: int, quick: bool) -> list[str]:
             if quick and (name, rules_name) not in QUICK:
                 continue
             rules, mesh = get_rules(rules_name), make_mesh(spec)
-            estimate = plan(config, config.sample_inputs(batch, seq_len), rules, mesh, name=name)
+            estimate = plan(config, rules, mesh, batch_size=batch, seq_len=seq_len, name=name)
             start = time.perf_counter()
             result = compile_train_step(module, config, rules, mesh, batch, seq_len)
             seconds = time.perf_counter() - start

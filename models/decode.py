@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from shardzoo.models.layers import constrain
+
 
 def _value(x):
     return x.value if isinstance(x, nn.Partitioned) else x
@@ -50,7 +52,7 @@ def init_cache(module, batch_size: int, max_length: int):
 
     def make():
         return jax.tree.map(
-            lambda s, spec: nn.with_logical_constraint(jnp.zeros(s.shape, s.dtype), spec), shapes, specs
+            lambda s, spec: constrain(jnp.zeros(s.shape, s.dtype), tuple(spec)), shapes, specs
         )
 
     return jax.jit(make)()

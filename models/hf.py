@@ -17,7 +17,6 @@ import os
 
 import jax
 import numpy as np
-from flax import linen as nn
 from flax import traverse_util
 from safetensors import safe_open
 
@@ -32,9 +31,6 @@ from shardzoo.models.hf_config import (  # noqa: F401  (re-exported: hf is the p
     load_hf_config,
     read_hf_config,
 )
-from shardzoo.sharding.mesh import make_mesh
-from shardzoo.sharding.partition import activate, logical_shardings
-from shardzoo.sharding.rules import get_rules
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -224,16 +220,6 @@ def put_leaf(shape, dtype, sharding, read, n_layers: int | None = None) -> jax.A
     )
 
 
-def abstract_params(module, config, mesh, rules):
-    """Params as ShapeDtypeStructs carrying their shardings under ``rules`` on ``mesh``."""
-    inputs = config.sample_inputs(mesh.size, 8)
-    with activate(mesh, rules):
-        boxed = jax.eval_shape(module.init, jax.random.key(0), *inputs)["params"]
-    shardings = logical_shardings(boxed, mesh, rules)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        nn.meta.unbox(boxed), shardings)
-
-
 def load_hf_params(hf_dir: str, target, config=None):
     """The HF directory's weights placed like ``target`` (a params tree of ShapeDtypeStructs
     with shardings, e.g. the trainer's): each leaf read, converted to its dtype, and sent slice
@@ -262,17 +248,6 @@ def load_hf_params(hf_dir: str, target, config=None):
 def _read(reader, w: Weight, shape, i: int | None) -> np.ndarray:
     """Leaf ``w`` (per-layer ``shape``) of layer ``i`` (None: a global leaf) from its HF tensors."""
     return hf_to_leaf(w, [reader.get(n) for n in _names(w, i)], shape)
-
-
-def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = True,
-            overrides=None):
-    """``(module, config, params)`` from an HF model directory, the params sharded under
-    ``rules`` (default fsdp) on ``mesh`` (default: the first device). See ``load_hf_config``."""
-    config = load_hf_config(hf_dir, dtype, scan_layers, overrides)
-    module = config.build()
-    mesh = make_mesh("", devices=jax.devices()[:1]) if mesh is None else mesh
-    target = abstract_params(module, config, mesh, get_rules(rules or "fsdp"))
-    return module, config, load_hf_params(hf_dir, target, config)
 
 
 def _layer_weights(config, model_type):

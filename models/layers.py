@@ -7,6 +7,8 @@ modules never name a mesh axis.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -23,8 +25,60 @@ def dtype_of(name) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+# (sites, apply) while ``recording_constraints`` is active, else None.
+_RECORDER: contextvars.ContextVar = contextvars.ContextVar("shardzoo_constraints", default=None)
+
+
+@contextlib.contextmanager
+def recording_constraints(apply: bool = True):
+    """Record every ``constrain`` traced inside the block: a list of ``(path, names, shape, dtype)``.
+
+    The path is the calling module's (``layers_0/attn``) and the site's index among that
+    module's constraints (``layers_0/attn#1``). With ``apply=False`` the constraints are only
+    recorded (enough for ``eval_shape`` of ``init``), so a rule that would fail inside jax is
+    reported by the validator instead. Repeated traces of one site (scan, remat) count once.
+    """
+    seen: list[tuple] = []
+    token = _RECORDER.set((seen, apply))
+    sites: list[tuple] = []
+    try:
+        yield sites
+    finally:
+        _RECORDER.reset(token)
+        count: dict[str, int] = {}
+        for path, names, shape, dtype in seen:
+            sites.append((f"{path}#{count.get(path, 0)}", names, shape, dtype))
+            count[path] = count.get(path, 0) + 1
+
+
+def _module_path() -> str:
+    # flax has no public accessor for the module whose method is running; its module stack is
+    # the one place that knows, read here only to name a recorded site.
+    from flax.linen import module as flax_module
+
+    stack = flax_module._context.module_stack
+    top = stack[-1] if stack else None
+    if top is None:
+        return ""
+    path = "/".join(str(p) for p in top.path) if top.scope is not None else ""
+    return path or type(top).__name__
+
+
 def constrain(x, axes):
-    """Constrain an activation's sharding by logical names (a no-op outside a mesh)."""
+    """Constrain an activation's sharding by logical names (a no-op outside a mesh).
+
+    The one place every activation constraint of the zoo goes through.
+    """
+    axes = tuple(axes)
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        seen, apply = recorder
+        key = (_module_path(), axes, tuple(x.shape), str(x.dtype))
+        if key not in seen:
+            seen.append(key)
+        named = [n for n in axes if isinstance(n, str)]
+        if not apply or len(set(named)) < len(named):  # a name twice: report, don't raise in flax
+            return x
     return nn.with_logical_constraint(x, axes)
 
 

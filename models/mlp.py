@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError, register
+from shardzoo.models.costs import mlp_activations
+from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
 
 ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "silu": nn.silu, "tanh": jnp.tanh}
@@ -56,6 +58,20 @@ class MLPConfig:
         """What ``init`` is called on: features [batch, embed]; ``seq_len`` is unused."""
         return (jax.ShapeDtypeStruct((batch_size, self.in_features), jnp.float32),)
 
+    def num_params(self) -> int:
+        """Parameters: every hidden layer's kernel and bias, and the head's."""
+        widths = [self.in_features] + [self.width] * self.depth + [self.num_outputs]
+        return sum(a * b + b for a, b in zip(widths[:-1], widths[1:], strict=True))
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per example: 6 x the kernels' parameters (forward 2, backward 4)."""
+        widths = [self.in_features] + [self.width] * self.depth + [self.num_outputs]
+        return 6.0 * sum(a * b for a, b in zip(widths[:-1], widths[1:], strict=True))
+
+    def activation_estimate(self, batch_size: int, seq_len, shards):
+        """Activation bytes a train step keeps per device (``models/costs.py``)."""
+        return mlp_activations(self, batch_size, shards)
+
 
 def layer_axes(i: int) -> tuple[str, str]:
     """Logical (in, out) names of hidden layer ``i``'s kernel."""
@@ -71,7 +87,7 @@ class MLP(nn.Module):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         act = ACTIVATIONS[cfg.activation]
-        x = nn.with_logical_constraint(x.astype(dtype), (ax.BATCH, ax.EMBED))
+        x = constrain(x.astype(dtype), (ax.BATCH, ax.EMBED))
         out_axis = ax.EMBED
         for i in range(cfg.depth):
             in_axis, out_axis = layer_axes(i)
@@ -86,7 +102,7 @@ class MLP(nn.Module):
                 name=f"layers_{i}",
             )(x)
             x = nn.Dropout(cfg.dropout_rate)(act(x), deterministic=deterministic)
-            x = nn.with_logical_constraint(x, (ax.BATCH, out_axis))  # [batch, embed|mlp]
+            x = constrain(x, (ax.BATCH, out_axis))  # [batch, embed|mlp]
         logits = nn.Dense(
             cfg.num_outputs,
             dtype=dtype,
@@ -97,7 +113,7 @@ class MLP(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
             name="head",
         )(x)
-        return nn.with_logical_constraint(logits, (ax.BATCH, ax.VOCAB))  # [batch, vocab]
+        return constrain(logits, (ax.BATCH, ax.VOCAB))  # [batch, vocab]
 
 
 register("mlp-tiny", MLPConfig())

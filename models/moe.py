@@ -40,6 +40,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.errors import UserError
+from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding.partition import mesh_axes_of
 
@@ -160,14 +161,14 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
     return dispatch, combine, dropped
 
 
-def expert_ffn(xe, wi_gate, wi_up, wo, act, constrain: bool = True):
+def expert_ffn(xe, wi_gate, wi_up, wo, act, constrained: bool = True):
     """Every expert's gated MLP on its own buffer: xe [expert, batch, capacity, embed].
 
-    ``constrain=False`` inside shard_map, where the mesh axes are manual.
+    ``constrained=False`` inside shard_map, where the mesh axes are manual.
     """
     h = act(jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)) * jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
-    if constrain:
-        h = nn.with_logical_constraint(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP))
+    if constrained:
+        h = constrain(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP))
     return jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
 
 
@@ -178,9 +179,9 @@ def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
     local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
     xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, batch, capacity, embed]
-    xe = nn.with_logical_constraint(nn.with_logical_constraint(xe, local), buffers)
-    ye = nn.with_logical_constraint(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
-    ye = nn.with_logical_constraint(ye, local)
+    xe = constrain(constrain(xe, local), buffers)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
+    ye = constrain(ye, local)
     return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
 
 
@@ -246,7 +247,7 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
         # x [rows, length, embed]; dispatch, combine [rows, length, expert, capacity]
         xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, rows, capacity, embed]
         xe = jax.lax.all_to_all(xe, ep_axes, 0, 1, tiled=True)  # [local_expert, ep*rows, capacity, embed]
-        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, constrain=False)
+        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, constrained=False)
         ye = jax.lax.all_to_all(ye, ep_axes, 1, 0, tiled=True)  # [expert, rows, capacity, embed]
         return jnp.einsum("blec,ebcd->bld", combine, ye)  # [rows, length, embed]
 
@@ -321,4 +322,4 @@ class MoeMLP(nn.Module):
         self.sow("metrics", "load_balance_loss", load_balance)
         self.sow("metrics", "router_z_loss", z_loss)
         self.sow("metrics", "dropped_fraction", dropped)
-        return nn.with_logical_constraint(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED))
+        return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED))

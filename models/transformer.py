@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError, register
+from shardzoo.models.costs import transformer_activations
 from shardzoo.models.layers import MLP, Attention, Embed, Linear, constrain, make_norm
 from shardzoo.sharding import axes as ax
 
@@ -183,6 +184,10 @@ class TransformerConfig:
         keys = seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
         attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * keys
         return 6 * matmul + attn
+
+    def activation_estimate(self, batch_size: int, seq_len: int, shards):
+        """Activation bytes a train step keeps per device (``models/costs.py``)."""
+        return transformer_activations(self, batch_size, seq_len or 1, shards)
 
 
 class Block(nn.Module):

@@ -1,6 +1,5 @@
 """Logical axis names, rule tables, meshes, validation and sharding plans."""
 
-from shardzoo.errors import UserError
 from shardzoo.sharding import axes
 from shardzoo.sharding.mesh import (
     MeshError,
@@ -11,9 +10,7 @@ from shardzoo.sharding.mesh import (
     parse_mesh_spec,
     resolve_mesh_shape,
 )
-
-# ``plan`` is the function; import the module's other names with ``from shardzoo.sharding.plan``.
-from shardzoo.sharding.plan import Plan, parse_device_memory, plan, planning_mesh
+from shardzoo.sharding.plan import Plan, make_plan, parse_device_memory, planning_mesh
 from shardzoo.sharding.rules import (
     MESH_AXES,
     PRESETS,
@@ -28,7 +25,6 @@ from shardzoo.sharding.validate import (
     ShardingValidationWarning,
     check,
     match_dims,
-    record_activations,
 )
 
 __all__ = [
@@ -40,7 +36,6 @@ __all__ = [
     "Rules",
     "ShardingValidationError",
     "ShardingValidationWarning",
-    "UserError",
     "axes",
     "check",
     "describe_mesh",
@@ -53,8 +48,7 @@ __all__ = [
     "mesh_shape",
     "parse_device_memory",
     "parse_mesh_spec",
-    "plan",
+    "make_plan",
     "planning_mesh",
-    "record_activations",
     "resolve_mesh_shape",
 ]

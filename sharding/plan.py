@@ -1,12 +1,12 @@
 """The sharding plan: where every parameter lives and what it costs per device.
 
-``plan(model, sample_inputs, rules, mesh)`` traces ``model.init`` with ``jax.eval_shape`` (no
-allocation), validates it (``validate.check``) and, for every parameter, gives its path, shape,
-dtype, logical axes, mesh spec, per-device shape and bytes, and which rule won (or lost) each
-dimension. Totals per device: parameters, gradients (as parameters), Adam state (mu and nu in
-float32: 8 bytes per parameter element held), an activation estimate (``activations.py``) and
-a verdict against a device's memory. Works on an ``AbstractMesh``, i.e. for a mesh larger than
-this machine.
+``make_plan`` turns a validated train state (``validate.check``'s report of the params and the
+recorded activation constraints, from the one trace in ``train/program.py``) into, for every
+parameter, its path, shape, dtype, logical axes, mesh spec, per-device shape and bytes, and
+which rule won (or lost) each dimension. Totals per device: parameters, gradients (as
+parameters), the optimizer state (as the program's optimizer holds it), the model's own
+activation estimate, and a verdict against a device's memory. Works on an ``AbstractMesh``,
+i.e. for a mesh larger than this machine.
 """
 
 from __future__ import annotations
@@ -16,27 +16,17 @@ import json
 import math
 import re
 import textwrap
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.sharding.activations import ActivationEstimate, estimate_activation_bytes
+from shardzoo.sharding.activations import shards
 from shardzoo.sharding.mesh import make_abstract_mesh, make_mesh, mesh_shape, parse_mesh_spec
-from shardzoo.sharding.partition import activate
-from shardzoo.sharding.rules import Rules, get_rules
-from shardzoo.sharding.validate import (
-    Resolved,
-    check,
-    record_activations,
-    rule_problems,
-    rule_text,
-    usable_rules,
-)
+from shardzoo.sharding.rules import Rules
+from shardzoo.sharding.validate import Resolved, rule_text
 
-ADAM_BYTES_PER_ELEMENT = 8  # mu and nu, float32 each
 # Decimal gigabytes, as vendors state them.
 DEVICE_MEMORY = {"h100": 80e9, "h200": 141e9, "a100": 80e9, "v5p": 95e9, "v5e": 16e9, "v4": 32e9}
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -111,7 +101,7 @@ class Plan:
     params: tuple[Row, ...]
     activations: tuple[Row, ...]  # logical constraints seen while tracing (not a memory total)
     totals: dict  # per device: params, gradients, optimizer, activations (estimate), total
-    activation_estimate: ActivationEstimate | None
+    activation_estimate: object  # the model's estimate (models/costs.py), or None
     device_memory: tuple[str, int] | None
     problems: tuple[str, ...]  # non-strict mode's warnings
 
@@ -185,7 +175,7 @@ class Plan:
         lines = [
             ("parameters", t["params"]),
             ("gradients", t["gradients"]),
-            ("optimizer (adam mu+nu, float32)", t["optimizer"]),
+            ("optimizer state", t["optimizer"]),
             ("activations (estimate)", t["activations"]),
             ("total", t["total"]),
         ]
@@ -215,75 +205,37 @@ def _dims_text(array: Resolved) -> str:
     return " ".join(parts)
 
 
-def _as_structs(inputs) -> tuple:
-    """Sample inputs as ShapeDtypeStructs; a plain shape (tuple of ints) means float32."""
-    if isinstance(inputs, Sequence) and inputs and all(isinstance(i, int) for i in inputs):
-        inputs = (tuple(inputs),)
-    out = []
-    for x in inputs:
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            out.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-        else:
-            out.append(jax.ShapeDtypeStruct(tuple(x), jnp.float32))
-    return tuple(out)
+def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int | None,
+              optimizer_bytes: int, device_memory=None, name=None) -> Plan:
+    """The plan of a validated train state (``validate.Report`` of its params and activations).
 
-
-def abstract_init(module, sample_inputs, rules, mesh):
-    """``(boxed {"params": ...}, activation records)`` from ``jax.eval_shape`` of ``module.init``.
-
-    Constraints are recorded, not applied, so a bad rule shows up as a report, not a crash.
+    ``optimizer_bytes``: the optimizer state's bytes per device (the program knows them from
+    its own optimizer and shardings). The activation estimate is the model's own
+    (``model_config.activation_estimate(micro_batch, seq_len, shards)``, where ``shards(names)``
+    says how many devices split an array with those logical names); sharding reads no model
+    field.
     """
-    inputs = _as_structs(sample_inputs)
-
-    def init(key, *args):
-        rngs = {"params": key, "dropout": key, "jitter": key}
-        return module.init(rngs, *args, deterministic=True)
-
-    with activate(mesh, rules), record_activations(apply=False) as sites:
-        variables = jax.eval_shape(init, jax.random.key(0), *inputs)
-    return {"params": variables["params"]}, list(sites)
-
-
-def plan(model, sample_inputs_or_shapes, rules, mesh, *, config=None, strict=True,
-         device_memory=None, name=None) -> Plan:
-    """The sharding plan of ``model`` (a flax module, or a config with ``build()``).
-
-    ``mesh``: a Mesh, an AbstractMesh or a spec (``"fsdp=32,tensor=8"``; see ``planning_mesh``).
-    ``config`` (default: ``model`` when it is a config) enables the activation estimate, read
-    with the batch size and sequence length of the first sample input. ``device_memory``: bytes,
-    ``"80GB"`` or a device name. ``strict=False`` turns validation errors into warnings.
-    """
-    if hasattr(model, "build") and not hasattr(model, "init"):
-        config, model = config or model, model.build()
-    rules = get_rules(rules)
-    mesh = planning_mesh(mesh) if isinstance(mesh, str | dict) else mesh
-    trace_rules = usable_rules(rules, mesh) if rule_problems(rules, mesh) else rules
-    boxed, sites = abstract_init(model, sample_inputs_or_shapes, trace_rules, mesh)
-    report = check(boxed, rules, mesh, activations=sites, strict=strict)
     params = tuple(_row(a, mesh) for a in report.params)
     acts = tuple(_row(a, mesh) for a in report.activations)
-    elements = sum(math.prod(r.shard_shape) for r in params)
     totals = {
         "param_count": sum(math.prod(r.array.shape) for r in params),
         "params": sum(r.bytes_per_device for r in params),
         "gradients": sum(r.bytes_per_device for r in params),
-        "optimizer": ADAM_BYTES_PER_ELEMENT * elements,
+        "optimizer": int(optimizer_bytes),
     }
     est = None
-    if config is not None:
-        shape = _as_structs(sample_inputs_or_shapes)[0].shape
-        seq_len = shape[1] if len(shape) > 1 else None
-        est = estimate_activation_bytes(config, shape[0], seq_len, report.rules, mesh)
+    if model_config is not None and hasattr(model_config, "activation_estimate"):
+        est = model_config.activation_estimate(micro_batch, seq_len, lambda names: shards(names, report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
                        + (totals["activations"] or 0))
     if device_memory is not None and not isinstance(device_memory, tuple):
         device_memory = parse_device_memory(device_memory)
     return Plan(
-        model=name or type(model).__name__,
+        model=name or type(model_config).__name__,
         mesh=mesh_shape(mesh),
         abstract_mesh=isinstance(mesh, AbstractMesh),
-        rules=rules,
+        rules=report.rules,
         params=params,
         activations=acts,
         totals=totals,

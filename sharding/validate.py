@@ -19,16 +19,13 @@ rules naming unknown mesh axes are dropped and indivisible dimensions are replic
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import sys
 import warnings
 from collections import Counter
 
 import jax
 from flax import linen as nn
-from flax.linen import spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardzoo.errors import UserError
@@ -263,71 +260,12 @@ def _name_problems(arrays, rules) -> list[Problem]:
 
 @dataclasses.dataclass(frozen=True)
 class Activation:
-    """A ``with_logical_constraint`` call seen while tracing: where, which names, what shape."""
+    """An activation constraint seen while tracing (``models.layers.recording_constraints``)."""
 
     path: str
     names: tuple
     shape: tuple[int, ...]
     dtype: str
-
-
-def _unboxing_a_parameter(frame) -> bool:
-    """Whether the constraint comes from flax unboxing a ``LogicallyPartitioned`` parameter."""
-    for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        this = frame.f_locals.get("self")
-        if frame.f_code.co_name == "unbox" and isinstance(this, nn.Partitioned):
-            return True
-    return False
-
-
-@contextlib.contextmanager
-def record_activations(apply: bool = True):
-    """Record every logical activation constraint traced inside the block (a list of Activation).
-
-    Wraps flax's per-array constraint helper, the one place every ``nn.with_logical_constraint``
-    goes through; parameters being unboxed are skipped. A site's path is the calling module's
-    path (from flax's module stack) and its index among that module's constraints:
-    ``activations/layers_0/attn#1``. With ``apply=False`` the constraints are only recorded
-    (enough for ``eval_shape`` of ``init``), so a rule that would fail inside jax is reported by
-    ``check`` instead. An array that names an axis twice is recorded and left unconstrained
-    instead of raising inside flax.
-    """
-    from flax.linen import module as flax_module
-
-    seen: list[tuple] = []
-    sites: list[Activation] = []
-    original = spmd._with_sharding_constraint_one_fallback
-
-    def recording(axis_resources, x, *args, **kwargs):
-        if _unboxing_a_parameter(sys._getframe()):
-            return original(axis_resources, x, *args, **kwargs) if apply else x
-        stack = flax_module._context.module_stack
-        top = stack[-1] if stack else None
-        path = "/".join(str(p) for p in (top.path if top is not None and top.scope else ()))
-        if not path and top is not None:
-            path = type(top).__name__
-        names = tuple(axis_resources) if axis_resources is not None else None
-        key = (path, names, tuple(x.shape), str(x.dtype))
-        if key not in seen:
-            seen.append(key)
-        if not apply or names is not None and len({n for n in names if isinstance(n, str)}) < sum(
-            isinstance(n, str) for n in names
-        ):
-            return x
-        return original(axis_resources, x, *args, **kwargs)
-
-    spmd._with_sharding_constraint_one_fallback = recording
-    try:
-        yield sites
-    finally:
-        spmd._with_sharding_constraint_one_fallback = original
-        count: Counter = Counter()
-        for path, names, shape, dtype in seen:
-            sites.append(Activation(f"activations/{path}#{count[path]}", names, shape, dtype))
-            count[path] += 1
 
 
 def _is_box(x) -> bool:
@@ -354,7 +292,7 @@ class Report:
 def check(abstract_tree, rules, mesh, *, activations=(), strict=True) -> Report:
     """Validate a boxed abstract tree (``jax.eval_shape(model.init, ...)``) against rules and mesh.
 
-    ``activations`` are ``Activation`` records from ``record_activations``. Raises
+    ``activations`` are ``Activation`` records of the traced constraints. Raises
     ``ShardingValidationError`` listing every problem unless ``strict`` is False, in which
     case each problem becomes a ``ShardingValidationWarning``.
     """

@@ -22,14 +22,12 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
-from flax import linen as nn
 
 from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, get_config
 from shardzoo.sharding.mesh import make_mesh
-from shardzoo.sharding.partition import logical_shardings
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train.state import abstract_params, with_shardings
+from shardzoo.train.program import Program
 
 CHECKPOINTS = "checkpoints"
 FORMAT = 1
@@ -191,7 +189,7 @@ def init_params_from(path: str, target, config, mesh, rules):
     """Params for ``--init-from PATH``, placed as ``target`` (ShapeDtypeStructs with shardings).
 
     PATH is a shardzoo run or checkpoint dir, or (the hook for Hugging Face model dirs, when
-    ``shardzoo.models.hf.is_hf_dir`` says so) an HF model dir read by ``models.hf.load_hf``;
+    ``shardzoo.models.hf.is_hf_dir`` says so) an HF model dir read by ``train.hf_io.load_hf``;
     either way the params must have the shapes of the run's model.
     """
     hf = hf_module()
@@ -224,9 +222,7 @@ def load_model_and_params(run_dir_or_checkpoint_dir: str, mesh=None, rules=None)
     module = config.build()
     mesh = mesh if mesh is not None else make_mesh("", devices=jax.devices()[:1])
     rules = get_rules(rules if rules is not None else "dp")
-    boxed = abstract_params(module, config.sample_inputs(mesh.size, 8), mesh, rules)
-    target = with_shardings(nn.meta.unbox(boxed), logical_shardings(boxed, mesh, rules))
-    params = restore_params(root, step, target)
+    params = restore_params(root, step, Program(config, rules, mesh, module=module).params_target())
     run_dir = os.path.dirname(root)
     saved = os.path.join(run_dir, "tokenizer")
     tokenizer_spec = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")

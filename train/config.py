@@ -70,10 +70,6 @@ class TrainConfig:
     distributed: bool = False
     distributed_timeout: int = 300
     heartbeat_timeout: int = 100
-    # test aids
-    debug_nan_at_step: int | None = None
-    debug_batch_hash: bool = False
-    debug_step_delay: float = 0.0
 
     def __post_init__(self):
         positive = ("batch_size", "seq_len", "steps", "grad_accum", "keep", "eval_steps", "log_every")
@@ -85,7 +81,7 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
-        for name in ("lr", "weight_decay", "clip_norm", "debug_step_delay"):
+        for name in ("lr", "weight_decay", "clip_norm"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
@@ -142,9 +138,6 @@ HELP = {
     "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
-    "debug_nan_at_step": "test aid: make the loss and gradient of this step NaN",
-    "debug_batch_hash": "test aid: log a hash of each step's batch in metrics.jsonl",
-    "debug_step_delay": "test aid: sleep this many seconds after each step",
 }
 METAVARS = {"out": "DIR", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
@@ -165,10 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``shardzoo train`` flags, one per TrainConfig field, plus --config."""
     p.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below (flags win)")
     defaults = TrainConfig()
-    test_aids = p.add_argument_group("test aids")
     for field in dataclasses.fields(TrainConfig):
         name, tp = field.name, _field_type(field.name)
-        group = test_aids if name.startswith("debug_") else p
+        group = p
         kw = {"dest": name, "default": argparse.SUPPRESS}
         default = getattr(defaults, name)
         help_text = HELP[name] + ("" if default in (None, (), False) else f" (default: {default})")

@@ -29,6 +29,7 @@ from shardzoo.train.checkpoint import (
     latest_step,
     load_model_and_params,
 )
+from shardzoo.train.program import Program
 
 # Files of an HF tokenizer, carried between HF dirs and runs' tokenizer/ dirs.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -118,6 +119,17 @@ def _yaml_value(value) -> str:
     return text
 
 
+def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = True,
+            overrides=None):
+    """``(module, config, params)`` from an HF model directory, the params sharded under
+    ``rules`` (default fsdp) on ``mesh`` (default: the first device), placed as the one
+    ``Program`` of that model lays them out. See ``models.hf.load_hf_config``."""
+    config = hf.load_hf_config(hf_dir, dtype, scan_layers, overrides)
+    mesh = make_mesh("", devices=jax.devices()[:1]) if mesh is None else mesh
+    program = Program(config, get_rules(rules or "fsdp"), mesh)
+    return program.module, config, hf.load_hf_params(hf_dir, program.params_target(), config)
+
+
 def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
               scan_layers=True) -> dict:
     """Convert an HF model dir into a shardzoo run dir at ``out_dir``; return the checkpoint meta.
@@ -128,7 +140,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     out_dir = os.path.abspath(out_dir)
     if latest_step(os.path.join(out_dir, CHECKPOINTS)) is not None:
         raise UserError(f"{out_dir} already holds checkpoints: import into a new directory")
-    _, config, params = hf.load_hf(hf_dir, mesh, rules, dtype=dtype, scan_layers=scan_layers)
+    _, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype, scan_layers=scan_layers)
     tokenizer_dir = os.path.join(out_dir, "tokenizer")
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     if has_tokenizer and jax.process_index() == 0:
@@ -173,7 +185,7 @@ def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, 
     rules = get_rules(rules or "fsdp")
     if hf_dir is not None:
         tokenizer = load_tokenizer(hf_dir)  # first: a missing tokenizer.json fails fast
-        module, config, params = hf.load_hf(hf_dir, mesh, rules, dtype=dtype)
+        module, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype)
         return module, config, params, tokenizer
     module, config, params, spec = load_model_and_params(checkpoint, mesh, rules)
     if dtype is not None and dtype != config.param_dtype:

@@ -29,7 +29,8 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
-from shardzoo.train.trainer import NonFiniteError, Trainer, check_microbatch, is_main_process, say
+from shardzoo.train.program import run_program
+from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 
 STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
 
@@ -71,7 +72,7 @@ class Prepared:
     train_data: object
     eval_data: object
     resume_step: int | None
-    plan_text: str
+    program: object  # the run's train.program.Program: validated, planned, not yet compiled
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -97,8 +98,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     rules = get_rules(cfg.rules or default_rules(jax.device_count()))
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     mesh = make_mesh(cfg.mesh or default_mesh(rules))
-    check_microbatch(cfg.batch_size, cfg.grad_accum, mesh, rules)
-    plan_text = _plan(cfg, config, rules, mesh)
+    program = _program(cfg, config, module, rules, opt_rules, mesh)
 
     resume_step = latest_step(os.path.join(out, CHECKPOINTS))
     if resume_step is not None:
@@ -121,7 +121,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                           mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
-                    resume_step, plan_text)
+                    resume_step, program)
 
 
 def _check_init_from(path: str) -> None:
@@ -134,17 +134,14 @@ def _check_init_from(path: str) -> None:
         raise ConfigError(f"--init-from {e}") from None
 
 
-def _plan(cfg, config, rules, mesh) -> str:
-    """The sharding plan's table (validated strictly: a rule that cannot apply is an error)."""
-    from shardzoo.sharding.plan import plan
+def _program(cfg, config, module, rules, opt_rules, mesh):
+    """The run's one program, validated strictly: a rule that cannot apply is an error."""
     from shardzoo.sharding.validate import ShardingValidationError
 
-    micro = cfg.batch_size // cfg.grad_accum
     try:
-        result = plan(config, config.sample_inputs(micro, cfg.seq_len), rules, mesh, name=cfg.model)
+        return run_program(cfg, config, rules, mesh, opt_rules=opt_rules, module=module)
     except ShardingValidationError as e:
         raise ConfigError(f"rules {rules.name!r} on mesh {describe_mesh(mesh)}: {e.summary()}") from None
-    return result.format()
 
 
 def _write_json(path: str, value) -> None:
@@ -155,8 +152,10 @@ def _write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
-def run(cfg: TrainConfig) -> int:
-    """Validate, then train; 0 when done or preempted, NONFINITE_EXIT on a NaN/Inf step."""
+def run(cfg: TrainConfig, hooks=()) -> int:
+    """Validate, then train; 0 when done or preempted, NONFINITE_EXIT on a NaN/Inf step.
+
+    ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
     init_distributed(cfg)
     from shardzoo.train.hf_io import with_hf_model
 
@@ -180,9 +179,10 @@ def run(cfg: TrainConfig) -> int:
     say(str(p.rules))
     if p.opt_rules is not None:
         say(f"optimizer state: {p.opt_rules}")
-    say(p.plan_text)
+    say(p.program.plan(name=cfg.model).format())
     trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
-                      opt_rules=p.opt_rules, meta=meta, init_params=init_params)
+                      opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
+                      program=p.program)
     say(trainer.describe())
     say(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
         f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import math
 import os
 import signal
 import threading
@@ -21,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardzoo.sharding import axes as ax
 from shardzoo.sharding.mesh import describe_mesh
-from shardzoo.sharding.partition import activate, replicated, spec_to_sharding
+from shardzoo.sharding.partition import replicated
 from shardzoo.train.checkpoint import (
     Checkpointer,
     check_same_model,
@@ -31,20 +29,9 @@ from shardzoo.train.checkpoint import (
     read_meta,
     restore_params,
 )
-from shardzoo.train.config import ConfigError
 from shardzoo.train.metrics import MetricsLogger
-from shardzoo.train.optim import make_optimizer
-from shardzoo.train.state import (
-    abstract_params,
-    compile_cached,
-    init_state,
-    per_device_bytes,
-    state_shardings,
-    with_shardings,
-)
-from shardzoo.train.step import BATCH_KEYS, eval_step, summarize_eval, train_step
-
-BATCH_DTYPES = {"weights": np.float32}  # every other batch key is int32
+from shardzoo.train.program import per_device_bytes, run_program
+from shardzoo.train.tasks import summarize_eval
 
 
 class NonFiniteError(RuntimeError):
@@ -70,31 +57,32 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
+class Hook:
+    """Behaviour injected into the training loop (Levanter's hooks): override what you need.
+
+    ``before_step`` may return a replacement batch; ``after_step`` may add entries to the
+    step's logged record. Tests inject faults (a NaN weight), batch hashes and delays this way;
+    the jitted step never sees them.
+    """
+
+    def before_step(self, trainer, step: int, batch):
+        return batch
+
+    def after_step(self, trainer, step: int, batch, record: dict) -> None:
+        pass
+
+
 def batch_hash(batch) -> str:
-    """A short hash of a batch's tokens and weights (the debug aid that proves resume order)."""
+    """A short hash of a batch's arrays, gathered across processes (proves the order of resumes)."""
     from jax.experimental import multihost_utils
 
     h = hashlib.sha1()
-    for key in ("inputs", "targets", "weights"):
+    for key in sorted(batch):
         x = batch[key]
-        if jax.process_count() > 1:  # the global batch spans other processes' devices
+        if isinstance(x, jax.Array) and jax.process_count() > 1:
             x = multihost_utils.process_allgather(x, tiled=True)
         h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
     return h.hexdigest()[:16]
-
-
-def check_microbatch(batch_size: int, grad_accum: int, mesh, rules) -> None:
-    """Each microbatch must split evenly over the devices that the rules shard the batch over."""
-    spec = spec_to_sharding((ax.BATCH, ax.LENGTH), mesh, rules).spec
-    names = spec[0] if len(spec) else None
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    shards = math.prod(mesh.shape[n] for n in names)
-    if (batch_size // grad_accum) % shards:
-        raise ConfigError(
-            f"microbatch of {batch_size // grad_accum} rows (--batch-size {batch_size} / --grad-accum "
-            f"{grad_accum}) is not divisible by the {shards} devices that rules "
-            f"{getattr(rules, 'name', '')!r} shard the batch over on mesh {describe_mesh(mesh)}"
-        )
 
 
 class Trainer:
@@ -102,11 +90,13 @@ class Trainer:
 
     ``cfg`` is a TrainConfig (steps, optimizer, batch, out, ...). ``meta`` (model name,
     overrides, tokenizer, rules and mesh specs) is stored in every checkpoint; ``init_params``
-    (target -> params) replaces the random init of a fresh run (``--init-from``).
+    (target -> params) replaces the random init of a fresh run (``--init-from``). ``hooks``:
+    ``Hook`` objects called around every step. The step itself is ``program``'s (default: the
+    ``run_program`` of these settings).
     """
 
     def __init__(self, module, model_config, cfg, mesh, rules, train_data, eval_data=None, *,
-                 opt_rules=None, meta=None, init_params=None):
+                 opt_rules=None, meta=None, init_params=None, hooks=(), program=None):
         self.module, self.model_config, self.cfg = module, model_config, cfg
         self.mesh, self.rules, self.opt_rules = mesh, rules, opt_rules
         self.train_data, self.eval_data = train_data, eval_data
@@ -115,6 +105,8 @@ class Trainer:
         self.meta.update(optimizer=cfg.optimizer, mesh=describe_mesh(mesh),
                          rules=self.meta.get("rules") or getattr(rules, "name", ""))
         self.init_params = init_params
+        self.hooks = tuple(hooks)
+        self.program = program
         self.history: list[dict] = []
         self.nonfinite_skipped = 0
         self._stop = threading.Event()
@@ -122,17 +114,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        cfg, mesh, rules = self.cfg, self.mesh, self.rules
-        self.micro_batch = cfg.batch_size // cfg.grad_accum
-        sample = self.model_config.sample_inputs(self.micro_batch, cfg.seq_len)
-        boxed = abstract_params(self.module, sample, mesh, rules)
-        self.tx, self.schedule = make_optimizer(cfg, boxed)
-        abstract, self.shardings = state_shardings(boxed, self.tx, mesh, rules, self.opt_rules)
-        self.batch_sharding = spec_to_sharding((ax.BATCH, ax.LENGTH), mesh, rules)
-        self.batch_shape = (cfg.batch_size, cfg.seq_len)
-        check_microbatch(cfg.batch_size, cfg.grad_accum, mesh, rules)
+        cfg = self.cfg
+        if self.program is None:
+            self.program = run_program(cfg, self.model_config, self.rules, self.mesh,
+                                       opt_rules=self.opt_rules, module=self.module)
+        self.shardings, self.tx, self.schedule = self.program.shardings, self.program.tx, self.program.schedule
         self.checkpointer = Checkpointer(cfg.out, cfg.keep)
-        target = with_shardings(abstract, self.shardings)
+        target = self.program.abstract
         root, latest = self.checkpointer.root, self.checkpointer.latest_step()
         meta = read_meta(root, latest) if latest is not None else None
         if meta is not None:
@@ -143,12 +131,12 @@ class Trainer:
         else:
             if meta is not None:  # a params-only checkpoint (import-hf): start from its params
                 self.init_params = functools.partial(restore_params, root, latest)
-            self._init(sample, target)
+            self._init(target)
         self.last_saved = latest  # the newest checkpoint on disk
-        nan_at = -1 if cfg.debug_nan_at_step is None else cfg.debug_nan_at_step
-        self._nan_at = jax.device_put(np.int32(nan_at), replicated(mesh))
         self._eval_start = self.eval_data.state() if self.eval_data is not None else None
-        self._compile(target)
+        t0 = time.perf_counter()
+        self._train_step = self.program.compiled_train_step()
+        self.compile_seconds = time.perf_counter() - t0
 
     def _resume(self, step: int, target) -> None:
         self.state, data = self.checkpointer.restore(step, target)
@@ -158,35 +146,12 @@ class Trainer:
         self.start_step = step
         say(f"resumed from {os.path.join(self.checkpointer.root, str(step))}")
 
-    def _init(self, sample, target) -> None:
+    def _init(self, target) -> None:
         key, init_key = np.asarray(jax.random.split(jax.random.PRNGKey(self.cfg.seed)), np.uint32)
         params = self.init_params(target.params) if self.init_params else None
-        self.state = init_state(self.module, sample, self.tx, init_key, self.shardings, self.mesh,
-                                self.rules, params=params)
+        self.state = self.program.init(init_key, params=params)
         self.rng = jax.device_put(key, replicated(self.mesh))
         self.start_step = 0
-
-    def _compile(self, target) -> None:
-        cfg = self.cfg
-        step_fn = functools.partial(
-            train_step, module=self.module, tx=self.tx, schedule=self.schedule,
-            grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite,
-        )
-        batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
-        abstract_batch = {
-            k: jax.ShapeDtypeStruct(self.batch_shape, BATCH_DTYPES.get(k, np.int32), sharding=self.batch_sharding)
-            for k in BATCH_KEYS
-        }
-        scalar = replicated(self.mesh)
-        jitted = jax.jit(step_fn, in_shardings=(self.shardings, batch_shardings, scalar, scalar),
-                         out_shardings=(self.shardings, scalar), donate_argnums=0)
-        t0 = time.perf_counter()
-        with activate(self.mesh, self.rules):
-            args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=scalar) for x in (self.rng, self._nan_at)]
-            self._train_step = compile_cached(jitted, target, abstract_batch, *args, mesh=self.mesh)
-        self.compile_seconds = time.perf_counter() - t0
-        self._abstract_batch = abstract_batch
-        self._eval_step = None  # compiled at the first evaluation
 
     def describe(self) -> str:
         """What one device holds of the params and of the optimizer state."""
@@ -202,43 +167,21 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def train_step(self, state, batch) -> tuple:
         """One compiled step: ``(new_state, metrics)``; ``state`` is donated."""
-        return self._train_step(state, self.place(batch), self.rng, self._nan_at)
-
-    def place(self, batch) -> dict:
-        """The batch's arrays as global jax.Arrays with the batch sharding."""
-        out = {}
-        for k in BATCH_KEYS:
-            v = batch[k]
-            if isinstance(v, jax.Array):
-                out[k] = v if v.sharding == self.batch_sharding else jax.device_put(v, self.batch_sharding)
-            else:
-                local = np.asarray(v, BATCH_DTYPES.get(k, np.int32))
-                out[k] = jax.make_array_from_process_local_data(self.batch_sharding, local, self.batch_shape)
-        return out
+        return self._train_step(state, self.program.place(batch), self.rng)
 
     def evaluate(self) -> dict:
-        """Loss, perplexity and token accuracy over the first ``eval_steps`` held-out batches."""
+        """The task's eval metrics over the first ``eval_steps`` held-out batches."""
         if self.eval_data is None:
             return {}
         self.eval_data.restore(self._eval_start)
-        with activate(self.mesh, self.rules):
-            if self._eval_step is None:
-                jitted = jax.jit(functools.partial(eval_step, module=self.module),
-                                 in_shardings=(self.shardings.params, self.batch_sharding),
-                                 out_shardings=replicated(self.mesh))
-                self._eval_step = compile_cached(jitted, self._abstract_params(), self._abstract_batch,
-                                                 mesh=self.mesh)
-            totals = None
-            for i, batch in enumerate(self.eval_data):
-                if i >= self.cfg.eval_steps:
-                    break
-                out = self._eval_step(self.state.params, self.place(batch))
-                totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-        return summarize_eval(jax.device_get(totals)) if totals is not None else {}
-
-    def _abstract_params(self):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            self.state.params)
+        step = self.program.compiled_eval_step()
+        totals = None
+        for i, batch in enumerate(self.eval_data):
+            if i >= self.cfg.eval_steps:
+                break
+            out = step(self.state.params, self.program.place(batch))
+            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+        return summarize_eval(self.program.task, jax.device_get(totals)) if totals is not None else {}
 
     def _check_finite(self, step: int, metrics) -> None:
         if bool(metrics["finite"]):
@@ -289,7 +232,7 @@ class Trainer:
 
     def _loop(self, end: int) -> None:
         cfg, step = self.cfg, self.start_step
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        tokens_per_step = cfg.batch_size * (cfg.seq_len if self.program.task.name == "lm" else 1)
         timer = _StepTimer()
         pending = None  # (step, metrics) of a step whose finiteness is not checked yet
         while step < end and not self._stop_requested():
@@ -298,16 +241,18 @@ class Trainer:
             except StopIteration:
                 say(f"the training data ran out after step {step}")
                 break
-            record = {"batch_hash": batch_hash(batch)} if cfg.debug_batch_hash else {}
+            for hook in self.hooks:
+                batch = hook.before_step(self, step + 1, batch)
             self.state, metrics = self.train_step(self.state, batch)
+            record = {}
             step += 1
             timer.steps += 1
             if pending is not None:  # the previous step's flag: ready without waiting for this step
                 self._check_finite(*pending)
             pending = (step, metrics)
             self.logger.advance()
-            if cfg.debug_step_delay:
-                time.sleep(cfg.debug_step_delay)
+            for hook in self.hooks:
+                hook.after_step(self, step, batch, record)
             if step % cfg.log_every == 0 or step in (1, end):  # step 1: the loss at the start
                 self._check_finite(*pending)
                 pending = None

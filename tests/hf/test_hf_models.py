@@ -22,10 +22,11 @@ from transformers import (
 )
 
 from shardzoo.models.decode import generate
-from shardzoo.models.hf import export_hf, load_hf, put_leaf
+from shardzoo.models.hf import export_hf, put_leaf
 from shardzoo.sharding import make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
+from shardzoo.train.hf_io import load_hf
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)

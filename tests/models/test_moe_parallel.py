@@ -21,7 +21,7 @@ from shardzoo.models.moe import MoeConfig, MoeMLP
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate, logical_shardings, spec_to_sharding
-from shardzoo.sharding.plan import plan
+from shardzoo.train.program import plan
 
 E, D, M, B, L = 8, 16, 32, 8, 8
 # LLVM at -O0 halves the CPU compile time of these tiny steps; the HLO (and so the collectives
@@ -76,6 +76,21 @@ def total_aux(state):
     return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(state["losses"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerModel:
+    """The MoE layer as a zoo model for planning: [batch, length, embed] in and out."""
+
+    cfg: MoeConfig
+    task = "regression"
+    num_outputs = D
+
+    def build(self):
+        return MoeMLP(self.cfg)
+
+    def sample_inputs(self, batch_size, seq_len):
+        return (jax.ShapeDtypeStruct((batch_size, seq_len, D), jnp.float32),)
+
+
 @pytest.fixture(scope="module")
 def layer_runs():
     cfg = MoeConfig(num_experts=E, num_experts_per_tok=2, intermediate_size=M, capacity_factor=1.0,
@@ -87,7 +102,7 @@ def layer_runs():
     abstract = jax.eval_shape(MoeMLP(cfg).init, jax.random.key(0), batch["x"])["params"]
     params = jax.tree.map(lambda a: r.normal(size=a.shape).astype(np.float32) / np.sqrt(a.shape[-2]),
                           nn.meta.unbox(abstract))
-    runs = {"plan_inputs": (MoeMLP(cfg), batch["x"])}
+    runs = {"plan_config": LayerModel(cfg)}
     for name, layout in LAYOUTS.items():
         module = MoeMLP(dataclasses.replace(cfg, dispatch=layout[2]))
 
@@ -114,7 +129,7 @@ def mixtral_runs():
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: np.ones(a.shape, np.float32) if jax.tree_util.keystr(path).endswith("['scale']")
         else 0.05 * r.normal(size=a.shape).astype(np.float32), nn.meta.unbox(abstract))
-    runs = {"plan_inputs": (model, batch["inputs"])}
+    runs = {"plan_config": dataclasses.replace(model.config, max_position_embeddings=L)}
     for name, layout in LAYOUTS.items():
         module, _ = get_model("mixtral-tiny", **overrides, moe_dispatch=layout[2])
 
@@ -170,8 +185,9 @@ def test_expert_weights_per_device_divided_by_expert_parallel_size(runs, request
         assert {s.data.shape for s in array.addressable_shards} == {shard_shape}
         assert sum(s.data.nbytes for s in array.addressable_shards) == 8 * array.nbytes // 4
     # sharding.plan, from the abstract init alone, says the same per-device shapes and bytes
-    module, sample = runs["plan_inputs"]
-    rows = {row.array.path: row for row in plan(module, [sample], "ep", "expert=4,data=2").params}
+    config = runs["plan_config"]
+    rows = {row.array.path: row for row in plan(config, "ep", "expert=4,data=2", batch_size=B,
+                                                  seq_len=L, optimizer=None).params}
     for path, array in ep.items():
         row = rows["params/" + "/".join(re.findall(r"\['(\w+)'\]", path))]
         assert row.shard_shape == array.addressable_shards[0].data.shape

@@ -10,10 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import get_model
-from shardzoo.models.hf import abstract_params
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate, logical_shardings, spec_to_sharding
+from shardzoo.train.program import Program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
 # Cheaper XLA:CPU compiles (about half the time); both sides of every comparison use them.
@@ -103,7 +103,7 @@ def test_fused_projections_add_no_collectives_under_tp():
     counts = {}
     for fuse in (True, False):
         module, config = get_model("llama-tiny", fuse_projections=fuse, **TINY)
-        params = abstract_params(module, config, mesh, rules)  # ShapeDtypeStructs with shardings
+        params = Program(config, rules, mesh, module=module).params_target()  # with shardings
         with activate(mesh, rules):
             tokens = jax.ShapeDtypeStruct(x.shape, x.dtype,
                                           sharding=spec_to_sharding((ax.BATCH, None), mesh, rules))

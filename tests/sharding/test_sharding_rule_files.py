@@ -5,14 +5,15 @@ import json
 import pytest
 
 from shardzoo.models import get_config
-from shardzoo.sharding import RuleError, ShardingValidationError, get_rules, plan
+from shardzoo.sharding import RuleError, ShardingValidationError, get_rules
+from shardzoo.train.program import plan
 
 CONFIG = get_config("mlp-tiny", in_features=16, width=32, num_outputs=8)
 MESH = "fsdp=2,tensor=4"
 
 
 def _specs(rules):
-    p = plan(CONFIG, CONFIG.sample_inputs(8), rules, MESH)
+    p = plan(CONFIG, rules, MESH, batch_size=8)
     return {r.array.path: r.shard_shape for r in p.params}, p
 
 
@@ -30,7 +31,7 @@ def test_yaml_with_base_adds_its_rules_in_front(tmp_path):
     assert ours["params/layers_0/kernel"] == (8, 8) and ours["params/layers_0/bias"] == (8,)
     assert ours["params/layers_1/kernel"] == (8, 16)
     assert ours["params/head/kernel"] == (16, 8) and ours["params/head/bias"] == (8,)
-    assert p.totals["params"] < plan(CONFIG, CONFIG.sample_inputs(8), "fsdp", MESH).totals["params"]
+    assert p.totals["params"] < plan(CONFIG, "fsdp", MESH, batch_size=8).totals["params"]
 
 
 def test_json_file_with_base(tmp_path):
@@ -46,7 +47,7 @@ def test_file_without_base_must_cover_every_name(tmp_path):
     path = tmp_path / "partial.yaml"
     path.write_text("- [batch, data]\n- [embed, fsdp]\n- [mlp, null]\n")
     with pytest.raises(ShardingValidationError) as e:
-        plan(CONFIG, CONFIG.sample_inputs(8), str(path), MESH)
+        plan(CONFIG, str(path), MESH, batch_size=8)
     [problem] = e.value.problems
     assert problem.kind == "no_rule" and "'vocab'" in problem.message
     assert "params/head/kernel" in problem.message and "partial.yaml" in problem.message
@@ -83,7 +84,7 @@ def test_unknown_mesh_axis_in_a_file(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("base: fsdp\nrules:\n  - [mlp, tensr]\n")
     with pytest.raises(ShardingValidationError) as e:
-        plan(CONFIG, CONFIG.sample_inputs(8), str(path), MESH)
+        plan(CONFIG, str(path), MESH, batch_size=8)
     [problem] = e.value.problems
     assert problem.kind == "unknown_mesh_axis"
     assert "'tensr'" in problem.message and "typo.yaml" in problem.message

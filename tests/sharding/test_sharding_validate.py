@@ -6,22 +6,22 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from shardzoo.errors import UserError
 from shardzoo.models import get_model
+from shardzoo.models.layers import recording_constraints
 from shardzoo.sharding import (
     PRESETS,
     Rules,
     ShardingValidationError,
     ShardingValidationWarning,
-    UserError,
     check,
     make_abstract_mesh,
     make_mesh,
     match_dims,
-    plan,
-    record_activations,
 )
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import REPLICATED
+from shardzoo.train.program import plan
 
 SPECS = [
     ("batch", "length", "embed"),
@@ -139,7 +139,7 @@ def test_all_problems_gathered_one_per_line_and_summary():
     # MLP width 30 under tp on tensor=4: three parameters and one activation do not divide.
     module, config = get_model("mlp-tiny", width=30)
     with pytest.raises(ShardingValidationError) as e:
-        plan(config, config.sample_inputs(8), "tp", "data=2,tensor=4")
+        plan(config, "tp", "data=2,tensor=4", batch_size=8)
     lines = str(e.value).splitlines()
     assert len(lines) == len(e.value.problems) == 4
     assert any(line.startswith("activations/MLP#1: dim 1 (mlp) of size 30") for line in lines)
@@ -149,7 +149,7 @@ def test_all_problems_gathered_one_per_line_and_summary():
 def test_activation_problem_names_the_activation_path():
     module, config = get_model("mlp-tiny")
     with pytest.raises(ShardingValidationError) as e:
-        plan(config, config.sample_inputs(6), "dp", "data=8")  # batch 6 over data=8
+        plan(config, "dp", "data=8", batch_size=6)  # batch 6 over data=8
     assert all(p.path.startswith("activations/MLP#") for p in e.value.problems)
     assert "dim 0 (batch) of size 6 is not divisible by mesh axes data=8" in str(e.value)
 
@@ -157,7 +157,7 @@ def test_activation_problem_names_the_activation_path():
 def test_non_strict_warns_and_replicates_what_does_not_divide():
     module, config = get_model("mlp-tiny", width=30)
     with pytest.warns(ShardingValidationWarning) as record:
-        p = plan(config, config.sample_inputs(8), "tp", "data=2,tensor=4", strict=False)
+        p = plan(config, "tp", "data=2,tensor=4", batch_size=8, strict=False)
     assert len(record) == 4 and len(p.problems) == 4
     rows = {r.array.path: r for r in p.params}
     kernel = rows["params/layers_0/kernel"]
@@ -166,7 +166,7 @@ def test_non_strict_warns_and_replicates_what_does_not_divide():
     # A rule naming an unknown mesh axis is dropped with a warning; the rest still applies.
     rules = Rules([("mlp", "tensr")], name="typo") + PRESETS["tp"]
     with pytest.warns(ShardingValidationWarning, match="tensr"):
-        p = plan(get_model("mlp-tiny")[1], (8, 16), rules, "data=2,tensor=4", strict=False)
+        p = plan(get_model("mlp-tiny")[1], rules, "data=2,tensor=4", batch_size=8, strict=False)
     rows = {r.array.path: r for r in p.params}
     assert rows["params/layers_0/kernel"].shard_shape == (16, 8)
 
@@ -174,14 +174,14 @@ def test_non_strict_warns_and_replicates_what_does_not_divide():
 def test_record_activations_sees_constraints_not_parameters():
     module, config = get_model("mlp-tiny")
     mesh = make_mesh("data=8")
-    with activate(mesh, PRESETS["dp"]), record_activations() as sites:
+    with activate(mesh, PRESETS["dp"]), recording_constraints() as sites:
         jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((8, 16)))
-    got = [(s.path, s.names, s.shape) for s in sites]
+    got = [(path, names, shape) for path, names, shape, _ in sites]
     assert got == [
-        ("activations/MLP#0", ("batch", "embed"), (8, 16)),
-        ("activations/MLP#1", ("batch", "mlp"), (8, 32)),
-        ("activations/MLP#2", ("batch", "embed"), (8, 32)),
-        ("activations/MLP#3", ("batch", "vocab"), (8, 4)),
+        ("MLP#0", ("batch", "embed"), (8, 16)),
+        ("MLP#1", ("batch", "mlp"), (8, 32)),
+        ("MLP#2", ("batch", "embed"), (8, 32)),
+        ("MLP#3", ("batch", "vocab"), (8, 4)),
     ]
 
 

@@ -19,6 +19,7 @@ from shardzoo.train.checkpoint import latest_step, load_model_and_params
 from shardzoo.train.metrics import read_metrics
 
 STEPS = 12
+HOOKED = os.path.join(os.path.dirname(__file__), "hooked_train.py")
 TINY = ["--override", "hidden_size=32", "--override", "intermediate_size=64",
         "--override", "num_hidden_layers=1", "--override", "num_key_value_heads=4"]
 
@@ -43,7 +44,7 @@ def _args(out, corpus):
     return ["--out", str(out), "--data", str(corpus), "--eval-fraction", "0.1", "--steps", str(STEPS),
             "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2", "--warmup-steps", "2",
             "--log-every", "1", "--save-every", "4", "--eval-every", "6", "--eval-steps", "2",
-            "--debug-batch-hash", "--tensorboard", *TINY]
+            "--tensorboard", *TINY]
 
 
 def _env(files):
@@ -55,8 +56,10 @@ def _env(files):
     return env
 
 
-def _train(files, out, *extra, wait=True):
-    cmd = [sys.executable, "-m", "shardzoo", "train", *_args(out, files / "corpus.jsonl"), *extra]
+def _train(files, out, *extra, delay=None, wait=True):
+    """``shardzoo train`` through the test hooks: batch hashes logged, ``delay`` s after each step."""
+    hooks = ["--hash"] + (["--delay", str(delay)] if delay else [])
+    cmd = [sys.executable, HOOKED, *hooks, "--", *_args(out, files / "corpus.jsonl"), *extra]
     if not wait:  # stderr to a file: a pipe nobody reads could fill up and stall the run
         log = open(os.path.join(files, f"{os.path.basename(out)}.stderr"), "w")
         return subprocess.Popen(cmd, env=_env(files), stdout=subprocess.DEVNULL, stderr=log)
@@ -126,7 +129,7 @@ def test_plot_draws_the_loss_curves_to_a_png(reference, tmp_path):
 def test_kill_9_and_restart_ends_bit_identical_to_the_uninterrupted_run(reference, files):
     ref_out, _ = reference
     out = files / "killed"
-    proc = _train(files, out, "--debug-step-delay", "0.4", wait=False)
+    proc = _train(files, out, delay=0.4, wait=False)
     # kill once checkpoint 4 is committed and the run has gone past it
     _wait_for(lambda: latest_step(str(out / "checkpoints")) == 4 and max(_logged_steps(out) or [0]) >= 5, proc)
     proc.send_signal(signal.SIGKILL)
@@ -147,7 +150,7 @@ def test_kill_9_and_restart_ends_bit_identical_to_the_uninterrupted_run(referenc
 
 def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_0(files):
     out = files / "preempted"
-    proc = _train(files, out, "--debug-step-delay", "0.4", wait=False)
+    proc = _train(files, out, delay=0.4, wait=False)
     _wait_for(lambda: max(_logged_steps(out) or [0]) >= 2, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, open(proc.stderr.name).read()

@@ -1,17 +1,27 @@
 """The non-finite guard: stop at a NaN step keeping the last good checkpoint, or skip and count."""
 
+import importlib.util
 import json
+import os
 
 import jax
 import numpy as np
 import pytest
 
-from shardzoo.cli import main
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.checkpoint import latest_step, load_model_and_params
 from shardzoo.train.config import NONFINITE_EXIT, TrainConfig
 from shardzoo.train.metrics import read_metrics
 from shardzoo.train.trainer import NonFiniteError, Trainer
+
+
+def hooked_train(argv):
+    """``tests/train/hooked_train.py``'s main: ``shardzoo train`` with test hooks, in-process."""
+    path = os.path.join(os.path.dirname(__file__), "hooked_train.py")
+    spec = importlib.util.spec_from_file_location("hooked_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def test_a_nan_step_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
@@ -43,17 +53,17 @@ def test_skip_nonfinite_keeps_the_state_of_a_nan_step_and_counts_it(tiny_lm, bat
     assert not all(np.array_equal(a, b) for a, b in zip(leaves[3], leaves[4], strict=True))  # moved on
 
 
-def test_the_nan_test_hook_on_the_command_line_exits_3_naming_the_step(small, tmp_path, capsys):
+def test_a_nan_on_the_command_line_exits_3_naming_the_step(small, tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus."}) + "\n" for i in range(200)))
     out = tmp_path / "run"
     # the in-process runs' settings (see conftest.SMALL), so the compiled step is theirs
     flags = ["--steps", "8", "--batch-size", "32", "--seq-len", "16", "--lr", "1e-2", "--warmup-steps", "2",
-             "--log-every", "1", "--save-every", "1", "--debug-nan-at-step", "2", "--override", "hidden_size=32",
+             "--log-every", "1", "--save-every", "1", "--override", "hidden_size=32",
              "--override", "intermediate_size=64", "--override", "num_hidden_layers=1",
              "--override", "num_key_value_heads=4"]
     assert (small["steps"], small["batch_size"], small["seq_len"], small["lr"]) == (8, 32, 16, 1e-2)
-    rc = main(["train", "--out", str(out), "--data", str(corpus), *flags])
+    rc = hooked_train(["--nan-at", "2", "--", "--out", str(out), "--data", str(corpus), *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == NONFINITE_EXIT == 3
     assert err[-1].startswith("shardzoo train: error: non-finite loss or gradient at step 2 "), err

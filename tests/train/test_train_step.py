@@ -13,8 +13,9 @@ from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
 from shardzoo.train.optim import decay_mask, make_schedule
-from shardzoo.train.state import TrainState, abstract_params
+from shardzoo.train.program import Program, TrainState
 from shardzoo.train.step import train_step
+from shardzoo.train.tasks import get_task
 from shardzoo.train.trainer import Trainer
 
 
@@ -69,7 +70,8 @@ def test_loss_adds_every_sown_auxiliary_loss_and_logs_model_metrics(batches):
     params = nn.meta.unbox(module.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
     tx = optax.sgd(0.1)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    step = jax.jit(functools.partial(train_step, module=module, tx=tx, schedule=lambda s: 0.1))
+    step = jax.jit(functools.partial(train_step, module=module, task=get_task("lm"), tx=tx,
+                                     schedule=lambda s: 0.1))
     _, metrics = step(state, batch, jax.random.PRNGKey(0))
 
     logits = module.apply({"params": params}, batch["inputs"])
@@ -86,7 +88,7 @@ def test_loss_adds_every_sown_auxiliary_loss_and_logs_model_metrics(batches):
 def test_weight_decay_mask_takes_kernels_and_embeddings_not_norms_or_biases():
     module, config = get_model("gpt2-tiny", num_hidden_layers=1)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    boxed = abstract_params(module, config.sample_inputs(1, 8), mesh, get_rules("dp"))
+    boxed = Program(config, get_rules("dp"), mesh, module=module).boxed_params
     mask = {"/".join(str(getattr(k, "key", k)) for k in path): v
             for path, v in jax.tree_util.tree_flatten_with_path(decay_mask(boxed))[0]}
     decayed = {p for p, v in mask.items() if v}

@@ -1,0 +1,318 @@
+"""The one program: abstract train state, its shardings, and the jitted train and eval steps.
+
+Built from a model config, a rule table, a mesh, an optimizer and a task, a ``Program`` does ONE
+``jax.eval_shape`` of the whole train state (params from ``module.init``, optimizer state from
+``tx.init`` on the still-boxed params, so it carries the params' logical axes) under the rules,
+recording every activation constraint on the way, and validates params and activations
+strictly. Every sharding comes from that one trace: the params' from their logical axes under
+``rules``, the optimizer state's from the same axes under ``opt_rules`` (ZeRO-1 is ``rules=dp,
+opt_rules=zero1``: one transform, nothing else). It owns the one train step and eval step.
+
+The Trainer, ``shardzoo plan`` (and ``plan --compile``), the benchmarks, checkpoint loading,
+Hugging Face import and export, and decoding all build a Program; nothing else traces ``init``
+or writes a step. A program on an ``AbstractMesh`` (devices you don't have) plans but does not
+compile or run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import struct
+from jax.sharding import AbstractMesh
+
+from shardzoo.errors import UserError
+from shardzoo.models.layers import recording_constraints
+from shardzoo.sharding.mesh import describe_mesh
+from shardzoo.sharding.partition import activate, replicated, spec_to_sharding
+from shardzoo.sharding.plan import Plan, make_plan
+from shardzoo.sharding.validate import Activation, check, rule_problems, usable_rules
+from shardzoo.train.step import eval_step, train_step
+from shardzoo.train.tasks import get_task
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@struct.dataclass
+class TrainState:
+    """Optimizer steps taken, parameters and optimizer state; a pytree that orbax saves."""
+
+    step: jax.Array  # int32 scalar
+    params: Any
+    opt_state: Any
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective op (sync or ``-start`` async form) the HLO text holds."""
+    return {op: len(re.findall(rf"\b{op}(-start)?\(", hlo_text)) for op in COLLECTIVES}
+
+
+def memory_analysis(compiled) -> dict:
+    """Per-device bytes from XLA: argument, output, temp, alias and total."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    memory = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    return memory
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of a tree of arrays (or ShapeDtypeStructs) under ``shardings``."""
+    leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+    return sum(jnp.dtype(a.dtype).itemsize * math.prod(s.shard_shape(a.shape)) for a, s in leaves)
+
+
+def with_shardings(abstract_tree, shardings):
+    """ShapeDtypeStructs carrying ``shardings`` (restore targets, lowering arguments)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_tree, shardings)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def _keep_matching_boxes(tree):
+    """Unbox the optimizer-state leaves whose shape no longer matches their param's axes
+    (e.g. adafactor's factored rows): they are replicated; the rest keep the param's names."""
+    def fix(x):
+        if _is_box(x) and not (hasattr(x.value, "ndim") and x.value.ndim == len(x.names)):
+            return x.value
+        return x
+
+    return jax.tree.map(fix, tree, is_leaf=_is_box)
+
+
+def _compile(lowered, fast: bool = False):
+    """Compile; ``fast`` skips LLVM's optimizations for a program that runs once (init), which
+    on CPU dominate the compile of threefry-heavy init programs (measured 37 s -> 4 s)."""
+    if fast and jax.default_backend() == "cpu":
+        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    return lowered.compile()
+
+
+class Program:
+    """The train state's abstract shapes and shardings and the one train and eval step.
+
+    ``optimizer``: ``boxed_params -> (tx, schedule)`` (e.g. ``functools.partial(make_optimizer,
+    settings)``); None builds a params-only program (import, export, decoding). ``batch_size``
+    is the global batch of one step, split into ``grad_accum`` microbatches; the model is
+    traced on one microbatch. ``strict=False`` turns validation problems into warnings and
+    applies what is usable.
+    """
+
+    def __init__(self, config, rules, mesh, *, optimizer=None, opt_rules=None, task=None,
+                 batch_size: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
+                 skip_nonfinite: bool = False, strict: bool = True, module=None):
+        self.config, self.mesh = config, mesh
+        self.module = module if module is not None else config.build()
+        self.task = task if task is not None else get_task(config)
+        self.batch_size = batch_size or mesh.size
+        self.seq_len = seq_len if seq_len is not None else 8
+        self.grad_accum, self.skip_nonfinite = grad_accum, skip_nonfinite
+        self.tx = self.schedule = None
+        self._optimizer = optimizer
+        if self.batch_size % grad_accum:
+            raise UserError(f"batch size {self.batch_size} is not divisible by grad_accum {grad_accum}")
+        self.micro_batch = self.batch_size // grad_accum
+        trace_rules = usable_rules(rules, mesh) if rule_problems(rules, mesh) else rules
+
+        # ONE trace of the whole train state under the rules; constraints recorded, not applied.
+        with activate(mesh, trace_rules), recording_constraints(apply=False) as sites:
+            boxed = jax.eval_shape(self._init_state, jax.random.key(0))
+        self.activation_sites = tuple(
+            Activation(f"activations/{path}", names, shape, dtype) for path, names, shape, dtype in sites
+        )
+        self.report = check({"params": boxed.params}, rules, mesh, activations=self.activation_sites,
+                            strict=strict)
+        self.rules = self.report.rules
+        self.opt_rules = opt_rules
+        if opt_rules is not None:
+            opt_report = check(boxed.opt_state, opt_rules, mesh, strict=strict)
+        else:  # the optimizer state follows its params; their problems were reported above
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt_report = check(boxed.opt_state, self.rules, mesh, strict=False)
+        self.boxed_params = boxed.params
+        abstract = nn.meta.unbox(boxed)
+        self.shardings = TrainState(step=replicated(mesh), params=self.report.shardings(mesh)["params"],
+                                    opt_state=opt_report.shardings(mesh))
+        self.abstract = with_shardings(abstract, self.shardings)
+        self.fields = self.task.fields(config, self.batch_size, self.seq_len)
+        self.batch_shardings = {k: spec_to_sharding(f.names, mesh, self.rules) for k, f in self.fields.items()}
+        self.abstract_batch = {
+            k: jax.ShapeDtypeStruct(f.shape, jnp.dtype(f.dtype), sharding=self.batch_shardings[k])
+            for k, f in self.fields.items()
+        }
+        self._check_microbatch()
+        self._train_step = self._eval_step = None
+
+    # ------------------------------------------------------------------ the one init
+    def _sample_inputs(self):
+        return [jnp.zeros(s.shape, s.dtype) for s in self.config.sample_inputs(self.micro_batch, self.seq_len)]
+
+    def _init_state(self, rng):
+        """The boxed train state at step 0 (traced by ``eval_shape`` and, unboxed, by ``init``)."""
+        rngs = {"params": rng, "dropout": rng, "jitter": rng}
+        params = self.module.init(rngs, *self._sample_inputs(), deterministic=True)["params"]
+        return self._state_from(params)
+
+    def _state_from(self, params):
+        if self._optimizer is not None and self.tx is None:  # built once, from the traced names
+            self.tx, self.schedule = self._optimizer(params)
+        opt_state = _keep_matching_boxes(self.tx.init(params)) if self.tx is not None else None
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+    def init(self, rng, params=None) -> TrainState:
+        """A TrainState at step 0, created sharded by one jit; ``params`` (placed like
+        ``params_target()``) replaces the random init."""
+        with activate(self.mesh, self.rules):
+            if params is not None:
+                fn = jax.jit(lambda p: nn.meta.unbox(self._state_from(p)),
+                             in_shardings=(self.shardings.params,), out_shardings=self.shardings)
+                return fn(params)
+            fn = jax.jit(lambda key: nn.meta.unbox(self._init_state(key)), out_shardings=self.shardings)
+            return _compile(fn.lower(rng), fast=True)(rng)
+
+    def init_params(self, rng):
+        """Randomly initialised params only, sharded."""
+        with activate(self.mesh, self.rules):
+            fn = jax.jit(lambda key: nn.meta.unbox(self._init_state(key).params),
+                         out_shardings=self.shardings.params)
+            return _compile(fn.lower(rng), fast=True)(rng)
+
+    def params_target(self):
+        """The params as ShapeDtypeStructs with their shardings (restore and import targets)."""
+        return self.abstract.params
+
+    # ------------------------------------------------------------------ steps
+    def _check_microbatch(self) -> None:
+        spec = self.batch_shardings["weights"].spec
+        names = spec[0] if len(spec) else None
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        shards = math.prod(dict(zip(self.mesh.axis_names, self.mesh.axis_sizes, strict=True))[n]
+                           for n in names)
+        if self.micro_batch % shards:
+            raise UserError(
+                f"microbatch of {self.micro_batch} rows (batch size {self.batch_size} / grad_accum "
+                f"{self.grad_accum}) is not divisible by the {shards} devices that rules "
+                f"{getattr(self.rules, 'name', '')!r} shard the batch over on mesh {describe_mesh(self.mesh)}"
+            )
+
+    def _rng_struct(self):
+        return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh))
+
+    def jitted_train_step(self):
+        """The train step, jitted with the state's and batch's shardings, state donated."""
+        if self.tx is None:
+            raise ValueError("a params-only Program (no optimizer) has no train step")
+        step = functools.partial(train_step, module=self.module, task=self.task, tx=self.tx,
+                                 schedule=self.schedule, grad_accum=self.grad_accum,
+                                 skip_nonfinite=self.skip_nonfinite)
+        scalar = replicated(self.mesh)
+        return jax.jit(step, in_shardings=(self.shardings, self.batch_shardings, scalar),
+                       out_shardings=(self.shardings, scalar), donate_argnums=0)
+
+    def lower(self):
+        """The train step lowered for this program's abstract state and batch."""
+        with activate(self.mesh, self.rules):
+            return self.jitted_train_step().lower(self.abstract, self.abstract_batch, self._rng_struct())
+
+    def compiled_train_step(self):
+        """The compiled train step (compiled once per Program): ``(state, batch, rng) ->
+        (new_state, metrics)``, ``state`` donated."""
+        if self._train_step is None:
+            self._train_step = self.lower().compile()
+        return self._train_step
+
+    def compiled_eval_step(self):
+        """The compiled eval step: ``(params, batch) -> sums`` (see ``tasks.Task.sums``)."""
+        if self._eval_step is None:
+            fn = jax.jit(functools.partial(eval_step, module=self.module, task=self.task),
+                         in_shardings=(self.shardings.params, self.batch_shardings),
+                         out_shardings=replicated(self.mesh))
+            with activate(self.mesh, self.rules):
+                self._eval_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
+        return self._eval_step
+
+    def place(self, batch) -> dict:
+        """The batch's arrays as global jax.Arrays with the batch shardings (host data is this
+        process's rows)."""
+        out = {}
+        for k, field in self.fields.items():
+            v, sharding = batch[k], self.batch_shardings[k]
+            if isinstance(v, jax.Array):
+                out[k] = v if v.sharding == sharding else jax.device_put(v, sharding)
+            else:
+                local = np.asarray(v, field.dtype)
+                out[k] = jax.make_array_from_process_local_data(sharding, local, field.shape)
+        return out
+
+    # ------------------------------------------------------------------ what it costs
+    def compile_report(self) -> dict:
+        """XLA's per-device memory and collective counts for the compiled train step, and the
+        per-device bytes of the batch (part of ``argument``)."""
+        compiled = self.compiled_train_step()
+        batch_bytes = per_device_bytes(self.abstract_batch, self.batch_shardings)
+        return {"memory": memory_analysis(compiled), "collectives": count_collectives(compiled.as_text()),
+                "batch_bytes": batch_bytes}
+
+    def plan(self, *, device_memory=None, name: str | None = None) -> Plan:
+        """The sharding plan: every array's placement and the per-device totals."""
+        opt = 0 if self.tx is None else per_device_bytes(self.abstract.opt_state, self.shardings.opt_state)
+        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch,
+                         seq_len=self.seq_len if self.task.name == "lm" else None,
+                         optimizer_bytes=opt, device_memory=device_memory, name=name)
+
+    @property
+    def is_abstract(self) -> bool:
+        return isinstance(self.mesh, AbstractMesh)
+
+
+
+def run_program(cfg, config, rules, mesh, *, opt_rules=None, module=None, strict=True) -> Program:
+    """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
+    ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
+    from shardzoo.train.optim import make_optimizer
+
+    return Program(config, rules, mesh, module=module, optimizer=functools.partial(make_optimizer, cfg),
+                   opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                   grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict)
+
+
+def default_optimizer():
+    """The optimizer ``shardzoo train`` uses by default (its settings' defaults)."""
+    from shardzoo.train.config import TrainConfig
+    from shardzoo.train.optim import make_optimizer
+
+    return functools.partial(make_optimizer, TrainConfig())
+
+
+def plan(config, rules, mesh, *, batch_size: int, seq_len: int | None = None, optimizer="default",
+         opt_rules=None, grad_accum: int = 1, strict: bool = True, device_memory=None,
+         name: str | None = None) -> Plan:
+    """The sharding plan of a model config's train state (``Program(...).plan()``).
+
+    ``rules``: a table or its name/file; ``mesh``: a Mesh, an AbstractMesh or a spec
+    (``"fsdp=32,tensor=8"``: abstract when it does not fit the local devices).
+    ``optimizer="default"``: what ``shardzoo train`` uses by default; None: params only.
+    """
+    from shardzoo.sharding.plan import planning_mesh
+    from shardzoo.sharding.rules import get_rules
+
+    rules = get_rules(rules)
+    opt_rules = get_rules(opt_rules) if opt_rules is not None else None
+    mesh = planning_mesh(mesh) if isinstance(mesh, str | dict) else mesh
+    optimizer = default_optimizer() if optimizer == "default" else optimizer
+    program = Program(config, rules, mesh, optimizer=optimizer, opt_rules=opt_rules,
+                      batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, strict=strict)
+    return program.plan(device_memory=device_memory, name=name)

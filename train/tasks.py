@@ -1,0 +1,129 @@
+"""Tasks: what a batch holds, how the model is called on it, and the loss and metrics.
+
+A task is the only place where the trainer meets the kind of model it trains; the program and
+the Trainer never branch on a model family. Every task reports *sums* over the batch (loss,
+weight, and e.g. correct guesses) so that gradient accumulation, evaluation over many batches
+and multi-device reductions all divide once, by the total weight, at the end.
+
+- ``lm``: next-token prediction. Batch ``inputs, targets, positions, segment_ids`` (int32) and
+  ``weights`` (float32 loss mask), each ``[batch, length]``.
+- ``classification``: ``inputs`` float32 ``[batch, features]``, ``targets`` int32 ``[batch]``,
+  ``weights`` float32 ``[batch]``; cross-entropy and accuracy.
+- ``regression``: as classification with float32 ``targets [batch, outputs]``; mean squared
+  error over the outputs of each example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One batch entry: its shape, dtype and the logical names of its dimensions."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    names: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A task's batch layout, model call and loss (see the module docstring)."""
+
+    name: str
+    weight_name: str  # what the summed weight counts: "tokens" or "examples"
+    loss_name: str  # the task loss's metric name: "ce_loss" or "mse"
+    has_accuracy: bool
+    has_perplexity: bool
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        """The batch's entries for ``batch_size`` rows (``seq_len`` tokens each for ``lm``)."""
+        if self.name == "lm":
+            bl = (ax.BATCH, ax.LENGTH)
+            shape = (batch_size, seq_len)
+            fields = {k: Field(shape, "int32", bl) for k in ("inputs", "targets", "positions", "segment_ids")}
+            fields["weights"] = Field(shape, "float32", bl)
+            return fields
+        (features,) = config.sample_inputs(batch_size, seq_len)
+        targets = (Field((batch_size,), "int32", (ax.BATCH,)) if self.name == "classification"
+                   else Field((batch_size, config.num_outputs), "float32", (ax.BATCH, None)))
+        return {
+            "inputs": Field(tuple(features.shape), "float32", (ax.BATCH,) + (None,) * (len(features.shape) - 1)),
+            "targets": targets,
+            "weights": Field((batch_size,), "float32", (ax.BATCH,)),
+        }
+
+    def model_args(self, batch) -> tuple[tuple, dict]:
+        """The positional and keyword arguments of the model call on ``batch``."""
+        if self.name == "lm":
+            return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+        return (batch["inputs"],), {}
+
+    def sums(self, outputs, batch) -> dict:
+        """``loss`` (weighted sum of per-example/token losses), ``weight``, and ``correct``."""
+        weights = batch["weights"].astype(jnp.float32)
+        outputs = outputs.astype(jnp.float32)
+        if self.name == "regression":
+            losses = jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)  # [batch]
+            return {"loss": jnp.sum(losses * weights), "weight": jnp.sum(weights)}
+        losses = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
+        correct = (jnp.argmax(outputs, axis=-1) == batch["targets"]).astype(jnp.float32)
+        return {"loss": jnp.sum(losses * weights), "weight": jnp.sum(weights),
+                "correct": jnp.sum(correct * weights)}
+
+
+TASKS = {
+    "lm": Task("lm", "tokens", "ce_loss", has_accuracy=True, has_perplexity=True),
+    "classification": Task("classification", "examples", "ce_loss", has_accuracy=True,
+                           has_perplexity=False),
+    "regression": Task("regression", "examples", "mse", has_accuracy=False, has_perplexity=False),
+}
+
+
+def get_task(config_or_name) -> Task:
+    """The task of a model config (its ``task`` field) or by name."""
+    name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "task", None)
+    if name not in TASKS:
+        raise UserError(f"task {name!r} is not one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def forward(task: Task, module, params, batch, rng, deterministic: bool):
+    """``(outputs, aux_loss or None, model_metrics)``: one model call per the zoo's contract.
+
+    ``aux_loss`` sums the model's ``losses`` collection (MoE router losses, already weighted);
+    ``model_metrics`` averages each sown ``metrics`` entry over layers and calls.
+    """
+    args, kwargs = task.model_args(batch)
+    outputs, collections = module.apply(
+        {"params": params}, *args, **kwargs, deterministic=deterministic,
+        rngs={"dropout": rng}, mutable=["losses", "metrics"],
+    )
+    losses = jax.tree.leaves(collections.get("losses", {}))
+    aux = sum(jnp.sum(x.astype(jnp.float32)) for x in losses) if losses else None
+    model_metrics = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(collections.get("metrics", {}))[0]:
+        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+        model_metrics.setdefault(name, []).append(jnp.ravel(leaf.astype(jnp.float32)))
+    model_metrics = {k: jnp.mean(jnp.concatenate(v)) for k, v in model_metrics.items()}
+    return outputs, aux, model_metrics
+
+
+def summarize_eval(task: Task, totals: dict) -> dict:
+    """Eval loss (and perplexity, accuracy where the task has them) from summed eval sums."""
+    weight = max(float(totals["weight"]), 1e-8)
+    loss = float(totals["loss"]) / weight
+    out = {"eval_loss": loss}
+    if task.has_perplexity:
+        out["eval_perplexity"] = float(jnp.exp(jnp.minimum(loss, 80.0)))
+    if task.has_accuracy:
+        out["eval_accuracy"] = float(totals["correct"]) / weight
+    return out
