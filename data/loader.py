@@ -10,8 +10,6 @@ import numpy as np
 
 from shardzoo.data.errors import DataError
 from shardzoo.data.packing import (
-    Rows,
-    batch_arrays,
     pack_documents,
     pack_examples,
     split_documents,
@@ -61,42 +59,55 @@ def _num_shards(sharding, dim: int) -> int:
     return math.prod(sharding.mesh.shape[n] for n in names)
 
 
-class BatchIterator:
-    """Batches of packed rows: shuffled per epoch by seed, split across processes, resumable.
+_DIM_NAMES = {ax.BATCH: "global batch size", ax.LENGTH: "sequence length"}
 
-    Each ``next`` gives the dict ``inputs, targets, segment_ids, positions, weights`` of the next
-    ``global_batch_size`` rows: global ``jax.Array`` s when ``sharding`` is given, else this
-    process's rows as numpy. The last batch of an epoch is filled with all-padding rows
-    (weights 0), so each epoch yields every row once. With ``repeat=False`` (eval) one pass
-    ends with StopIteration and the iterator rewinds, so each ``for`` loop is one full pass.
+
+class BatchIterator:
+    """Batches of rows: shuffled per epoch by seed, split across processes, resumable.
+
+    ``rows`` is any row set with ``len``, ``shapes`` (one row's shape per batch key), ``axes``
+    (each key's logical axes, the batch first) and ``batch(indices) -> dict`` (index -1: a
+    fill-up row of weight 0): packed token rows (``packing.Rows``) or labelled examples
+    (``labelled.LabelledRows``). Each ``next`` gives the batch of the next ``global_batch_size``
+    rows: global ``jax.Array`` s placed by ``spec_to_sharding(axes[key], mesh, rules)`` when
+    ``mesh`` is given, else this process's rows as numpy. The last batch of an epoch is filled
+    up with rows of weight 0, so each epoch yields every row once. With ``repeat=False`` (eval)
+    one pass ends with StopIteration and the iterator rewinds, so each ``for`` loop is one pass.
     """
 
     def __init__(
         self,
-        rows: Rows,
+        rows,
         global_batch_size: int,
-        pad_id: int,
         *,
         seed: int = 0,
         shuffle: bool = True,
         repeat: bool = True,
-        sharding=None,
+        mesh=None,
+        rules=None,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
-        self.rows, self.global_batch_size, self.pad_id = rows, global_batch_size, pad_id
-        self.shuffle, self.repeat, self.sharding = shuffle, repeat, sharding
+        self.rows, self.global_batch_size = rows, global_batch_size
+        self.shuffle, self.repeat = shuffle, repeat
         self.seed, self.epoch, self.position = int(seed), 0, 0  # position: rows done this epoch
-        self.global_shape = (global_batch_size, rows.seq_len)
-        if sharding is not None:
-            for dim, what in enumerate(("global batch size", "sequence length")):
-                shards = _num_shards(sharding, dim)
-                if self.global_shape[dim] % shards:
-                    raise DataError(
-                        f"{what} {self.global_shape[dim]} is not divisible by its {shards} shards "
-                        f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
-                    )
-            self._local_rows, self._local_cols = _local_indices(sharding, self.global_shape)
+        self.global_shapes = {k: (global_batch_size, *s) for k, s in rows.shapes.items()}
+        self.shardings = None
+        self._local_rows, self._local_slices = None, {}  # slices: other dims a process holds part of
+        if mesh is not None:
+            if rules is None:
+                raise ValueError("BatchIterator: a mesh needs rules to place the batch")
+            self.shardings = {k: spec_to_sharding(a, mesh, rules) for k, a in rows.axes.items()}
+            for key, sharding in self.shardings.items():
+                self._check_divisible(key, sharding)
+                local = _local_indices(sharding, self.global_shapes[key])
+                if self._local_rows is None:
+                    self._local_rows = local[0]
+                if not np.array_equal(local[0], self._local_rows):  # one batch axis for all keys
+                    raise ValueError(f"BatchIterator: {key!r} splits the batch unlike the others")
+                for dim, held in enumerate(local[1:], 1):
+                    if len(held) < self.global_shapes[key][dim]:
+                        self._local_slices.setdefault(key, []).append((dim, held))
         else:
             index = jax.process_index() if process_index is None else process_index
             count = jax.process_count() if process_count is None else process_count
@@ -106,8 +117,18 @@ class BatchIterator:
                 )
             per_process = global_batch_size // count
             self._local_rows = np.arange(index * per_process, (index + 1) * per_process)
-            self._local_cols = np.arange(rows.seq_len)
         self._order_cache = (None, None)
+
+    def _check_divisible(self, key: str, sharding) -> None:
+        shape, names = self.global_shapes[key], self.rows.axes[key]
+        for dim, size in enumerate(shape):
+            shards = _num_shards(sharding, dim)
+            if size % shards:
+                what = _DIM_NAMES.get(names[dim], f"dimension {dim} of {key!r}")
+                raise DataError(
+                    f"{what} {size} is not divisible by its {shards} shards "
+                    f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
+                )
 
     @property
     def batches_per_epoch(self) -> int:
@@ -133,11 +154,16 @@ class BatchIterator:
         indices = self._order(self.epoch)[self.position : self.position + self.global_batch_size]
         self.position += len(indices)
         indices = np.pad(indices, (0, self.global_batch_size - len(indices)), constant_values=-1)
-        local = batch_arrays(self.rows, indices[self._local_rows], self.pad_id)
-        local = {k: v[:, self._local_cols] for k, v in local.items()}
-        if self.sharding is None:
+        local = self.rows.batch(indices[self._local_rows])
+        for key, slices in self._local_slices.items():
+            for dim, held in slices:
+                local[key] = np.take(local[key], held, axis=dim)
+        if self.shardings is None:
             return local
-        return jax.make_array_from_process_local_data(self.sharding, local, self.global_shape)
+        return {
+            k: jax.make_array_from_process_local_data(self.shardings[k], v, self.global_shapes[k])
+            for k, v in local.items()
+        }
 
     def state(self) -> dict:
         """A JSON-able position: restoring it makes the next batches those this iterator gives next."""
@@ -153,7 +179,8 @@ class BatchIterator:
         if state.get("num_rows") != len(self.rows):
             raise DataError(
                 f"the saved data iterator was over {state.get('num_rows')} rows but this data has "
-                f"{len(self.rows)}: the data, tokenizer or seq_len changed since the checkpoint"
+                f"{len(self.rows)}: the data (or its tokenizer, seq_len or split) changed since "
+                "the checkpoint"
             )
         self.seed, self.epoch, self.position = (
             int(state["seed"]),
@@ -222,16 +249,10 @@ def make_datasets(
             f"tokenizer {tokenizer.spec}), fewer than one global batch of {global_batch_size} x "
             f"{seq_len} = {global_batch_size * seq_len} tokens"
         )
-    sharding = None
-    if mesh is not None:
-        if rules is None:
-            raise ValueError("make_datasets: a mesh needs rules to place the batch")
-        sharding = spec_to_sharding((ax.BATCH, ax.LENGTH), mesh, rules)
-    common = dict(sharding=sharding, process_index=process_index, process_count=process_count)
+    common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
     train = BatchIterator(
         pack(train_docs, seq_len, tokenizer.pad_id),
         global_batch_size,
-        tokenizer.pad_id,
         seed=seed,
         shuffle=True,
         repeat=True,
@@ -242,7 +263,6 @@ def make_datasets(
         evaluation = BatchIterator(
             pack(eval_docs, seq_len, tokenizer.pad_id),
             global_batch_size,
-            tokenizer.pad_id,
             seed=seed,
             shuffle=False,
             repeat=False,
