@@ -9,10 +9,12 @@ import jax
 import numpy as np
 
 from shardzoo.data.errors import DataError
+from shardzoo.data.labelled import LabelledRows, encode_labels, read_examples
 from shardzoo.data.packing import (
     pack_documents,
     pack_examples,
     split_documents,
+    split_indices,
     tokenize_documents,
     tokenize_examples,
 )
@@ -35,11 +37,18 @@ class DataConfig:
     tokenizer: str = BYTE_SPEC  # "byte", a tokenizer.json, or an HF model directory
     add_bos: bool = False  # start every document with bos
     cache_dir: str | None = None  # datasets' cache (default: HF_DATASETS_CACHE)
+    label_column: str | None = None  # given: labelled examples (make_labelled_datasets)
+    feature_columns: tuple[str, ...] | None = None  # None: every column except the label
 
     @property
     def examples(self) -> bool:
         """True for prompt/completion rows, False for packed documents."""
         return self.prompt_column is not None
+
+    @property
+    def labelled(self) -> bool:
+        """True for examples of features and a label (no tokenizer, no text)."""
+        return self.label_column is not None
 
 
 def _local_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:
@@ -205,6 +214,13 @@ def _documents(spec: str, config: DataConfig, tokenizer):
     return docs
 
 
+def _check_eval_split(config: DataConfig) -> None:
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
+    if config.eval_data and config.eval_fraction:
+        raise DataError("give --eval-data or --eval-fraction, not both")
+
+
 def make_datasets(
     config: DataConfig,
     tokenizer,
@@ -217,12 +233,11 @@ def make_datasets(
     process_count: int | None = None,
 ):
     """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
+    if config.labelled:
+        raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
     if (config.prompt_column is None) != (config.completion_column is None):
         raise DataError("--prompt-column and --completion-column must be given together")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
-    if config.eval_data and config.eval_fraction:
-        raise DataError("give --eval-data or --eval-fraction, not both")
+    _check_eval_split(config)
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
 
     train_docs = _documents(config.data, config, tokenizer)
@@ -269,3 +284,89 @@ def make_datasets(
             **common,
         )
     return train, evaluation
+
+
+class LabelledBatchIterator(BatchIterator):
+    """A ``BatchIterator`` over ``LabelledRows`` that tells what the model must take and give."""
+
+    @property
+    def task(self) -> str:
+        """``"classification"`` or ``"regression"``."""
+        return self.rows.task
+
+    @property
+    def num_features(self) -> int:
+        return self.rows.num_features
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.rows.num_classes
+
+    @property
+    def num_outputs(self) -> int:
+        return self.rows.num_outputs
+
+    @property
+    def label_names(self) -> tuple[str, ...] | None:
+        return self.rows.label_names
+
+
+def make_labelled_datasets(
+    config: DataConfig,
+    global_batch_size: int,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+):
+    """(train iterator, eval iterator or None) over ``config``'s labelled examples (features and
+    ``config.label_column``); see ``data/__init__.py``."""
+    if not config.labelled:
+        raise ValueError("make_labelled_datasets: the config has no label_column")
+    if config.examples or config.completion_column is not None:
+        raise DataError("--label-column cannot be combined with --prompt-column/--completion-column")
+    _check_eval_split(config)
+    label = config.label_column
+    columns = None if config.feature_columns is None else tuple(config.feature_columns)
+    specs = [config.data] + ([config.eval_data] if config.eval_data else [])
+    features, raw = [], []
+    for spec in specs:
+        ds = load_source(spec, cache_dir=config.cache_dir)
+        # Eval data is read by the train data's feature columns, in their order.
+        columns, x, y = read_examples(ds, spec, label, columns)
+        if features and x.shape[1] != features[0].shape[1]:
+            raise DataError(
+                f"data {spec!r} has {x.shape[1]} features per example but {specs[0]!r} has "
+                f"{features[0].shape[1]} (columns {', '.join(columns)})"
+            )
+        features.append(x)
+        raw.append(y)
+    targets, num_classes, names = encode_labels(raw, specs, label)
+    splits = [
+        LabelledRows(x, y, num_classes, names) for x, y in zip(features, targets, strict=True)
+    ]
+    train = splits[0]
+    evaluation = splits[1] if config.eval_data else None
+    if config.eval_fraction:
+        if len(train) < 2:
+            raise DataError(
+                f"data {config.data!r} has {len(train)} example: --eval-fraction needs at least 2"
+            )
+        kept, held_out = split_indices(len(train), config.eval_fraction, seed)
+        train, evaluation = train.select(kept), train.select(held_out)
+    if len(train) < global_batch_size:
+        raise DataError(
+            f"data {config.data!r}: {len(train)} examples, fewer than one global batch "
+            f"of {global_batch_size}"
+        )
+    common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
+    train_iter = LabelledBatchIterator(
+        train, global_batch_size, seed=seed, shuffle=True, repeat=True, **common
+    )
+    eval_iter = None
+    if evaluation is not None:
+        eval_iter = LabelledBatchIterator(
+            evaluation, global_batch_size, seed=seed, shuffle=False, repeat=False, **common
+        )
+    return train_iter, eval_iter
