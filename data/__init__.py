@@ -1,8 +1,8 @@
-"""shardzoo.data: sources, tokenizers, packing and the per-process batch iterator.
+"""shardzoo.data: sources, tokenizers, packing, labelled examples and the per-process batch iterator.
 
 The API the trainer codes against::
 
-    from shardzoo.data import DataConfig, make_datasets, load_tokenizer
+    from shardzoo.data import DataConfig, make_datasets, make_labelled_datasets, load_tokenizer
 
     config = DataConfig(
         data="stdlib",            # "stdlib" (embedded, no download) | file | glob | directory
@@ -15,6 +15,8 @@ The API the trainer codes against::
         tokenizer="byte",         # "byte" | path/to/tokenizer.json | HF model directory
         add_bos=False,            # start every document with bos
         cache_dir=None,           # datasets' cache directory
+        label_column=None,        # given: labelled examples (make_labelled_datasets, below)
+        feature_columns=None,     # their feature columns; None: every column but the label
     )
     tokenizer = load_tokenizer(config.tokenizer)
     train_iter, eval_iter = make_datasets(
@@ -53,6 +55,33 @@ Tokenizers: ``encode(text) -> list[int]`` (no special tokens), ``decode(ids) -> 
 ``load_tokenizer`` accepts again). ``"byte"``: ids 0..255 are bytes, pad 256, bos 257, eos 258,
 vocab_size 259.
 
+Labelled examples (``label_column`` given; no tokenizer, no text)::
+
+    train_iter, eval_iter = make_labelled_datasets(
+        config, global_batch_size, mesh=None, rules=None, seed=0,
+        process_index=None, process_count=None)
+
+One example per row of the data; batches are dicts of
+
+- ``inputs``: float32 ``[batch, num_features]``, the feature columns concatenated in order:
+  numeric scalars (one feature each), fixed-length numeric lists/arrays (flattened), images
+  (``datasets.Image`` or ``{bytes, path}`` structs; flattened). uint8 values of list, array and
+  image columns (pixels) are divided by 255; nothing else is scaled.
+- ``targets``: classification (integer class ids, ``ClassLabel``, bool, or strings mapped to ids
+  in sorted order): int32 ``[batch]``; regression (a float or a fixed-length list of numbers):
+  float32 ``[batch, num_outputs]``.
+- ``weights``: float32 ``[batch]``, 1 per example and 0 for the zero rows that fill up the last
+  batch of an epoch. Loss = sum(weights * example_loss) / sum(weights).
+
+With ``mesh``, each is a global ``jax.Array`` of sharding
+``spec_to_sharding((ax.BATCH,) + (None,) * (ndim - 1), mesh, rules)``; without it, numpy rows of
+this process, exactly as above. Shuffling, ``state()``/``restore()``, eval passes,
+``eval_fraction`` (whole examples held out, seeded as documents are) and ``eval_data`` (read with
+the train data's feature columns; one label id space for both) are those of the LM path. The
+iterators also have ``task`` (``"classification"`` | ``"regression"``), ``num_features``,
+``num_classes`` (None for regression), ``num_outputs`` (classes, or the target width) and
+``label_names`` (the class names of string or ``ClassLabel`` labels, else None).
+
 Errors: every bad input raises ``DataError`` (a ``UserError``) naming the file, column,
 spec or tokenizer.
 """
@@ -61,7 +90,9 @@ from shardzoo.data.errors import DataError
 from shardzoo.data.loader import (
     BatchIterator,
     DataConfig,
+    LabelledBatchIterator,
     make_datasets,
+    make_labelled_datasets,
 )
 from shardzoo.data.sources import load_source
 from shardzoo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -72,7 +103,9 @@ __all__ = [
     "DataConfig",
     "DataError",
     "HFTokenizer",
+    "LabelledBatchIterator",
     "load_source",
     "load_tokenizer",
     "make_datasets",
+    "make_labelled_datasets",
 ]

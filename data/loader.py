@@ -9,12 +9,12 @@ import jax
 import numpy as np
 
 from shardzoo.data.errors import DataError
+from shardzoo.data.labelled import LabelledRows, encode_labels, read_examples
 from shardzoo.data.packing import (
-    Rows,
-    batch_arrays,
     pack_documents,
     pack_examples,
     split_documents,
+    split_indices,
     tokenize_documents,
     tokenize_examples,
 )
@@ -37,11 +37,18 @@ class DataConfig:
     tokenizer: str = BYTE_SPEC  # "byte", a tokenizer.json, or an HF model directory
     add_bos: bool = False  # start every document with bos
     cache_dir: str | None = None  # datasets' cache (default: HF_DATASETS_CACHE)
+    label_column: str | None = None  # given: labelled examples (make_labelled_datasets)
+    feature_columns: tuple[str, ...] | None = None  # None: every column except the label
 
     @property
     def examples(self) -> bool:
         """True for prompt/completion rows, False for packed documents."""
         return self.prompt_column is not None
+
+    @property
+    def labelled(self) -> bool:
+        """True for examples of features and a label (no tokenizer, no text)."""
+        return self.label_column is not None
 
 
 def _local_indices(sharding, global_shape) -> tuple[np.ndarray, ...]:
@@ -61,42 +68,55 @@ def _num_shards(sharding, dim: int) -> int:
     return math.prod(sharding.mesh.shape[n] for n in names)
 
 
-class BatchIterator:
-    """Batches of packed rows: shuffled per epoch by seed, split across processes, resumable.
+_DIM_NAMES = {ax.BATCH: "global batch size", ax.LENGTH: "sequence length"}
 
-    Each ``next`` gives the dict ``inputs, targets, segment_ids, positions, weights`` of the next
-    ``global_batch_size`` rows: global ``jax.Array`` s when ``sharding`` is given, else this
-    process's rows as numpy. The last batch of an epoch is filled with all-padding rows
-    (weights 0), so each epoch yields every row once. With ``repeat=False`` (eval) one pass
-    ends with StopIteration and the iterator rewinds, so each ``for`` loop is one full pass.
+
+class BatchIterator:
+    """Batches of rows: shuffled per epoch by seed, split across processes, resumable.
+
+    ``rows`` is any row set with ``len``, ``shapes`` (one row's shape per batch key), ``axes``
+    (each key's logical axes, the batch first) and ``batch(indices) -> dict`` (index -1: a
+    fill-up row of weight 0): packed token rows (``packing.Rows``) or labelled examples
+    (``labelled.LabelledRows``). Each ``next`` gives the batch of the next ``global_batch_size``
+    rows: global ``jax.Array`` s placed by ``spec_to_sharding(axes[key], mesh, rules)`` when
+    ``mesh`` is given, else this process's rows as numpy. The last batch of an epoch is filled
+    up with rows of weight 0, so each epoch yields every row once. With ``repeat=False`` (eval)
+    one pass ends with StopIteration and the iterator rewinds, so each ``for`` loop is one pass.
     """
 
     def __init__(
         self,
-        rows: Rows,
+        rows,
         global_batch_size: int,
-        pad_id: int,
         *,
         seed: int = 0,
         shuffle: bool = True,
         repeat: bool = True,
-        sharding=None,
+        mesh=None,
+        rules=None,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
-        self.rows, self.global_batch_size, self.pad_id = rows, global_batch_size, pad_id
-        self.shuffle, self.repeat, self.sharding = shuffle, repeat, sharding
+        self.rows, self.global_batch_size = rows, global_batch_size
+        self.shuffle, self.repeat = shuffle, repeat
         self.seed, self.epoch, self.position = int(seed), 0, 0  # position: rows done this epoch
-        self.global_shape = (global_batch_size, rows.seq_len)
-        if sharding is not None:
-            for dim, what in enumerate(("global batch size", "sequence length")):
-                shards = _num_shards(sharding, dim)
-                if self.global_shape[dim] % shards:
-                    raise DataError(
-                        f"{what} {self.global_shape[dim]} is not divisible by its {shards} shards "
-                        f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
-                    )
-            self._local_rows, self._local_cols = _local_indices(sharding, self.global_shape)
+        self.global_shapes = {k: (global_batch_size, *s) for k, s in rows.shapes.items()}
+        self.shardings = None
+        self._local_rows, self._local_slices = None, {}  # slices: other dims a process holds part of
+        if mesh is not None:
+            if rules is None:
+                raise ValueError("BatchIterator: a mesh needs rules to place the batch")
+            self.shardings = {k: spec_to_sharding(a, mesh, rules) for k, a in rows.axes.items()}
+            for key, sharding in self.shardings.items():
+                self._check_divisible(key, sharding)
+                local = _local_indices(sharding, self.global_shapes[key])
+                if self._local_rows is None:
+                    self._local_rows = local[0]
+                if not np.array_equal(local[0], self._local_rows):  # one batch axis for all keys
+                    raise ValueError(f"BatchIterator: {key!r} splits the batch unlike the others")
+                for dim, held in enumerate(local[1:], 1):
+                    if len(held) < self.global_shapes[key][dim]:
+                        self._local_slices.setdefault(key, []).append((dim, held))
         else:
             index = jax.process_index() if process_index is None else process_index
             count = jax.process_count() if process_count is None else process_count
@@ -106,8 +126,18 @@ class BatchIterator:
                 )
             per_process = global_batch_size // count
             self._local_rows = np.arange(index * per_process, (index + 1) * per_process)
-            self._local_cols = np.arange(rows.seq_len)
         self._order_cache = (None, None)
+
+    def _check_divisible(self, key: str, sharding) -> None:
+        shape, names = self.global_shapes[key], self.rows.axes[key]
+        for dim, size in enumerate(shape):
+            shards = _num_shards(sharding, dim)
+            if size % shards:
+                what = _DIM_NAMES.get(names[dim], f"dimension {dim} of {key!r}")
+                raise DataError(
+                    f"{what} {size} is not divisible by its {shards} shards "
+                    f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
+                )
 
     @property
     def batches_per_epoch(self) -> int:
@@ -133,11 +163,16 @@ class BatchIterator:
         indices = self._order(self.epoch)[self.position : self.position + self.global_batch_size]
         self.position += len(indices)
         indices = np.pad(indices, (0, self.global_batch_size - len(indices)), constant_values=-1)
-        local = batch_arrays(self.rows, indices[self._local_rows], self.pad_id)
-        local = {k: v[:, self._local_cols] for k, v in local.items()}
-        if self.sharding is None:
+        local = self.rows.batch(indices[self._local_rows])
+        for key, slices in self._local_slices.items():
+            for dim, held in slices:
+                local[key] = np.take(local[key], held, axis=dim)
+        if self.shardings is None:
             return local
-        return jax.make_array_from_process_local_data(self.sharding, local, self.global_shape)
+        return {
+            k: jax.make_array_from_process_local_data(self.shardings[k], v, self.global_shapes[k])
+            for k, v in local.items()
+        }
 
     def state(self) -> dict:
         """A JSON-able position: restoring it makes the next batches those this iterator gives next."""
@@ -153,7 +188,8 @@ class BatchIterator:
         if state.get("num_rows") != len(self.rows):
             raise DataError(
                 f"the saved data iterator was over {state.get('num_rows')} rows but this data has "
-                f"{len(self.rows)}: the data, tokenizer or seq_len changed since the checkpoint"
+                f"{len(self.rows)}: the data (or its tokenizer, seq_len or split) changed since "
+                "the checkpoint"
             )
         self.seed, self.epoch, self.position = (
             int(state["seed"]),
@@ -178,6 +214,13 @@ def _documents(spec: str, config: DataConfig, tokenizer):
     return docs
 
 
+def _check_eval_split(config: DataConfig) -> None:
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
+    if config.eval_data and config.eval_fraction:
+        raise DataError("give --eval-data or --eval-fraction, not both")
+
+
 def make_datasets(
     config: DataConfig,
     tokenizer,
@@ -190,12 +233,11 @@ def make_datasets(
     process_count: int | None = None,
 ):
     """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
+    if config.labelled:
+        raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
     if (config.prompt_column is None) != (config.completion_column is None):
         raise DataError("--prompt-column and --completion-column must be given together")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
-    if config.eval_data and config.eval_fraction:
-        raise DataError("give --eval-data or --eval-fraction, not both")
+    _check_eval_split(config)
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
 
     train_docs = _documents(config.data, config, tokenizer)
@@ -222,16 +264,10 @@ def make_datasets(
             f"tokenizer {tokenizer.spec}), fewer than one global batch of {global_batch_size} x "
             f"{seq_len} = {global_batch_size * seq_len} tokens"
         )
-    sharding = None
-    if mesh is not None:
-        if rules is None:
-            raise ValueError("make_datasets: a mesh needs rules to place the batch")
-        sharding = spec_to_sharding((ax.BATCH, ax.LENGTH), mesh, rules)
-    common = dict(sharding=sharding, process_index=process_index, process_count=process_count)
+    common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
     train = BatchIterator(
         pack(train_docs, seq_len, tokenizer.pad_id),
         global_batch_size,
-        tokenizer.pad_id,
         seed=seed,
         shuffle=True,
         repeat=True,
@@ -242,10 +278,95 @@ def make_datasets(
         evaluation = BatchIterator(
             pack(eval_docs, seq_len, tokenizer.pad_id),
             global_batch_size,
-            tokenizer.pad_id,
             seed=seed,
             shuffle=False,
             repeat=False,
             **common,
         )
     return train, evaluation
+
+
+class LabelledBatchIterator(BatchIterator):
+    """A ``BatchIterator`` over ``LabelledRows`` that tells what the model must take and give."""
+
+    @property
+    def task(self) -> str:
+        """``"classification"`` or ``"regression"``."""
+        return self.rows.task
+
+    @property
+    def num_features(self) -> int:
+        return self.rows.num_features
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.rows.num_classes
+
+    @property
+    def num_outputs(self) -> int:
+        return self.rows.num_outputs
+
+    @property
+    def label_names(self) -> tuple[str, ...] | None:
+        return self.rows.label_names
+
+
+def make_labelled_datasets(
+    config: DataConfig,
+    global_batch_size: int,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+):
+    """(train iterator, eval iterator or None) over ``config``'s labelled examples (features and
+    ``config.label_column``); see ``data/__init__.py``."""
+    if not config.labelled:
+        raise ValueError("make_labelled_datasets: the config has no label_column")
+    if config.examples or config.completion_column is not None:
+        raise DataError("--label-column cannot be combined with --prompt-column/--completion-column")
+    _check_eval_split(config)
+    label = config.label_column
+    columns = None if config.feature_columns is None else tuple(config.feature_columns)
+    specs = [config.data] + ([config.eval_data] if config.eval_data else [])
+    features, raw = [], []
+    for spec in specs:
+        ds = load_source(spec, cache_dir=config.cache_dir)
+        # Eval data is read by the train data's feature columns, in their order.
+        columns, x, y = read_examples(ds, spec, label, columns)
+        if features and x.shape[1] != features[0].shape[1]:
+            raise DataError(
+                f"data {spec!r} has {x.shape[1]} features per example but {specs[0]!r} has "
+                f"{features[0].shape[1]} (columns {', '.join(columns)})"
+            )
+        features.append(x)
+        raw.append(y)
+    targets, num_classes, names = encode_labels(raw, specs, label)
+    splits = [
+        LabelledRows(x, y, num_classes, names) for x, y in zip(features, targets, strict=True)
+    ]
+    train = splits[0]
+    evaluation = splits[1] if config.eval_data else None
+    if config.eval_fraction:
+        if len(train) < 2:
+            raise DataError(
+                f"data {config.data!r} has {len(train)} example: --eval-fraction needs at least 2"
+            )
+        kept, held_out = split_indices(len(train), config.eval_fraction, seed)
+        train, evaluation = train.select(kept), train.select(held_out)
+    if len(train) < global_batch_size:
+        raise DataError(
+            f"data {config.data!r}: {len(train)} examples, fewer than one global batch "
+            f"of {global_batch_size}"
+        )
+    common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
+    train_iter = LabelledBatchIterator(
+        train, global_batch_size, seed=seed, shuffle=True, repeat=True, **common
+    )
+    eval_iter = None
+    if evaluation is not None:
+        eval_iter = LabelledBatchIterator(
+            evaluation, global_batch_size, seed=seed, shuffle=False, repeat=False, **common
+        )
+    return train_iter, eval_iter

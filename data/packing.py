@@ -20,6 +20,8 @@ import dataclasses
 import numpy as np
 import pyarrow.compute as pc
 
+from shardzoo.sharding import axes as ax
+
 
 @dataclasses.dataclass(frozen=True)
 class Documents:
@@ -45,13 +47,21 @@ class Documents:
         return Documents(self.tokens[token_keep], offsets, self.loss_mask[token_keep])
 
 
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """Packed rows: token ids, segment ids (0 = padding) and loss-target flags."""
+    """Packed rows: token ids, segment ids (0 = padding) and loss-target flags.
+
+    Rows for ``BatchIterator``: ``len``, ``axes`` (each batch key's logical axes) and
+    ``batch(indices)``.
+    """
 
     tokens: np.ndarray  # [rows, length] int32
     segment_ids: np.ndarray  # [rows, length] int32
     loss_mask: np.ndarray  # [rows, length] bool
+    pad_id: int
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,6 +69,20 @@ class Rows:
     @property
     def seq_len(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of one row of each batch key."""
+        return dict.fromkeys(BATCH_KEYS, (self.seq_len,))
+
+    @property
+    def axes(self) -> dict[str, tuple[str, ...]]:
+        """Each batch key's logical axes."""
+        return dict.fromkeys(BATCH_KEYS, (ax.BATCH, ax.LENGTH))
+
+    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch of the rows at ``indices`` (-1: an all-padding row)."""
+        return batch_arrays(self, indices, self.pad_id)
 
 
 def _encode(tokenizer, texts) -> list:
@@ -124,12 +148,17 @@ def tokenize_examples(
     return _documents_from(_map(ds, encode))
 
 
+def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out), each sorted: a seeded random ``fraction`` of ``range(n)`` held out (at
+    least one, and at least one kept). Documents and labelled examples are split alike."""
+    n_eval = min(max(1, round(fraction * n)), n - 1)
+    held_out = np.random.default_rng([seed, 1]).permutation(n)[:n_eval]
+    return np.setdiff1d(np.arange(n), held_out), np.sort(held_out)
+
+
 def split_documents(docs: Documents, fraction: float, seed: int) -> tuple[Documents, Documents]:
-    """(train, eval): a seeded random ``fraction`` of the documents held out (at least one, and
-    at least one left to train on)."""
-    n_eval = min(max(1, round(fraction * len(docs))), len(docs) - 1)
-    held_out = np.random.default_rng([seed, 1]).permutation(len(docs))[:n_eval]
-    rest = np.setdiff1d(np.arange(len(docs)), held_out)
+    """(train, eval): a seeded random ``fraction`` of the documents held out (``split_indices``)."""
+    rest, held_out = split_indices(len(docs), fraction, seed)
     return docs.select(rest), docs.select(held_out)
 
 
@@ -146,7 +175,9 @@ def pack_documents(docs: Documents, seq_len: int, pad_id: int) -> Rows:
     doc_ids = doc_ids.reshape(num_rows, seq_len)  # [rows, length]
     # Renumber per row from 1: documents in a row are consecutive and a row never starts with padding.
     segment_ids = np.where(doc_ids > 0, doc_ids - doc_ids[:, :1] + 1, 0).astype(np.int32)
-    return Rows(tokens.reshape(num_rows, seq_len), segment_ids, mask.reshape(num_rows, seq_len))
+    return Rows(
+        tokens.reshape(num_rows, seq_len), segment_ids, mask.reshape(num_rows, seq_len), pad_id
+    )
 
 
 def pack_examples(docs: Documents, seq_len: int, pad_id: int) -> Rows:
@@ -155,7 +186,7 @@ def pack_examples(docs: Documents, seq_len: int, pad_id: int) -> Rows:
     valid = cols < np.minimum(docs.lengths, seq_len)[:, None]  # [rows, length]
     source = np.where(valid, docs.offsets[:-1, None] + cols, 0)
     tokens = np.where(valid, docs.tokens[source], pad_id).astype(np.int32)
-    return Rows(tokens, valid.astype(np.int32), valid & docs.loss_mask[source])
+    return Rows(tokens, valid.astype(np.int32), valid & docs.loss_mask[source], pad_id)
 
 
 def batch_arrays(rows: Rows, indices: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:
