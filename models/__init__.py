@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import types
 import typing
 
 from shardzoo.errors import UserError
+from shardzoo.values import coerce
 
 _FAMILY_MODULES = ("shardzoo.models.mlp", "shardzoo.models.transformer", "shardzoo.models.moe")
 _REGISTRY: dict = {}
@@ -51,42 +51,6 @@ def get_model(name: str, **overrides):
     return config.build(), config
 
 
-def _coerce(value, tp, key: str, where: str):
-    if not isinstance(value, str):
-        return value
-    import yaml
-
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError:
-        parsed = value
-    origin = typing.get_origin(tp)
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType):
-        if parsed is None:
-            return None
-        tp = args[0] if len(args) == 1 else tp
-        origin = typing.get_origin(tp)
-    if tp is str:
-        return value
-    if tp is float:  # YAML 1.1 reads "1e-6" as a string; Python's float does not
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is float and isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
-        return float(parsed)
-    if tp is int and isinstance(parsed, int) and not isinstance(parsed, bool):
-        return parsed
-    if tp is bool and isinstance(parsed, bool):
-        return parsed
-    if origin is tuple and isinstance(parsed, list):
-        return tuple(parsed)
-    if tp in (int, float, bool):
-        raise ModelError(f"{where}: override {key}={value!r} is not a {tp.__name__}")
-    return parsed
-
-
 def apply_overrides(config, overrides: dict, where: str = "config"):
     """``dataclasses.replace`` with unknown keys reported and string values parsed."""
     if not overrides:
@@ -96,7 +60,7 @@ def apply_overrides(config, overrides: dict, where: str = "config"):
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ModelError(f"{where}: unknown override {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
-    values = {k: _coerce(v, hints[k], k, where) for k, v in overrides.items()}
+    values = {k: coerce(v, hints[k], f"{where}: override {k}", ModelError) for k, v in overrides.items()}
     try:
         return dataclasses.replace(config, **values)
     except (TypeError, ValueError) as e:

@@ -1,7 +1,16 @@
-"""Every setting of a training run: one frozen dataclass, its flags and its YAML file.
+"""Every setting of a training run: one frozen dataclass in sections, its flags and its YAML.
 
-Precedence: the dataclass defaults, then ``--config FILE`` (YAML with any of the fields, dashes
-or underscores), then the flags given on the command line.
+The settings come in sections (``SECTIONS``: model, data, optimizer, sharding, checkpoint,
+logging, distributed, runtime); ``run.json`` and ``--config FILE`` use that form::
+
+    model: {model: llama-tiny, override: {hidden_size: 64}}
+    data: {data: corpus.jsonl, batch_size: 32, seq_len: 256}
+    optimizer: {lr: 3.0e-3, steps: 1000}
+
+(a flat mapping of settings is read too). Every flag keeps its field's name, and each setting
+lives in one section only; ``TrainConfig.section(name)`` gives one section's values (the data
+section is what ``data.DataConfig`` is built from). Precedence: the defaults, then
+``--config``, then the flags. Values go through the one coercer, ``shardzoo.values.coerce``.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import math
 import typing
 
 from shardzoo.errors import UserError
+from shardzoo.values import coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -38,6 +48,8 @@ class TrainConfig:
     text_column: str = "text"
     prompt_column: str | None = None
     completion_column: str | None = None
+    label_column: str | None = None  # classification/regression: the label column
+    feature_columns: tuple[str, ...] | None = None  # default: every column but the label
     eval_data: str | None = None
     eval_fraction: float | None = None  # default: 0.05 of the embedded corpus, else 0
     tokenizer: str = "byte"
@@ -70,6 +82,8 @@ class TrainConfig:
     distributed: bool = False
     distributed_timeout: int = 300
     heartbeat_timeout: int = 100
+    # runtime
+    compile_cache: str | None = None  # a directory for jax's persistent compilation cache
 
     def __post_init__(self):
         positive = ("batch_size", "seq_len", "steps", "grad_accum", "keep", "eval_steps", "log_every")
@@ -97,6 +111,30 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def section(self, name: str) -> dict:
+        """One section's settings, by field name."""
+        return {k: getattr(self, k) for k in SECTIONS[name]}
+
+    def to_sections(self) -> dict:
+        """The settings nested by section (the form of run.json and --config files)."""
+        return {name: self.section(name) for name in SECTIONS}
+
+
+SECTIONS = {
+    "model": ("model", "override", "init_from"),
+    "data": ("data", "text_column", "prompt_column", "completion_column", "label_column",
+             "feature_columns", "eval_data", "eval_fraction", "tokenizer", "add_bos", "batch_size",
+             "seq_len"),
+    "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
+                  "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
+    "sharding": ("rules", "opt_rules", "mesh"),
+    "checkpoint": ("out", "save_every", "keep"),
+    "logging": ("log_every", "eval_every", "eval_steps", "tensorboard"),
+    "distributed": ("coordinator", "num_processes", "process_id", "distributed",
+                    "distributed_timeout", "heartbeat_timeout"),
+    "runtime": ("compile_cache",),
+}
+
 
 HELP = {
     "out": "run directory: checkpoints/, metrics.jsonl, run.json, tokenizer/ (resumes if it has checkpoints)",
@@ -109,6 +147,8 @@ HELP = {
     "text_column": "column holding the documents",
     "prompt_column": "fine-tuning: the prompt column (no loss); needs --completion-column",
     "completion_column": "fine-tuning: the completion column (loss)",
+    "label_column": "classification/regression (an MLP): the label column; turns on labelled data",
+    "feature_columns": "classification/regression: comma-separated feature columns (default: all but the label)",
     "eval_data": "held-out data spec for evaluation",
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
@@ -138,8 +178,9 @@ HELP = {
     "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
+    "compile_cache": "a directory for jax's persistent compilation cache (reused by later runs)",
 }
-METAVARS = {"out": "DIR", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT"}
 
@@ -168,6 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             group.add_argument(f"--{_flag(name)}", action="store_true", help=help_text, **kw)
         elif name == "override":
             group.add_argument("--override", action="append", metavar=METAVARS[name], help=help_text, **kw)
+        elif typing.get_origin(tp) is tuple:  # a comma-separated list, coerced with the rest
+            group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
@@ -175,6 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_yaml(path: str) -> dict:
+    """The settings of a ``--config`` file, sectioned (as run.json) or flat, coerced."""
     import yaml
 
     try:
@@ -188,40 +232,36 @@ def _load_yaml(path: str) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    flat = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for name, v in value.items():
+                name = str(name).replace("-", "_")
+                if name not in SECTIONS[key]:
+                    raise ConfigError(f"--config {path}: unknown setting {name!r} in section {key!r}; "
+                                      f"it has {', '.join(SECTIONS[key])}")
+                flat[name] = (f"{key}.{name}", v)
+        else:
+            flat[str(key).replace("-", "_")] = (str(key), value)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
+    for name, (key, value) in flat.items():
         if name not in fields:
             raise ConfigError(f"--config {path}: unknown setting {key!r}")
-        if name == "override":
-            if isinstance(value, dict):
-                value = [f"{k}={v}" for k, v in value.items()]
-            elif isinstance(value, str):
-                value = [value]
         out[name] = _coerce(name, value, f"--config {path}: {key}")
     return out
 
 
 def _coerce(name: str, value, where: str):
-    if value is None:
-        return None
-    tp = _field_type(name)
-    if name == "override":
+    if name == "override":  # a list of KEY=VALUE strings, or a mapping of them
+        if isinstance(value, dict):
+            value = [f"{k}={v}" for k, v in value.items()]
+        elif isinstance(value, str):
+            value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of KEY=VALUE strings")
         return tuple(value)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is int and number and float(value).is_integer():
-        return int(value)
-    if tp is float and number:
-        return float(value)
-    if tp is str and (isinstance(value, str) or number):
-        return str(value)
-    wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
-    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
+    return coerce(value, typing.get_type_hints(TrainConfig)[name], where, ConfigError)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -231,7 +271,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given.pop("config", None)
     if "override" in given:  # YAML overrides first, flags after: the last value of a key wins
         given["override"] = tuple(values.get("override", ())) + tuple(given["override"])
-    values.update(given)
+    values.update({k: _coerce(k, v, f"--{_flag(k)}") if isinstance(v, str) and k != "override" else v
+                   for k, v in given.items()})
     try:
         return TrainConfig(**values)
     except TypeError as e:

@@ -79,7 +79,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     """Resolve and check every input of a run; raises a UserError naming the first bad one."""
     import datasets
 
-    from shardzoo.data import DataConfig, load_tokenizer, make_datasets
+    from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
         datasets.disable_progress_bars()
@@ -89,9 +89,13 @@ def prepare(cfg: TrainConfig) -> Prepared:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out}: exists and is not a directory")
     module, config = get_model(cfg.model, **parse_overrides(cfg.override))
-    if getattr(config, "task", None) != "lm":
-        raise ConfigError(f"--model {cfg.model}: train supports language models (task 'lm'), "
-                          f"not task {getattr(config, 'task', None)!r}")
+    labelled = config.task != "lm"
+    if labelled != (cfg.label_column is not None):
+        raise ConfigError(
+            f"--model {cfg.model} (task {config.task!r}) trains on labelled examples: give --data "
+            "and --label-column" if labelled else
+            f"--label-column {cfg.label_column}: --model {cfg.model} is a language model; "
+            "labelled examples train a classification or regression model (e.g. mlp-mnist)")
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len is not None and cfg.seq_len > max_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
@@ -108,20 +112,43 @@ def prepare(cfg: TrainConfig) -> Prepared:
     elif cfg.init_from:
         _check_init_from(cfg.init_from)
 
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
-                          f"{cfg.model!r} has vocab_size {config.vocab_size}")
     eval_fraction = cfg.eval_fraction
     if eval_fraction is None:
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
-    data_config = DataConfig(data=cfg.data, text_column=cfg.text_column, prompt_column=cfg.prompt_column,
-                             completion_column=cfg.completion_column, eval_data=cfg.eval_data,
-                             eval_fraction=eval_fraction, tokenizer=cfg.tokenizer, add_bos=cfg.add_bos)
-    train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
-                                          mesh=mesh, rules=rules, seed=cfg.seed)
+    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
+    data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
+    data_config = DataConfig(**{**data, "eval_fraction": eval_fraction})
+    if labelled:
+        tokenizer = None
+        train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
+                                                       rules=rules, seed=cfg.seed)
+        _check_labelled(cfg, config, train_data)
+    else:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
+                              f"{cfg.model!r} has vocab_size {config.vocab_size}")
+        train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
+                                              mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program)
+
+
+def _check_labelled(cfg, config, data) -> None:
+    """The labelled data must fit the model: as many features as its inputs, labels it can output."""
+    if data.task != config.task:
+        raise ConfigError(f"--label-column {cfg.label_column}: the labels are for {data.task}, "
+                          f"--model {cfg.model} does {config.task}")
+    if data.num_features != config.in_features:
+        raise ConfigError(f"--data {cfg.data}: {data.num_features} features per example, --model "
+                          f"{cfg.model} takes in_features={config.in_features} "
+                          f"(--override in_features={data.num_features})")
+    wanted = data.num_classes if data.task == "classification" else data.num_outputs
+    if (wanted > config.num_outputs) if data.task == "classification" else (wanted != config.num_outputs):
+        raise ConfigError(f"--label-column {cfg.label_column}: {wanted} "
+                          f"{'classes' if data.task == 'classification' else 'outputs'}, --model "
+                          f"{cfg.model} has num_outputs={config.num_outputs} "
+                          f"(--override num_outputs={wanted})")
 
 
 def _check_init_from(path: str) -> None:
@@ -156,6 +183,8 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     """Validate, then train; 0 when done or preempted, NONFINITE_EXIT on a NaN/Inf step.
 
     ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
+    if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
     from shardzoo.train.hf_io import with_hf_model
 
@@ -164,14 +193,15 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     cfg = dataclasses.replace(cfg, out=p.out)
     rules_spec = cfg.rules or p.rules.name
     meta = {"model": cfg.model, "overrides": parse_overrides(cfg.override), "rules": rules_spec,
-            "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec, "tokenizer_saved": True,
-            "data": cfg.data}
+            "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
+            "tokenizer_saved": p.tokenizer is not None, "data": cfg.data}
     if is_main_process():  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)
-        p.tokenizer.save(os.path.join(p.out, "tokenizer"))
+        if p.tokenizer is not None:
+            p.tokenizer.save(os.path.join(p.out, "tokenizer"))
         _write_json(os.path.join(p.out, "run.json"), {
             **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
-            "processes": jax.process_count(), "settings": cfg.to_dict(),
+            "processes": jax.process_count(), "settings": cfg.to_sections(),
         })
     init_params = None
     if cfg.init_from and p.resume_step is None:

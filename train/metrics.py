@@ -82,7 +82,7 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
-        shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec") if k in record}
+        shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec", "examples_per_sec") if k in record}
         if self.bar.disable:
             print(f"step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
         else:

@@ -256,7 +256,8 @@ class Trainer:
             if step % cfg.log_every == 0 or step in (1, end):  # step 1: the loss at the start
                 self._check_finite(*pending)
                 pending = None
-                record.update(_scalars(jax.device_get(metrics)), **timer.lap(tokens_per_step))
+                record.update(_scalars(jax.device_get(metrics)),
+                              **timer.lap(tokens_per_step, self.program.task.weight_name))
                 if cfg.skip_nonfinite:
                     record["nonfinite_skipped"] = self.nonfinite_skipped
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
@@ -292,11 +293,11 @@ class _StepTimer:
         yield
         self.excluded += time.perf_counter() - t0
 
-    def lap(self, tokens_per_step: int) -> dict:
+    def lap(self, units_per_step: int, unit: str = "tokens") -> dict:
         now = time.perf_counter()
         step_time = (now - self.start - self.excluded) / max(self.steps, 1)
         self.start, self.steps, self.excluded = now, 0, 0.0
-        return {"step_time_s": step_time, "tokens_per_sec": tokens_per_step / step_time}
+        return {"step_time_s": step_time, f"{unit}_per_sec": units_per_step / step_time}
 
 
 def _scalars(metrics: dict) -> dict:
