@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 
+import einops
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -150,9 +151,10 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
         mask = mask * token_mask[:, :, None, None].astype(jnp.int32)
         routed = jnp.maximum(token_mask.sum(), 1)
     # Priority order within a row: all top-1 choices in token order, then all top-2 choices, ...
-    by_choice = mask.transpose(0, 2, 1, 3).reshape(b, k * length, num_experts)  # [batch, k*length, expert]
+    by_choice = einops.rearrange(mask, "b l k e -> b (k l) e")
     filled = jnp.cumsum(by_choice, axis=1) * by_choice  # 1-based slot where assigned, else 0
-    filled = filled.reshape(b, k, length, num_experts).sum(1)  # [batch, length, expert]; <=1 choice per e
+    # back to tokens; at most one of a token's k choices names a given expert
+    filled = einops.reduce(filled, "b (k l) e -> b l e", "sum", k=k)
     # one_hot of -1 (not chosen) or of >= capacity (over capacity) is all zeros: that drops it.
     dispatch = jax.nn.one_hot(filled - 1, capacity, dtype=jnp.float32)  # [batch, length, expert, capacity]
     gate = (mask * top_p[..., None]).sum(2)  # [batch, length, expert]
@@ -195,7 +197,7 @@ def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
     h = act(jax.lax.ragged_dot(xs, wi_gate, sizes)) * jax.lax.ragged_dot(xs, wi_up, sizes)
     ys = jax.lax.ragged_dot(h, wo, sizes)  # [batch*length*k, embed]
-    ys = ys[jnp.argsort(order)].reshape(b, length, k, d)  # back to token order
+    ys = einops.rearrange(ys[jnp.argsort(order)], "(b l k) d -> b l k d", b=b, l=length)  # token order
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
 
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from shardzoo.errors import UserError
 from shardzoo.models.moe import ExpertAxisError, MoeConfig, MoeError, MoeMLP
-from shardzoo.sharding import UserError, get_rules, make_mesh
 from shardzoo.sharding import axes as ax
+from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 
 E, D, M = 8, 16, 32
