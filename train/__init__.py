@@ -1,1 +1,13 @@
-"""shardzoo.train."""
+"""shardzoo.train: the one program (train state, shardings, steps), tasks and the Trainer.
+
+Heavy pieces (the Trainer, checkpoints, launch) are imported from their modules; the names here
+are the ones a script needs to build and run the program.
+"""
+
+from shardzoo.train.config import TrainConfig
+from shardzoo.train.optim import make_optimizer
+from shardzoo.train.program import Program, TrainState, plan, run_program
+from shardzoo.train.tasks import TASKS, Task, get_task
+
+__all__ = ["TASKS", "Program", "Task", "TrainConfig", "TrainState", "get_task", "make_optimizer",
+           "plan", "run_program"]
