@@ -145,4 +145,5 @@ def test_dtype_converts_on_the_way_in(built, tmp_path):
     _, _, from16 = load_hf(str(tmp_path))
     for a, b in zip(jax.tree.leaves(from16), jax.tree.leaves(p16), strict=True):
         assert a.dtype == np.float32
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(np.float32))
+        # torch rounded these to bf16, ml_dtypes rounded ours: equal within one bf16 ulp (2**-7 relative).
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b).astype(np.float32), rtol=2**-7, atol=0)

@@ -167,7 +167,8 @@ def test_llama3_rope_scaling_matches_transformers():
     ours = rope_inv_freq(cfg)
     plain = rope_inv_freq(get_config("llama3.2-1b", rope_scaling=None))
     assert ours.dtype == np.float32 and not np.allclose(ours, plain)  # the scaling acts
-    np.testing.assert_array_equal(ours, want.numpy())
+    # Two libraries round differently: within 4 float32 ulps (another x86 machine showed 1 ulp on 7 of 32).
+    np.testing.assert_array_max_ulp(ours, want.numpy().astype(np.float32), maxulp=4)
 
 
 def test_rope_is_hf_rotate_half_and_partial():
