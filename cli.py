@@ -95,7 +95,7 @@ def cmd_plan(args) -> int:
             program = run_program(settings, config, rules, mesh, opt_rules=opt_rules, module=module,
                                   strict=not args.non_strict)
         except ShardingValidationError as e:
-            raise UserError(e.summary() + " [--non-strict makes these warnings]") from None
+            raise UserError(e.summary(hint="--non-strict makes these warnings")) from None
         result = program.plan(device_memory=args.device_memory, name=args.model)
         if args.compile and program.is_abstract:
             import jax

@@ -37,13 +37,17 @@ class ShardingValidationError(UserError):
     """Every problem found in one message, one per line; ``problems`` keeps them as a list."""
 
     def __init__(self, problems):
-        self.problems = list(problems)
+        # A rule naming a mesh axis the mesh lacks (a typo) explains the problems after it.
+        self.problems = sorted(problems, key=lambda p: p.kind != "unknown_mesh_axis")
         super().__init__("\n".join(p.message for p in self.problems))
 
-    def summary(self) -> str:
-        """The first problem, and how many more there are: one line for the command line."""
-        more = len(self.problems) - 1
-        return self.problems[0].message + (f" (and {more} more)" if more else "")
+    def summary(self, context: str = "", hint: str = "") -> str:
+        """Every problem for the command line: one line for one, else a count and one a line."""
+        tail = f" [{hint}]" if hint else ""
+        if len(self.problems) == 1:
+            return f"{context}{self.problems[0].message}{tail}"
+        lines = "".join(f"\n  {p.message}" for p in self.problems)
+        return f"{context}{len(self.problems)} sharding problems{tail}:{lines}"
 
 
 class ShardingValidationWarning(UserWarning):
@@ -297,8 +301,9 @@ def check(abstract_tree, rules, mesh, *, activations=(), strict=True) -> Report:
     case each problem becomes a ``ShardingValidationWarning``.
     """
     rules = get_rules(rules)
-    problems = rule_problems(rules, mesh)
-    applied = usable_rules(rules, mesh) if problems else rules
+    table_problems = rule_problems(rules, mesh)
+    applied = usable_rules(rules, mesh) if table_problems else rules
+    problems = []
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree, is_leaf=_is_box)
     params, named = [], []
     for keypath, leaf in leaves:
@@ -317,7 +322,7 @@ def check(abstract_tree, rules, mesh, *, activations=(), strict=True) -> Report:
         acts.append(res)
         problems += probs
         named.append((site.path, site.names))
-    problems = _name_problems(named, rules) + problems
+    problems = table_problems + _name_problems(named, rules) + problems
     if problems:
         if strict:
             raise ShardingValidationError(problems)

@@ -168,7 +168,7 @@ def _program(cfg, config, module, rules, opt_rules, mesh):
     try:
         return run_program(cfg, config, rules, mesh, opt_rules=opt_rules, module=module)
     except ShardingValidationError as e:
-        raise ConfigError(f"rules {rules.name!r} on mesh {describe_mesh(mesh)}: {e.summary()}") from None
+        raise ConfigError(e.summary(f"rules {rules.name!r} on mesh {describe_mesh(mesh)}: ")) from None
 
 
 def _write_json(path: str, value) -> None:

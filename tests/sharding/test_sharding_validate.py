@@ -143,7 +143,9 @@ def test_all_problems_gathered_one_per_line_and_summary():
     lines = str(e.value).splitlines()
     assert len(lines) == len(e.value.problems) == 4
     assert any(line.startswith("activations/MLP#1: dim 1 (mlp) of size 30") for line in lines)
-    assert e.value.summary() == lines[0] + " (and 3 more)"
+    assert e.value.summary("tp: ").splitlines() == ["tp: 4 sharding problems:", *("  " + x for x in lines)]
+    [one] = e.value.problems[:1]
+    assert ShardingValidationError([one]).summary("tp: ", "hint") == f"tp: {one.message} [hint]"
 
 
 def test_activation_problem_names_the_activation_path():

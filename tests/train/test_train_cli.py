@@ -206,3 +206,19 @@ def test_a_bad_input_creates_no_out_dir(files, tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["train", *_args(out, files / "corpus.jsonl"), "--model", "llama-huge"]) == 2
     assert not out.exists()
+
+
+def test_a_rule_file_typo_lists_every_problem_typo_first(files, tmp_path, capsys):
+    rules = tmp_path / "typo.yaml"  # a mesh-axis typo in a table that also forgets `vocab`
+    rules.write_text("- [batch, [data, fsdp]]\n- [embed, fsdp]\n- [mlp, bogusaxis]\n- [heads, null]\n"
+                     "- [kv_heads, null]\n- [head_dim, null]\n- [layers, null]\n- [length, null]\n")
+    out = tmp_path / "never"
+    capsys.readouterr()
+    rc = main(["train", *_args(out, files / "corpus.jsonl"), "--rules", str(rules), "--mesh", "fsdp=8"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err and not out.exists()
+    assert lines[0] == ("shardzoo train: error: rules 'typo.yaml' on mesh data=1,fsdp=8,expert=1,sequence=1,"
+                        "tensor=1: 2 sharding problems:")
+    assert "rule #2 mlp->bogusaxis names mesh axis 'bogusaxis', which the mesh does not have" in lines[1]
+    assert "logical axis 'vocab' has no rule in rule table 'typo.yaml'" in lines[2] and len(lines) == 3
