@@ -17,6 +17,23 @@ class ModelError(UserError):
     """An unknown model name or a bad override the user gave."""
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_fields(config, choices: dict, positive=(), error=ModelError) -> None:
+    """Raise ``error`` naming the first field of ``config`` outside its ``choices``, or one of
+    ``positive`` that is set (not None) and not an integer > 0; called when a config is built."""
+    where = type(config).__name__
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if not isinstance(value, str) or value not in allowed:
+            raise error(f"{where}.{name}={value!r} is not one of {', '.join(allowed)}")
+    for name in positive:
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise error(f"{where}.{name}={value!r} must be a positive integer")
+
+
 def register(name: str, config) -> None:
     """Register a named preset: a frozen config dataclass whose ``build()`` returns the module."""
     _REGISTRY[name] = config

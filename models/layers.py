@@ -214,6 +214,14 @@ class Embed(nn.Module):
 
 
 # ----------------------------------------------------------------------------------- rotary
+# rope_scaling types rope_inv_freq computes, with the keys each needs.
+ROPE_SCALING = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
 def rope_inv_freq(config) -> np.ndarray:
     """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
 
@@ -230,7 +238,7 @@ def rope_inv_freq(config) -> np.ndarray:
     if kind == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING)})")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -354,17 +362,18 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------------- mlps
+# HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu.
+ACTIVATIONS = {
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
 def activation(name: str):
-    """HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu."""
-    acts = {
-        "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    }
-    if name not in acts:
-        raise ValueError(f"hidden_act {name!r} is not one of {', '.join(acts)}")
-    return acts[name]
+    """The function of an HF activation name (configs check the name when they are built)."""
+    return ACTIVATIONS[name]
 
 
 @jax.custom_vjp

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import ModelError, register
+from shardzoo.models import DTYPES, ModelError, check_fields, register
 from shardzoo.models.costs import mlp_activations
 from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
@@ -39,15 +39,8 @@ class MLPConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ModelError(f"MLPConfig.task={self.task!r}; expected one of {', '.join(TASKS)}")
-        if self.activation not in ACTIVATIONS:
-            raise ModelError(
-                f"MLPConfig.activation={self.activation!r}; expected one of {', '.join(ACTIVATIONS)}"
-            )
-        for name in ("in_features", "depth", "width", "num_outputs"):
-            if getattr(self, name) < 1:
-                raise ModelError(f"MLPConfig.{name}={getattr(self, name)} must be at least 1")
+        choices = {"task": TASKS, "activation": tuple(ACTIVATIONS), "dtype": DTYPES, "param_dtype": DTYPES}
+        check_fields(self, choices, ("in_features", "depth", "width", "num_outputs"))
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ModelError(f"MLPConfig.dropout_rate={self.dropout_rate} must be in [0, 1)")
 

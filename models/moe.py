@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from shardzoo.errors import UserError
+from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding.partition import mesh_axes_of
@@ -56,7 +56,7 @@ ACTIVATIONS = {
 }
 
 
-class MoeError(UserError):
+class MoeError(ModelError):
     """A MoE setting the user gave cannot be honoured (a config value, the rules or the mesh)."""
 
 
@@ -84,10 +84,9 @@ class MoeConfig:
 
     def __post_init__(self):
         where = "MoeConfig"
-        if self.dispatch not in DISPATCHES:
-            raise MoeError(f"{where}: dispatch={self.dispatch!r}; choose one of {', '.join(DISPATCHES)}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise MoeError(f"{where}: hidden_act={self.hidden_act!r}; known: {', '.join(ACTIVATIONS)}")
+        choices = {"dispatch": DISPATCHES, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
+                   "param_dtype": DTYPES}
+        check_fields(self, choices, ("num_experts", "num_experts_per_tok", "intermediate_size"), MoeError)
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise MoeError(
                 f"{where}: num_experts_per_tok={self.num_experts_per_tok} must be in "

@@ -16,9 +16,18 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import ModelError, register
+from shardzoo.models import DTYPES, ModelError, check_fields, register
 from shardzoo.models.costs import transformer_activations
-from shardzoo.models.layers import MLP, Attention, Embed, Linear, constrain, make_norm
+from shardzoo.models.layers import (
+    ACTIVATIONS,
+    MLP,
+    ROPE_SCALING,
+    Attention,
+    Embed,
+    Linear,
+    constrain,
+    make_norm,
+)
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -37,10 +46,34 @@ _CHOICES = {
     "norm_type": ("rmsnorm", "layernorm"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
-    "dtype": ("float32", "bfloat16", "float16"),
-    "param_dtype": ("float32", "bfloat16", "float16"),
+    "dtype": DTYPES,
+    "param_dtype": DTYPES,
     "moe_dispatch": ("capacity", "dropless", "shard_map"),
+    "hidden_act": tuple(ACTIVATIONS),
 }
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+             "moe_layer_freq")
+
+
+def _check_rope_scaling(value) -> None:
+    """``rope_scaling`` is None or a mapping (or its pairs) of a supported type with its keys."""
+    if value is None:
+        return
+    try:
+        scaling = None if isinstance(value, str) else dict(value)
+    except (TypeError, ValueError):
+        scaling = None
+    if scaling is None:
+        raise ModelError(f"rope_scaling={value!r} is not a mapping such as "
+                         "{rope_type: linear, factor: 2.0}; use null for none")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALING:
+        raise ModelError(f"rope_scaling rope_type={kind!r} is not one of {', '.join(ROPE_SCALING)}")
+    for key in ROPE_SCALING[kind]:
+        number = scaling.get(key)
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not number > 0:
+            raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {number!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +123,14 @@ class TransformerConfig:
     task: ClassVar[str] = "lm"
 
     def __post_init__(self):
+        _check_rope_scaling(self.rope_scaling)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ModelError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        check_fields(self, _CHOICES, _POSITIVE)
+        if self.num_local_experts < 0:
+            raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ModelError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -111,6 +145,8 @@ class TransformerConfig:
             raise ModelError(
                 f"moe_layer_freq={self.moe_layer_freq} mixes dense and MoE layers: set scan_layers=false"
             )
+        if self.num_local_experts:
+            self.moe_config()  # its own checks (experts per token, capacity, jitter) now, not at trace
 
     # ------------------------------------------------------------------ derived sizes
     @property

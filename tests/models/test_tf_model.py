@@ -244,3 +244,35 @@ def test_config_errors_and_moe_layer_frequency():
     assert "mlp" in boxed["layers_0"] and "moe" not in boxed["layers_0"]
     assert "moe" in boxed["layers_1"] and "mlp" not in boxed["layers_1"]
     assert config.num_params() == sum(math.prod(a.shape) for a in jax.tree.leaves(nn.unbox(boxed)))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_act", "foo"), ("mlp_type", "swiglu"), ("position_embedding", "alibi"), ("norm_type", "batch"),
+    ("remat_policy", "sometimes"), ("attention_impl", "flash"), ("dtype", "float8"),
+    ("param_dtype", "int8"), ("moe_dispatch", "sorted"), ("hidden_size", 0),
+    ("num_hidden_layers", 0), ("num_attention_heads", 0), ("intermediate_size", -1), ("vocab_size", 0),
+    ("num_key_value_heads", 0), ("head_dim", 0), ("rope_scaling", "foo"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), ("rope_scaling", {"rope_type": "linear"}),
+])
+def test_every_bad_config_value_is_a_model_error_naming_its_field(field, value):
+    with pytest.raises(ModelError, match=field):
+        get_config("llama-tiny", **{field: value})
+    if isinstance(value, str) and field != "rope_scaling":  # as the command line gives it
+        with pytest.raises(ModelError, match=f"{field}='{value}'"):
+            get_config("llama-tiny", **{field: str(value)})
+
+
+def test_moe_and_mlp_configs_check_their_fields_when_built():
+    from shardzoo.models.mlp import MLPConfig
+    from shardzoo.models.moe import MoeConfig
+
+    for field, value in (("hidden_act", "foo"), ("dtype", "float8"), ("param_dtype", "x"),
+                         ("num_experts", 0), ("intermediate_size", 0), ("num_experts_per_tok", 0)):
+        with pytest.raises(ModelError, match=f"MoeConfig.{field}="):
+            MoeConfig(**{field: value})
+    for field, value in (("activation", "foo"), ("dtype", "float8"), ("param_dtype", "x"),
+                         ("task", "ranking"), ("width", 0)):
+        with pytest.raises(ModelError, match=f"MLPConfig.{field}="):
+            MLPConfig(**{field: value})
+    with pytest.raises(ModelError, match="num_experts_per_tok=3"):  # the MoE layer's check, at build
+        get_config("mixtral-tiny", num_local_experts=2, num_experts_per_tok=3)

@@ -222,3 +222,13 @@ def test_a_rule_file_typo_lists_every_problem_typo_first(files, tmp_path, capsys
                         "tensor=1: 2 sharding problems:")
     assert "rule #2 mlp->bogusaxis names mesh axis 'bogusaxis', which the mesh does not have" in lines[1]
     assert "logical axis 'vocab' has no rule in rule table 'typo.yaml'" in lines[2] and len(lines) == 3
+
+
+def test_a_bad_model_field_exits_2_with_one_line(files, tmp_path, capsys):
+    out = tmp_path / "never"
+    capsys.readouterr()
+    assert main(["train", *_args(out, files / "corpus.jsonl"), "--override", "hidden_act=foo"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["shardzoo train: error: model 'llama-tiny': TransformerConfig.hidden_act='foo' is not "
+                     "one of silu, swish, relu, gelu, gelu_new, gelu_pytorch_tanh"]
+    assert not out.exists()
