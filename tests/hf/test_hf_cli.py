@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
@@ -13,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from shardzoo import cli
-from shardzoo.models.hf import is_hf_dir
+from shardzoo.models import decode as dec
+from shardzoo.models.hf import is_hf_dir, load_hf
 
 TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
 PROMPT = "the lazy fox"
@@ -86,6 +88,26 @@ def test_sampling_is_seeded(llama, capsys):
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith(PROMPT)
     assert texts[0] != texts[2]
+
+    def generate(*extra):
+        capsys.readouterr()
+        assert cli.main(["generate", "--hf", hf_dir, "--prompt", PROMPT, "--max-new-tokens", "8",
+                         "--seed", "2", *extra, *SHARDED]) == 0
+        return capsys.readouterr().out
+
+    greedy = generate("--temperature", "0")
+    assert greedy != texts[2]  # the sampled continuation is not the greedy one ...
+    assert generate("--temperature", "1.5", "--top-k", "1") == greedy  # ... unless top-k keeps one
+    assert generate("--temperature", "1.5", "--top-p", "0.001") == greedy  # or top-p does
+
+    # With top_k=3 at a high temperature, each new token is among the 3 most likely of the
+    # logits a full forward pass gives at its step (ranks within 1e-4, the cache's rounding).
+    module, _, params = load_hf(llama[1])
+    prompt = np.random.default_rng(0).integers(3, 128, (8, 4))
+    out = np.asarray(dec.generate(module, params, prompt, 12, temperature=5.0, top_k=3, seed=0))
+    logits = np.asarray(module.apply({"params": params}, out))[:, 3:-1]  # [batch, new, vocab]
+    rank = (logits > np.take_along_axis(logits, out[:, 4:, None], -1) + 1e-4).sum(-1)
+    assert rank.max() <= 2 and (rank > 0).mean() > 0.3  # not greedy either
 
 
 def _broken_copy(src, dst, edit):

@@ -102,6 +102,44 @@ def test_sampler_top_k_top_p_and_temperature():
     np.testing.assert_array_equal(free, same)
 
 
+def test_sample_loop_honours_temperature_top_k_and_top_p_at_every_step():
+    rows, steps, vocab = 2000, 4, 6
+    probs = jnp.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    fixed = jnp.broadcast_to(jnp.log(probs), (rows, vocab))
+
+    def same_logits(tokens, state):
+        return fixed, state + 1
+
+    # Temperature reshapes the distribution: frequencies of 8,000 draws follow softmax(logits / T)
+    # within 0.02 (a binomial's standard deviation here is at most 0.0056).
+    for temperature in (0.5, 1.0, 2.0):
+        out, _ = dec.sample_loop(same_logits, 0, fixed, steps, jax.random.key(1), temperature)
+        freq = np.bincount(np.asarray(out).ravel(), minlength=vocab) / out.size
+        want = jax.nn.softmax(jnp.log(probs) / temperature)
+        np.testing.assert_allclose(freq, want, atol=0.02, err_msg=f"temperature {temperature}")
+    # top_p below the top token's probability leaves only that token.
+    out, _ = dec.sample_loop(same_logits, 0, fixed, steps, jax.random.key(2), 2.0, top_p=0.1)
+    assert set(np.asarray(out).ravel().tolist()) == {0}
+
+    # Logits that change every step (a fresh random table per step, per row): top_k=1 is greedy,
+    # and with top_k=3 every token is among the 3 most likely of its own step's logits.
+    table = jax.random.normal(jax.random.key(3), (steps + 1, 64, 32)) * 2
+
+    def changing(tokens, step):
+        return table[step + 1], step + 1
+
+    def run(**kw):
+        return np.asarray(dec.sample_loop(changing, 0, table[0], steps, jax.random.key(4), **kw)[0])
+
+    greedy = run(temperature=0.0)
+    np.testing.assert_array_equal(greedy, np.argmax(table[:steps], -1).T)
+    np.testing.assert_array_equal(run(temperature=3.0, top_k=1), greedy)
+    np.testing.assert_array_equal(run(temperature=3.0, top_p=1e-6), greedy)
+    top3, logits = run(temperature=3.0, top_k=3), np.asarray(table[:steps])  # [step, row, vocab]
+    rank = (logits > np.take_along_axis(logits, top3.T[..., None], -1)).sum(-1)
+    assert rank.max() <= 2 and (rank > 0).mean() > 0.3  # sampled among the top 3, not only the top
+
+
 def test_cache_carries_logical_axes_and_shards_under_the_rules():
     module, _ = get_model("llama-tiny", **TINY)
     specs = dec.cache_logical_specs(module, 4, 16)["layers"]["attn"]
