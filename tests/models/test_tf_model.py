@@ -1,6 +1,9 @@
 """Transformer family: layer stacking, remat, packing, windows, rotary, presets' names and sizes."""
 
+import contextlib
+import io
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +124,57 @@ def test_every_remat_policy_gives_the_same_gradients():
     for policy in REMAT_POLICIES:
         for got, want in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"]), strict=True):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=policy)
+
+
+def _saved_residuals(fn, *args) -> list[tuple[str, tuple[int, ...]]]:
+    """(what, shape) of each residual ``jax.grad`` of ``fn`` keeps, from print_saved_residuals."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    found = []
+    for line in out.getvalue().splitlines():
+        dtype, dims, what = re.match(r"(\w+)\[([\d,]*)\] (.*)", line).groups()
+        found.append((what, tuple(int(d) for d in dims.split(",") if d)))
+    return found
+
+
+def test_every_remat_policy_saves_what_it_says():
+    # Big enough that activations dominate: 2 scanned layers, batch 4 x 48 tokens, width 32, MLP 256.
+    sizes = dict(TINY, max_position_embeddings=64, intermediate_size=256, num_hidden_layers=2)
+    x = _tokens(5, (4, 48))
+    params, residuals, temp = None, {}, {}
+    for policy in REMAT_POLICIES:
+        module, cfg = get_model("llama-tiny", remat_policy=policy, **sizes)
+        params = params or _init(module, x)
+        loss = _loss(module)
+        saved = [r for r in _saved_residuals(loss, params, x) if "from the argument" not in r[0]]
+        residuals[policy] = {
+            "bytes": sum(4 * math.prod(shape) for _, shape in saved),  # all float32 / int32
+            # per-layer residuals the layer scan stacks: [layers, ...]
+            "stacked": {shape for what, shape in saved if "output of scan" in what and shape[0] == 2},
+        }
+        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile(compiler_options=FAST)
+        temp[policy] = compiled.memory_analysis().temp_size_in_bytes
+    n, b, length = cfg.num_hidden_layers, 4, 48
+    block_in = (n, b, length, cfg.hidden_size)
+    attn_context = (n, b, length, cfg.num_attention_heads, cfg.head_size)
+    mlp_hidden = (n, b, length, cfg.intermediate_size)
+    stacked = {p: r["stacked"] for p, r in residuals.items()}
+    assert stacked["full"] == {block_in}  # nothing inside a layer: only its input
+    assert stacked["save_attn_mlp"] == {block_in, attn_context, mlp_hidden}  # exactly the two names
+    # Matmul outputs: projections (no batch dims) under both dots policies; the attention
+    # scores [..., length, length] (a dot with batch dims) only under dots_saveable.
+    assert stacked["dots_with_no_batch_dims_saveable"] < stacked["dots_saveable"]
+    assert attn_context in stacked["dots_with_no_batch_dims_saveable"]
+    scores = [s for s in stacked["dots_saveable"] if s.count(length) == 2]  # [.., length, .., length]
+    assert scores and not any(s.count(length) == 2 for s in stacked["dots_with_no_batch_dims_saveable"])
+    order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_attn_mlp", "full"]
+    saved_bytes = [residuals[p]["bytes"] for p in order]
+    assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 5, saved_bytes
+    # XLA's compiled scratch memory of the gradient follows (ties allowed in the middle).
+    temps = [temp[p] for p in order]
+    assert temps == sorted(temps, reverse=True) and temps[0] > temps[1] and temps[-2] >= temps[-1], temps
+    assert temps[0] > 1.5 * temps[-1], temps
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
