@@ -1,5 +1,7 @@
 """Three adamw steps of tiny Llama (GQA) and GPT-2 give the same losses under every rule preset."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,36 @@ def test_losses_match_single_device(model, preset):
     assert batch_sharding.spec[0] is not None  # the batch is split
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
     assert reference[-1] < reference[0]  # the steps train
+    if preset == "sp":  # the activations between blocks are split along the length over `sequence`
+        assert _between_blocks(module, boxed, mesh, rules) == ['[{"data"}, {"sequence"}, {}]'] * (
+            1 + 2 * _traced_blocks(boxed))
+
+
+def _traced_blocks(boxed) -> int:
+    """How many blocks the forward traces: one scanned body, or each unrolled layer."""
+    return 1 if "layers" in boxed else sum(name.startswith("layers_") for name in boxed)
+
+
+def _between_blocks(module, boxed, mesh, rules) -> list[str]:
+    """Mesh specs of the sharding constraints on [batch, length, embed] activations in the
+    lowered forward (Shardy's text): the embedding's output, then each block's two residual sums."""
+    shardings = logical_shardings(boxed, mesh, rules)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nn.unbox(boxed), shardings)
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    with activate(mesh, rules):
+        text = jax.jit(lambda p, t: module.apply({"params": p}, t)).lower(params, tokens).as_text()
+    shape = f"{BATCH}x{LENGTH}x{TINY['hidden_size']}xf32"
+    return re.findall(rf"sdy\.sharding_constraint %\S+ <@\w+, (\[.*\])> : tensor<{shape}>", text)
+
+
+def test_block_constrains_its_outputs_under_fsdp_tp(model):
+    """Every block's residual sums (and the embedding's output) are constrained to the batch over
+    data and fsdp, the rest whole: two per block traced (the scanned body once), one for the input."""
+    module, boxed, *_ = model
+    mesh, rules = make_mesh(CASES["fsdp_tp"][0]), get_rules("fsdp_tp")
+    specs = _between_blocks(module, boxed, mesh, rules)
+    assert specs == ['[{"data", "fsdp"}, {}, {}]'] * (1 + 2 * _traced_blocks(boxed)), specs
 
 
 def test_fused_projections_add_no_collectives_under_tp():
