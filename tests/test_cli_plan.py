@@ -110,7 +110,8 @@ TYPO_RULES = """\
 
 def test_rule_file_typo_is_listed_first_with_every_other_problem(capsys, tmp_path):
     from shardzoo.models import get_config
-    from shardzoo.sharding import ShardingValidationError, plan
+    from shardzoo.sharding import ShardingValidationError
+    from shardzoo.train.program import plan
 
     path = tmp_path / "typo.yaml"
     path.write_text(TYPO_RULES)
@@ -122,7 +123,7 @@ def test_rule_file_typo_is_listed_first_with_every_other_problem(capsys, tmp_pat
     assert "logical axis 'vocab' has no rule" in lines[2]
     config = get_config("mlp-tiny")
     with pytest.raises(ShardingValidationError) as e:
-        plan(config, config.sample_inputs(8), str(path), "fsdp=8")
+        plan(config, str(path), "fsdp=8", batch_size=8)
     assert [line.strip() for line in lines[1:]] == [p.message for p in e.value.problems]
 
 

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from shardzoo import cli
 from shardzoo.models import decode as dec
-from shardzoo.models.hf import is_hf_dir, load_hf
+from shardzoo.models.hf import is_hf_dir
+from shardzoo.train.hf_io import load_hf
 
 TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
 PROMPT = "the lazy fox"
