@@ -30,11 +30,15 @@ def rotary_fields(hf: dict, where: str, window: bool = True) -> dict:
     if missing:
         raise HFError(f"{where}: no {', '.join(missing)}")
     theta, scaling = rope(hf, where)
+    heads, kv_heads, head_dim = (hf["num_attention_heads"], hf.get("num_key_value_heads"),
+                                 hf.get("head_dim"))
+    # Defaults that transformers spells out are read as defaults: one config, one spelling.
+    kv_heads = None if kv_heads == heads else kv_heads
+    head_dim = None if head_dim == hf["hidden_size"] // heads else head_dim
     return dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_key_value_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=hf.get("max_position_embeddings", 2048), rope_theta=theta,
         rope_scaling=scaling, partial_rotary_factor=hf.get("partial_rotary_factor", 1.0),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
