@@ -103,11 +103,12 @@ def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str
     if diff:
         had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
         asked = ", ".join(f"{k}={new.get(k)!r}" for k in diff)
-        holds = repr(saved_model) if saved_model is not None else f"of family {meta.get('family')!r}"
-        raise CheckpointError(
-            f"{where} holds a model {holds} with {had}, this run asks for {asked}: "
-            f"use another --out or the checkpoint's --override values"
-        )
+        if saved_model is not None:
+            holds, flags = f"model {saved_model!r}", "the checkpoint's --override values"
+        else:
+            holds, flags = f"a model of family {meta.get('family')!r}", "the --init-from and --override it started with"
+        raise CheckpointError(f"{where} holds {holds} with {had}, this run asks for {asked}: "
+                              f"use another --out or {flags}")
     if meta.get("optimizer") not in (None, optimizer):
         raise CheckpointError(
             f"{where} was trained with --optimizer {meta['optimizer']}, not {optimizer}: its state cannot be resumed"
