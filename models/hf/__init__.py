@@ -28,19 +28,16 @@ from shardzoo.models.hf.tensors import (
     INDEX_FILE,
     SINGLE_FILE,
     SafetensorsReader,
-    abstract_params,
     export_hf,
     hf_to_leaf,
     leaf_to_hf,
-    load_hf,
     load_hf_params,
     put_leaf,
 )
 
 __all__ = [
     "FAMILIES", "INDEX_FILE", "ROPE_TYPES", "SINGLE_FILE", "SUPPORTED", "Family", "HFError",
-    "SafetensorsReader", "Weight", "abstract_params", "config_from_hf", "config_to_hf",
-    "export_hf", "family_named", "family_of_config", "family_of_model_type", "hf_to_leaf",
-    "is_hf_dir", "leaf_to_hf", "load_hf", "load_hf_config", "load_hf_params", "put_leaf",
-    "read_hf_config",
+    "SafetensorsReader", "Weight", "config_from_hf", "config_to_hf", "export_hf", "family_named",
+    "family_of_config", "family_of_model_type", "hf_to_leaf", "is_hf_dir", "leaf_to_hf",
+    "load_hf_config", "load_hf_params", "put_leaf", "read_hf_config",
 ]
