@@ -7,9 +7,8 @@ HF_DIR holds config.json, safetensors and tokenizer.json (e.g. a Hub model saved
 train.jsonl has one {"prompt": ..., "completion": ...} object per line. The loss is taken on the
 completion tokens only. Everything runs offline on local files:
 
-1. ``shardzoo train --init-from HF_DIR`` with the HF model's config and tokenizer (the
-   ``--model``, ``--override``, ``--tokenizer`` flags from ``train.hf_io.hf_train_args``),
-   writing OUT/run;
+1. ``shardzoo train --init-from HF_DIR``, which takes the HF model's config, weights and
+   tokenizer from HF_DIR, writing OUT/run;
 2. ``shardzoo export-hf OUT/run OUT/hf``: config.json, safetensors and the tokenizer files,
    loadable with ``AutoModelForCausalLM.from_pretrained("OUT/hf")``.
 
@@ -85,13 +84,12 @@ def main(argv=None) -> int:
         p.error("give --hf-dir and --data, or --make-tiny-demo")
 
     from shardzoo import cli
-    from shardzoo.train.hf_io import hf_train_args
 
     run, exported = os.path.join(args.out, "run"), os.path.join(args.out, "hf")
     sharding = [x for flag, v in (("--rules", args.rules), ("--mesh", args.mesh)) if v
                 for x in (flag, v)]
     train = [
-        "train", *hf_train_args(args.hf_dir), "--init-from", args.hf_dir,
+        "train", "--init-from", args.hf_dir,
         "--data", args.data, "--prompt-column", "prompt", "--completion-column", "completion",
         "--out", run, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len), "--lr", str(args.lr),

@@ -5,8 +5,8 @@ Layout of a run directory ``OUT``::
     OUT/run.json                 resolved settings of the latest start (model, overrides, ...)
     OUT/tokenizer/               the tokenizer's files, when it has any
     OUT/checkpoints/<step>/      orbax Composite: state (TrainState arrays, StandardSave),
-                                 data (iterator position + RNG, JSON), meta (model, config,
-                                 rules, mesh, tokenizer, optimizer; JSON)
+                                 data (iterator position + RNG, JSON), meta (model preset,
+                                 family, whole config, rules, mesh, tokenizer, optimizer; JSON)
 
 Half-written steps live in ``<step>.orbax-checkpoint-tmp-*`` and are never picked up.
 Restores build ``jax.ShapeDtypeStruct`` targets carrying the *new* shardings, so a checkpoint
@@ -47,17 +47,48 @@ def config_to_dict(config) -> dict:
     return jsonable(dataclasses.asdict(config))
 
 
+def model_meta(config, model: str | None = None, family: str | None = None) -> dict:
+    """What a checkpoint records of its model: ``model``, the zoo preset the run started from
+    (None when it started from an HF dir or a run that had none), ``family``, the Hugging Face
+    family whose config class rebuilds it (default: the first that expresses ``config``; None
+    if none does), and the whole ``config``."""
+    hf = hf_module()
+    if family is None and hf is not None:
+        try:
+            family = hf.family_of_config(config).name
+        except hf.HFError:
+            family = None
+    return {"model": model, "family": family, "config": config_to_dict(config)}
+
+
 def _tuples(value):
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     return value
 
 
-def config_from_meta(meta: dict):
-    """The model config a checkpoint was written with: its preset with the stored fields applied."""
-    config = get_config(meta["model"])
-    stored = {k: _tuples(v) for k, v in meta.get("config", {}).items()}
-    return apply_overrides(config, stored, where=f"checkpoint model {meta['model']!r}")
+def config_from_meta(meta: dict, where: str = "the checkpoint"):
+    """The model config a checkpoint was written with: its family's config class built from the
+    whole stored config; for a checkpoint without a family (older, or a model no HF family
+    expresses), its preset ``model`` with the stored fields applied."""
+    stored = {k: _tuples(v) for k, v in (meta.get("config") or {}).items()}
+    name = meta.get("family")
+    if name is not None:
+        hf = hf_module()
+        family = hf.family_named(name) if hf is not None else None
+        if family is None:
+            raise CheckpointError(f"{where} records model family {name!r}, which this shardzoo "
+                                  f"does not know")
+        known = {f.name for f in dataclasses.fields(family.config_class)}
+        unknown = sorted(set(stored) - known)
+        if unknown:
+            raise CheckpointError(f"{where}: its {name} config has unknown field(s) "
+                                  f"{', '.join(unknown)}")
+        return family.config_class(**stored)
+    if meta.get("model") is None:
+        raise CheckpointError(f"{where} records neither a model family nor a zoo preset")
+    return apply_overrides(get_config(meta["model"]), stored,
+                           where=f"{where}: model {meta['model']!r}")
 
 
 def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str, where: str) -> None:
@@ -72,10 +103,12 @@ def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str
     if diff:
         had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
         asked = ", ".join(f"{k}={new.get(k)!r}" for k in diff)
-        raise CheckpointError(
-            f"{where} holds model {saved_model!r} with {had}, this run asks for {asked}: "
-            f"use another --out or the checkpoint's --override values"
-        )
+        if saved_model is not None:
+            holds, flags = f"model {saved_model!r}", "the checkpoint's --override values"
+        else:
+            holds, flags = f"a model of family {meta.get('family')!r}", "the --init-from and --override it started with"
+        raise CheckpointError(f"{where} holds {holds} with {had}, this run asks for {asked}: "
+                              f"use another --out or {flags}")
     if meta.get("optimizer") not in (None, optimizer):
         raise CheckpointError(
             f"{where} was trained with --optimizer {meta['optimizer']}, not {optimizer}: its state cannot be resumed"
@@ -218,7 +251,7 @@ def load_model_and_params(run_dir_or_checkpoint_dir: str, mesh=None, rules=None)
     """
     root, step = resolve_checkpoint(run_dir_or_checkpoint_dir)
     meta = read_meta(root, step)
-    config = config_from_meta(meta)
+    config = config_from_meta(meta, os.path.join(root, str(step)))
     module = config.build()
     mesh = mesh if mesh is not None else make_mesh("", devices=jax.devices()[:1])
     rules = get_rules(rules if rules is not None else "dp")

@@ -1,4 +1,5 @@
-"""Hugging Face model dirs <-> shardzoo runs: ``import-hf``, ``export-hf``, ``generate``'s loader.
+"""Hugging Face model dirs <-> shardzoo runs: ``import-hf``, ``export-hf``, ``generate``'s loader,
+and the model that ``train --init-from`` (an HF dir or a run) starts from.
 
 An imported model is a run directory like a trained one (``OUT/checkpoints/0`` with the params
 under ``state``, ``OUT/tokenizer/``, ``OUT/run.json``), so ``train --init-from``,
@@ -25,9 +26,13 @@ from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
     Checkpointer,
-    config_to_dict,
+    CheckpointError,
+    config_from_meta,
     latest_step,
     load_model_and_params,
+    model_meta,
+    read_meta,
+    resolve_checkpoint,
 )
 from shardzoo.train.program import Program
 
@@ -57,66 +62,56 @@ def mesh_and_rules(mesh_spec: str | None, rules: str | None):
     return make_mesh(mesh_spec or f"{axis}=-1"), rules
 
 
-def model_settings(config, preset: str) -> tuple[str, ...]:
-    """``KEY=VALUE`` overrides that turn the zoo preset ``preset`` into ``config``."""
-    from shardzoo.models import get_config
-
-    base = config_to_dict(get_config(preset))
-    items = []
-    for key, value in config_to_dict(config).items():
-        if value != base[key]:
-            value = dict(value) if key == "rope_scaling" and value else value
-            items.append(f"{key}={_yaml_value(value)}")
-    return tuple(items)
-
-
-def hf_train_settings(hf_dir: str) -> dict:
-    """TrainConfig fields that make ``shardzoo train`` build an HF model dir's model: ``model``
-    (the family's preset) with ``override``s giving its config, its ``tokenizer``, and
-    ``add_bos`` when that tokenizer starts every text with bos (Llama's post-processor), so
-    training sees what ``generate`` feeds."""
+def _adds_bos(tokenizer_dir: str) -> bool:
+    """Whether the tokenizer.json in ``tokenizer_dir`` starts every text with bos (Llama's
+    post-processor), so training sees what ``generate`` feeds."""
     from tokenizers import Tokenizer
 
-    preset = hf.FAMILY_PRESETS[hf.read_hf_config(hf_dir)["model_type"]]
-    settings = {"model": preset, "override": model_settings(hf.load_hf_config(hf_dir), preset),
-                "tokenizer": hf_dir, "add_bos": False}
-    path = os.path.join(hf_dir, "tokenizer.json")
-    if os.path.isfile(path):
-        tokenizer = Tokenizer.from_file(path)
-        plain = tokenizer.encode("a", add_special_tokens=False).ids
-        settings["add_bos"] = len(tokenizer.encode("a").ids) > len(plain)
-    return settings
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return False
+    tokenizer = Tokenizer.from_file(path)
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    return len(tokenizer.encode("a").ids) > len(plain)
 
 
-def hf_train_args(hf_dir: str) -> list[str]:
-    """``hf_train_settings`` as ``shardzoo train`` flags."""
-    s = hf_train_settings(hf_dir)
-    args = ["--model", s["model"], *(f for item in s["override"] for f in ("--override", item))]
-    return args + ["--tokenizer", s["tokenizer"]] + (["--add-bos"] if s["add_bos"] else [])
+def init_source(path: str) -> tuple[object, dict, str]:
+    """``(config, model meta, tokenizer spec)`` of the model ``--init-from PATH`` names: an HF
+    model dir (its family's mapping of config.json) or a shardzoo run or checkpoint dir (the
+    config its checkpoint records). The meta has the family and, for a run that started from a
+    zoo preset, its ``model``."""
+    if hf.is_hf_dir(path):
+        where = os.path.join(path, "config.json")
+        family = hf.family_of_model_type(hf.read_hf_config(path).get("model_type"), where)
+        return hf.load_hf_config(path), {"model": None, "family": family.name}, path
+    try:
+        root, step = resolve_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"--init-from {e}") from None
+    meta = read_meta(root, step)
+    where = f"--init-from {os.path.join(root, str(step))}"
+    config = config_from_meta(meta, where)
+    saved = os.path.join(os.path.dirname(root), "tokenizer")
+    tokenizer = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")
+    return config, {"model": meta.get("model"), "family": meta.get("family")}, tokenizer or "byte"
 
 
-def with_hf_model(cfg):
-    """The TrainConfig ``cfg`` with, when its ``init_from`` is an HF model dir, that model's
-    config and tokenizer: ``--init-from HF_DIR`` sets ``--model``; the user's ``--override``s
-    apply after the HF ones, and a ``--tokenizer`` other than byte is kept."""
-    if not (cfg.init_from and hf.is_hf_dir(cfg.init_from)):
-        return cfg
-    s = hf_train_settings(cfg.init_from)
-    return dataclasses.replace(
-        cfg, model=s["model"], override=s["override"] + tuple(cfg.override),
-        tokenizer=s["tokenizer"] if cfg.tokenizer in (None, "byte") else cfg.tokenizer,
-        add_bos=cfg.add_bos or s["add_bos"],
-    )
+def with_init_model(cfg):
+    """``(cfg, config, model meta)``: with ``--init-from``, the model it names (``init_source``)
+    with the user's ``--override``s applied, its tokenizer unless ``--tokenizer`` names another
+    than byte, and ``cfg.model`` the zoo preset it started from (None if none); without, ``(cfg,
+    None, {})`` and ``--model`` builds the model."""
+    from shardzoo.models import apply_overrides, parse_overrides
 
-
-def _yaml_value(value) -> str:
-    """A value as text that ``--override`` parses back (YAML 1.1 reads ``1e-06`` as a string)."""
-    if isinstance(value, str):
-        return value
-    text = json.dumps(value)
-    if isinstance(value, float) and "e" in text and "." not in text:
-        return text.replace("e", ".0e", 1)
-    return text
+    if not cfg.init_from:
+        return cfg, None, {}
+    config, meta, tokenizer = init_source(cfg.init_from)
+    config = apply_overrides(config, parse_overrides(cfg.override), where="--override")
+    if cfg.tokenizer not in (None, "byte"):
+        tokenizer = cfg.tokenizer
+    add_bos = cfg.add_bos or (os.path.isdir(tokenizer) and _adds_bos(tokenizer))
+    cfg = dataclasses.replace(cfg, model=meta["model"], tokenizer=tokenizer, add_bos=add_bos)
+    return cfg, config, meta
 
 
 def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = True,
@@ -136,7 +131,8 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     Nothing is written until every tensor has been read."""
     mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
     rules = get_rules(rules or "fsdp")
-    model_type = hf.read_hf_config(hf_dir)["model_type"]
+    model_type = hf.read_hf_config(hf_dir).get("model_type")
+    family = hf.family_of_model_type(model_type, os.path.join(hf_dir, "config.json"))
     out_dir = os.path.abspath(out_dir)
     if latest_step(os.path.join(out_dir, CHECKPOINTS)) is not None:
         raise UserError(f"{out_dir} already holds checkpoints: import into a new directory")
@@ -145,8 +141,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     if has_tokenizer and jax.process_index() == 0:
         copy_tokenizer_files(hf_dir, tokenizer_dir)
-    model = hf.FAMILY_PRESETS[model_type]
-    meta = {"model": model, "config": config_to_dict(config), "rules": rules.name,
+    meta = {**model_meta(config, None, family.name), "rules": rules.name,
             "mesh": describe_mesh(mesh), "tokenizer": tokenizer_dir if has_tokenizer else "byte",
             "tokenizer_saved": has_tokenizer, "hf_source": os.path.abspath(hf_dir),
             "hf_model_type": model_type}
@@ -155,9 +150,9 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     checkpointer.save(0, state, {"train": None, "imported_from": meta["hf_source"]}, meta)
     checkpointer.close()
     if jax.process_index() == 0:
-        run = {"command": "import-hf", "model": model,
-               "override": list(model_settings(config, model)),
-               **{k: meta[k] for k in ("rules", "mesh", "tokenizer", "hf_source", "hf_model_type")}}
+        keys = ("model", "family", "config", "rules", "mesh", "tokenizer", "hf_source",
+                "hf_model_type")
+        run = {"command": "import-hf", **{k: meta[k] for k in keys}}
         with open(os.path.join(out_dir, "run.json"), "w") as f:
             json.dump(run, f, indent=1)
     return meta

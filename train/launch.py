@@ -25,6 +25,7 @@ from shardzoo.train.checkpoint import (
     hf_module,
     init_params_from,
     latest_step,
+    model_meta,
     read_meta,
     resolve_checkpoint,
 )
@@ -75,8 +76,9 @@ class Prepared:
     program: object  # the run's train.program.Program: validated, planned, not yet compiled
 
 
-def prepare(cfg: TrainConfig) -> Prepared:
-    """Resolve and check every input of a run; raises a UserError naming the first bad one."""
+def prepare(cfg: TrainConfig, config=None) -> Prepared:
+    """Resolve and check every input of a run; raises a UserError naming the first bad one.
+    ``config``: the model ``--init-from`` named (``hf_io.with_init_model``), else ``--model``."""
     import datasets
 
     from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
@@ -88,7 +90,10 @@ def prepare(cfg: TrainConfig) -> Prepared:
     out = os.path.abspath(os.path.expanduser(cfg.out))
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    module, config = get_model(cfg.model, **parse_overrides(cfg.override))
+    if config is None:
+        module, config = get_model(cfg.model, **parse_overrides(cfg.override))
+    else:
+        module = config.build()
     labelled = config.task != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
@@ -127,7 +132,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         tokenizer = load_tokenizer(cfg.tokenizer)
         if tokenizer.vocab_size > config.vocab_size:
             raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
-                              f"{cfg.model!r} has vocab_size {config.vocab_size}")
+                              f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
@@ -149,6 +154,11 @@ def _check_labelled(cfg, config, data) -> None:
                           f"{'classes' if data.task == 'classification' else 'outputs'}, --model "
                           f"{cfg.model} has num_outputs={config.num_outputs} "
                           f"(--override num_outputs={wanted})")
+
+
+def _model_name(cfg) -> str:
+    """The zoo preset, or the directory ``--init-from`` took the model from."""
+    return cfg.model or os.path.basename(os.path.normpath(cfg.init_from))
 
 
 def _check_init_from(path: str) -> None:
@@ -186,13 +196,14 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
-    from shardzoo.train.hf_io import with_hf_model
+    from shardzoo.train.hf_io import with_init_model
 
-    cfg = with_hf_model(cfg)  # --init-from HF_DIR: that model's config and tokenizer
-    p = prepare(cfg)
+    cfg, init_config, init_meta = with_init_model(cfg)  # --init-from: its config and tokenizer
+    p = prepare(cfg, init_config)
     cfg = dataclasses.replace(cfg, out=p.out)
     rules_spec = cfg.rules or p.rules.name
-    meta = {"model": cfg.model, "overrides": parse_overrides(cfg.override), "rules": rules_spec,
+    meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
+            "overrides": parse_overrides(cfg.override), "rules": rules_spec,
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data}
     if is_main_process():  # validated: from here on we write
@@ -209,7 +220,7 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     say(str(p.rules))
     if p.opt_rules is not None:
         say(f"optimizer state: {p.opt_rules}")
-    say(p.program.plan(name=cfg.model).format())
+    say(p.program.plan(name=_model_name(cfg)).format())
     trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                       opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
                       program=p.program)

@@ -161,16 +161,17 @@ def test_wrong_tensor_shape_exits_2(llama, tmp_path, capsys):
 
 
 def test_train_settings_rebuild_the_hf_model(llama, tmp_path):
-    """``with_hf_model`` (the trainer's --init-from HF_DIR wiring) gives the HF config + tokenizer."""
-    from shardzoo.models import get_config, parse_overrides
+    """``with_init_model`` (the trainer's --init-from HF_DIR wiring) gives the HF config itself,
+    the user's overrides on top, and the tokenizer; no zoo preset is claimed."""
     from shardzoo.models.hf import load_hf_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.hf_io import with_hf_model
+    from shardzoo.train.hf_io import with_init_model
 
     hf_dir = llama[0]
-    cfg = with_hf_model(TrainConfig(out=str(tmp_path), init_from=hf_dir, override=("remat_policy=full",)))
+    cfg, config, meta = with_init_model(TrainConfig(out=str(tmp_path), init_from=hf_dir,
+                                                    override=("remat_policy=full",)))
     assert cfg.tokenizer == hf_dir and not cfg.add_bos  # this BPE has no bos post-processor
-    built = get_config(cfg.model, **parse_overrides(cfg.override))
-    assert built == dataclasses.replace(load_hf_config(hf_dir), remat_policy="full")
-    plain = TrainConfig(out=str(tmp_path), init_from=str(tmp_path))
-    assert with_hf_model(plain) is plain  # not an HF dir: unchanged
+    assert config == dataclasses.replace(load_hf_config(hf_dir), remat_policy="full")
+    assert meta == {"model": None, "family": "llama"} and cfg.model is None
+    plain = TrainConfig(out=str(tmp_path))
+    assert with_init_model(plain) == (plain, None, {})  # no --init-from: --model builds it

@@ -50,15 +50,16 @@ def test_qwen2_disabled_window_and_unsupported_inputs():
         config_from_hf({k: v for k, v in LLAMA31.items() if k != "hidden_size"})
 
 
-@pytest.mark.parametrize("preset", ["llama3.1-8b", "mistral-7b", "qwen2.5-0.5b", "mixtral-8x7b", "gpt2"])
+@pytest.mark.parametrize("preset", ["llama2-7b", "llama3.1-8b", "mistral-7b", "qwen2.5-0.5b", "mixtral-8x7b",
+                                    "gpt2"])
 def test_presets_survive_config_to_hf_and_back(preset):
     config = get_config(preset)
     hf = config_to_hf(config)
-    assert hf["model_type"] == {"llama3.1-8b": "llama", "mistral-7b": "mistral", "qwen2.5-0.5b": "qwen2",
-                                "mixtral-8x7b": "mixtral", "gpt2": "gpt2"}[preset]
+    assert hf["model_type"] == {"llama2-7b": "llama", "llama3.1-8b": "llama", "mistral-7b": "mistral",
+                                "qwen2.5-0.5b": "qwen2", "mixtral-8x7b": "mixtral", "gpt2": "gpt2"}[preset]
     back = config_from_hf(json.loads(json.dumps(hf)))
     # The training-only knobs HF has no field for are set by the import (dropless MoE, no z-loss).
-    skip = {"moe_dispatch", "router_z_loss_coef", "router_aux_loss_coef", "head_dim"}
+    skip = {"moe_dispatch", "router_z_loss_coef", "router_aux_loss_coef"}
     want = dataclasses.asdict(config)
     for key, value in back.items():
         if key not in skip:

@@ -1,15 +1,13 @@
-"""Hugging Face interop: safetensors <-> the param tree (``config.json``: ``models/hf_config.py``).
+"""Hugging Face safetensors <-> the param tree, for every family (by the family's weight map).
 
-Supported ``model_type``s: llama (Llama 2/3/3.1/3.2, rope_scaling llama3), mistral, qwen2 (2.5),
-mixtral and gpt2. Import reads one tensor at a time, lazily, from a single or an indexed
-(sharded) safetensors checkpoint, and builds every parameter straight into its sharding under
-the given rules and mesh (``jax.make_array_from_callback``), so each device receives only its
-slice and a model larger than one device imports. Export writes what ``from_pretrained`` loads.
+Import reads one tensor at a time, lazily, from a single or an indexed (sharded) safetensors
+checkpoint, and builds every parameter straight into its sharding under the given rules and
+mesh (``jax.make_array_from_callback``), so each device receives only its slice and a model
+larger than one device imports. Export writes what ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -20,16 +18,12 @@ import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
 
-from shardzoo.models.hf_config import (  # noqa: F401  (re-exported: hf is the public module)
-    FAMILY_PRESETS,
-    ROPE_TYPES,
-    SUPPORTED,
-    HFError,
-    config_from_hf,
+from shardzoo.models.hf.base import HFError, Weight, read_hf_config
+from shardzoo.models.hf.registry import (
     config_to_hf,
-    is_hf_dir,
+    family_of_config,
+    family_of_model_type,
     load_hf_config,
-    read_hf_config,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,76 +31,6 @@ SINGLE_FILE = "model.safetensors"
 
 
 # ------------------------------------------------------------------------------ weight names
-@dataclasses.dataclass(frozen=True)
-class Weight:
-    """One shardzoo leaf and the HF tensor(s) it is made of.
-
-    ``op``: "copy" (same shape), "vec" (a bias, flat in HF), "linear" (HF ``nn.Linear`` (out, in))
-    or "conv1d" (GPT-2 ``Conv1D`` (in, out)); the leaf's first ``n_in`` dims are the inputs.
-    ``part`` (j, n): the leaf is the j-th of n equal column blocks (GPT-2's fused c_attn).
-    ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis.
-    Names hold ``{i}`` for the layer.
-    """
-
-    path: tuple[str, ...]
-    name: str
-    op: str = "copy"
-    n_in: int = 1
-    part: tuple[int, int] = (0, 1)
-    experts: int = 0
-
-
-def weight_map(config, model_type: str) -> tuple[list[Weight], list[Weight], list[Weight]]:
-    """(global weights, weights of a dense layer, weights of a MoE layer) with HF names."""
-    if model_type == "gpt2":
-        p = "transformer."
-        glob = [Weight(("embed", "embedding"), p + "wte.weight"),
-                Weight(("pos_embed", "embedding"), p + "wpe.weight"),
-                Weight(("final_norm", "scale"), p + "ln_f.weight"),
-                Weight(("final_norm", "bias"), p + "ln_f.bias")]
-        h = p + "h.{i}."
-        norms = (("attn_norm", "ln_1"), ("mlp_norm", "ln_2"))
-        layer = [Weight((norm, leaf), f"{h}{ln}.{name}") for norm, ln in norms
-                 for leaf, name in (("scale", "weight"), ("bias", "bias"))]
-        for j, n in enumerate("qkv"):
-            layer += [Weight(("attn", n, "kernel"), h + "attn.c_attn.weight", "conv1d",
-                             part=(j, 3)),
-                      Weight(("attn", n, "bias"), h + "attn.c_attn.bias", "vec", part=(j, 3))]
-        layer += [Weight(("attn", "o", "kernel"), h + "attn.c_proj.weight", "conv1d", n_in=2),
-                  Weight(("attn", "o", "bias"), h + "attn.c_proj.bias", "vec"),
-                  Weight(("mlp", "up", "kernel"), h + "mlp.c_fc.weight", "conv1d"),
-                  Weight(("mlp", "up", "bias"), h + "mlp.c_fc.bias", "vec"),
-                  Weight(("mlp", "down", "kernel"), h + "mlp.c_proj.weight", "conv1d"),
-                  Weight(("mlp", "down", "bias"), h + "mlp.c_proj.bias", "vec")]
-        moe = []
-    else:
-        glob = [Weight(("embed", "embedding"), "model.embed_tokens.weight"),
-                Weight(("final_norm", "scale"), "model.norm.weight")]
-        h = "model.layers.{i}."
-        attn = [Weight(("attn_norm", "scale"), h + "input_layernorm.weight"),
-                Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight"),
-                Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2)]
-        for n in "qkv":
-            attn.append(Weight(("attn", n, "kernel"), h + f"self_attn.{n}_proj.weight", "linear"))
-            if config.attention_bias:
-                attn.append(Weight(("attn", n, "bias"), h + f"self_attn.{n}_proj.bias", "vec"))
-        if config.attention_out_bias:
-            attn.append(Weight(("attn", "o", "bias"), h + "self_attn.o_proj.bias", "vec"))
-        layer = list(attn)
-        for n in ("gate", "up", "down"):
-            layer.append(Weight(("mlp", n, "kernel"), h + f"mlp.{n}_proj.weight", "linear"))
-            if config.mlp_bias:
-                layer.append(Weight(("mlp", n, "bias"), h + f"mlp.{n}_proj.bias", "vec"))
-        e, x = config.num_local_experts, h + "block_sparse_moe."
-        moe = attn + [Weight(("moe", "router", "kernel"), x + "gate.weight", "linear"),
-                      Weight(("moe", "wi_gate"), x + "experts.{e}.w1.weight", "linear", experts=e),
-                      Weight(("moe", "wi_up"), x + "experts.{e}.w3.weight", "linear", experts=e),
-                      Weight(("moe", "wo"), x + "experts.{e}.w2.weight", "linear", experts=e)]
-    if not config.tie_word_embeddings:
-        glob.append(Weight(("lm_head", "kernel"), "lm_head.weight", "linear"))
-    return glob, layer, moe
-
-
 def _names(w: Weight, i: int | None) -> list[str]:
     name = w.name.replace("{i}", str(i)) if i is not None else w.name
     return [name.replace("{e}", str(e)) for e in range(w.experts)] if w.experts else [name]
@@ -226,10 +150,11 @@ def load_hf_params(hf_dir: str, target, config=None):
     by slice to the devices that hold it. ``config`` (default: from config.json) must be the
     model ``target`` was made from."""
     config = load_hf_config(hf_dir) if config is None else config
-    model_type = read_hf_config(hf_dir)["model_type"]
+    where = os.path.join(hf_dir, "config.json")
+    family = family_of_model_type(read_hf_config(hf_dir).get("model_type"), where)
     flat = traverse_util.flatten_dict(target)
     reader = SafetensorsReader(hf_dir)
-    glob, groups = _layer_weights(config, model_type)
+    glob, groups = _layer_weights(config, family)
     plan = [(w.path, None, w) for w in glob]
     plan += [(prefix + w.path, i, w) for prefix, i, ws in groups for w in ws]
     _check(plan, flat, reader, config, hf_dir)
@@ -250,9 +175,9 @@ def _read(reader, w: Weight, shape, i: int | None) -> np.ndarray:
     return hf_to_leaf(w, [reader.get(n) for n in _names(w, i)], shape)
 
 
-def _layer_weights(config, model_type):
+def _layer_weights(config, family):
     """(global weights, [(path prefix, layer index or None for the stack, weights)])."""
-    glob, dense, moe = weight_map(config, model_type)
+    glob, dense, moe = family.weights(config)
     if config.scan_layers:
         return glob, [(("layers",), None, moe if config.num_local_experts else dense)]
     return glob, [((f"layers_{i}",), i, moe if config.is_moe_layer(i) else dense)
@@ -298,7 +223,7 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
     hf_config = config_to_hf(config, dtype)
     out_dtype = jnp.dtype(dtype or config.param_dtype)
     flat = traverse_util.flatten_dict(params)
-    glob, groups = _layer_weights(config, hf_config["model_type"])
+    glob, groups = _layer_weights(config, family_of_config(config))
     write = jax.process_index() == 0
     if write:
         os.makedirs(out_dir, exist_ok=True)

@@ -1,0 +1,155 @@
+"""One module per Hugging Face family: the registry, config.json round trips of tiny random
+models of every family, an unsupported family on every entry point, and checkpoints that
+record the family and the whole config (not a zoo preset)."""
+
+import dataclasses
+import importlib
+import json
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+)
+
+from shardzoo import cli
+from shardzoo.models import get_config
+from shardzoo.models.hf import (
+    FAMILIES,
+    SUPPORTED,
+    Family,
+    config_from_hf,
+    config_to_hf,
+    family_of_config,
+    load_hf_config,
+)
+from shardzoo.models.transformer import TransformerConfig
+from shardzoo.train.checkpoint import (
+    CheckpointError,
+    config_from_meta,
+    config_to_dict,
+    read_meta,
+    resolve_checkpoint,
+)
+
+FAMILY_MODULES = ("llama", "mixtral", "gpt2")  # models/hf/<name>.py
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+TINY = {  # model_type -> a tiny HF config of that family, with its distinguishing options set
+    "llama": lambda: LlamaConfig(**DIMS, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                                 attention_bias=True),
+    "mistral": lambda: MistralConfig(**DIMS, sliding_window=4),
+    "qwen2": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
+    "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
+    "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                               bos_token_id=1, eos_token_id=2),
+}
+# Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
+# while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
+BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version", "n_ctx"}
+
+
+def save_tiny(hf_config, path) -> str:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(path)
+    return str(path)
+
+
+def test_each_model_type_is_read_by_exactly_one_family_module():
+    assert set(SUPPORTED) == set(TINY)
+    for model_type in SUPPORTED:
+        owners = [f for f in FAMILIES if model_type in f.model_types]
+        assert len(owners) == 1, model_type
+        family = owners[0]
+        modules = {fn.__module__ for fn in (family.from_hf, family.to_hf, family.obstacles,
+                                            family.weights)}
+        assert len(modules) == 1, (model_type, modules)  # declared whole, in one place
+        assert modules.pop() in {f"shardzoo.models.hf.{m}" for m in FAMILY_MODULES}
+    declared = [v for m in FAMILY_MODULES
+                for v in vars(importlib.import_module(f"shardzoo.models.hf.{m}")).values()
+                if isinstance(v, Family)]
+    assert sorted(f.name for f in declared) == sorted(f.name for f in FAMILIES)  # all registered
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_config_json_round_trips_through_the_family(model_type, tmp_path):
+    hf_dir = save_tiny(TINY[model_type](), tmp_path / "hf")
+    config = load_hf_config(hf_dir)
+    assert family_of_config(config).name == model_type  # exports as the family it came from
+    written = json.loads(json.dumps(config_to_hf(config)))
+    assert written["model_type"] == model_type
+    fields = config_from_hf(written) | dict(scan_layers=config.scan_layers)
+    assert TransformerConfig(**fields) == config
+
+    # transformers reads the written config.json as the original, key by key.
+    want = AutoConfig.from_pretrained(hf_dir).to_dict()
+    got = AutoConfig.for_model(**written).to_dict()
+    derived = {"head_dim": want.get("hidden_size", 0) // want.get("num_attention_heads", 1),
+               "n_inner": 4 * want.get("n_embd", 0)}  # what None means
+    ignore = BOOKKEEPING | ({"max_window_layers"} if want.get("use_sliding_window") is False else set())
+    for key in sorted((set(want) | set(got)) - ignore):
+        expected = derived[key] if want.get(key) is None and key in derived else want.get(key)
+        assert got.get(key) == expected, key
+
+
+def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path, capsys):
+    gemma = GemmaConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=8)
+    hf_dir = save_tiny(gemma, tmp_path / "gemma")
+    capsys.readouterr()
+    errors = []
+    for argv in (["import-hf", hf_dir, str(tmp_path / "imported")],
+                 ["train", "--init-from", hf_dir, "--out", str(tmp_path / "run")]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "unsupported model_type 'gemma'; supported: " + ", ".join(SUPPORTED) in err
+        errors.append(err.split(": error: ", 1)[1])
+    assert errors[0] == errors[1]
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "imported")
+
+
+def test_import_records_family_and_whole_config_and_init_from_restores_it(tmp_path):
+    hf_config = LlamaConfig(**(DIMS | dict(vocab_size=320)), rope_theta=500000.0,
+                            rope_scaling=LLAMA3_ROPE)  # vocab above the byte tokenizer's 259
+    hf_dir = save_tiny(hf_config, tmp_path / "llama32")
+    want = load_hf_config(hf_dir)
+    assert want.rope_scaling_dict["rope_type"] == "llama3"
+    imported, run = str(tmp_path / "imported"), str(tmp_path / "run")
+
+    assert cli.main(["import-hf", hf_dir, imported]) == 0
+    meta = read_meta(*resolve_checkpoint(imported))
+    assert meta["family"] == "llama" and meta["model"] is None  # no zoo preset claimed
+    assert meta["config"] == config_to_dict(want)
+    assert set(meta["config"]) == {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert config_from_meta(meta) == want
+
+    assert cli.main(["train", "--init-from", imported, "--out", run, "--steps", "1",
+                     "--batch-size", "8", "--seq-len", "16", "--save-every", "0",
+                     "--eval-every", "0", "--eval-steps", "1"]) == 0
+    trained = read_meta(*resolve_checkpoint(run))
+    assert trained["family"] == "llama" and trained["model"] is None
+    assert config_from_meta(trained) == want
+    with open(os.path.join(run, "run.json")) as f:
+        assert json.load(f)["config"] == config_to_dict(want)
+
+
+def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused():
+    config = dataclasses.replace(get_config("llama3.2-1b"), num_hidden_layers=2)
+    old = {"model": "llama2-7b", "config": json.loads(json.dumps(config_to_dict(config)))}
+    assert config_from_meta(old) == config
+    with pytest.raises(CheckpointError, match="family 'gemma'"):
+        config_from_meta({"family": "gemma", "config": old["config"]})
+    with pytest.raises(CheckpointError, match="unknown field"):
+        config_from_meta({"family": "llama", "config": {**old["config"], "rope_kind": 1}})
