@@ -1,38 +1,63 @@
-"""What a model costs: the activation memory a training step keeps per device.
+"""What a model costs: the memory a training step needs per device beyond its state.
 
 Each config's ``activation_estimate(batch_size, seq_len, shards)`` calls one of these with a
 ``shards(logical_names) -> int`` from the plan (how many devices split an array with those
-names under the rules), so the plan reads no model field. It counts the activations autodiff
-saves for the backward pass, each divided by how many devices share it.
+names under the rules), so the plan reads no model field. The plan adds it to parameters,
+gradients (as parameters) and optimizer state; the sum is meant to match XLA's compiled total
+(argument + output + temp - alias) of the train step, whose temporaries are the gradients plus
+what is counted here. Every term is a count of arrays the step really holds, each
+``tokens * elements_per_token * dtype_bytes / shards(names)``; nothing is fitted.
 
 Transformer (a config with ``num_hidden_layers``), bytes per device::
 
-    layers * saved(policy) + (policy != "none") * saved("none") + head
+    batch + mask + n_layers * saved(policy) + (policy != "none") * saved("none")
+          + backward + head
 
-where ``saved(p)`` sums, over the terms below that policy ``p`` keeps, ``batch * seq_len *
-elements_per_token * dtype_bytes / shards(names)``. Per token and layer (D hidden, F
-intermediate, H heads, K kv heads, Dh head dim, L seq_len):
+``saved(p)`` is one layer's residuals that policy ``p`` keeps for the backward pass. For
+``none`` these are what ``jax.ad_checkpoint.print_saved_residuals`` lists for a zoo block
+(checked against XLA's buffer assignment on CPU, where the scanned layers' residuals appear
+stacked ``[layers, ...]``). Per token (D hidden, F intermediate, H heads, K kv heads, Dh head
+dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype unless said):
 
-    block_input D (batch,length,embed)  kept by every policy (the scan carry)
-    attn_norm D, query H*Dh, key K*Dh, value K*Dh, scores H*L and probs H*L (batch,heads,
-    length,-) [XLA attention; 0 with attention_impl="cudnn"], attn_context H*Dh, attn_out D,
-    mlp_norm D, mlp_gate F [gated], mlp_up F, mlp_act F [gated], mlp_hidden F (the input
-    of the down projection), mlp_out D; router_logits E in float32 [MoE layers]
+    block_input D                the scan carry: kept by every policy
+    attn_norm 3 D, float32       the norm's float32 intermediates (RMSNorm: the square's
+                                 derivative, x * rsqrt, and the scaled output)
+    query H*Dh                   rotated and regrouped for GQA ([batch, len, K, H/K, Dh])
+    key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output
+    scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
+    probs H*L, float32           the softmax (jax computes it in f32)   } attention
+    attn_context H*Dh            the input of the output projection
+    attn_residual D              x + attention: the input of the MLP norm
+    mlp_norm 3 D, float32        as attn_norm
+    dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
+      0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
+      mlp_hidden F
+    MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
+      z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
+      expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
+      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L.
 
-    none: all; full: block_input; dots_saveable: block_input, query, key, value, scores,
-    attn_context, attn_out, mlp_gate, mlp_up, mlp_out, router_logits;
-    dots_with_no_batch_dims_saveable: the same without scores and attn_context;
-    save_attn_mlp: block_input, attn_context, mlp_hidden.
+The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
+backward pass recomputes one layer whole, hence ``saved("none")`` once more.
 
-With remat (policy != "none") one layer is recomputed whole during the backward pass, hence
-the second term. MoE layers replace the MLP terms by ``experts_per_tok * capacity_factor``
-times them; dispatch masks are not counted. ``head`` is the final norm D plus logits V in
-the compute dtype and again in float32 for the log-softmax.
+``mask``: the attention mask (bool [batch, K, H/K, L, L]), made once outside the layer scan
+and kept for every layer's backward: H*L bytes per token (0 with cuDNN).
+``backward``: the backward pass of one layer holds the cotangent of each array the layer
+saved, so one more ``saved("none")`` of the largest layer (or the logits' float32 cotangent
+V, when larger).
+``head``: the final norm's 3 D float32 intermediates and the log-softmax's float32 ``exp``
+of the logits, V per token.
+``batch``: the step's input arrays (inputs, targets, positions, segment_ids int32; weights
+float32): 20 bytes per token.
+Not counted: XLA's buffers of the optimizer update (donated state: it updates in place),
+collective buffers, and a layer's transient copies (transposes, gathered parameters under
+fsdp), which XLA overlaps with the arrays above.
 
-MLP (a config with ``depth`` and ``width``): the sum of input [batch, embed], each hidden
-layer's pre- and post-activation [batch, width] (plus a dropout mask when dropout_rate > 0)
-and the head's logits in the compute dtype and in float32, each divided by its shards.
+MLP (a config with ``depth`` and ``width``): the batch's features, each hidden layer's pre-
+and post-activation [batch, width] (plus a dropout mask when dropout_rate > 0) and the head's
+logits in the compute dtype and in float32, each divided by its shards.
 """
+
 
 from __future__ import annotations
 
@@ -43,23 +68,26 @@ import jax.numpy as jnp
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+BL = (ax.BATCH, ax.LENGTH)
 BLHD = (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)
 BLKD = (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
 BLF = (ax.BATCH, ax.LENGTH, ax.MLP)
 BHL = (ax.BATCH, ax.HEADS, ax.LENGTH, None)  # attention scores: [batch, heads, q, k]
+BLEC = (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.CAPACITY)  # MoE dispatch and combine masks
+ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # MoE expert buffers
+ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
+# What each remat policy keeps of a layer ("none": every term below that is not 0 there).
+_DOTS = ("block_input", "query", "key", "value", "kv_proj", "attn_out", "mlp_gate", "mlp_up",
+         "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj")
 POLICY_TERMS = {
     "full": ("block_input",),
-    "dots_saveable": (
-        "block_input", "query", "key", "value", "scores", "attn_context", "attn_out",
-        "mlp_gate", "mlp_up", "mlp_out", "router_logits",
-    ),
-    "dots_with_no_batch_dims_saveable": (
-        "block_input", "query", "key", "value", "attn_out", "mlp_gate", "mlp_up", "mlp_out",
-        "router_logits",
-    ),
+    "dots_saveable": _DOTS + ("scores", "attn_context"),
+    "dots_with_no_batch_dims_saveable": _DOTS,
     "save_attn_mlp": ("block_input", "attn_context", "mlp_hidden"),
 }
+# Terms that only a remat policy saves (autodiff without remat does not keep them).
+_POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +100,13 @@ class ActivationEstimate:
 
 def _term(tokens, per_token, names, nbytes, shards) -> int:
     return int(tokens * per_token * nbytes) // shards(names)
+
+
+def _saved(terms: dict, policy: str) -> int:
+    keep = POLICY_TERMS.get(policy)
+    if keep is None:
+        return sum(v for n, v in terms.items() if n not in _POLICY_ONLY)
+    return sum(v for n, v in terms.items() if n in keep)
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstimate:
@@ -87,39 +122,49 @@ def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstim
         return _term(tok, per_token, names, nbytes, shards)
 
     layer = {
-        "block_input": t(d, BLE), "attn_norm": t(d, BLE),
+        "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
         "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
-        "scores": 0 if flash else t(h * seq_len, BHL), "probs": 0 if flash else t(h * seq_len, BHL),
-        "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "mlp_norm": t(d, BLE),
-        "mlp_gate": t(f, BLF) if gated else 0, "mlp_up": t(f, BLF),
-        "mlp_act": t(f, BLF) if gated else 0, "mlp_hidden": t(f, BLF), "mlp_out": t(d, BLE),
+        "kv_proj": t(k * dh, BLKD) if cfg.fuse_projections else 0,
+        "scores": 0 if flash else t(h * seq_len, BHL), "probs": 0 if flash else t(h * seq_len, BHL, 4),
+        "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
+        "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
-    mlp_terms = ("mlp_gate", "mlp_up", "mlp_act", "mlp_hidden")
+    dense = dict(layer, mlp_up=t(f, BLF), mlp_hidden=t(f, BLF))
+    if gated:
+        dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if cfg.fuse_projections else 0)
     experts = cfg.num_local_experts
-    moe_layer = dict(layer)
+    moe_layer = None
     if experts:
-        scale = cfg.num_experts_per_tok * cfg.capacity_factor
-        moe_layer.update({n: int(layer[n] * scale) for n in mlp_terms})
-        moe_layer["router_logits"] = t(experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4)
+        slots = experts * cfg.moe_config().capacity(seq_len)  # E*C per row, per token: / L
+        moe_layer = dict(
+            layer, router_logits=t(experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
+            router=t(2 * experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
+            masks=t(2 * slots, BLEC), expert_in=t(slots * d / seq_len, ECD),
+            expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * f / seq_len, ECF),
+            expert_hidden=t(4 * slots * f / seq_len, ECF),
+        )
     freq = cfg.moe_layer_freq
     n_moe = sum((i + 1) % freq == 0 for i in range(cfg.num_hidden_layers)) if experts else 0
     n_dense = cfg.num_hidden_layers - n_moe
     policy = cfg.remat_policy
-
-    def saved(terms, pol):
-        keep = POLICY_TERMS.get(pol)
-        return sum(v for n, v in terms.items() if keep is None or n in keep)
-
-    total = n_dense * saved(layer, policy) + n_moe * saved(moe_layer, policy)
-    if policy != "none":
-        total += saved(moe_layer if n_moe else layer, "none")
-    head = t(d, BLE) + t(cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), nb + 4)
+    largest = max(_saved(dense, "none") if n_dense else 0, _saved(moe_layer, "none") if n_moe else 0)
+    layers = n_dense * _saved(dense, policy) + (n_moe * _saved(moe_layer, policy) if n_moe else 0)
+    recompute = largest if policy != "none" else 0
+    logits = t(cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
+    others = {
+        "batch": t(5, BL, 4),
+        "mask": 0 if flash else t(h * seq_len, BHL, 1),
+        "backward": max(largest, logits),
+        "head": t(3 * d, BLE, 4) + logits,
+    }
+    total = layers + recompute + sum(others.values())
     formula = (
-        f"{n_dense} dense + {n_moe} MoE layers x saved({policy})"
+        f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
         + (" + one layer recomputed" if policy != "none" else "")
-        + " + final norm and logits"
+        + " + one layer's backward + final norm and logits"
     )
-    return ActivationEstimate(int(total + head), policy, formula, {**layer, "head": head})
+    terms = {**(moe_layer if n_moe and not n_dense else dense), **others}
+    return ActivationEstimate(int(total), policy, formula, terms)
 
 
 def mlp_activations(cfg, batch_size, shards) -> ActivationEstimate:

@@ -122,12 +122,13 @@ def test_llama3_8b_on_256_devices():
     assert p.totals["params"] == 4 * (matrices // 256 + norms // 32)
     assert 2 * p.totals["params"] <= p.totals["optimizer"] <= 2 * p.totals["params"] + 16
     # Without remat, float32 activations of 256 x 4096 tokens (~260 GB a device) do not fit an
-    # H100; remat full in bfloat16 keeps one layer's (~16 GB) and does.
+    # H100; remat full in bfloat16 keeps each layer's input (32 x 0.27 GB), one layer
+    # recomputed and its backward (~7.5 GB each) and the head (~3.7 GB), and does.
     assert not p.fits and p.totals["activations"] > 200e9
     light = dataclasses.replace(config, remat_policy="full", dtype="bfloat16")
     fitting = plan(light, "fsdp_tp", "fsdp=32,tensor=8", batch_size=256, seq_len=4096,
                    device_memory="h100")
-    assert fitting.fits and fitting.totals["activations"] < 20e9
+    assert fitting.fits and fitting.totals["activations"] < 30e9
     # Saved activations shrink with rematerialisation, in the documented order.
     mesh, rules = planning_mesh("fsdp=32,tensor=8"), get_rules("fsdp_tp")
     est = {
