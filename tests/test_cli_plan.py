@@ -6,9 +6,17 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from shardzoo.cli import main
+from shardzoo.data.packing import Documents, batch_arrays, pack_documents
+from shardzoo.models import get_config, get_model
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.train.config import TrainConfig
+from shardzoo.train.program import count_collectives, memory_analysis, run_program
+from shardzoo.train.trainer import Trainer
 
 TINY = ["plan", "--model", "mlp-tiny"]
 
@@ -48,15 +56,82 @@ def test_compile_reports_memory_and_collectives(capsys):
     status, out, _ = _run(capsys, *TINY, "--rules", "fsdp", "--mesh", "fsdp=8", "--compile", "--json")
     assert status == 0
     data = json.loads(out)
-    memory = data["compile"]["memory"]
-    assert memory["total"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
-    # Parameters are gathered for the forward pass under fsdp; the batch is a few bytes.
+    memory, totals = data["compile"]["memory"], data["totals"]
+    # Independently: the per-device bytes of the sharded train state that Program.init really
+    # creates (every shard of every array, over the 8 devices).
+    program = run_program(TrainConfig(batch_size=8, seq_len=2048), get_config("mlp-tiny"),
+                          get_rules("fsdp"), make_mesh("fsdp=8"))
+    state = program.init(jax.random.PRNGKey(0))
+    created = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards) // 8
+    # The plan's params + optimizer state is that state less its step counter (int32).
+    assert totals["params"] + totals["optimizer"] + 4 == created
+    # XLA's arguments: that state and this device's batch shard: 1 of the 8 rows, 16 float32
+    # features, an int32 label and a float32 weight (the rng key is dead: mlp-tiny has no
+    # dropout, and XLA does not count it).
+    assert memory["argument"] == created + 1 * (16 + 1 + 1) * 4
+    assert data["compile"]["batch_bytes"] == (16 + 1 + 1) * 4
+    # Parameters are gathered for the forward pass under fsdp; dp gathers nothing.
     assert data["compile"]["collectives"]["all-gather"] > 0
-    assert memory["argument"] - data["compile"]["batch_bytes"] >= data["totals"]["params"]
     status, out, _ = _run(capsys, *TINY, "--rules", "dp", "--mesh", "data=8", "--compile")
     assert status == 0 and "compiled train step" in out and "arguments" in out
     collectives = dict(re.findall(r"([a-z-]+) (\d+)", out.split("collectives: ")[1]))
     assert collectives["all-gather"] == "0" and int(collectives["all-reduce"]) > 0
+
+
+class PackedBatches:
+    """Batches of really packed documents (data/packing.py): several documents per row, so
+    segment ids change inside rows, positions restart, and weights are 0 at their seams."""
+
+    def __init__(self, batch_size, seq_len, vocab=300, pad_id=0):
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(3, seq_len // 2, 8 * batch_size)
+        tokens = rng.integers(1, vocab, int(lengths.sum())).astype(np.int32)
+        docs = Documents(tokens, np.concatenate([[0], np.cumsum(lengths)]), np.ones(len(tokens), bool))
+        self.rows, self.pad_id = pack_documents(docs, seq_len, pad_id), pad_id
+        self.batch_size, self.position = batch_size, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        indices = np.arange(self.position, self.position + self.batch_size) % len(self.rows.tokens)
+        self.position += self.batch_size
+        return batch_arrays(self.rows, indices, self.pad_id)
+
+    def state(self):
+        return {"position": self.position}
+
+    def restore(self, state):
+        self.position = state["position"]
+
+
+def _compiled_facts(compiled) -> tuple[dict, dict]:
+    return memory_analysis(compiled), count_collectives(compiled.as_text())
+
+
+def test_plan_compile_is_the_step_the_trainer_runs(capsys, tmp_path):
+    """fsdp_tp with packed data, loss weights and 2 microbatches: the Trainer's compiled step
+    and ``plan --compile``'s have the same memory analysis and collective counts."""
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    args = ["plan", "--model", "llama-tiny", "--rules", "fsdp_tp", "--mesh", "fsdp=4,tensor=2",
+            "--batch-size", "16", "--seq-len", "32", "--compile", "--json",
+            *(x for k, v in small.items() for x in ("--override", f"{k}={v}"))]
+    module, config = get_model("llama-tiny", **small)
+    batch = next(PackedBatches(16, 32))
+    assert batch["segment_ids"].max() > 1 and 0 < batch["weights"].mean() < 1  # packed, weighted
+    cfg = TrainConfig(batch_size=16, seq_len=32, grad_accum=2, steps=1, out=str(tmp_path))
+    trainer = Trainer(module, config, cfg, make_mesh("fsdp=4,tensor=2"), get_rules("fsdp_tp"), PackedBatches(16, 32))
+    step = trainer.program.compiled_train_step()
+    memory, collectives = _compiled_facts(step)
+    _, metrics = step(trainer.state, trainer.program.place(batch), trainer.rng)  # runs on it
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    status, out, _ = _run(capsys, *args, "--grad-accum", "2")
+    assert status == 0
+    planned = json.loads(out)["compile"]
+    assert planned["memory"] == memory and planned["collectives"] == collectives
+    # The comparison tells steps apart: without --grad-accum 2 it is another program.
+    status, out, _ = _run(capsys, *args)
+    assert status == 0 and json.loads(out)["compile"]["memory"] != memory
 
 
 def test_compile_refuses_a_mesh_larger_than_the_machine(capsys):
