@@ -1,9 +1,8 @@
 """What each sharding preset costs per device, as the compiler sees it, and compile time vs depth.
 
 ``--what presets``: llama-tiny and mixtral-tiny under dp, fsdp, tp, fsdp_tp, sp and ep, each on
-an 8-device mesh that suits it, compiled ahead of time (``train/aot.py``'s
-``compile_train_step``: forward, backward and an adamw update with the plan's shardings) on
-fake CPU devices. Per device: XLA's ``memory_analysis`` (arguments, temporaries, total) beside
+an 8-device mesh that suits it, compiled ahead of time (``run_program(...).compile_report()``:
+the step ``shardzoo train`` runs, with the program's shardings) on fake CPU devices. Per device: XLA's ``memory_analysis`` (arguments, temporaries, total) beside
 the planner's estimate, and the collectives in the compiled program. Nothing runs.
 
 ``--what depth``: seconds to lower and compile that train step on one device for llama-tiny
@@ -30,8 +29,9 @@ import jax  # noqa: E402
 
 from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
-from shardzoo.sharding.plan import format_bytes, plan  # noqa: E402
-from shardzoo.train.aot import COLLECTIVES, compile_train_step  # noqa: E402
+from shardzoo.sharding.plan import format_bytes  # noqa: E402
+from shardzoo.train.config import TrainConfig  # noqa: E402
+from shardzoo.train.program import COLLECTIVES, run_program  # noqa: E402
 
 # preset -> 8-device mesh (tensor=2: the tiny models have 2 kv heads; ep: one expert per device
 # pair for mixtral-tiny's 4 experts).
@@ -49,6 +49,12 @@ SHORT = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to
          "collective-permute": "CP"}
 
 
+def compile_train_step(module, config, rules, mesh, batch: int, seq_len: int):
+    """``(program, compile_report)``: the train step ``shardzoo train`` runs, compiled."""
+    program = run_program(TrainConfig(batch_size=batch, seq_len=seq_len), config, rules, mesh, module=module)
+    return program, program.compile_report()
+
+
 def preset_rows(batch: int, seq_len: int, quick: bool) -> list[str]:
     """One markdown row per (model, preset); ep on a dense model is skipped (no expert axis)."""
     rows = []
@@ -60,11 +66,11 @@ def preset_rows(batch: int, seq_len: int, quick: bool) -> list[str]:
             if quick and (name, rules_name) not in QUICK:
                 continue
             rules, mesh = get_rules(rules_name), make_mesh(spec)
-            estimate = plan(config, rules, mesh, batch_size=batch, seq_len=seq_len, name=name)
             start = time.perf_counter()
-            result = compile_train_step(module, config, rules, mesh, batch, seq_len)
+            program, result = compile_train_step(module, config, rules, mesh, batch, seq_len)
             seconds = time.perf_counter() - start
-            m, c = result.memory, result.collectives
+            estimate = program.plan(name=name)
+            m, c = result["memory"], result["collectives"]
             counts = " / ".join(str(c[op]) for op in COLLECTIVES)
             rows.append(
                 f"| {name} | {rules_name} | {spec} | {format_bytes(m['argument'])} | "
@@ -83,11 +89,11 @@ def presets_report(args) -> list[str]:
         "",
         f"`python bench/bench_presets.py --what presets{' --quick' if args.quick else ''}`: "
         f"one adamw train step (forward, backward, update; float32) of each model, global batch "
-        f"{batch} x {seq_len} tokens, compiled ahead of time by `train/aot.py`'s "
-        f"`compile_train_step` on {DEVICES} fake CPU devices, jax {jax.__version__}. Memory per "
+        f"{batch} x {seq_len} tokens (packed-batch fields and loss weights), the step `shardzoo train` "
+        f"runs, compiled ahead of time by `run_program(...).compile_report()` on {DEVICES} fake CPU devices, jax {jax.__version__}. Memory per "
         "device from XLA's `memory_analysis()`: arguments (params, adam state, batch), temporaries, "
         "total = arguments + outputs + temporaries - aliased (donated) buffers; the plan column is "
-        "`shardzoo plan`'s estimate (params + grads + adam + activations). Collectives are op "
+        "`Program.plan()`'s estimate (params + grads + adam + the model's activation estimate). Collectives are op "
         f"counts in the compiled HLO ({header} = "
         + ", ".join(COLLECTIVES)
         + "); the CPU backend lowers reduce-scatter to all-reduce + dynamic-slice, so RS is 0 "

@@ -1,6 +1,7 @@
 """Train-step throughput of shardzoo's Llama against Hugging Face transformers, on one CPU device.
 
-Interleaved A/B rounds in one process (JAX step, then torch step, repeated), medians and their
+shardzoo's rows time the program's own step (``train/program.py``, the one ``shardzoo train``
+runs, on a packed data-contract batch: ``bench/program_step.py``). Interleaved A/B rounds in one process (JAX step, then torch step, repeated), medians and their
 ratio; the matmul peak (jnp.dot 2048x2048 float32) measured in the same process; model FLOP/s
 as a fraction of it; and the compile time of the scanned train step at 2 vs 32 layers.
 Prints a markdown section (redirect it to bench/results/transformer.md).
@@ -22,9 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import plain_llama  # noqa: E402
-from flax import linen as nn  # noqa: E402
+from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
 
@@ -36,25 +36,9 @@ CONFIG = TransformerConfig(
 BATCH, LENGTH, LR = 8, 256, 1e-4
 
 
-def jax_train_step(config: TransformerConfig):
-    """(step, init): a jitted adamw train step on next-token cross-entropy, and a state init."""
-    module = config.build()
-    tx = optax.adamw(LR)
-
-    def init(key):
-        params = nn.unbox(module.init(key, jnp.zeros((1, LENGTH), jnp.int32))["params"])
-        return params, tx.init(params)
-
-    def step(params, opt_state, tokens):
-        def loss_fn(p):
-            logits = module.apply({"params": p}, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step, donate_argnums=(0, 1)), init
+def jax_program(config: TransformerConfig):
+    """The Program of ``shardzoo train`` for ``config`` at BATCH x LENGTH, adamw at LR, one device."""
+    return one_device_program(config.build(), config, BATCH, LENGTH, lr=LR)
 
 
 def torch_train_step(config: TransformerConfig):
@@ -101,12 +85,9 @@ def matmul_peak(reps: int = 10) -> float:
 
 def compile_seconds(layers: int) -> float:
     """Lower + compile of the scanned train step at ``layers`` layers (abstract inputs)."""
-    config = dataclasses.replace(CONFIG, num_hidden_layers=layers)
-    step, init = jax_train_step(config)
-    params, opt_state = jax.eval_shape(init, jax.random.key(0))
-    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH + 1), jnp.int32)
+    program = jax_program(dataclasses.replace(CONFIG, num_hidden_layers=layers))
     t = time.perf_counter()
-    step.lower(params, opt_state, tokens).compile()
+    program.lower().compile()
     return time.perf_counter() - t
 
 
@@ -134,14 +115,15 @@ def main():
 
     tokens_np = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (BATCH, LENGTH + 1))
     tokens = jnp.asarray(tokens_np, jnp.int32)
+    batch = packed_batch(CONFIG.vocab_size, BATCH, LENGTH)  # shardzoo's step: the data contract
     runs = {}  # name -> one step, run to completion
     for name, config in [
         ("shardzoo (JAX), scanned layers: the default", CONFIG),
         ("shardzoo, unrolled layers", dataclasses.replace(CONFIG, scan_layers=False)),
         ("shardzoo, fuse_projections=false (before)", dataclasses.replace(CONFIG, fuse_projections=False)),
     ]:
-        step, init = jax_train_step(config)
-        runs[name] = _runner(step, jax.jit(init)(jax.random.key(0)), tokens)
+        program = jax_program(config)
+        runs[name] = stepper(program, program.init(jax.random.key(0)), batch)
     for name, attention in [(PLAIN, True), (FLOOR, False)]:
         step, init = plain_llama.train_step(CONFIG, LR, attention)
         runs[name] = _runner(step, jax.jit(init)(jax.random.key(0)), tokens)
@@ -174,7 +156,10 @@ def main():
           f"{CONFIG.num_key_value_heads} kv heads, vocab {CONFIG.vocab_size}, untied, "
           f"{CONFIG.num_params() / 1e6:.1f}M params; batch {BATCH} x length {LENGTH}, float32, AdamW, "
           f"remat none. {args.rounds} interleaved rounds (every row once per round) after one "
-          "warm-up each; medians.\n")
+          "warm-up each; medians. The shardzoo rows time the step `shardzoo train` runs "
+          "(`run_program`'s compiled step: adamw with its defaults, clipping and schedule, on a "
+          "packed batch of two documents per row with loss weights; bench/program_step.py); "
+          "the plain JAX and HF rows a plain next-token step.\n")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"load average at the end {os.getloadavg()[0]:.1f}; jax {jax.__version__}, "
           f"torch {torch.__version__} (2 threads), transformers {transformers.__version__}.\n")

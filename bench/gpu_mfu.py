@@ -10,8 +10,10 @@ flops_per_token`` computes it: 6 x the matmul parameters per token (q, k, v, o, 
 three matrices per layer, the vocab projection) plus the causal attention term
 (12 * layers * heads * head_dim * seq/2 per token), over the measured step time, against the
 dense bf16 peak (989 TFLOP/s for H100/H200 SXM). Remat recomputation is not counted (it is
-not model work). The model is called without segment ids (one document per row), so cuDNN
-sees a plain causal mask.
+not model work). The step is the program's own (``train/program.py``: the one ``shardzoo
+train`` runs, adamw with its clipping and schedule, ``bench/program_step.py``) on a packed
+batch of two documents per row with segment ids, positions and loss weights, so the attention
+takes the masked branch that training takes.
 
     python bench/gpu_mfu.py                 # on a GPU; a few minutes including compilation
     python bench/gpu_mfu.py --tiny          # on CPU: a tiny config through the same code path
@@ -28,7 +30,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # GPU: let the 
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/program_step.py
+from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models import get_model  # noqa: E402
 
@@ -37,23 +41,6 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
 CANDIDATES = ((8, 4096, "none"), (8, 4096, "save_attn_mlp"), (8, 4096, "full"), (4, 4096, "full"))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)
-
-
-def make_step(module, tx):
-    """``step(params, opt_state, inputs, targets) -> (params, opt_state, loss)``: mean token CE."""
-
-    def loss_fn(params, inputs, targets):
-        logits, _ = module.apply({"params": params}, inputs, deterministic=True,
-                                 mutable=["losses", "metrics"])  # [batch, length, vocab]
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-        return jnp.mean(ce)
-
-    def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
 
 
 def si(x: float) -> str:
@@ -69,28 +56,13 @@ def device_bytes_limit(device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def init_state(overrides: dict, tx):
-    """Params and adamw state, made once on the device (remat, batch and the attention kernel do
-    not change them; init runs XLA attention on a short dummy row)."""
-    module, _ = get_model("llama3.2-1b", **{**overrides, "attention_impl": "xla"})
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    params = jax.jit(lambda k: module.init(k, tokens, deterministic=True)["params"])(jax.random.key(0))
-    return params, jax.jit(tx.init)(params)
-
-
-def compile_candidate(overrides: dict, tx, params, opt_state, batch: int, seq_len: int, remat: str):
-    """``(config, compiled step, inputs, targets, bytes the step needs)`` for one candidate."""
+def compile_candidate(overrides: dict, batch: int, seq_len: int, remat: str):
+    """``(config, program, bytes the step needs)``: the Program ``shardzoo train`` would run
+    (adamw, lr 1e-4, weight decay 0.1; one device), its step compiled."""
     module, config = get_model("llama3.2-1b", **overrides, remat_policy=remat)
-    inputs = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, config.vocab_size, jnp.int32)
-    targets = jnp.roll(inputs, -1, axis=1)
-    step = jax.jit(make_step(module, tx), donate_argnums=(0, 1))
-    compiled = step.lower(params, opt_state, inputs, targets).compile()
-    stats = compiled.memory_analysis()
-    used = None
-    if stats is not None:
-        used = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-                - stats.alias_size_in_bytes)
-    return config, compiled, inputs, targets, used
+    program = one_device_program(module, config, batch, seq_len, lr=1e-4, weight_decay=0.1)
+    used = program.compile_report()["memory"].get("total")
+    return config, program, used
 
 
 def main(argv=None) -> int:
@@ -128,15 +100,12 @@ def main(argv=None) -> int:
     if peak is None and args.tiny:
         peak = PEAK_BF16_TFLOPS["H200"]
     limit = args.device_memory * 1e9 if args.device_memory else device_bytes_limit(device)
-    tx = optax.adamw(1e-4, weight_decay=0.1)
-    params, opt_state = init_state(overrides, tx)
 
     chosen = None
     for batch, seq_len, remat in candidates:
         t0 = time.perf_counter()
         try:
-            config, compiled, inputs, targets, used = compile_candidate(
-                overrides, tx, params, opt_state, batch, seq_len, remat)
+            config, program, used = compile_candidate(overrides, batch, seq_len, remat)
         except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: next one
             print(f"batch {batch} x {seq_len}, remat {remat}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
             continue
@@ -145,36 +114,36 @@ def main(argv=None) -> int:
               f"{'?' if used is None else f'{used / 1e9:.1f} GB'} of "
               f"{'?' if limit is None else f'{limit / 1e9:.1f} GB'}", file=sys.stderr, flush=True)
         if fits:
-            chosen = (batch, seq_len, remat, config, compiled)
+            chosen = (batch, seq_len, remat, config, program)
             break
-        del compiled
+        del program
     if chosen is None:
         print("no candidate fits this device", file=sys.stderr)
         return 1
-    batch, seq_len, remat, config, compiled = chosen
-
+    batch, seq_len, remat, config, program = chosen
+    run = stepper(program, program.init(jax.random.key(0)), packed_batch(config.vocab_size, batch, seq_len))
     for _ in range(warmup):
-        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
-    loss.block_until_ready()
+        run()
     start = time.perf_counter()
     for _ in range(steps):
-        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
-    loss.block_until_ready()
+        run()
     step_s = (time.perf_counter() - start) / steps
+    loss = run.metrics["loss"]
     if not bool(jnp.isfinite(loss)):
         print(f"non-finite loss {float(loss)}", file=sys.stderr)
         return 1
 
     flops = config.flops_per_token(seq_len) * batch * seq_len  # MaxText's accounting
     mfu = f"{100 * flops / step_s / (peak * 1e12):.3g}%" if peak else "n/a (unknown peak)"
-    params_count = sum(x.size for x in jax.tree.leaves(params))
+    params_count = sum(x.size for x in jax.tree.leaves(run.state.params))
     label = "llama3.2-1b (tiny config, code-path check)" if args.tiny else "llama3.2-1b"
     header = ("| model | device | params | batch x seq | attention | remat | step ms | tokens/s | "
               "model FLOP/s | MFU |\n|---|---|---:|---|---|---|---:|---:|---:|---:|")
     line = (f"| {label} | {kind} | {si(params_count)} | {batch} x {seq_len} | "
             f"{overrides['attention_impl']} | {remat} | {step_s * 1e3:.1f} | {batch * seq_len / step_s:,.0f} | "
             f"{si(flops / step_s)} | {mfu} |")
-    notes = (f"bf16 compute, float32 params, adamw; {warmup} warm-up + {steps} timed steps; "
+    notes = (f"bf16 compute, float32 params; the step `shardzoo train` runs (adamw, packed rows "
+             f"of two documents, loss weights); {warmup} warm-up + {steps} timed steps; "
              f"model FLOP per step {si(flops)} (`TransformerConfig.flops_per_token`: 6 x matmul "
              f"params + causal attention)"
              + f"; peak {peak or '?'} TFLOP/s; jax {jax.__version__}.")

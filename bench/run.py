@@ -50,6 +50,8 @@ BENCHES = (
           "time 2 vs 32 layers", "bench_transformer.py", quick=("--rounds", "1"), stdout=True),
     Bench("presets", "per-device memory and collectives per sharding preset, 8 fake devices",
           "bench_presets.py", ("--what", "presets"), ("--quick",)),
+    Bench("plan", "the plan's per-device memory against XLA's for the step shardzoo train runs, every "
+          "preset, 8 fake devices", "bench_plan_vs_compiled.py", quick=("--quick",)),
     Bench("compile", "compile time against depth, scanned vs unrolled", "bench_presets.py",
           ("--what", "depth"), ("--quick",)),
     Bench("moe", "MoE dispatch strategies", "bench_moe.py",
