@@ -169,10 +169,8 @@ class BatchIterator:
                 local[key] = np.take(local[key], held, axis=dim)
         if self.shardings is None:
             return local
-        return {
-            k: jax.make_array_from_process_local_data(self.shardings[k], v, self.global_shapes[k])
-            for k, v in local.items()
-        }
+        # one hand-off of the whole batch (a pytree of arrays, shardings and global shapes)
+        return jax.make_array_from_process_local_data(self.shardings, local, self.global_shapes)
 
     def state(self) -> dict:
         """A JSON-able position: restoring it makes the next batches those this iterator gives next."""

@@ -125,6 +125,13 @@ class Program:
             raise UserError(f"batch size {self.batch_size} is not divisible by grad_accum {grad_accum}")
         self.micro_batch = self.batch_size // grad_accum
         trace_rules = usable_rules(rules, mesh) if rule_problems(rules, mesh) else rules
+        self.fields = self.task.fields(config, self.batch_size, self.seq_len)
+        self.batch_shardings = {k: spec_to_sharding(f.names, mesh, trace_rules) for k, f in self.fields.items()}
+        self.abstract_batch = {
+            k: jax.ShapeDtypeStruct(f.shape, jnp.dtype(f.dtype), sharding=self.batch_shardings[k])
+            for k, f in self.fields.items()
+        }
+        self._check_microbatch(trace_rules)  # before the trace: its one-line error beats the report's
 
         # ONE trace of the whole train state under the rules; constraints recorded, not applied.
         with activate(mesh, trace_rules), recording_constraints(apply=False) as sites:
@@ -147,13 +154,6 @@ class Program:
         self.shardings = TrainState(step=replicated(mesh), params=self.report.shardings(mesh)["params"],
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
-        self.fields = self.task.fields(config, self.batch_size, self.seq_len)
-        self.batch_shardings = {k: spec_to_sharding(f.names, mesh, self.rules) for k, f in self.fields.items()}
-        self.abstract_batch = {
-            k: jax.ShapeDtypeStruct(f.shape, jnp.dtype(f.dtype), sharding=self.batch_shardings[k])
-            for k, f in self.fields.items()
-        }
-        self._check_microbatch()
         self._train_step = self._eval_step = None
 
     # ------------------------------------------------------------------ the one init
@@ -195,7 +195,7 @@ class Program:
         return self.abstract.params
 
     # ------------------------------------------------------------------ steps
-    def _check_microbatch(self) -> None:
+    def _check_microbatch(self, rules) -> None:
         spec = self.batch_shardings["weights"].spec
         names = spec[0] if len(spec) else None
         names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
@@ -205,7 +205,7 @@ class Program:
             raise UserError(
                 f"microbatch of {self.micro_batch} rows (batch size {self.batch_size} / grad_accum "
                 f"{self.grad_accum}) is not divisible by the {shards} devices that rules "
-                f"{getattr(self.rules, 'name', '')!r} shard the batch over on mesh {describe_mesh(self.mesh)}"
+                f"{getattr(rules, 'name', '')!r} shard the batch over on mesh {describe_mesh(self.mesh)}"
             )
 
     def _rng_struct(self):
