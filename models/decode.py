@@ -28,25 +28,30 @@ def _is_box(x):
     return isinstance(x, nn.Partitioned)
 
 
-def abstract_cache(module, batch_size: int, max_length: int):
-    """The cache's shapes (boxed, with logical axes) for ``max_length`` positions, no allocation."""
-    tokens = jnp.zeros((batch_size, max_length), jnp.int32)
+def abstract_cache(module, params, batch_size: int, max_length: int):
+    """The cache's shapes (boxed, with logical axes) for ``max_length`` positions, no allocation.
 
-    def init(tokens):
-        variables = module.init(jax.random.key(0), tokens, positions=tokens, decode=True)
+    Traced from a decoding call on ``params`` (arrays or ShapeDtypeStructs), which creates the
+    cache the way decoding will use it; the params themselves come from the program's one init.
+    """
+    tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32)
+
+    def first_call(params, tokens):
+        _, variables = module.apply({"params": params}, tokens, positions=tokens, decode=True,
+                                    mutable=["cache"])
         return variables["cache"]
 
-    return jax.eval_shape(init, tokens)
+    return jax.eval_shape(first_call, params, tokens)
 
 
-def cache_logical_specs(module, batch_size: int, max_length: int):
+def cache_logical_specs(module, params, batch_size: int, max_length: int):
     """Logical PartitionSpecs of every cache leaf (e.g. for ``partition.logical_shardings``)."""
-    return nn.get_partition_spec(abstract_cache(module, batch_size, max_length))
+    return nn.get_partition_spec(abstract_cache(module, params, batch_size, max_length))
 
 
-def init_cache(module, batch_size: int, max_length: int):
+def init_cache(module, params, batch_size: int, max_length: int):
     """An empty cache (zeros, index 0); constrained by its logical axes under an active mesh."""
-    boxed = abstract_cache(module, batch_size, max_length)
+    boxed = abstract_cache(module, params, batch_size, max_length)
     specs = nn.get_partition_spec(boxed)
     shapes = jax.tree.map(_value, boxed, is_leaf=_is_box)
 
@@ -140,7 +145,7 @@ def _generate(module, params, prompt, prompt_lengths, max_new_tokens, temperatur
     slots = jnp.arange(prompt_len)[None, :]
     segment_ids = (slots >= start[:, None]).astype(jnp.int32)  # 0 on padding
     positions = jnp.maximum(slots - start[:, None], 0)
-    cache = init_cache(module, batch, prompt_len + max_new_tokens)
+    cache = init_cache(module, params, batch, prompt_len + max_new_tokens)
     logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids)
 
     def tokens_to_logits(token, state):

@@ -11,6 +11,7 @@ from shardzoo.models import decode as dec
 from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
+from shardzoo.train.program import Program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
 B, L, PREFILL = 2, 12, 5
@@ -36,7 +37,7 @@ def test_cached_decoding_matches_full_forward(name, overrides):
     params = _params(module, x)
     full = jax.jit(module.apply, compiler_options=FAST)({"params": params}, x)
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
-    cache = dec.init_cache(module, B, L)
+    cache = dec.init_cache(module, params, B, L)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     logits, cache = step(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])
     outs = [logits]
@@ -141,13 +142,14 @@ def test_sample_loop_honours_temperature_top_k_and_top_p_at_every_step():
 
 
 def test_cache_carries_logical_axes_and_shards_under_the_rules():
-    module, _ = get_model("llama-tiny", **TINY)
-    specs = dec.cache_logical_specs(module, 4, 16)["layers"]["attn"]
+    module, config = get_model("llama-tiny", **TINY)
+    params = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1])).params_target()
+    specs = dec.cache_logical_specs(module, params, 4, 16)["layers"]["attn"]
     assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
     mesh = make_mesh("data=4,tensor=2")
     with activate(mesh, get_rules("tp")):
-        cache = dec.init_cache(module, 4, 16)
+        cache = dec.init_cache(module, params, 4, 16)
     key = cache["layers"]["attn"]["cached_key"]
     assert key.shape == (2, 4, 16, 2, 8)
     assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2
