@@ -149,11 +149,17 @@ def test_all_problems_gathered_one_per_line_and_summary():
 
 
 def test_activation_problem_names_the_activation_path():
+    module, config = get_model("llama-tiny", num_hidden_layers=1)
+    with pytest.raises(ShardingValidationError) as e:  # sp: length 5 over sequence=2
+        plan(config, "sp", "data=2,sequence=2,tensor=2", batch_size=2, seq_len=5)
+    assert e.value.problems and all(p.path.startswith("activations/") for p in e.value.problems)
+    assert "dim 1 (length) of size 5 is not divisible by mesh axes sequence=2" in str(e.value)
+
+
+def test_a_batch_the_devices_cannot_split_is_one_line_naming_the_microbatch():
     module, config = get_model("mlp-tiny")
-    with pytest.raises(ShardingValidationError) as e:
-        plan(config, "dp", "data=8", batch_size=6)  # batch 6 over data=8
-    assert all(p.path.startswith("activations/MLP#") for p in e.value.problems)
-    assert "dim 0 (batch) of size 6 is not divisible by mesh axes data=8" in str(e.value)
+    with pytest.raises(UserError, match=r"microbatch of 6 rows .* not divisible by the 8 devices"):
+        plan(config, "dp", "data=8", batch_size=6)
 
 
 def test_non_strict_warns_and_replicates_what_does_not_divide():
