@@ -88,20 +88,26 @@ def _normal(config):
 
 # ---------------------------------------------------------------------------------------- norms
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama), computed in float32 like Hugging Face's."""
+    """Root-mean-square norm (Llama), computed in float32 like Hugging Face's.
+
+    It normalizes over the last ``len(axes)`` dimensions of ``x`` (named ``axes``): the model
+    width, one head's features (Qwen3's qk-norm) or all heads' (OLMo 2's).
+    """
 
     eps: float = 1e-6
     dtype: str = "float32"
     param_dtype: str = "float32"
+    axes: tuple[str, ...] = (ax.EMBED,)
 
     @nn.compact
     def __call__(self, x):
+        dims = tuple(range(x.ndim - len(self.axes), x.ndim))
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
-            (x.shape[-1],), dtype_of(self.param_dtype),
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes),
+            x.shape[dims[0]:], dtype_of(self.param_dtype),
         )
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=dims, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(dtype_of(self.dtype))
 
 
@@ -311,6 +317,12 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if cfg.fuse_projections else (kv[0](x), kv[1](x))
+        if cfg.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
+            q_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
+            k_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
+            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
+            k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
         if cfg.position_embedding == "rope":
             inv_freq = rope_inv_freq(cfg)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)

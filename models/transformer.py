@@ -1,4 +1,4 @@
-"""Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2, Mixtral (MoE).
+"""Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, GPT-2, Mixtral (MoE).
 
 One frozen config with Hugging Face field names selects the family's pieces; one model covers
 them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
@@ -44,6 +44,7 @@ _CHOICES = {
     "mlp_type": ("gated", "plain"),
     "position_embedding": ("rope", "learned"),
     "norm_type": ("rmsnorm", "layernorm"),
+    "qk_norm": ("none", "head", "projection"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
     "dtype": DTYPES,
@@ -101,6 +102,7 @@ class TransformerConfig:
     mlp_type: str = "gated"
     position_embedding: str = "rope"
     norm_type: str = "rmsnorm"
+    qk_norm: str = "none"  # RMSNorm of q and k before rotary: per "head" (Qwen3) or whole "projection" (OLMo 2)
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     initializer_range: float = 0.02
@@ -203,6 +205,8 @@ class TransformerConfig:
         for i in range(self.num_hidden_layers):
             moe = self.is_moe_layer(i)
             total += self._layer_matmul_params(moe, active) + 2 * norm
+            if self.qk_norm != "none":
+                total += hd * (2 if self.qk_norm == "head" else self.num_attention_heads + self.kv_heads)
             if self.attention_bias:
                 total += hd * (self.num_attention_heads + 2 * self.kv_heads)
             if self.attention_out_bias:
@@ -314,6 +318,9 @@ _GPT2 = dict(vocab_size=50257, max_position_embeddings=1024, rms_norm_eps=1e-5, 
              bos_token_id=50256, eos_token_id=50256)
 _QWEN2 = dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1000000.0,
               bos_token_id=151643, eos_token_id=151643)
+# Qwen3 (Qwen/Qwen3-*/config.json): head_dim 128 whatever the width, qk-norm, no biases.
+_QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
+              rope_theta=1000000.0, qk_norm="head", bos_token_id=151643, eos_token_id=151645)
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None)
@@ -343,6 +350,10 @@ PRESETS = {
     "gpt2-medium": TransformerConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                                      num_attention_heads=16, **_GPT2),
     "mixtral-8x7b": TransformerConfig(intermediate_size=14336, **_MIXTRAL),
+    "qwen3-0.6b": TransformerConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                    num_attention_heads=16, tie_word_embeddings=True, **_QWEN3),
+    "qwen3-8b": TransformerConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                  num_attention_heads=32, **_QWEN3),
     # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
     "llama-tiny": TransformerConfig(**_TINY),
     "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
@@ -350,6 +361,7 @@ PRESETS = {
                                        "bos_token_id": None, "eos_token_id": None}),  # MQA
     "gpt2-tiny": TransformerConfig(**{**_GPT2, **_TINY, "intermediate_size": 256,
                                       "num_key_value_heads": None}),
+    "qwen3-tiny": TransformerConfig(**{**_QWEN3, **_TINY, "head_dim": 32, "tie_word_embeddings": True}),
     "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 256}),
 }

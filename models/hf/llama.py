@@ -63,9 +63,12 @@ def rotary_to_hf(c) -> dict:
     return out
 
 
-def rotary_obstacles(c, experts: bool = False) -> list[str]:
-    """Rotary positions, RMSNorm, gated MLPs, and experts only where the family has them."""
-    bad = mismatches(c, dict(position_embedding="rope", norm_type="rmsnorm", mlp_type="gated"))
+def rotary_obstacles(c, experts: bool = False, **features) -> list[str]:
+    """Rotary positions, RMSNorm, gated MLPs, and experts only where the family has them;
+    ``features`` the family's qk-norm (default: none)."""
+    need = dict(position_embedding="rope", norm_type="rmsnorm", mlp_type="gated",
+                qk_norm="none")
+    bad = mismatches(c, need | features)
     if bool(c.num_local_experts) != experts:
         bad.append(f"num_local_experts={c.num_local_experts}")
     return bad
@@ -84,11 +87,14 @@ def global_weights(c) -> list[Weight]:
 
 
 def attention_weights(c) -> list[Weight]:
-    """The two norms and the attention of a layer (biases as the config has them)."""
+    """The two norms and the attention of a layer (biases and qk-norm as the config has them)."""
     h = LAYER
     out = [Weight(("attn_norm", "scale"), h + "input_layernorm.weight"),
-           Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight"),
-           Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2)]
+           Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight")]
+    if c.qk_norm != "none":  # flat in HF; (heads, head_dim) here for a whole-projection norm
+        out += [Weight(("attn", f"{n}_norm", "scale"), h + f"self_attn.{n}_norm.weight", "vec")
+                for n in "qk"]
+    out.append(Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2))
     for n in "qkv":
         out.append(Weight(("attn", n, "kernel"), h + f"self_attn.{n}_proj.weight", "linear"))
         if c.attention_bias:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardzoo.models.hf import gpt2, llama, mixtral
+from shardzoo.models.hf import gpt2, llama, mixtral, qwen3
 from shardzoo.models.hf.base import Family, HFError, read_hf_config
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -13,6 +13,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.LLAMA,
     llama.MISTRAL,
     llama.QWEN2,
+    qwen3.QWEN3,
     mixtral.MIXTRAL,
     gpt2.GPT2,
 )

@@ -18,6 +18,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from shardzoo import cli
@@ -31,7 +32,7 @@ from shardzoo.models.hf import (
     family_of_config,
     load_hf_config,
 )
-from shardzoo.models.transformer import TransformerConfig
+from shardzoo.models.transformer import PRESETS, TransformerConfig
 from shardzoo.train.checkpoint import (
     CheckpointError,
     config_from_meta,
@@ -40,7 +41,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -50,6 +51,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                  attention_bias=True),
     "mistral": lambda: MistralConfig(**DIMS, sliding_window=4),
     "qwen2": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, use_sliding_window=True, sliding_window=4,
+                                 max_window_layers=0),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
@@ -153,3 +156,13 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
         config_from_meta({"family": "gemma", "config": old["config"]})
     with pytest.raises(CheckpointError, match="unknown field"):
         config_from_meta({"family": "llama", "config": {**old["config"], "rope_kind": 1}})
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
+    config = PRESETS[name]
+    hf_config = AutoConfig.for_model(**config_to_hf(config))
+    with torch.device("meta"):  # shapes only, no weights
+        model = AutoModelForCausalLM.from_config(hf_config)
+    assert type(model).__name__ == config_to_hf(config)["architectures"][0]
+    assert config.num_params() == sum(p.numel() for p in model.parameters())  # tied counted once

@@ -19,6 +19,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from shardzoo.models.decode import generate
@@ -37,6 +38,8 @@ CONFIGS = {
         "original_max_position_embeddings": 8}),
     "mistral_window": lambda: MistralConfig(**DIMS, sliding_window=4),
     "qwen2_tied": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
+    # qk-norm per head, head_dim 16 given explicitly (not hidden_size / heads = 8).
+    "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, tie_word_embeddings=False),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
@@ -91,7 +94,7 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     # The q kernel [layers, embed, heads, head_dim] went straight to its shards.
     q = params["layers"]["attn"]["q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)
+    assert q.addressable_shards[0].data.shape == (2, 16, 2, q.shape[-1])
     np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
 
 
@@ -108,7 +111,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path):
     np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("built", ["gpt2"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
+@pytest.mark.parametrize("built", ["gpt2", "qwen3"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
 def test_greedy_generate_matches_transformers(built):
     path, model, _ = built
     prompt = TOKENS[:1, :8]
