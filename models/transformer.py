@@ -1,4 +1,5 @@
-"""Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, GPT-2, Mixtral (MoE).
+"""Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2,
+GPT-2, Mixtral (MoE).
 
 One frozen config with Hugging Face field names selects the family's pieces; one model covers
 them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
@@ -44,6 +45,7 @@ _CHOICES = {
     "mlp_type": ("gated", "plain"),
     "position_embedding": ("rope", "learned"),
     "norm_type": ("rmsnorm", "layernorm"),
+    "norm_position": ("pre", "post"),
     "qk_norm": ("none", "head", "projection"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
@@ -102,6 +104,7 @@ class TransformerConfig:
     mlp_type: str = "gated"
     position_embedding: str = "rope"
     norm_type: str = "rmsnorm"
+    norm_position: str = "pre"  # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo 2)
     qk_norm: str = "none"  # RMSNorm of q and k before rotary: per "head" (Qwen3) or whole "projection" (OLMo 2)
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
@@ -231,7 +234,8 @@ class TransformerConfig:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Residual block: x + attn(norm(x)), then x + mlp(norm(x)); with ``norm_position="post"``
+    the norms move onto the outputs: x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2)."""
 
     config: TransformerConfig
     use_moe: bool = False
@@ -242,9 +246,12 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         cfg = self.config
-        h = make_norm(cfg, "attn_norm")(x)
-        x = constrain(x + Attention(cfg, name="attn")(h, positions, segment_ids, self.decode), BLE)
-        h = make_norm(cfg, "mlp_norm")(x)
+        pre = cfg.norm_position == "pre"
+        h = make_norm(cfg, "attn_norm")(x) if pre else x
+        h = Attention(cfg, name="attn")(h, positions, segment_ids, self.decode)
+        h = h if pre else make_norm(cfg, "post_attn_norm")(h)
+        x = constrain(x + h, BLE)
+        h = make_norm(cfg, "mlp_norm")(x) if pre else x
         if self.use_moe:
             from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
 
@@ -252,6 +259,7 @@ class Block(nn.Module):
             h = MoeMLP(config=cfg.moe_config(), name="moe")(h, self.deterministic, token_mask)
         else:
             h = MLP(cfg, name="mlp")(h)
+        h = h if pre else make_norm(cfg, "post_mlp_norm")(h)
         x = constrain(x + h, BLE)  # [batch, length, embed]
         return (x, None) if self.scanned else x
 
@@ -321,6 +329,9 @@ _QWEN2 = dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1000000.
 # Qwen3 (Qwen/Qwen3-*/config.json): head_dim 128 whatever the width, qk-norm, no biases.
 _QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_position_embeddings=40960,
               rope_theta=1000000.0, qk_norm="head", bos_token_id=151643, eos_token_id=151645)
+# OLMo 2 (allenai/OLMo-2-0425-1B/config.json): norms on the outputs, qk-norm over the projections.
+_OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_position="post", qk_norm="projection",
+              bos_token_id=None, eos_token_id=100257)
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None)
@@ -354,6 +365,8 @@ PRESETS = {
                                     num_attention_heads=16, tie_word_embeddings=True, **_QWEN3),
     "qwen3-8b": TransformerConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                   num_attention_heads=32, **_QWEN3),
+    "olmo-2-1b": TransformerConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=16, max_position_embeddings=4096, **_OLMO2),
     # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
     "llama-tiny": TransformerConfig(**_TINY),
     "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
@@ -361,6 +374,7 @@ PRESETS = {
                                        "bos_token_id": None, "eos_token_id": None}),  # MQA
     "gpt2-tiny": TransformerConfig(**{**_GPT2, **_TINY, "intermediate_size": 256,
                                       "num_key_value_heads": None}),
+    "olmo2-tiny": TransformerConfig(**{**_OLMO2, **_TINY}),
     "qwen3-tiny": TransformerConfig(**{**_QWEN3, **_TINY, "head_dim": 32, "tie_word_embeddings": True}),
     "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 256}),

@@ -65,9 +65,9 @@ def rotary_to_hf(c) -> dict:
 
 def rotary_obstacles(c, experts: bool = False, **features) -> list[str]:
     """Rotary positions, RMSNorm, gated MLPs, and experts only where the family has them;
-    ``features`` the family's qk-norm (default: none)."""
+    ``features`` the family's norm placement and qk-norm (default: pre-norms, no qk-norm)."""
     need = dict(position_embedding="rope", norm_type="rmsnorm", mlp_type="gated",
-                qk_norm="none")
+                norm_position="pre", qk_norm="none")
     bad = mismatches(c, need | features)
     if bool(c.num_local_experts) != experts:
         bad.append(f"num_local_experts={c.num_local_experts}")
@@ -87,10 +87,15 @@ def global_weights(c) -> list[Weight]:
 
 
 def attention_weights(c) -> list[Weight]:
-    """The two norms and the attention of a layer (biases and qk-norm as the config has them)."""
+    """The two norms and the attention of a layer (biases, norm placement and qk-norm as the
+    config has them: OLMo 2's post-norms, Qwen3's and OLMo 2's q_norm and k_norm)."""
     h = LAYER
-    out = [Weight(("attn_norm", "scale"), h + "input_layernorm.weight"),
-           Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight")]
+    if c.norm_position == "pre":
+        norms = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
+    else:
+        norms = (("post_attn_norm", "post_attention_layernorm"),
+                 ("post_mlp_norm", "post_feedforward_layernorm"))
+    out = [Weight((norm, "scale"), h + f"{name}.weight") for norm, name in norms]
     if c.qk_norm != "none":  # flat in HF; (heads, head_dim) here for a whole-projection norm
         out += [Weight(("attn", f"{n}_norm", "scale"), h + f"self_attn.{n}_norm.weight", "vec")
                 for n in "qk"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardzoo.models.hf import gpt2, llama, mixtral, qwen3
+from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, qwen3
 from shardzoo.models.hf.base import Family, HFError, read_hf_config
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -14,6 +14,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.MISTRAL,
     llama.QWEN2,
     qwen3.QWEN3,
+    olmo2.OLMO2,
     mixtral.MIXTRAL,
     gpt2.GPT2,
 )

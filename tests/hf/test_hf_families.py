@@ -17,6 +17,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -41,7 +42,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -53,6 +54,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "qwen2": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, use_sliding_window=True, sliding_window=4,
                                  max_window_layers=0),
+    "olmo2": lambda: Olmo2Config(**DIMS, attention_bias=True),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),

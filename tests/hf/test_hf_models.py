@@ -18,6 +18,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -40,6 +41,8 @@ CONFIGS = {
     "qwen2_tied": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
     # qk-norm per head, head_dim 16 given explicitly (not hidden_size / heads = 8).
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, tie_word_embeddings=False),
+    # post-norms only, qk-norm over the whole projections, GQA.
+    "olmo2": lambda: Olmo2Config(**DIMS),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
@@ -111,7 +114,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path):
     np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("built", ["gpt2", "qwen3"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
+@pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
 def test_greedy_generate_matches_transformers(built):
     path, model, _ = built
     prompt = TOKENS[:1, :8]

@@ -47,7 +47,7 @@ def _loss(module):
     return loss
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])  # + qk-norm
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "olmo2-tiny"])  # + qk-norms, post-norms
 def test_scanned_and_unrolled_layers_agree(name):
     scanned, config = get_model(name, **TINY)
     unrolled, _ = get_model(name, scan_layers=False, **TINY)
@@ -248,7 +248,7 @@ PUBLISHED = {
     "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248, "llama3.1-8b": 8_030_261_248,
     "llama3.2-1b": 1_235_814_400, "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768,
     "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "mixtral-8x7b": 46_702_792_704,
-    "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+    "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "olmo-2-1b": 1_484_916_736,
 }
 
 
