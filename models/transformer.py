@@ -1,5 +1,5 @@
 """Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2,
-GPT-2, Mixtral (MoE).
+Phi-3, GPT-2, Mixtral (MoE).
 
 One frozen config with Hugging Face field names selects the family's pieces; one model covers
 them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
@@ -332,6 +332,9 @@ _QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8, max_positi
 # OLMo 2 (allenai/OLMo-2-0425-1B/config.json): norms on the outputs, qk-norm over the projections.
 _OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_position="post", qk_norm="projection",
               bos_token_id=None, eos_token_id=100257)
+# Phi-3 mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): Mistral's model, fused tensors in HF.
+_PHI3 = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
+             rms_norm_eps=1e-5, sliding_window=2047, bos_token_id=1, eos_token_id=32000)
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None)
@@ -367,6 +370,7 @@ PRESETS = {
                                   num_attention_heads=32, **_QWEN3),
     "olmo-2-1b": TransformerConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                    num_attention_heads=16, max_position_embeddings=4096, **_OLMO2),
+    "phi-3-mini-4k": TransformerConfig(**_PHI3),
     # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
     "llama-tiny": TransformerConfig(**_TINY),
     "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
@@ -375,6 +379,7 @@ PRESETS = {
     "gpt2-tiny": TransformerConfig(**{**_GPT2, **_TINY, "intermediate_size": 256,
                                       "num_key_value_heads": None}),
     "olmo2-tiny": TransformerConfig(**{**_OLMO2, **_TINY}),
+    "phi3-tiny": TransformerConfig(**{**_PHI3, **_TINY, "sliding_window": 8}),
     "qwen3-tiny": TransformerConfig(**{**_QWEN3, **_TINY, "head_dim": 32, "tie_word_embeddings": True}),
     "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 256}),

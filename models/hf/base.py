@@ -24,7 +24,9 @@ class Weight:
 
     ``op``: "copy" (same shape), "vec" (a bias, flat in HF), "linear" (HF ``nn.Linear`` (out, in))
     or "conv1d" (GPT-2 ``Conv1D`` (in, out)); the leaf's first ``n_in`` dims are the inputs.
-    ``part`` (j, n): the leaf is the j-th of n equal column blocks (GPT-2's fused c_attn).
+    ``part`` (j, n): the leaf is the j-th of n column blocks of a fused tensor (GPT-2's c_attn,
+    Phi-3's qkv_proj and gate_up_proj); ``widths``: the n blocks' relative widths where they
+    differ (Phi-3's q|k|v under GQA: heads, kv_heads, kv_heads), else equal.
     ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis.
     Names hold ``{i}`` for the layer.
     """
@@ -34,6 +36,7 @@ class Weight:
     op: str = "copy"
     n_in: int = 1
     part: tuple[int, int] = (0, 1)
+    widths: tuple[int, ...] = ()
     experts: int = 0
 
 

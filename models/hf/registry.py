@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, qwen3
+from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, phi3, qwen3
 from shardzoo.models.hf.base import Family, HFError, read_hf_config
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -15,6 +15,7 @@ FAMILIES: tuple[Family, ...] = (
     llama.QWEN2,
     qwen3.QWEN3,
     olmo2.OLMO2,
+    phi3.PHI3,
     mixtral.MIXTRAL,
     gpt2.GPT2,
 )
@@ -39,11 +40,14 @@ def family_named(name: str) -> Family | None:
     return BY_NAME.get(name)
 
 
-def family_of_config(config) -> Family:
-    """The first family that expresses ``config`` exactly; an HFError naming what stops the
+def family_of_config(config, name: str | None = None) -> Family:
+    """The first family that expresses ``config`` exactly (or family ``name``, e.g. the one a
+    checkpoint recorded: Phi-3's config is also Llama's); an HFError naming what stops the
     closest ones if none does."""
     problems = {}
-    for family in FAMILIES:
+    for family in FAMILIES if name is None else [BY_NAME.get(name)]:
+        if family is None:
+            raise HFError(f"unknown Hugging Face family {name!r}; known: {', '.join(BY_NAME)}")
         if isinstance(config, family.config_class):
             problems[family.name] = family.obstacles(config)
             if not problems[family.name]:
@@ -51,8 +55,8 @@ def family_of_config(config) -> Family:
     if not problems:
         raise HFError(f"no Hugging Face family exports a {type(config).__name__}")
     fewest = min(len(p) for p in problems.values())
-    closest = "; ".join(f"{name} cannot express {', '.join(p)}"
-                        for name, p in problems.items() if len(p) == fewest)
+    closest = "; ".join(f"{n} cannot express {', '.join(p)}"
+                        for n, p in problems.items() if len(p) == fewest)
     raise HFError(f"no Hugging Face family expresses this config: {closest}")
 
 
@@ -61,9 +65,9 @@ def config_from_hf(hf: dict, where: str = "config.json") -> dict:
     return family_of_model_type(hf.get("model_type"), where).from_hf(hf, where)
 
 
-def config_to_hf(config, dtype: str | None = None) -> dict:
-    """An HF ``config.json`` dict for ``config``, in the first family that expresses it."""
-    family, c = family_of_config(config), config
+def config_to_hf(config, dtype: str | None = None, family: str | None = None) -> dict:
+    """An HF ``config.json`` dict for ``config``, in ``family`` or the first that expresses it."""
+    family, c = family_of_config(config, family), config
     eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
     shared = dict(architectures=[family.architecture], model_type=family.model_types[0],
                   vocab_size=c.vocab_size, bos_token_id=c.bos_token_id, eos_token_id=eos,

@@ -36,15 +36,27 @@ def _names(w: Weight, i: int | None) -> list[str]:
     return [name.replace("{e}", str(e)) for e in range(w.experts)] if w.experts else [name]
 
 
+def _widths(w: Weight) -> tuple[int, ...]:
+    return w.widths or (1,) * w.part[1]
+
+
+def _block(w: Weight, columns: int) -> slice:
+    """The columns of a fused tensor (``columns`` wide) that make leaf ``w``."""
+    widths, j = _widths(w), w.part[0]
+    unit = columns // sum(widths)
+    return slice(unit * sum(widths[:j]), unit * sum(widths[: j + 1]))
+
+
 def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
     """The HF tensor's shape for a per-layer leaf shape (per expert when stacked)."""
     shape = tuple(leaf_shape[1:] if w.experts else leaf_shape)
-    n = w.part[1]
+    widths = _widths(w)
     if w.op == "copy":
         return shape
     if w.op == "vec":
-        return (math.prod(shape) * n,)
-    fan_in, fan_out = math.prod(shape[: w.n_in]), math.prod(shape[w.n_in:]) * n
+        return (math.prod(shape) * sum(widths) // widths[w.part[0]],)
+    fan_in = math.prod(shape[: w.n_in])
+    fan_out = math.prod(shape[w.n_in:]) * sum(widths) // widths[w.part[0]]
     return (fan_out, fan_in) if w.op == "linear" else (fan_in, fan_out)
 
 
@@ -54,7 +66,7 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     for t in tensors:
         t = t.T if w.op == "linear" else t
         if w.part[1] > 1:
-            t = np.split(t, w.part[1], axis=-1)[w.part[0]]
+            t = t[..., _block(w, t.shape[-1])]
         out.append(t)
     arr = np.stack(out) if w.experts else out[0]
     return arr.reshape(leaf_shape)
@@ -214,16 +226,18 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30) -> dict:
+def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30,
+              family: str | None = None) -> dict:
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``) that
-    transformers' ``from_pretrained`` loads. Returns the HF config dict."""
+    transformers' ``from_pretrained`` loads, in ``family``'s layout (default: the first family
+    that expresses ``config``). Returns the HF config dict."""
     import jax.numpy as jnp
     from safetensors.numpy import save_file
 
-    hf_config = config_to_hf(config, dtype)
+    hf_config = config_to_hf(config, dtype, family)
     out_dtype = jnp.dtype(dtype or config.param_dtype)
     flat = traverse_util.flatten_dict(params)
-    glob, groups = _layer_weights(config, family_of_config(config))
+    glob, groups = _layer_weights(config, family_of_config(config, family))
     write = jax.process_index() == 0
     if write:
         os.makedirs(out_dir, exist_ok=True)

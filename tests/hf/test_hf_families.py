@@ -18,6 +18,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -28,6 +29,7 @@ from shardzoo.models.hf import (
     FAMILIES,
     SUPPORTED,
     Family,
+    HFError,
     config_from_hf,
     config_to_hf,
     family_of_config,
@@ -42,7 +44,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -55,6 +57,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, use_sliding_window=True, sliding_window=4,
                                  max_window_layers=0),
     "olmo2": lambda: Olmo2Config(**DIMS, attention_bias=True),
+    "phi3": lambda: Phi3Config(**DIMS, sliding_window=4, pad_token_id=2, bos_token_id=1,
+                               eos_token_id=2),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
@@ -90,8 +94,10 @@ def test_each_model_type_is_read_by_exactly_one_family_module():
 def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     hf_dir = save_tiny(TINY[model_type](), tmp_path / "hf")
     config = load_hf_config(hf_dir)
-    assert family_of_config(config).name == model_type  # exports as the family it came from
-    written = json.loads(json.dumps(config_to_hf(config)))
+    # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
+    # Mistral unless the family is named (as a checkpoint records it).
+    assert family_of_config(config).name == {"phi3": "mistral"}.get(model_type, model_type)
+    written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     fields = config_from_hf(written) | dict(scan_layers=config.scan_layers)
     assert TransformerConfig(**fields) == config
@@ -163,8 +169,23 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
     config = PRESETS[name]
-    hf_config = AutoConfig.for_model(**config_to_hf(config))
+    family = "phi3" if name.startswith("phi") else None  # else Mistral's, whose config it is
+    hf_config = AutoConfig.for_model(**config_to_hf(config, family=family))
     with torch.device("meta"):  # shapes only, no weights
         model = AutoModelForCausalLM.from_config(hf_config)
-    assert type(model).__name__ == config_to_hf(config)["architectures"][0]
+    assert type(model).__name__ == config_to_hf(config, family=family)["architectures"][0]
     assert config.num_params() == sum(p.numel() for p in model.parameters())  # tied counted once
+
+
+def test_phi3_longrope_is_one_line_naming_it_unsupported(tmp_path):
+    hf_dir = save_tiny(Phi3Config(**DIMS, pad_token_id=0), tmp_path / "phi3")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    hf.pop("rope_parameters", None)
+    hf.update(rope_theta=10000.0, rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                                "long_factor": [2.0] * 4})  # the 128k models'
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(HFError, match="rope_scaling type 'longrope' is not supported") as e:
+        load_hf_config(hf_dir)
+    assert "\n" not in str(e.value)

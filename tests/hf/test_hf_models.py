@@ -19,6 +19,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -43,6 +44,8 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, tie_word_embeddings=False),
     # post-norms only, qk-norm over the whole projections, GQA.
     "olmo2": lambda: Olmo2Config(**DIMS),
+    # fused qkv_proj (unequal q | k | v blocks: GQA) and gate_up_proj; a window shorter than the text.
+    "phi3": lambda: Phi3Config(**DIMS, sliding_window=8, pad_token_id=2, bos_token_id=1, eos_token_id=2),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
@@ -104,7 +107,9 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
 def test_export_round_trip_loads_the_same_model(built, tmp_path):
     path, model, ref = built
     _, config, params = load_hf(path, scan_layers=False)  # the unrolled tree exports too
-    export_hf(config, params, str(tmp_path), max_shard_bytes=30_000)  # several shards + index
+    # Phi-3's config is also Mistral's: the family a checkpoint records picks the fused layout.
+    family = "phi3" if model.config.model_type == "phi3" else None
+    export_hf(config, params, str(tmp_path), max_shard_bytes=30_000, family=family)  # several shards
     back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(back) is type(model)
     want, got = model.state_dict(), back.state_dict()
@@ -114,7 +119,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path):
     np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
+@pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2", "phi3"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
 def test_greedy_generate_matches_transformers(built):
     path, model, _ = built
     prompt = TOKENS[:1, :8]
