@@ -163,7 +163,9 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files."""
     mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
     _, config, params, tokenizer_spec = load_model_and_params(checkpoint_dir, mesh, rules or "fsdp")
-    hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    family = read_meta(*resolve_checkpoint(checkpoint_dir)).get("family")  # e.g. phi3: fused tensors
+    hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                             family=family)
     if tokenizer_spec and jax.process_index() == 0:
         src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
         if os.path.isdir(src):

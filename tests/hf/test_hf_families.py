@@ -189,3 +189,21 @@ def test_phi3_longrope_is_one_line_naming_it_unsupported(tmp_path):
     with pytest.raises(HFError, match="rope_scaling type 'longrope' is not supported") as e:
         load_hf_config(hf_dir)
     assert "\n" not in str(e.value)
+
+
+def test_phi3_import_then_export_hf_writes_phi3_again(tmp_path):
+    """The checkpoint's recorded family decides the export: Phi-3's fused tensors come back."""
+    hf_dir = save_tiny(TINY["phi3"](), tmp_path / "phi3")
+    imported, exported = str(tmp_path / "imported"), str(tmp_path / "exported")
+    assert cli.main(["import-hf", hf_dir, imported]) == 0
+    assert read_meta(*resolve_checkpoint(imported))["family"] == "phi3"
+    assert cli.main(["export-hf", imported, exported]) == 0
+    with open(os.path.join(exported, "config.json")) as f:
+        assert json.load(f)["model_type"] == "phi3"
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(exported, "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any("q_proj" in n for n in names)
