@@ -6,9 +6,10 @@ A ``UserError`` (bad flag, file, rule, mesh, model or data) prints one line and 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from shardzoo.errors import UserError
+from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.train.config import OPTIMIZERS
 
 
@@ -170,18 +171,27 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_step_arg(p)
     _add_sharding_args(p, "float32 for --hf, the checkpoint's for --checkpoint")
+
+
+def _add_step_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="the checkpoint of step N (default: the newest one that can be restored)")
 
 
 def cmd_generate(args) -> int:
     """Print the prompt and its continuation."""
     from shardzoo.train import hf_io
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise UserError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0 and "
+    if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
+            or not 0 < args.top_p <= 1 or not math.isfinite(args.temperature)):
+        raise UserError("need --max-new-tokens >= 1, a finite --temperature >= 0, --top-k >= 0 and "
                         "0 < --top-p <= 1")
+    if args.step is not None and args.checkpoint is None:
+        raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
     mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
-    loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype)
+    loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype, step=args.step)
     print(hf_io.generate_text(*loaded, args.prompt, mesh, rules, args.max_new_tokens,
                               args.temperature, args.top_k, args.top_p, args.seed))
     return 0
@@ -214,6 +224,9 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT_DIR", help="the Hugging Face model dir to write")
     p.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB",
                    help="safetensors shard size in GiB (default: 5)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into OUT_DIR even when it is not empty (its files of the same name are replaced)")
+    _add_step_arg(p)
     _add_sharding_args(p, "the checkpoint's param_dtype")
 
 
@@ -222,8 +235,10 @@ def cmd_export_hf(args) -> int:
     from shardzoo.train import hf_io
 
     mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    if not (math.isfinite(args.max_shard_size) and args.max_shard_size > 0):
+        raise UserError(f"--max-shard-size must be a positive number of GiB, got {args.max_shard_size}")
     hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
-                                int(args.max_shard_size * 2**30))
+                                int(args.max_shard_size * 2**30), overwrite=args.overwrite, step=args.step)
     print(f"exported {hf_config['architectures'][0]} to {args.out}")
     return 0
 
@@ -262,5 +277,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"shardzoo {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except EnvironmentFault as e:
+        print(f"shardzoo {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
+        print(f"shardzoo {args.command}: interrupted (Ctrl-C); nothing more was saved", file=sys.stderr)
         return 130

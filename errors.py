@@ -7,3 +7,10 @@ status 2; anything else is a bug and keeps its traceback.
 
 class UserError(ValueError):
     """Bad input from the user; the message names what the user controls."""
+
+
+class EnvironmentFault(RuntimeError):
+    """The machine failed the command (a full disk, a lost file system), not the user's input.
+
+    The command line prints its one-line message and exits with status 1.
+    """

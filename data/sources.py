@@ -14,8 +14,14 @@ Spec syntax, tried in this order:
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import glob
+import io
+import json
 import os
+import threading
+from urllib.parse import urlparse
 
 import datasets
 
@@ -94,24 +100,139 @@ def _load_local(spec: str, files: list[str], cache_dir: str | None) -> datasets.
         raise DataError(f"data {spec!r}: empty dataset (every file is empty: {', '.join(files)})")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(
-            builder, data_files=files, split="train", cache_dir=cache_dir, **options
-        )
+        with _quiet_datasets():
+            return datasets.load_dataset(
+                builder, data_files=files, split="train", cache_dir=cache_dir, **options
+            )
     except Exception as e:  # noqa: BLE001 - a parse error is the user's file
+        where = diagnose(builder, files)
+        if where:
+            raise DataError(f"data {spec!r}: {where}") from None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(
             f"data {spec!r}: cannot read {builder} file(s) {', '.join(files)}: {reason}"
         ) from None
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No log lines from ``datasets`` while loading: its errors come back in one DataError."""
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def diagnose(builder: str, files: list[str]) -> str | None:
+    """The first file and place that ``datasets`` cannot read: unreadable, not UTF-8 (byte
+    offset and line), a malformed JSON line or a CSV row of the wrong width (line)."""
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            return f"cannot read {path}: {e.strerror}"
+        if builder == "parquet":
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            return (f"{path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset {e.start} "
+                    f"(line {line}); convert the file to UTF-8")
+        problem = _json_problem(text) if builder == "json" else _csv_problem(text) if builder == "csv" else None
+        if problem:
+            return f"{path}, {problem}"
+    return None
+
+
+def _json_problem(text: str) -> str | None:
+    try:
+        json.loads(text)  # one JSON document (an array of rows, or an object)
+        return None
+    except ValueError:
+        pass
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {n}: a JSON {type(row).__name__}, not an object of columns"
+    return None
+
+
+def _csv_problem(text: str) -> str | None:
+    reader = csv.reader(io.StringIO(text))
+    try:
+        header = next(reader, None)
+        for row in reader:
+            if row and header is not None and len(row) != len(header):
+                return (f"line {reader.line_num}: {len(row)} fields where the header has "
+                        f"{len(header)}")
+    except csv.Error as e:
+        return f"line {reader.line_num}: not valid CSV ({e})"
+    return None
+
+
+HUB_PROBE_S = 3.0  # how long a Hub spec waits to learn whether the Hub can be reached
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_S) -> bool:
+    """Whether the Hub endpoint accepts a TCP connection within ``timeout`` seconds (name lookup
+    included, which has no timeout of its own: it runs in a thread we stop waiting for)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+@contextlib.contextmanager
+def _offline():
+    """The Hub libraries in offline mode: a cached dataset loads, anything else fails at once."""
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
 def _load_hub(spec: str, cache_dir: str | None) -> datasets.Dataset:
     name, config, split = parse_hub_spec(spec)
-    try:
-        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    unreachable = not datasets.config.HF_HUB_OFFLINE and not _hub_reachable()
+    try:  # without a network, only the cache is tried: no retries for half a minute
+        with _offline() if unreachable else contextlib.nullcontext(), _quiet_datasets():
+            ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - the name, the network or the cache: all the user's
         flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
         offline = next((v for v in flags if os.environ.get(v, "0") not in ("", "0")), None)
         hint = f" (offline: {offline}={os.environ[offline]})" if offline else ""
+        if unreachable:
+            from huggingface_hub import constants
+
+            hint = f" (the Hub at {constants.ENDPOINT} cannot be reached and it is not in the cache)"
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(
             f"data {spec!r} is not a local file, directory or glob, and Hub dataset {name!r} "

@@ -16,26 +16,88 @@ written under one mesh and rule table loads onto any other.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
+import re
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
 
-from shardzoo.errors import UserError
+from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import apply_overrides, get_config
 from shardzoo.sharding.mesh import make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.program import Program
 
 CHECKPOINTS = "checkpoints"
+DAMAGED = "damaged-checkpoints"  # where a step that cannot be restored is moved, never deleted
 FORMAT = 1
-
+# Files every finished step holds (a step without one of them cannot be restored).
+STEP_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "data/metadata", "meta/metadata")
+# Marks of a failed read (a truncated or missing file) in orbax's and tensorstore's errors.
+_READ_ERRORS = ("OUT_OF_RANGE", "DATA_LOSS", "NOT_FOUND", "Error reading", "No such file",
+                "FileNotFoundError", "Unexpected end", "checksum")
 
 
 class CheckpointError(UserError):
     """A checkpoint or run directory the user named is missing, unreadable or does not match."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """Step ``step`` under ``root`` cannot be restored: a file of it is missing or truncated."""
+
+    def __init__(self, root: str, step: int, problem: str):
+        self.root, self.step, self.problem = root, step, problem
+        super().__init__(f"{root}/{step} cannot be restored: {problem}")
+
+
+def warn(text: str) -> None:
+    """One warning line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        print(f"shardzoo: warning: {text}", file=sys.stderr, flush=True)
+
+
+def _error_text(e: BaseException) -> str:
+    """The messages of ``e`` and of every exception it was raised from."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return "\n".join(parts)
+
+
+def _first_line_with(text: str, marks) -> str | None:
+    for line in text.splitlines():
+        if any(m in line for m in marks):
+            line = line.strip()
+            return line if len(line) <= 300 else line[:297] + "..."
+    return None
+
+
+def damage(root: str, step: int) -> str | None:
+    """What is structurally wrong with step ``step`` under ``root`` (None: nothing seen)."""
+    where = os.path.join(root, str(step))
+    for name in STEP_FILES:
+        path = os.path.join(where, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) == 0:
+            return f"{name} is empty"
+    return None
+
+
+def _restore_failure(root: str, step: int, e: Exception, mismatch: str) -> CheckpointError:
+    """A DamagedCheckpoint for a failed read, else a CheckpointError saying ``mismatch``."""
+    text = _error_text(e)
+    read = _first_line_with(text, _READ_ERRORS)
+    if read is not None:
+        return DamagedCheckpoint(root, step, read)
+    return CheckpointError(f"{root}/{step}: {mismatch}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
 def jsonable(value):
@@ -128,45 +190,113 @@ def _manager(root: str, read_only: bool, keep: int | None = None) -> ocp.Checkpo
         absl.setLevel(level)
 
 
-def resolve_checkpoint(path: str) -> tuple[str, int]:
-    """``(checkpoints_root, step)`` for a run dir, its checkpoints dir or one ``<step>`` dir."""
+def checkpoint_steps(path: str, step: int | None = None) -> tuple[str, list[int]]:
+    """``(checkpoints_root, steps newest first)`` for a run dir, its checkpoints dir or one
+    ``<step>`` dir (that step only); ``step`` picks one step of a run."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory")
     base = os.path.basename(path.rstrip("/"))
     if base.isdigit() and os.path.isdir(os.path.join(path, "state")):
-        return os.path.dirname(path), int(base)
+        if step is not None and step != int(base):
+            raise CheckpointError(f"{path} is the checkpoint of step {base}, not --step {step}")
+        return os.path.dirname(path), [int(base)]
     root = os.path.join(path, CHECKPOINTS) if os.path.isdir(os.path.join(path, CHECKPOINTS)) else path
-    step = latest_step(root)
-    if step is None:
+    steps = all_steps(root)
+    if not steps:
         raise CheckpointError(f"{path}: no finished checkpoint (expected a shardzoo run or checkpoint dir)")
-    return root, step
+    if step is not None:
+        if step not in steps:
+            raise CheckpointError(f"{path} has no checkpoint of --step {step} (it has steps "
+                                  f"{', '.join(map(str, sorted(steps)))})")
+        return root, [step]
+    return root, steps
+
+
+def resolve_checkpoint(path: str) -> tuple[str, int]:
+    """``(checkpoints_root, step)`` for a run dir, its checkpoints dir or one ``<step>`` dir."""
+    root, steps = checkpoint_steps(path)
+    return root, steps[0]
+
+
+def all_steps(root: str) -> list[int]:
+    """The finished checkpoint steps under ``root``, newest first; creates nothing."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(_manager(root, read_only=True).all_steps(), reverse=True)
 
 
 def latest_step(root: str) -> int | None:
     """The newest finished checkpoint step under ``root`` (None if none); creates nothing."""
-    if not os.path.isdir(root):
-        return None
-    return _manager(root, read_only=True).latest_step()
+    steps = all_steps(root)
+    return steps[0] if steps else None
 
 
 def read_meta(root: str, step: int) -> dict:
+    problem = damage(root, step)
+    if problem:
+        raise DamagedCheckpoint(root, step, problem)
     try:
         restored = _manager(root, read_only=True).restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001 - any failure here is an unreadable checkpoint
-        raise CheckpointError(f"{root}/{step}: cannot read the checkpoint's meta: {e}".splitlines()[0]) from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DamagedCheckpoint(root, step, f"its meta cannot be read: {reason}") from None
     return restored.meta
 
 
+def newest_restorable(root: str, steps: list[int], load):
+    """``load(step)`` for the newest of ``steps`` whose checkpoint is not damaged, saying in one
+    line for each newer step why it was passed over; raises a CheckpointError when none loads."""
+    damaged = []
+    for step in steps:
+        try:
+            result = load(step)
+        except DamagedCheckpoint as e:
+            damaged.append(e)
+            continue
+        for e in damaged:
+            warn(f"checkpoint step {e.step} in {root} cannot be restored ({e.problem}); using step {step}")
+        return step, result
+    raise no_restorable(root, damaged)
+
+
+def no_restorable(root: str, damaged) -> CheckpointError:
+    problems = "; ".join(f"step {e.step}: {e.problem}" for e in damaged)
+    return CheckpointError(f"{root}: no checkpoint can be restored ({problems}); "
+                           f"start a new --out or restore the files")
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops orbax's own error logs: a failed save is reported once, in one line, by Checkpointer."""
+
+    def filter(self, record):
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
 class Checkpointer:
-    """Writes and restores one run's checkpoints (async; keeps the newest ``keep``)."""
+    """Writes and restores one run's checkpoints (async; keeps the newest ``keep``).
+
+    A failed save raises ``EnvironmentFault`` (a full disk: exit 1) or ``CheckpointError`` (a
+    read-only or forbidden directory: exit 2) with one line, at the latest by the next ``save``,
+    ``check`` or ``close``; the checkpoints already written stay as they are.
+    """
 
     def __init__(self, out_dir: str, keep: int):
+        self.out_dir = out_dir
         self.root = os.path.join(out_dir, CHECKPOINTS)
-        self.manager = _manager(self.root, read_only=False, keep=keep)
+        self.failed = False
+        self._filter = _OrbaxErrors()
+        logging.getLogger("absl").addFilter(self._filter)
+        try:
+            self.manager = _manager(self.root, read_only=False, keep=keep)
+        except OSError as e:
+            raise self._save_failed(None, e) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps(), reverse=True)
 
     def save(self, step: int, state, data: dict, meta: dict) -> None:
         """Start an async save of ``state`` (arrays), ``data`` and ``meta`` (JSON) at ``step``."""
@@ -175,38 +305,126 @@ class Checkpointer:
             data=ocp.args.JsonSave(jsonable(data)),
             meta=ocp.args.JsonSave(jsonable({**meta, "step": step, "format": FORMAT})),
         )
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 - this or an earlier async save failed
+            raise self._save_failed(step, e) from None
+
+    def check(self) -> None:
+        """Raise now if an async save has failed in the background."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(None, e) from None
+
+    def _save_failed(self, step, e: Exception):
+        self.failed = True
+        text = _error_text(e)
+        match = re.search(r"os_error_code='?(\d+)", text)
+        code = int(match.group(1)) if match else getattr(e, "errno", None)
+        reason = os.strerror(code) if code else (str(e).splitlines()[0] if str(e) else type(e).__name__)
+        what = f"saving checkpoint step {step}" if step is not None else "saving a checkpoint"
+        kept = self._kept()
+        if code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR):
+            return CheckpointError(f"{what} to {self.root} failed: {reason}; make it writable or "
+                                   f"choose another --out ({kept})")
+        return EnvironmentFault(f"{what} to {self.root} failed: {reason}; {kept}; fix that and run "
+                                f"the same command to resume")
+
+    def _kept(self) -> str:
+        try:
+            steps = sorted(int(n) for n in os.listdir(self.root) if n.isdigit())
+        except OSError:
+            steps = []
+        if not steps:
+            return "no checkpoint was written before"
+        return f"the checkpoints written before (steps {', '.join(map(str, steps))}) are intact"
 
     def restore(self, step: int, target) -> tuple:
         """``(state, data)``; ``target`` is a tree of ShapeDtypeStructs with the new shardings."""
+        problem = damage(self.root, step)
+        if problem:
+            raise DamagedCheckpoint(self.root, step, problem)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
-        except ValueError as e:
-            raise CheckpointError(
-                f"{self.root}/{step}: the saved train state does not match this run's "
-                f"(model or optimizer changed?): {str(e).splitlines()[0]}"
-            ) from None
+        except Exception as e:  # noqa: BLE001 - damaged files, or another model's state
+            raise _restore_failure(self.root, step, e, "the saved train state does not match this "
+                                   "run's (model or optimizer changed?)") from None
         return restored.state, restored.data
+
+    def restore_newest(self, start) -> int | None:
+        """``start(step)`` for the newest restorable step (``start(None)`` when there is none yet).
+
+        Newer steps that cannot be restored are moved to ``OUT/damaged-checkpoints`` (never
+        deleted), each with one line; when no step restores, nothing is moved and a
+        CheckpointError names the directory.
+        """
+        steps = self.steps()
+        if not steps:
+            start(None)
+            return None
+        damaged = []
+        for step in steps:
+            try:
+                start(step)
+            except DamagedCheckpoint as e:
+                damaged.append(e)
+                continue
+            for e in damaged:
+                self.set_aside(e, step)
+            return step
+        raise no_restorable(self.root, damaged)
+
+    def set_aside(self, e: DamagedCheckpoint, using: int) -> str:
+        """Move the damaged step out of the checkpoints dir, saying so in one line."""
+        parent = os.path.join(self.out_dir, DAMAGED)
+        dest, k = os.path.join(parent, str(e.step)), 1
+        while os.path.lexists(dest):
+            dest, k = os.path.join(parent, f"{e.step}-{k}"), k + 1
+        if jax.process_index() == 0:
+            os.makedirs(parent, exist_ok=True)
+            shutil.move(os.path.join(self.root, str(e.step)), dest)
+        warn(f"checkpoint step {e.step} cannot be restored ({e.problem}); moved it to {dest} and "
+             f"resuming from step {using}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("shardzoo set_aside")
+        self.manager.reload()
+        return dest
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save and close; after a failed save, close without waiting."""
+        try:
+            if not self.failed:
+                try:
+                    self.manager.wait_until_finished()
+                except Exception as e:  # noqa: BLE001
+                    raise self._save_failed(None, e) from None
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - the failure is already being reported
+                if not self.failed:
+                    raise
+            logging.getLogger("absl").removeFilter(self._filter)
 
 
 def restore_params(root: str, step: int, target):
     """Only the params of a checkpoint, onto ``target`` (ShapeDtypeStructs with shardings)."""
     restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
     args = ocp.args.PyTreeRestore({"params": target}, restore_args={"params": restore_args}, partial_restore=True)
+    problem = damage(root, step)
+    if problem:
+        raise DamagedCheckpoint(root, step, problem)
     try:
         restored = _manager(root, read_only=True).restore(step, args=ocp.args.Composite(state=args))
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(
-            f"{root}/{step}: its params do not match the model: {str(e).splitlines()[0]}"
-        ) from None
+    except Exception as e:  # noqa: BLE001 - damaged files, or another model's params
+        raise _restore_failure(root, step, e, "its params do not match the model") from None
     return restored.state["params"]
 
 
@@ -229,10 +447,10 @@ def init_params_from(path: str, target, config, mesh, rules):
     if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
         return hf.load_hf_params(path, target, config)
     try:
-        root, step = resolve_checkpoint(path)
+        root, steps = checkpoint_steps(path)
+        return newest_restorable(root, steps, lambda step: restore_params(root, step, target))[1]
     except CheckpointError as e:
         raise CheckpointError(f"--init-from {e}") from None
-    return restore_params(root, step, target)
 
 
 def _check_shapes(params, target, where: str) -> None:
@@ -243,19 +461,25 @@ def _check_shapes(params, target, where: str) -> None:
             raise CheckpointError(f"{where}: param {key} has shape {got.get(key)}, the model wants {want.get(key)}")
 
 
-def load_model_and_params(run_dir_or_checkpoint_dir: str, mesh=None, rules=None):
-    """``(module, config, params, tokenizer_spec)`` of a run's latest (or the named) checkpoint.
+def load_model_and_params(run_dir_or_checkpoint_dir: str, mesh=None, rules=None, step: int | None = None):
+    """``(module, config, params, tokenizer_spec)`` of a run's newest restorable checkpoint (a
+    newer damaged one is passed over with a warning line and left in place), or of ``step``.
 
     Without ``mesh``/``rules`` the params land whole on the first device. ``tokenizer_spec`` is
     ``OUT/tokenizer`` when the run saved its tokenizer, else the spec it was trained with.
     """
-    root, step = resolve_checkpoint(run_dir_or_checkpoint_dir)
-    meta = read_meta(root, step)
-    config = config_from_meta(meta, os.path.join(root, str(step)))
-    module = config.build()
+    root, steps = checkpoint_steps(run_dir_or_checkpoint_dir, step)
     mesh = mesh if mesh is not None else make_mesh("", devices=jax.devices()[:1])
     rules = get_rules(rules if rules is not None else "dp")
-    params = restore_params(root, step, Program(config, rules, mesh, module=module).params_target())
+
+    def load(step):
+        meta = read_meta(root, step)
+        config = config_from_meta(meta, os.path.join(root, str(step)))
+        module = config.build()
+        target = Program(config, rules, mesh, module=module).params_target()
+        return meta, config, module, restore_params(root, step, target)
+
+    _, (meta, config, module, params) = newest_restorable(root, steps, load)
     run_dir = os.path.dirname(root)
     saved = os.path.join(run_dir, "tokenizer")
     tokenizer_spec = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")

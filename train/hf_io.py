@@ -8,6 +8,7 @@ under ``state``, ``OUT/tokenizer/``, ``OUT/run.json``), so ``train --init-from``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,8 @@ from shardzoo.train.checkpoint import (
     CHECKPOINTS,
     Checkpointer,
     CheckpointError,
+    DamagedCheckpoint,
+    checkpoint_steps,
     config_from_meta,
     latest_step,
     load_model_and_params,
@@ -35,6 +38,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 from shardzoo.train.program import Program
+from shardzoo.train.rundir import DirLock, check_empty_target
 
 # Files of an HF tokenizer, carried between HF dirs and runs' tokenizer/ dirs.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -136,6 +140,18 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     out_dir = os.path.abspath(out_dir)
     if latest_step(os.path.join(out_dir, CHECKPOINTS)) is not None:
         raise UserError(f"{out_dir} already holds checkpoints: import into a new directory")
+    check_empty_target(out_dir, "OUT_DIR")
+    with _locked(out_dir, "OUT_DIR"):
+        check_empty_target(out_dir, "OUT_DIR")  # again, now that no one else can write there
+        return _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type)
+
+
+def _locked(path: str, what: str):
+    """The directory lock, held by process 0 only."""
+    return DirLock(path, what) if jax.process_index() == 0 else contextlib.nullcontext()
+
+
+def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type) -> dict:
     _, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype, scan_layers=scan_layers)
     tokenizer_dir = os.path.join(out_dir, "tokenizer")
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
@@ -159,22 +175,43 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
 
 
 def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
-              max_shard_bytes: int = 5 * 2**30) -> dict:
-    """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files."""
+              max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, step: int | None = None) -> dict:
+    """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files.
+
+    ``out_dir`` must be missing or empty unless ``overwrite``; it is locked while written. The
+    newest restorable checkpoint is exported, or that of ``step``."""
     mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
-    _, config, params, tokenizer_spec = load_model_and_params(checkpoint_dir, mesh, rules or "fsdp")
-    family = read_meta(*resolve_checkpoint(checkpoint_dir)).get("family")  # e.g. phi3: fused tensors
-    hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                             family=family)
-    if tokenizer_spec and jax.process_index() == 0:
-        src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
-        if os.path.isdir(src):
-            copy_tokenizer_files(src, out_dir)
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    check_empty_target(out_dir, "OUT_DIR", overwrite)
+    _, config, params, tokenizer_spec = load_model_and_params(checkpoint_dir, mesh, rules or "fsdp", step=step)
+    family = _recorded_family(checkpoint_dir, step)  # e.g. phi3: fused tensors
+    with _locked(out_dir, "OUT_DIR"):
+        check_empty_target(out_dir, "OUT_DIR", overwrite)
+        try:
+            hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                     family=family)
+            if tokenizer_spec and jax.process_index() == 0:
+                src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
+                if os.path.isdir(src):
+                    copy_tokenizer_files(src, out_dir)
+        except OSError as e:
+            raise UserError(f"OUT_DIR {out_dir}: cannot write {e.filename or ''}: {e.strerror}") from None
     return hf_config
 
 
+def _recorded_family(path: str, step: int | None):
+    """The model family the newest readable checkpoint of ``path`` (or ``step``) records."""
+    root, steps = checkpoint_steps(path, step)
+    for candidate in steps:
+        try:
+            return read_meta(root, candidate).get("family")
+        except DamagedCheckpoint:
+            continue
+    return None
+
+
 def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, mesh=None,
-                      rules=None, dtype=None):
+                      rules=None, dtype=None, step: int | None = None):
     """``(module, config, params, tokenizer)`` from a shardzoo run/checkpoint or an HF model dir."""
     from shardzoo.data.tokenizer import load_tokenizer
 
@@ -184,7 +221,7 @@ def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, 
         tokenizer = load_tokenizer(hf_dir)  # first: a missing tokenizer.json fails fast
         module, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype)
         return module, config, params, tokenizer
-    module, config, params, spec = load_model_and_params(checkpoint, mesh, rules)
+    module, config, params, spec = load_model_and_params(checkpoint, mesh, rules, step=step)
     if dtype is not None and dtype != config.param_dtype:
         config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
         module, params = config.build(), jax.tree.map(lambda x: x.astype(dtype), params)
@@ -209,9 +246,10 @@ def generate_text(module, config, params, tokenizer, prompt: str, mesh, rules,
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")
     positions = config.max_position_embeddings
-    if config.position_embedding == "learned" and len(ids) + max_new_tokens > positions:
+    if len(ids) + max_new_tokens > positions:  # past them, rotary models too only produce noise
         raise UserError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
-                        f"model's {positions} positions")
+                        f"model's {positions} positions: use --max-new-tokens {max(positions - len(ids), 0)} "
+                        f"or less")
     eos = config.eos_token_id
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     with activate(mesh, rules):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 import jax
+import numpy as np
 
 from shardzoo.errors import UserError
 from shardzoo.models import get_model, parse_overrides
@@ -20,17 +22,22 @@ from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
+    CheckpointError,
+    DamagedCheckpoint,
+    all_steps,
     check_same_model,
+    checkpoint_steps,
     config_to_dict,
     hf_module,
     init_params_from,
-    latest_step,
     model_meta,
+    no_restorable,
     read_meta,
-    resolve_checkpoint,
+    verify,
 )
 from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
 from shardzoo.train.program import run_program
+from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 
 STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
@@ -74,6 +81,7 @@ class Prepared:
     eval_data: object
     resume_step: int | None
     program: object  # the run's train.program.Program: validated, planned, not yet compiled
+    notes: tuple[str, ...] = ()  # lines to print before training (e.g. a resume onto another mesh)
 
 
 def prepare(cfg: TrainConfig, config=None) -> Prepared:
@@ -90,6 +98,10 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     out = os.path.abspath(os.path.expanduser(cfg.out))
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out}: exists and is not a directory")
+    checkpoints = os.path.join(out, CHECKPOINTS)
+    if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+        raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
+    check_run_dir(out)
     if config is None:
         module, config = get_model(cfg.model, **parse_overrides(cfg.override))
     else:
@@ -109,14 +121,13 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     mesh = make_mesh(cfg.mesh or default_mesh(rules))
     program = _program(cfg, config, module, rules, opt_rules, mesh)
 
-    resume_step = latest_step(os.path.join(out, CHECKPOINTS))
-    if resume_step is not None:
-        where = os.path.join(out, CHECKPOINTS, str(resume_step))
-        check_same_model(read_meta(os.path.join(out, CHECKPOINTS), resume_step), cfg.model,
-                         config_to_dict(config), cfg.optimizer, where)
-    elif cfg.init_from:
+    tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
+                          f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
+    resume_step, notes = _check_resume(cfg, out, config, tokenizer, mesh, rules)
+    if resume_step is None and cfg.init_from:
         _check_init_from(cfg.init_from)
-
     eval_fraction = cfg.eval_fraction
     if eval_fraction is None:
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
@@ -124,19 +135,82 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
     data_config = DataConfig(**{**data, "eval_fraction": eval_fraction})
     if labelled:
-        tokenizer = None
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
         _check_labelled(cfg, config, train_data)
     else:
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
-                              f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
-                    resume_step, program)
+                    resume_step, program, notes)
+
+
+def _check_resume(cfg, out, config, tokenizer, mesh, rules) -> tuple[int | None, tuple[str, ...]]:
+    """The step a run in ``out`` resumes from (None: a fresh run), checked against this run's
+    model, overrides, optimizer, tokenizer, sequence length and batch size; reads only.
+
+    Steps whose meta cannot be read are passed over here (the Trainer moves them aside), and so
+    is a final step whose arrays do not read back (before "nothing to do"); a run whose every step
+    is damaged is refused. A changed mesh or rule table is allowed (the restore reshards) and
+    said in one line.
+    """
+    root = os.path.join(out, CHECKPOINTS)
+    steps, damaged = all_steps(root), []
+    for step in steps:
+        try:
+            meta = read_meta(root, step)
+            problem = verify(root, step) if cfg.steps <= step else None  # before "nothing to do"
+            if problem:
+                raise DamagedCheckpoint(root, step, problem)
+        except DamagedCheckpoint as e:
+            damaged.append(e)
+            continue
+        break
+    else:
+        if damaged:
+            raise no_restorable(root, damaged)
+        return None, ()
+    where = os.path.join(root, str(step))
+    check_same_model(meta, cfg.model, config_to_dict(config), cfg.optimizer, where)
+    sizes = (("seq_len", cfg.seq_len),) * (tokenizer is not None) + (("batch_size", cfg.batch_size),)
+    for key, value in sizes:
+        flag = "--" + key.replace("_", "-")
+        if meta.get(key) not in (None, value):
+            raise ConfigError(f"{where} was trained with {flag} {meta[key]}, not {value}: resume with "
+                              f"{flag} {meta[key]} or choose another --out")
+    if tokenizer is not None and not _same_tokenizer(tokenizer, meta.get("tokenizer"),
+                                                      os.path.join(out, "tokenizer")):
+        raise ConfigError(f"{where} was trained with --tokenizer {meta.get('tokenizer')}, not "
+                          f"{cfg.tokenizer}: resume with --tokenizer {meta.get('tokenizer')} (or "
+                          f"{out}/tokenizer) or choose another --out")
+    notes = []
+    now = (describe_mesh(mesh), cfg.rules or rules.name)
+    then = (meta.get("mesh"), meta.get("rules"))
+    if None not in then and then != now:
+        notes.append(f"resuming step {step}, saved on mesh {then[0]} under rules {then[1]}, onto mesh "
+                     f"{now[0]} under rules {now[1]}: the state is resharded")
+    return step, tuple(notes)
+
+
+def _tokenizer_key(tokenizer):
+    inner = getattr(tokenizer, "tokenizer", None)  # an HFTokenizer's tokenizers.Tokenizer
+    if inner is None:
+        return (type(tokenizer).__name__,)
+    return (inner.to_str(), tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+
+
+def _same_tokenizer(tokenizer, saved_spec, saved_dir: str) -> bool:
+    """Whether ``tokenizer`` is the one a run was trained with (its spec, or its saved files)."""
+    from shardzoo.data import load_tokenizer
+
+    if saved_spec is None or tokenizer.spec == saved_spec:
+        return True
+    for spec in (saved_dir, saved_spec):
+        try:
+            return _tokenizer_key(load_tokenizer(spec)) == _tokenizer_key(tokenizer)
+        except UserError:
+            continue
+    return False
 
 
 def _check_labelled(cfg, config, data) -> None:
@@ -162,12 +236,22 @@ def _model_name(cfg) -> str:
 
 
 def _check_init_from(path: str) -> None:
+    """A run or checkpoint dir with at least one step whose meta reads (the Trainer falls back
+    past damaged ones)."""
     hf = hf_module()
     if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
         return
     try:
-        resolve_checkpoint(path)
-    except UserError as e:
+        root, steps = checkpoint_steps(path)
+        damaged = []
+        for step in steps:
+            try:
+                read_meta(root, step)
+                return
+            except DamagedCheckpoint as e:
+                damaged.append(e)
+        raise no_restorable(root, damaged)
+    except CheckpointError as e:
         raise ConfigError(f"--init-from {e}") from None
 
 
@@ -189,27 +273,66 @@ def _write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
+def _agree(fn):
+    """``fn()`` on every process; when it raises a UserError on one, every process raises (so no
+    process waits in a collective for a peer that has given up)."""
+    try:
+        result, error = fn(), None
+    except UserError as e:
+        result, error = None, e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.asarray(error is not None, np.int32)))
+        if error is None and failed.any():
+            error = UserError(f"process {int(np.argmax(failed))} of this run stopped with an error (see its output)")
+    if error is not None:
+        raise error
+    return result
+
+
 def run(cfg: TrainConfig, hooks=()) -> int:
-    """Validate, then train; 0 when done or preempted, NONFINITE_EXIT on a NaN/Inf step.
+    """Lock --out, validate, then train; 0 when done or preempted (SIGTERM), 130 on Ctrl-C,
+    NONFINITE_EXIT on a NaN/Inf step.
 
     ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
     if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
+    if not cfg.out:
+        raise ConfigError("--out DIR is required")
+    # process 0 holds the lock for the whole run; a second run on --out stops here
+    lock = DirLock(cfg.out, "--out") if is_main_process() else None
+    _agree(lambda: lock and lock.acquire())
+    try:
+        return _run(cfg, hooks)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: TrainConfig, hooks) -> int:
     from shardzoo.train.hf_io import with_init_model
 
-    cfg, init_config, init_meta = with_init_model(cfg)  # --init-from: its config and tokenizer
-    p = prepare(cfg, init_config)
+    cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
+    p = _agree(lambda: prepare(cfg, init_config))
     cfg = dataclasses.replace(cfg, out=p.out)
+    if p.resume_step is not None and cfg.steps <= p.resume_step:
+        say(f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: nothing to do "
+            f"(raise --steps to train further)")
+        return 0
     rules_spec = cfg.rules or p.rules.name
     meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
             "overrides": parse_overrides(cfg.override), "rules": rules_spec,
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
-            "tokenizer_saved": p.tokenizer is not None, "data": cfg.data}
+            "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
+            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
     if is_main_process():  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)
-        if p.tokenizer is not None:
-            p.tokenizer.save(os.path.join(p.out, "tokenizer"))
+        tokenizer_dir = os.path.join(p.out, "tokenizer")
+        # a resume keeps the run's tokenizer files (checked equal above)
+        if p.tokenizer is not None and (p.resume_step is None or not os.path.isdir(tokenizer_dir)):
+            p.tokenizer.save(tokenizer_dir)
         _write_json(os.path.join(p.out, "run.json"), {
             **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
             "processes": jax.process_count(), "settings": cfg.to_sections(),
@@ -217,6 +340,8 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     init_params = None
     if cfg.init_from and p.resume_step is None:
         init_params = lambda target: init_params_from(cfg.init_from, target, p.config, p.mesh, p.rules)
+    for note in p.notes:
+        say(note)
     say(str(p.rules))
     if p.opt_rules is not None:
         say(f"optimizer state: {p.opt_rules}")
@@ -233,6 +358,11 @@ def run(cfg: TrainConfig, hooks=()) -> int:
         if is_main_process():
             print(f"shardzoo train: error: {e}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT
+    if trainer.stop_signal == signal.SIGINT:
+        if is_main_process():
+            print(f"shardzoo train: interrupted: saved step {trainer.final_step} to {p.out}/{CHECKPOINTS}/"
+                  f"{trainer.last_saved}; run the same command to resume", file=sys.stderr, flush=True)
+        return 130
     last = next((r for r in reversed(history) if "loss" in r), None)
     summary = f"; loss {last['loss']:.4f}" if last else ""
     say(f"stopped at step {trainer.final_step}{summary}; checkpoint {p.out}/{CHECKPOINTS}/{trainer.last_saved}")

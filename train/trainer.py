@@ -110,6 +110,7 @@ class Trainer:
         self.history: list[dict] = []
         self.nonfinite_skipped = 0
         self._stop = threading.Event()
+        self.stop_signal = None  # SIGTERM or SIGINT, once one has asked the run to stop
         self._setup()
 
     # ------------------------------------------------------------------ setup
@@ -121,10 +122,19 @@ class Trainer:
         self.shardings, self.tx, self.schedule = self.program.shardings, self.program.tx, self.program.schedule
         self.checkpointer = Checkpointer(cfg.out, cfg.keep)
         target = self.program.abstract
-        root, latest = self.checkpointer.root, self.checkpointer.latest_step()
+        # the newest step that restores; newer damaged ones are moved aside with one line each
+        latest = self.checkpointer.restore_newest(functools.partial(self._start, target))
+        self.last_saved = latest  # the newest checkpoint on disk
+        self._eval_start = self.eval_data.state() if self.eval_data is not None else None
+        t0 = time.perf_counter()
+        self._train_step = self.program.compiled_train_step()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def _start(self, target, latest: int | None) -> None:
+        root = self.checkpointer.root
         meta = read_meta(root, latest) if latest is not None else None
         if meta is not None:
-            check_same_model(meta, self.meta.get("model"), self.meta["config"], cfg.optimizer,
+            check_same_model(meta, self.meta.get("model"), self.meta["config"], self.cfg.optimizer,
                              os.path.join(root, str(latest)))
         if meta is not None and "optimizer" in meta:
             self._resume(latest, target)
@@ -132,11 +142,6 @@ class Trainer:
             if meta is not None:  # a params-only checkpoint (import-hf): start from its params
                 self.init_params = functools.partial(restore_params, root, latest)
             self._init(target)
-        self.last_saved = latest  # the newest checkpoint on disk
-        self._eval_start = self.eval_data.state() if self.eval_data is not None else None
-        t0 = time.perf_counter()
-        self._train_step = self.program.compiled_train_step()
-        self.compile_seconds = time.perf_counter() - t0
 
     def _resume(self, step: int, target) -> None:
         self.state, data = self.checkpointer.restore(step, target)
@@ -218,17 +223,24 @@ class Trainer:
         cfg = self.cfg
         end = min(cfg.steps, stop_after or cfg.steps)
         self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process())
-        previous = None
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._loop(end)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.checkpointer.close()
             self.logger.close()
         return self.history
+
+    def _on_signal(self, signum, frame) -> None:
+        """SIGTERM or a first Ctrl-C: save at the current step and stop; a second Ctrl-C aborts."""
+        self.stop_signal = signum
+        self._stop.set()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _loop(self, end: int) -> None:
         cfg, step = self.cfg, self.start_step
@@ -244,6 +256,7 @@ class Trainer:
             for hook in self.hooks:
                 batch = hook.before_step(self, step + 1, batch)
             self.state, metrics = self.train_step(self.state, batch)
+            self.checkpointer.check()  # a failed async save ends the run now, not at the next save
             record = {}
             step += 1
             timer.steps += 1
@@ -275,7 +288,7 @@ class Trainer:
         if pending is not None:
             self._check_finite(*pending)
         if self._stop.is_set():
-            say(f"SIGTERM: saving a checkpoint at step {step} and stopping")
+            say(f"{signal.Signals(self.stop_signal).name}: saving a checkpoint at step {step} and stopping")
         if self.last_saved != step:
             self.save(step)
         self.final_step = step

@@ -108,7 +108,11 @@ class SafetensorsReader:
             path = os.path.join(self.hf_dir, file)
             if not os.path.isfile(path):
                 raise HFError(f"{self.hf_dir}: shard {file} named in {INDEX_FILE} does not exist")
-            self._handles[file] = safe_open(path, framework="np")
+            try:
+                self._handles[file] = safe_open(path, framework="np")
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type: a bad file
+                raise HFError(f"{path}: not a readable safetensors file (truncated or damaged?): "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         return self._handles[file]
 
     def resolve(self, name: str) -> str | None:
@@ -124,7 +128,14 @@ class SafetensorsReader:
 
     def get(self, name: str) -> np.ndarray:
         stored = self.resolve(name)
-        return self._handle(self._where[stored]).get_tensor(stored)
+        file = self._where[stored]
+        try:
+            return self._handle(file).get_tensor(stored)
+        except HFError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a tensor past the end of a truncated file
+            raise HFError(f"{os.path.join(self.hf_dir, file)}: cannot read tensor {stored!r} (truncated "
+                          f"or damaged?): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def _index_key(index, shape) -> tuple:
