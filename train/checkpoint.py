@@ -91,6 +91,25 @@ def damage(root: str, step: int) -> str | None:
     return None
 
 
+def verify(root: str, step: int) -> str | None:
+    """``damage`` plus a read of every stored byte of the step's arrays (as costly as reading
+    the checkpoint once): what is wrong, or None."""
+    problem = damage(root, step)
+    state = os.path.join(root, str(step), "state")
+    if problem or not os.path.isfile(os.path.join(state, "manifest.ocdbt")):
+        return problem
+    import tensorstore as ts
+
+    try:
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}/"}).result()
+        reads = [kv.read(key) for key in kv.list().result()]
+        for read in reads:
+            read.result()
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors are ValueErrors with a status
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
 def _restore_failure(root: str, step: int, e: Exception, mismatch: str) -> CheckpointError:
     """A DamagedCheckpoint for a failed read, else a CheckpointError saying ``mismatch``."""
     text = _error_text(e)
@@ -285,6 +304,7 @@ class Checkpointer:
         self.out_dir = out_dir
         self.root = os.path.join(out_dir, CHECKPOINTS)
         self.failed = False
+        self.saving = None  # the step of the newest save started
         self._filter = _OrbaxErrors()
         logging.getLogger("absl").addFilter(self._filter)
         try:
@@ -308,14 +328,15 @@ class Checkpointer:
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:  # noqa: BLE001 - this or an earlier async save failed
-            raise self._save_failed(step, e) from None
+            raise self._save_failed(self.saving if self.manager.is_saving_in_progress() else step, e) from None
+        self.saving = step
 
     def check(self) -> None:
         """Raise now if an async save has failed in the background."""
         try:
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
-            raise self._save_failed(None, e) from None
+            raise self._save_failed(self.saving, e) from None
 
     def _save_failed(self, step, e: Exception):
         self.failed = True
@@ -398,20 +419,16 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for the last save and close; after a failed save, close without waiting."""
+        """Wait for the last save and close. After a failed save, leave orbax's threads alone:
+        the command is about to end with that error (``python -m shardzoo`` does not wait for them)."""
+        if self.failed:
+            return
         try:
-            if not self.failed:
-                try:
-                    self.manager.wait_until_finished()
-                except Exception as e:  # noqa: BLE001
-                    raise self._save_failed(None, e) from None
-        finally:
-            try:
-                self.manager.close()
-            except Exception:  # noqa: BLE001 - the failure is already being reported
-                if not self.failed:
-                    raise
-            logging.getLogger("absl").removeFilter(self._filter)
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(self.saving, e) from None
+        self.manager.close()
+        logging.getLogger("absl").removeFilter(self._filter)
 
 
 def restore_params(root: str, step: int, target):

@@ -134,6 +134,10 @@ def plot_losses(run_dir: str, out_path: str | None = None) -> str:
     axis.grid(alpha=0.3)
     axis.legend()
     out_path = out_path or os.path.join(run_dir, PLOT_FILE)
-    fig.savefig(out_path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.savefig(out_path, dpi=100, bbox_inches="tight")
+    except OSError as e:
+        raise PlotError(f"cannot write the plot to {out_path}: {e.strerror}; choose another --output") from None
+    finally:
+        plt.close(fig)
     return out_path
