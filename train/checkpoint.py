@@ -280,6 +280,8 @@ def newest_restorable(root: str, steps: list[int], load):
 
 
 def no_restorable(root: str, damaged) -> CheckpointError:
+    if len(damaged) == 1:  # one step was tried (the only one, or the one named)
+        return damaged[0]
     problems = "; ".join(f"step {e.step}: {e.problem}" for e in damaged)
     return CheckpointError(f"{root}: no checkpoint can be restored ({problems}); "
                            f"start a new --out or restore the files")
