@@ -127,11 +127,11 @@ def snapshot(path) -> dict:
     return found
 
 
-def one_line(stderr: str, command: str = "train") -> str:
-    """The error message, asserting that stderr holds exactly one line and that it is one."""
+def one_line(stderr: str, command: str = "train", kind: str = "error") -> str:
+    """The message, asserting that stderr holds exactly one line, ``shardzoo COMMAND: KIND: ...``."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
-    assert lines[0].startswith(f"shardzoo {command}: error: "), lines[0]
+    assert lines[0].startswith(f"shardzoo {command}: {kind}: "), lines[0]
     return lines[0]
 
 

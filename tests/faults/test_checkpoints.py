@@ -9,7 +9,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from shardzoo.cli import main
 from shardzoo.train.checkpoint import latest_step, load_model_and_params
