@@ -1,0 +1,127 @@
+"""Bad values, files and targets end in one line with exit status 2, naming what to change, and
+write nothing: config fields, generate's flags, HF files, export and plot targets, data files."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from shardzoo.cli import main
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("hidden_size=-64", "hidden_size=-64 must be a positive integer"),
+    ("rope_scaling=5", "rope_scaling=5 must be a mapping"),
+    ("num_hidden_layers=0", "num_hidden_layers=0 must be a positive integer"),
+])
+def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, expected, capsys):
+    out = tmp_path / "never"
+    capsys.readouterr()
+    rc = main(cli.args(out, 4, "--override", override))
+    line = cli.one_line(capsys.readouterr().err)
+    assert rc == 2 and expected in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--temperature", "nan"], "a finite --temperature >= 0"),
+    (["--max-new-tokens", "100000"], "exceed the model's"),
+])
+def test_generate_refuses_values_that_give_garbage(cli, reference, flags, expected, capsys):
+    capsys.readouterr()
+    rc = main(["generate", "--checkpoint", str(reference), "--prompt", "the", *flags])
+    line = cli.one_line(capsys.readouterr().err, "generate")
+    assert rc == 2 and expected in line, line
+
+
+@pytest.fixture
+def hf_dir(reference, tmp_path):
+    path = tmp_path / "hf"
+    assert main(["export-hf", str(reference), str(path)]) == 0
+    return path
+
+
+def test_import_hf_of_a_truncated_safetensors_file(cli, hf_dir, tmp_path, capsys):
+    weights = hf_dir / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    capsys.readouterr()
+    rc = main(["import-hf", str(hf_dir), str(tmp_path / "imported")])
+    line = cli.one_line(capsys.readouterr().err, "import-hf")
+    assert rc == 2 and f"{weights}" in line and "truncated or damaged?" in line, line
+    assert not (tmp_path / "imported").exists()
+
+
+def test_export_hf_refuses_a_non_empty_target_unless_overwrite(cli, reference, hf_dir, capsys):
+    (hf_dir / "config.json").write_text('{"mine": true}\n')
+    before = cli.snapshot(hf_dir)
+    capsys.readouterr()
+    rc = main(["export-hf", str(reference), str(hf_dir)])
+    line = cli.one_line(capsys.readouterr().err, "export-hf")
+    assert rc == 2 and "is not empty (config.json" in line and "--overwrite" in line, line
+    assert cli.snapshot(hf_dir) == before
+    assert main(["export-hf", str(reference), str(hf_dir), "--overwrite"]) == 0
+    assert '"mine"' not in (hf_dir / "config.json").read_text()
+
+
+def test_export_hf_onto_an_existing_file(cli, reference, tmp_path, capsys):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"mine")
+    capsys.readouterr()
+    rc = main(["export-hf", str(reference), str(target)])
+    line = cli.one_line(capsys.readouterr().err, "export-hf")
+    assert rc == 2 and "is an existing file, not a directory" in line, line
+    assert target.read_bytes() == b"mine"
+
+
+def test_plot_into_a_read_only_directory(cli, reference, tmp_path, unshare):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    command = " ".join(f"'{a}'" for a in cli.cmd("plot", reference, "--output", ro / "loss.png"))
+    done = subprocess.run([*unshare, f"mount --bind -o ro {ro} {ro} && {command}"], env=cli.env(),
+                          capture_output=True, text=True, timeout=120)
+    line = cli.one_line(done.stderr, "plot")
+    assert done.returncode == 2 and f"cannot write the plot to {ro}/loss.png: Read-only file system" in line
+    assert os.listdir(ro) == []
+
+
+DATA = {  # file name, bytes, what the one line must say
+    "not utf-8": ("notes.txt", b"hello\nw\xf6rld\n", "is not UTF-8 text: byte 0xf6 at byte offset 7 (line 2)"),
+    "bad json line": ("rows.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', "rows.jsonl, line 3: not valid JSON"),
+    "bad csv row": ("rows.csv", b"text,id\nhello,1\nworld,2,3\n", "rows.csv, line 3: 3 fields where the header has 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA))
+def test_a_data_error_names_the_file_and_the_place(cli, tmp_path, case, capsys):
+    name, content, expected = DATA[case]
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "never"
+    argv = cli.args(out, 4)
+    argv[argv.index("--data") + 1] = str(tmp_path / name)
+    capsys.readouterr()
+    rc = main(argv)
+    line = cli.one_line(capsys.readouterr().err)
+    assert rc == 2 and expected in line and str(tmp_path / name) in line, line
+    assert not out.exists()
+
+
+def test_a_hub_spec_without_network_fails_within_seconds(cli, tmp_path, monkeypatch, capsys):
+    """Online mode, with the Hub endpoint at a local port where nothing listens."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    out = tmp_path / "never"
+    argv = cli.args(out, 4)
+    argv[argv.index("--data") + 1] = "hub:someone/some-dataset"
+    capsys.readouterr()
+    started = time.monotonic()
+    rc = main(argv)
+    elapsed = time.monotonic() - started
+    line = cli.one_line(capsys.readouterr().err)
+    assert rc == 2 and "cannot be reached" in line and "someone/some-dataset" in line, line
+    assert elapsed < 10, f"{elapsed:.1f}s"
