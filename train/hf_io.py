@@ -34,8 +34,8 @@ from shardzoo.train.checkpoint import (
     latest_step,
     load_model_and_params,
     model_meta,
+    no_restorable,
     read_meta,
-    resolve_checkpoint,
 )
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import DirLock, check_empty_target
@@ -89,15 +89,25 @@ def init_source(path: str) -> tuple[object, dict, str]:
         family = hf.family_of_model_type(hf.read_hf_config(path).get("model_type"), where)
         return hf.load_hf_config(path), {"model": None, "family": family.name}, path
     try:
-        root, step = resolve_checkpoint(path)
+        root, steps = checkpoint_steps(path)
+        step, meta = _newest_meta(root, steps)  # the params load says which steps it passed over
     except CheckpointError as e:
         raise CheckpointError(f"--init-from {e}") from None
-    meta = read_meta(root, step)
     where = f"--init-from {os.path.join(root, str(step))}"
     config = config_from_meta(meta, where)
     saved = os.path.join(os.path.dirname(root), "tokenizer")
     tokenizer = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")
     return config, {"model": meta.get("model"), "family": meta.get("family")}, tokenizer or "byte"
+
+
+def _newest_meta(root: str, steps: list[int]) -> tuple[int, dict]:
+    damaged = []
+    for step in steps:
+        try:
+            return step, read_meta(root, step)
+        except DamagedCheckpoint as e:
+            damaged.append(e)
+    raise no_restorable(root, damaged)
 
 
 def with_init_model(cfg):
@@ -143,7 +153,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     check_empty_target(out_dir, "OUT_DIR")
     with _locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR")  # again, now that no one else can write there
-        return _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type)
+        return _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, family)
 
 
 def _locked(path: str, what: str):
@@ -151,7 +161,7 @@ def _locked(path: str, what: str):
     return DirLock(path, what) if jax.process_index() == 0 else contextlib.nullcontext()
 
 
-def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type) -> dict:
+def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, family) -> dict:
     _, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype, scan_layers=scan_layers)
     tokenizer_dir = os.path.join(out_dir, "tokenizer")
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
