@@ -16,9 +16,10 @@ def _lingering():
     return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
 
 
-# A background thread left behind by a failure (orbax's, after a save that failed) must neither
-# keep a command that has reported its outcome from exiting nor add tracebacks to its one line.
-if status != 0 and _lingering():
+# A failed command has said why in one line: background work left behind by the failure (orbax's
+# threads and tensorstore's callbacks after a save that failed) must neither keep it from exiting
+# nor add tracebacks after that line, so it ends here, without the interpreter's shutdown.
+if status != 0:
     os._exit(status)
 deadline = time.monotonic() + EXIT_GRACE_S
 for thread in _lingering():

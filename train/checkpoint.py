@@ -327,11 +327,31 @@ class Checkpointer:
             data=ocp.args.JsonSave(jsonable(data)),
             meta=ocp.args.JsonSave(jsonable({**meta, "step": step, "format": FORMAT})),
         )
+        self._check_space(step, state)
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:  # noqa: BLE001 - this or an earlier async save failed
             raise self._save_failed(self.saving if self.manager.is_saving_in_progress() else step, e) from None
         self.saving = step
+
+    def _check_space(self, step: int, state) -> None:
+        """Refuse a save that cannot fit before orbax starts writing it: a full disk found in the
+        middle of an async save leaves writes in flight that end noisily."""
+        need = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state))
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if free < need + 2**20:  # the arrays, plus room for metadata and the previous save's tail
+            self.check()  # an earlier save still in flight ends first, kept
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                raise self._save_failed(self.saving, e) from None
+            raise EnvironmentFault(
+                f"saving checkpoint step {step} to {self.root} needs about {need / 2**20:.1f} MiB, "
+                f"its disk has {free / 2**20:.1f} MiB free (No space left on device); {self._kept()}; "
+                f"free space and run the same command to resume")
 
     def check(self) -> None:
         """Raise now if an async save has failed in the background."""

@@ -12,7 +12,7 @@ from shardzoo.cli import main
 
 @pytest.mark.parametrize("override, expected", [
     ("hidden_size=-64", "hidden_size=-64 must be a positive integer"),
-    ("rope_scaling=5", "rope_scaling=5 must be a mapping"),
+    ("rope_scaling=5", "rope_scaling=5 is not a mapping"),
     ("num_hidden_layers=0", "num_hidden_layers=0 must be a positive integer"),
 ])
 def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, expected, capsys):
