@@ -93,7 +93,9 @@ def damage(root: str, step: int) -> str | None:
 
 def verify(root: str, step: int) -> str | None:
     """``damage`` plus a read of every stored byte of the step's arrays (as costly as reading
-    the checkpoint once): what is wrong, or None."""
+    the checkpoint once, so a restore reads it twice): what is wrong, or None. Restores call it
+    first because orbax, on a failed read, leaves its other reads in flight to end on a closed
+    event loop, each printing a traceback."""
     problem = damage(root, step)
     state = os.path.join(root, str(step), "state")
     if problem or not os.path.isfile(os.path.join(state, "manifest.ocdbt")):
@@ -385,7 +387,7 @@ class Checkpointer:
 
     def restore(self, step: int, target) -> tuple:
         """``(state, data)``; ``target`` is a tree of ShapeDtypeStructs with the new shardings."""
-        problem = damage(self.root, step)
+        problem = verify(self.root, step)  # before orbax: a failed read there ends noisily
         if problem:
             raise DamagedCheckpoint(self.root, step, problem)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
@@ -457,7 +459,7 @@ def restore_params(root: str, step: int, target):
     """Only the params of a checkpoint, onto ``target`` (ShapeDtypeStructs with shardings)."""
     restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target)
     args = ocp.args.PyTreeRestore({"params": target}, restore_args={"params": restore_args}, partial_restore=True)
-    problem = damage(root, step)
+    problem = verify(root, step)  # before orbax: a failed read there ends noisily
     if problem:
         raise DamagedCheckpoint(root, step, problem)
     try:
