@@ -130,12 +130,15 @@ def llama_to_hf(c) -> dict:
     return rotary_to_hf(c) | dict(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
 
 
+def one_attention_bias(c) -> list[str]:
+    """HF's ``attention_bias`` covers q, k, v and o alike: shardzoo's two flags must agree."""
+    if c.attention_out_bias == c.attention_bias:
+        return []
+    return [f"attention_out_bias={c.attention_out_bias!r} with attention_bias={c.attention_bias!r}"]
+
+
 def llama_obstacles(c) -> list[str]:
-    bad = rotary_obstacles(c) + mismatches(c, dict(sliding_window=None))
-    if c.attention_out_bias != c.attention_bias:
-        bad.append(f"attention_out_bias={c.attention_out_bias!r} with "
-                   f"attention_bias={c.attention_bias!r}")
-    return bad
+    return rotary_obstacles(c) + mismatches(c, dict(sliding_window=None)) + one_attention_bias(c)
 
 
 def mistral_from_hf(hf: dict, where: str) -> dict:

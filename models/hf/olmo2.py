@@ -22,11 +22,8 @@ def to_hf(c) -> dict:
 
 
 def obstacles(c) -> list[str]:
-    bad = rotary_obstacles(c, **FEATURES) + mismatches(c, dict(mlp_bias=False, sliding_window=None))
-    if c.attention_out_bias != c.attention_bias:
-        bad.append(f"attention_out_bias={c.attention_out_bias!r} with "
-                   f"attention_bias={c.attention_bias!r}")
-    return bad
+    return (rotary_obstacles(c, **FEATURES) + mismatches(c, dict(mlp_bias=False, sliding_window=None))
+            + llama.one_attention_bias(c))
 
 
 def weights(c):

@@ -21,11 +21,8 @@ def to_hf(c) -> dict:
 
 
 def obstacles(c) -> list[str]:
-    bad = rotary_obstacles(c, qk_norm="head") + mismatches(c, dict(mlp_bias=False))
-    if c.attention_out_bias != c.attention_bias:
-        bad.append(f"attention_out_bias={c.attention_out_bias!r} with "
-                   f"attention_bias={c.attention_bias!r}")
-    return bad
+    return (rotary_obstacles(c, qk_norm="head") + mismatches(c, dict(mlp_bias=False))
+            + llama.one_attention_bias(c))
 
 
 def weights(c):
