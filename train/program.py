@@ -183,13 +183,6 @@ class Program:
             fn = jax.jit(lambda key: nn.meta.unbox(self._init_state(key)), out_shardings=self.shardings)
             return _compile(fn.lower(rng), fast=True)(rng)
 
-    def init_params(self, rng):
-        """Randomly initialised params only, sharded."""
-        with activate(self.mesh, self.rules):
-            fn = jax.jit(lambda key: nn.meta.unbox(self._init_state(key).params),
-                         out_shardings=self.shardings.params)
-            return _compile(fn.lower(rng), fast=True)(rng)
-
     def params_target(self):
         """The params as ShapeDtypeStructs with their shardings (restore and import targets)."""
         return self.abstract.params
