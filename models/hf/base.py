@@ -106,6 +106,7 @@ def rope(hf: dict, where: str) -> tuple[float, dict | None]:
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = dict(hf.get("rope_scaling") or params)
     scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)  # not a scaling: see partial_rotary_factor()
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     kind = scaling.get("rope_type", "default")
@@ -115,6 +116,12 @@ def rope(hf: dict, where: str) -> tuple[float, dict | None]:
         raise HFError(f"{where}: rope_scaling type {kind!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
     return float(theta), scaling
+
+
+def partial_rotary_factor(hf: dict) -> float:
+    """The rotated fraction of each head: top-level, or inside transformers 5's ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
 
 
 def sliding_window(hf: dict, where: str, enabled: bool = True) -> int | None:

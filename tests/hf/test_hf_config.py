@@ -107,3 +107,15 @@ def _leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_partial_rotary_factor_is_read_inside_rope_parameters():
+    """transformers 5 may keep it only inside rope_parameters (Phi-3, Phi-4-mini): read it there,
+    and never mistake it for a rope scaling."""
+    hf = {"model_type": "phi3", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
+    fields = config_from_hf(hf)
+    assert fields["partial_rotary_factor"] == 0.75 and fields["rope_scaling"] is None
+    top = {k: v for k, v in hf.items() if k != "rope_parameters"} | {"partial_rotary_factor": 0.75}
+    assert config_from_hf(top) == fields

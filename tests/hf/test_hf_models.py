@@ -46,6 +46,9 @@ CONFIGS = {
     "olmo2": lambda: Olmo2Config(**DIMS),
     # fused qkv_proj (unequal q | k | v blocks: GQA) and gate_up_proj; a window shorter than the text.
     "phi3": lambda: Phi3Config(**DIMS, sliding_window=8, pad_token_id=2, bos_token_id=1, eos_token_id=2),
+    # half of each head rotated: transformers 5 keeps the factor inside rope_parameters.
+    "phi3_partial_rotary": lambda: Phi3Config(**DIMS, partial_rotary_factor=0.5, pad_token_id=2,
+                                              bos_token_id=1, eos_token_id=2),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
