@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/program_
 from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models import get_model  # noqa: E402
+from shardzoo.train.xla_flags import XLA_PRESETS, apply_xla_preset  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
 # (batch, seq_len, remat_policy), fastest first; the first that fits is timed.
@@ -80,7 +81,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
                         help="memory a step may use (default: the device's allocator limit)")
     parser.add_argument("--out", default=None, help="markdown file to write (default: bench/results/gpu_mfu[_tiny].md)")
+    parser.add_argument("--xla-preset", default="gpu-overlap", choices=tuple(XLA_PRESETS),
+                        help="XLA flags added to XLA_FLAGS before JAX starts (train/xla_flags.py; "
+                             "`shardzoo train --xla-preset` sets the same)")
     args = parser.parse_args(argv)
+    xla_flags = apply_xla_preset(args.xla_preset)  # before the first device query starts XLA
 
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
@@ -146,7 +151,8 @@ def main(argv=None) -> int:
              f"of two documents, loss weights); {warmup} warm-up + {steps} timed steps; "
              f"model FLOP per step {si(flops)} (`TransformerConfig.flops_per_token`: 6 x matmul "
              f"params + causal attention)"
-             + f"; peak {peak or '?'} TFLOP/s; jax {jax.__version__}.")
+             + f"; peak {peak or '?'} TFLOP/s; jax {jax.__version__}; --xla-preset {args.xla_preset}"
+             + f" (XLA_FLAGS: {xla_flags or 'none'}).")
     print(header)
     print(line)
     print(notes)

@@ -21,6 +21,7 @@ import math
 import typing
 
 from shardzoo.errors import UserError
+from shardzoo.train.xla_flags import XLA_PRESET_HELP, XLA_PRESETS
 from shardzoo.values import coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
@@ -84,6 +85,7 @@ class TrainConfig:
     heartbeat_timeout: int = 100
     # runtime
     compile_cache: str | None = None  # a directory for jax's persistent compilation cache
+    xla_preset: str = "none"  # a named set of XLA_FLAGS (train/xla_flags.py), set before JAX starts
 
     def __post_init__(self):
         positive = ("batch_size", "seq_len", "steps", "grad_accum", "keep", "eval_steps", "log_every")
@@ -101,6 +103,8 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.xla_preset not in XLA_PRESETS:
+            raise ConfigError(f"--xla-preset {self.xla_preset!r}: choose one of {', '.join(XLA_PRESETS)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.batch_size % self.grad_accum:
@@ -132,7 +136,7 @@ SECTIONS = {
     "logging": ("log_every", "eval_every", "eval_steps", "tensorboard"),
     "distributed": ("coordinator", "num_processes", "process_id", "distributed",
                     "distributed_timeout", "heartbeat_timeout"),
-    "runtime": ("compile_cache",),
+    "runtime": ("compile_cache", "xla_preset"),
 }
 
 
@@ -179,6 +183,8 @@ HELP = {
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
     "compile_cache": "a directory for jax's persistent compilation cache (reused by later runs)",
+    "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
+                  + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
 METAVARS = {"out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",

@@ -39,6 +39,7 @@ from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
+from shardzoo.train.xla_flags import apply_xla_preset
 
 STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
 
@@ -296,6 +297,7 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     NONFINITE_EXIT on a NaN/Inf step.
 
     ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
+    xla_flags = apply_xla_preset(cfg.xla_preset)  # before anything starts a backend
     if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
@@ -305,13 +307,13 @@ def run(cfg: TrainConfig, hooks=()) -> int:
     lock = DirLock(cfg.out, "--out") if is_main_process() else None
     _agree(lambda: lock and lock.acquire())
     try:
-        return _run(cfg, hooks)
+        return _run(cfg, hooks, xla_flags)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: TrainConfig, hooks) -> int:
+def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
     from shardzoo.train.hf_io import with_init_model
 
     cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
@@ -335,7 +337,7 @@ def _run(cfg: TrainConfig, hooks) -> int:
             p.tokenizer.save(tokenizer_dir)
         _write_json(os.path.join(p.out, "run.json"), {
             **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
-            "processes": jax.process_count(), "settings": cfg.to_sections(),
+            "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
         })
     init_params = None
     if cfg.init_from and p.resume_step is None:
