@@ -267,8 +267,10 @@ def make_datasets(
 
     pack = pack_conversations if config.chat else pack_examples if config.examples else pack_documents
     train_rows = pack(train_docs, seq_len, tokenizer.pad_id)
-    if config.chat and not train_docs.loss_mask.any():
-        raise DataError(f"data {config.data!r}: no assistant turn in --chat-column "
+    if config.chat and not train_rows.loss_mask.any():
+        where = (f"within the first --seq-len {seq_len} tokens of any conversation"
+                 if train_docs.loss_mask.any() else "in any conversation")
+        raise DataError(f"data {config.data!r}: no assistant token {where} of --chat-column "
                         f"{config.chat_column}, so nothing to train on")
     if config.chat and len(train_rows) < global_batch_size:
         raise DataError(

@@ -158,7 +158,8 @@ def test_hf_tokenizer_masks_equal_transformers_assistant_masks_and_save_keeps_th
     assert load_tokenizer(str(tmp_path / "saved")).chat_template.source == MARKED
 
 
-@pytest.mark.parametrize("case", ["unmaskable", "no template", "no assistant", "not messages"])
+@pytest.mark.parametrize("case", ["unmaskable", "no template", "no assistant", "cut before the assistant",
+                                  "not messages"])
 def test_chats_that_cannot_be_masked_are_refused(case, tmp_path):
     chats = [CHAT] * 4
     tok = byte_tokenizer(tmp_path, MARKED)
@@ -167,7 +168,10 @@ def test_chats_that_cannot_be_masked_are_refused(case, tmp_path):
     elif case == "no template":
         tok, expected = load_tokenizer("byte"), "has no chat template"
     elif case == "no assistant":
-        chats, expected = [CHAT[:2]] * 4, "no assistant turn"
+        chats, expected = [CHAT[:2]] * 4, "no assistant token in any conversation"
+    elif case == "cut before the assistant":  # its first token is the 98th of the conversation
+        long = [{"role": "system", "content": "Be brief." * 5}, *CHAT[1:3]]
+        chats, expected = [long] * 4, "no assistant token within the first --seq-len 64"
     else:
         chats, expected = [[{"role": "user"}]] * 4, "not a {role, content} mapping"
     path = write_chats(tmp_path / "chats.jsonl", chats)
