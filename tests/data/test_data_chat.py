@@ -20,6 +20,14 @@ MARKED = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# Qwen2.5-like ChatML: a default system turn when the chat has none.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou help.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Marks the last message, so a prefix renders unlike the whole conversation; no markers.
 UNMASKABLE = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
@@ -117,7 +125,8 @@ def tiny_hf_tokenizer(directory, template, in_config):
     in tokenizer_config.json or as chat_template.jinja."""
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+                "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -135,27 +144,36 @@ def tiny_hf_tokenizer(directory, template, in_config):
     return fast
 
 
-@pytest.mark.parametrize("in_config", [False, True], ids=["jinja-file", "tokenizer-config"])
+FAMILIES = {  # template, conversation, what the masked tokens decode to
+    "phi3-like": (MARKED, CHAT, "Hello!<|end|>\n4<|end|>\n"),
+    "chatml": (CHATML, CHAT[1:], "Hello!<|im_end|>\n4<|im_end|>\n"),
+}
+
+
+@pytest.mark.parametrize("family, in_config", [("phi3-like", False), ("phi3-like", True),
+                                               ("chatml", False)])
 def test_hf_tokenizer_masks_equal_transformers_assistant_masks_and_save_keeps_the_template(
-        in_config, tmp_path):
-    fast = tiny_hf_tokenizer(tmp_path / "hf", MARKED, in_config)
-    want = fast.apply_chat_template(CHAT, tokenize=True, return_dict=True,
+        family, in_config, tmp_path):
+    marked, chat, answers = FAMILIES[family]
+    fast = tiny_hf_tokenizer(tmp_path / "hf", marked, in_config)
+    want = fast.apply_chat_template(chat, tokenize=True, return_dict=True,
                                     return_assistant_tokens_mask=True)
     tok = load_tokenizer(str(tmp_path / "hf"))
-    assert tok.chat_template.source == MARKED
-    ids, mask = encode_chat(ChatRenderer(MARKED, tok.special_tokens, "t", "messages"), tok, CHAT, 0)
+    assert tok.chat_template.source == marked
+    ids, mask = encode_chat(ChatRenderer(marked, tok.special_tokens, "t", "messages"), tok, chat, 0)
     assert ids.tolist() == list(want["input_ids"])
     assert mask.astype(int).tolist() == list(want["assistant_masks"])
-    assert fast.decode(ids[mask]) == "Hello!<|end|>\n4<|end|>\n"
+    assert fast.decode(ids[mask]) == answers
     # the same text without markers: prefixes find the same tokens
-    _, plain = encode_chat(ChatRenderer(PLAIN, tok.special_tokens, "t", "messages"), tok, CHAT, 0)
-    np.testing.assert_array_equal(plain, mask)
+    plain = marked.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    _, by_prefix = encode_chat(ChatRenderer(plain, tok.special_tokens, "t", "messages"), tok, chat, 0)
+    np.testing.assert_array_equal(by_prefix, mask)
 
     tok.save(str(tmp_path / "saved"))
     config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
-    assert (config.get("chat_template") == MARKED) == in_config
+    assert (config.get("chat_template") == marked) == in_config
     assert (tmp_path / "saved" / "chat_template.jinja").exists() != in_config
-    assert load_tokenizer(str(tmp_path / "saved")).chat_template.source == MARKED
+    assert load_tokenizer(str(tmp_path / "saved")).chat_template.source == marked
 
 
 @pytest.mark.parametrize("case", ["unmaskable", "no template", "no assistant", "cut before the assistant",
