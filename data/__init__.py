@@ -10,6 +10,9 @@ The API the trainer codes against::
         text_column="text",
         prompt_column=None,       # both given: one prompt+completion example per row,
         completion_column=None,   #   loss only on the completion tokens (and its closing eos)
+        chat_column=None,         # conversations ({role, content} lists) rendered with the
+                                  #   tokenizer's chat template, loss on assistant turns only
+                                  #   (see chat.py)
         eval_data=None,           # a held-out data spec, or ...
         eval_fraction=0.0,        # ... this seeded fraction of the documents (not both)
         tokenizer="byte",         # "byte" | path/to/tokenizer.json | HF model directory
@@ -38,9 +41,11 @@ Batches (``next(train_iter)``): a dict of ``inputs``, ``targets``, ``segment_ids
   global batch for ``process_index`` i of ``process_count`` n (defaults: jax's).
 
 Rows: packed documents (each ends with eos; ``segment_ids`` 1, 2, ... per document in the row,
-0 = padding; ``positions`` restart at 0 at each document start in the row), or one example per
-row in prompt/completion mode. ``targets[t]`` is the next token of the same segment;
-``weights`` is 0 on each segment's last position in the row, on padding, and on prompt targets.
+0 = padding; ``positions`` restart at 0 at each document start in the row), one example per
+row in prompt/completion mode, or whole conversations (each cut to ``seq_len``) packed in order,
+several per row, in chat mode. ``targets[t]`` is the next token of the same segment;
+``weights`` is 0 on each segment's last position in the row, on padding, on prompt targets
+and on targets outside assistant turns.
 Loss = sum(weights * token_loss) / sum(weights): the last batch of an epoch is filled up with
 all-padding rows (weights 0).
 

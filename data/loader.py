@@ -8,9 +8,11 @@ import math
 import jax
 import numpy as np
 
+from shardzoo.data.chat import tokenize_chats
 from shardzoo.data.errors import DataError
 from shardzoo.data.labelled import LabelledRows, encode_labels, read_examples
 from shardzoo.data.packing import (
+    pack_conversations,
     pack_documents,
     pack_examples,
     split_documents,
@@ -32,6 +34,7 @@ class DataConfig:
     text_column: str = "text"
     prompt_column: str | None = None  # with completion_column: fine-tuning rows, loss on completion
     completion_column: str | None = None
+    chat_column: str | None = None  # conversations rendered with the chat template, loss on assistant turns
     eval_data: str | None = None  # a held-out data spec; or eval_fraction of the documents
     eval_fraction: float = 0.0
     tokenizer: str = BYTE_SPEC  # "byte", a tokenizer.json, or an HF model directory
@@ -44,6 +47,11 @@ class DataConfig:
     def examples(self) -> bool:
         """True for prompt/completion rows, False for packed documents."""
         return self.prompt_column is not None
+
+    @property
+    def chat(self) -> bool:
+        """True for conversations (a list of {role, content} messages per row)."""
+        return self.chat_column is not None
 
     @property
     def labelled(self) -> bool:
@@ -198,7 +206,12 @@ class BatchIterator:
 
 def _documents(spec: str, config: DataConfig, tokenizer):
     ds = load_source(spec, cache_dir=config.cache_dir)
-    if config.examples:
+    if config.chat:
+        if config.chat_column not in ds.column_names:
+            raise DataError(f"data {spec!r} has no column {config.chat_column!r} (--chat-column); "
+                            f"its columns are: {', '.join(ds.column_names)}")
+        docs = tokenize_chats(ds, tokenizer, config.chat_column, config.add_bos)
+    elif config.examples:
         check_text_column(ds, config.prompt_column, spec, "--prompt-column")
         check_text_column(ds, config.completion_column, spec, "--completion-column")
         docs = tokenize_examples(
@@ -235,6 +248,8 @@ def make_datasets(
         raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
     if (config.prompt_column is None) != (config.completion_column is None):
         raise DataError("--prompt-column and --completion-column must be given together")
+    if config.chat and config.examples:
+        raise DataError("--chat-column cannot be combined with --prompt-column/--completion-column")
     _check_eval_split(config)
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
 
@@ -250,13 +265,23 @@ def make_datasets(
             )
         train_docs, eval_docs = split_documents(train_docs, config.eval_fraction, seed)
 
-    pack = pack_examples if config.examples else pack_documents
+    pack = pack_conversations if config.chat else pack_examples if config.examples else pack_documents
+    train_rows = pack(train_docs, seq_len, tokenizer.pad_id)
+    if config.chat and not train_rows.loss_mask.any():
+        where = (f"within the first --seq-len {seq_len} tokens of any conversation"
+                 if train_docs.loss_mask.any() else "in any conversation")
+        raise DataError(f"data {config.data!r}: no assistant token {where} of --chat-column "
+                        f"{config.chat_column}, so nothing to train on")
+    if config.chat and len(train_rows) < global_batch_size:
+        raise DataError(
+            f"data {config.data!r}: {len(train_docs)} conversations pack into {len(train_rows)} "
+            f"rows of {seq_len} tokens, fewer than one global batch of {global_batch_size}")
     if config.examples and len(train_docs) < global_batch_size:
         raise DataError(
             f"data {config.data!r}: {len(train_docs)} examples, fewer than one global batch "
             f"of {global_batch_size}"
         )
-    if not config.examples and len(train_docs.tokens) < global_batch_size * seq_len:
+    if not (config.examples or config.chat) and len(train_docs.tokens) < global_batch_size * seq_len:
         raise DataError(
             f"data {config.data!r}: {len(train_docs.tokens)} tokens ({len(train_docs)} documents, "
             f"tokenizer {tokenizer.spec}), fewer than one global batch of {global_batch_size} x "
@@ -264,7 +289,7 @@ def make_datasets(
         )
     common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
     train = BatchIterator(
-        pack(train_docs, seq_len, tokenizer.pad_id),
+        train_rows,
         global_batch_size,
         seed=seed,
         shuffle=True,
@@ -322,8 +347,9 @@ def make_labelled_datasets(
     ``config.label_column``); see ``data/__init__.py``."""
     if not config.labelled:
         raise ValueError("make_labelled_datasets: the config has no label_column")
-    if config.examples or config.completion_column is not None:
-        raise DataError("--label-column cannot be combined with --prompt-column/--completion-column")
+    if config.examples or config.completion_column is not None or config.chat:
+        raise DataError("--label-column cannot be combined with --prompt-column/--completion-column"
+                        "/--chat-column")
     _check_eval_split(config)
     label = config.label_column
     columns = None if config.feature_columns is None else tuple(config.feature_columns)

@@ -1,6 +1,6 @@
 """Tokenized documents, packed into rows of ``seq_len``, and the batch arrays of those rows.
 
-Two layouts:
+Three layouts:
 
 - **packed** (language modelling): every document is ``[bos?] tokens eos``; the documents are
   concatenated and cut into rows of ``seq_len`` (the last row padded). ``segment_ids`` number the
@@ -8,6 +8,9 @@ Two layouts:
   its continuation from the previous row) starts, so attention never crosses documents.
 - **examples** (fine-tuning): one ``[bos?] prompt completion eos`` per row, truncated to
   ``seq_len`` and padded; only completion tokens (and the closing eos) are loss targets.
+- **conversations** (chat fine-tuning, ``chat.py``): each conversation truncated to ``seq_len``
+  and whole conversations packed in order into rows (a new row when the next one does not
+  fit), numbered by ``segment_ids``; only assistant tokens are loss targets.
 
 Targets are the next token within the same segment of the same row; the weight is 0 on a
 segment's last position in the row, on padding and (examples) where the target is a prompt token.
@@ -92,10 +95,11 @@ def _encode(tokenizer, texts) -> list:
     return [tokenizer.encode(t) for t in texts]
 
 
-def _map(ds, encode):
+def _map(ds, encode, with_indices: bool = False):
     # num_proc=None, not 1: datasets 5.2 runs num_proc=1 in a forked worker pool, and a fork
     # after JAX has started its threads can deadlock.
-    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+    return ds.map(encode, batched=True, with_indices=with_indices, remove_columns=ds.column_names,
+                  desc="tokenizing")
 
 
 def _documents_from(ds) -> Documents:
@@ -187,6 +191,33 @@ def pack_examples(docs: Documents, seq_len: int, pad_id: int) -> Rows:
     source = np.where(valid, docs.offsets[:-1, None] + cols, 0)
     tokens = np.where(valid, docs.tokens[source], pad_id).astype(np.int32)
     return Rows(tokens, valid.astype(np.int32), valid & docs.loss_mask[source], pad_id)
+
+
+def pack_conversations(docs: Documents, seq_len: int, pad_id: int) -> Rows:
+    """Each document truncated to ``seq_len``, whole documents packed in order into rows: the
+    next one starts a new row when it does not fit the rest of the current one."""
+    lengths = np.minimum(docs.lengths, seq_len)
+    row_of = np.empty(len(docs), np.int64)
+    col_of = np.empty(len(docs), np.int64)
+    row, used = 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if used + n > seq_len:
+            row, used = row + 1, 0
+        row_of[i], col_of[i] = row, used
+        used += n
+    num_rows = row + 1 if len(docs) else 0
+    doc = np.repeat(np.arange(len(docs)), lengths)  # [kept tokens]: its document
+    within = np.arange(len(doc)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    source = docs.offsets[doc] + within
+    first_doc = np.searchsorted(row_of, np.arange(num_rows))  # each row's first document
+    where = (row_of[doc], col_of[doc] + within)
+    tokens = np.full((num_rows, seq_len), pad_id, np.int32)
+    segment_ids = np.zeros((num_rows, seq_len), np.int32)
+    mask = np.zeros((num_rows, seq_len), bool)
+    tokens[where] = docs.tokens[source]
+    segment_ids[where] = doc - first_doc[row_of[doc]] + 1
+    mask[where] = docs.loss_mask[source]
+    return Rows(tokens, segment_ids, mask, pad_id)
 
 
 def batch_arrays(rows: Rows, indices: np.ndarray, pad_id: int) -> dict[str, np.ndarray]:

@@ -49,6 +49,7 @@ class TrainConfig:
     text_column: str = "text"
     prompt_column: str | None = None
     completion_column: str | None = None
+    chat_column: str | None = None  # conversations: loss on assistant turns only
     label_column: str | None = None  # classification/regression: the label column
     feature_columns: tuple[str, ...] | None = None  # default: every column but the label
     eval_data: str | None = None
@@ -126,8 +127,8 @@ class TrainConfig:
 
 SECTIONS = {
     "model": ("model", "override", "init_from"),
-    "data": ("data", "text_column", "prompt_column", "completion_column", "label_column",
-             "feature_columns", "eval_data", "eval_fraction", "tokenizer", "add_bos", "batch_size",
+    "data": ("data", "text_column", "prompt_column", "completion_column", "chat_column",
+             "label_column", "feature_columns", "eval_data", "eval_fraction", "tokenizer", "add_bos", "batch_size",
              "seq_len"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
@@ -151,6 +152,8 @@ HELP = {
     "text_column": "column holding the documents",
     "prompt_column": "fine-tuning: the prompt column (no loss); needs --completion-column",
     "completion_column": "fine-tuning: the completion column (loss)",
+    "chat_column": "chat fine-tuning: a column of {role, content} message lists, rendered with the "
+                   "tokenizer's chat template; loss on assistant turns only",
     "label_column": "classification/regression (an MLP): the label column; turns on labelled data",
     "feature_columns": "classification/regression: comma-separated feature columns (default: all but the label)",
     "eval_data": "held-out data spec for evaluation",
@@ -186,7 +189,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT"}
 
