@@ -97,6 +97,7 @@ from shardzoo.data.loader import (
     DataConfig,
     LabelledBatchIterator,
     make_datasets,
+    make_eval_dataset,
     make_labelled_datasets,
 )
 from shardzoo.data.sources import load_source
@@ -112,5 +113,6 @@ __all__ = [
     "load_source",
     "load_tokenizer",
     "make_datasets",
+    "make_eval_dataset",
     "make_labelled_datasets",
 ]
