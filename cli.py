@@ -248,26 +248,30 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
     src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json)")
-    p.add_argument("--data", required=True, metavar="SPEC",
-                   help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT]; for "
-                        "--task multiple-choice rows {context, choices, label} (e.g. JSONL)")
+    p.add_argument("--data", default=None, metavar="SPEC",
+                   help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
+                        "data of the --checkpoint run); --task multiple-choice: rows {context, "
+                        "choices, label} (e.g. JSONL)")
     p.add_argument("--task", default="lm", choices=("lm", "multiple-choice"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
                         "accuracy by each choice's log-likelihood (default: lm)")
     p.add_argument("--split", default="all", choices=("all", "train", "eval"),
-                   help="all rows of --data, or the documents a run with --eval-fraction and "
-                        "--seed trained on (train) or held out (eval) (default: all)")
-    p.add_argument("--eval-fraction", type=float, default=0.0, help="the run's --eval-fraction (for --split)")
-    p.add_argument("--seed", type=int, default=0, help="the run's --seed (for --split; default: 0)")
-    p.add_argument("--text-column", default="text", help="column holding the documents (default: text)")
+                   help="all rows of --data, or the documents that training with --eval-fraction "
+                        "and --seed kept (train) or held out (eval) (default: all)")
+    p.add_argument("--eval-fraction", type=float, default=None,
+                   help="for --split (default: the --checkpoint run's)")
+    p.add_argument("--seed", type=int, default=None, help="for --split (default: the run's, else 0)")
+    p.add_argument("--text-column", default=None, help="column holding the documents (default: the run's, else text)")
     p.add_argument("--prompt-column", default=None, help="prompt/completion rows: the prompt column (no loss)")
     p.add_argument("--completion-column", default=None, help="prompt/completion rows: the completion column")
     p.add_argument("--add-bos", action="store_true",
-                   help="start every text with bos (default: when the tokenizer itself adds it)")
+                   help="start every text with bos (default: as the run did, else when the "
+                        "tokenizer itself adds it)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per batch (default: a multiple of the device count, at least 8)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default: lm min(1024, max_position_embeddings); "
+                   help="tokens per sequence (default: lm the run's, else min(1024, "
+                        "max_position_embeddings); "
                         "multiple-choice the longest sequence, rounded up to a multiple of 8)")
     p.add_argument("--out", default=None, metavar="JSON", help="write the metrics to this JSON file")
     _add_step_arg(p)

@@ -44,14 +44,14 @@ MC_COLUMNS = ("context", "choices", "label")
 class EvalSettings:
     """What ``shardzoo eval`` was asked (its flags; see ``cli.add_eval_args``)."""
 
-    data: str
+    data: str | None = None  # None: the data the run (--checkpoint) trained on
     checkpoint: str | None = None
     hf: str | None = None
     task: str = "lm"
     split: str = "all"
-    eval_fraction: float = 0.0
-    seed: int = 0
-    text_column: str = "text"
+    eval_fraction: float | None = None  # None (and seed, columns, add_bos, seq_len): the run's
+    seed: int | None = None
+    text_column: str | None = None
     prompt_column: str | None = None
     completion_column: str | None = None
     add_bos: bool = False
@@ -221,12 +221,50 @@ def mc_seq_len(rows, tokenizer, add_bos: bool, max_len: int) -> int:
 
 
 # --------------------------------------------------------------------------- the command
+def run_settings(checkpoint: str) -> dict:
+    """The data settings (``data``, columns, ``eval_fraction``, ``add_bos``, ``seq_len``) and
+    ``seed`` a run recorded in its run.json; empty when it has none (e.g. an import-hf dir)."""
+    from shardzoo.train.checkpoint import checkpoint_steps
+
+    root, _ = checkpoint_steps(checkpoint)
+    try:
+        with open(os.path.join(os.path.dirname(root), "run.json")) as f:
+            settings = json.load(f).get("settings") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    recorded = {k: v for k, v in (settings.get("data") or {}).items() if v is not None}
+    seed = (settings.get("optimizer") or {}).get("seed")
+    return {**recorded, "seed": seed} if seed is not None else recorded
+
+
+def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
+    """``(data config, split)`` of an lm eval: the flags, else what the run recorded when
+    ``--data`` is the run's data (or not given); ``--split eval`` of a run that held out
+    ``--eval-data`` is all of that data."""
+    from shardzoo.data import DataConfig
+    from shardzoo.train.launch import STDLIB_EVAL_FRACTION
+
+    data, split = s.data or run.get("data"), s.split
+    if split == "eval" and s.data is None and s.eval_fraction is None and run.get("eval_data"):
+        data, split = run["eval_data"], "all"
+    same = data == run.get("data")
+    pick = lambda flag, key, default: flag if flag is not None else run.get(key, default) if same else default
+    fraction = pick(s.eval_fraction, "eval_fraction", None)
+    if fraction is None:  # what `shardzoo train` holds out of the embedded corpus by default
+        fraction = STDLIB_EVAL_FRACTION if data == "stdlib" and not (same and run.get("eval_data")) else 0.0
+    config = DataConfig(data=data, text_column=pick(s.text_column, "text_column", "text"),
+                        prompt_column=pick(s.prompt_column, "prompt_column", None),
+                        completion_column=pick(s.completion_column, "completion_column", None),
+                        eval_fraction=fraction, tokenizer=tokenizer.spec, add_bos=add_bos)
+    return config, split
+
+
 def run(s: EvalSettings) -> dict:
     """Load the model (``--checkpoint`` or ``--hf``), evaluate it as ``s`` says, write the
     metrics to ``s.out`` as JSON when given, and return them."""
     import datasets
 
-    from shardzoo.data import DataConfig, make_eval_dataset
+    from shardzoo.data import make_eval_dataset
     from shardzoo.train import hf_io
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
@@ -241,13 +279,18 @@ def run(s: EvalSettings) -> dict:
         raise UserError("--batch-size and --seq-len must be positive")
     if s.out and os.path.isdir(s.out):
         raise UserError(f"--out {s.out} is a directory: name the JSON file to write")
+    run = run_settings(s.checkpoint) if s.checkpoint else {}
+    if s.task == "multiple-choice" and s.data is None:
+        raise UserError("--task multiple-choice needs --data FILE of rows {context, choices, label}")
+    if s.data is None and "data" not in run:
+        raise UserError("--data SPEC is required (only a run that records its data defaults to it)")
     rows = read_choices(s.data) if s.task == "multiple-choice" else None  # fail fast, before loading
     mesh, rules = hf_io.mesh_and_rules(s.mesh, s.rules)
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
     if getattr(config, "task", "lm") != "lm":
         raise UserError(f"eval scores language models; this model's task is {config.task!r}")
-    add_bos = s.add_bos or adds_bos(tokenizer)
+    add_bos = s.add_bos or run.get("add_bos", adds_bos(tokenizer))
     max_len = getattr(config, "max_position_embeddings", 1024)
     if s.seq_len is not None and s.seq_len > max_len:
         raise UserError(f"--seq-len {s.seq_len} exceeds the model's max_position_embeddings {max_len}")
@@ -255,20 +298,23 @@ def run(s: EvalSettings) -> dict:
     if rows is not None:
         seq_len = s.seq_len or mc_seq_len(rows, tokenizer, add_bos, max_len)
     else:
-        seq_len = s.seq_len or min(1024, max_len)
+        seq_len = s.seq_len or min(run.get("seq_len", 1024), max_len)
     program = Program(config, rules, mesh, module=module, batch_size=batch_size, seq_len=seq_len)
     params = jax.device_put(params, program.shardings.params)
     if rows is not None:
         metrics = score_choices(program, params, rows, tokenizer, add_bos)
+        data = s.data
     else:
-        data = DataConfig(data=s.data, text_column=s.text_column, prompt_column=s.prompt_column,
-                          completion_column=s.completion_column, eval_fraction=s.eval_fraction,
-                          tokenizer=tokenizer.spec, add_bos=add_bos)
-        batches = make_eval_dataset(data, tokenizer, seq_len, batch_size, split=s.split, seed=s.seed,
+        config, split = _data_config(s, run, tokenizer, add_bos)
+        seed = s.seed if s.seed is not None else run.get("seed", 0)
+        batches = make_eval_dataset(config, tokenizer, seq_len, batch_size, split=split, seed=seed,
                                     mesh=mesh, rules=rules)
-        metrics = {**evaluate_lm(program, params, batches), "split": s.split}
-    metrics.update(data=s.data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
-                   rules=rules.name, mesh=describe_mesh(mesh))
+        metrics = {**evaluate_lm(program, params, batches), "split": split}
+        if split != "all":
+            metrics.update(eval_fraction=config.eval_fraction, seed=seed)
+        data = config.data
+    metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
+                   add_bos=bool(add_bos), rules=rules.name, mesh=describe_mesh(mesh))
     if s.out and jax.process_index() == 0:
         try:
             with open(s.out, "w") as f:

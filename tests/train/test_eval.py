@@ -42,11 +42,15 @@ def mc_rows():
     return rows
 
 
-def direct_lm_metrics(module, params, data, seq_len):
-    """Loss and token accuracy of every packed row at once, from the logits (numpy)."""
-    tokenizer = load_tokenizer("byte")
-    rows = pack_documents(tokenize_documents(load_source(data), tokenizer, "text"), seq_len, tokenizer.pad_id)
-    batch = batch_arrays(rows, np.arange(len(rows)), tokenizer.pad_id)
+def documents(data):
+    return tokenize_documents(load_source(data), load_tokenizer("byte"), "text")
+
+
+def direct_lm_metrics(module, params, docs, seq_len):
+    """Loss and token accuracy of every packed row of ``docs`` at once, from the logits (numpy)."""
+    pad = load_tokenizer("byte").pad_id
+    rows = pack_documents(docs, seq_len, pad)
+    batch = batch_arrays(rows, np.arange(len(rows)), pad)
     logits = np.asarray(jax.jit(module.apply)({"params": jax.device_get(params)}, batch["inputs"],
                                               positions=batch["positions"], segment_ids=batch["segment_ids"]),
                         np.float64)
@@ -67,7 +71,7 @@ def test_whole_split_equals_direct_mean_on_one_device_and_fsdp(tiny_lm, tmp_path
     one = Program(config, get_rules("dp"), make_mesh("", devices=jax.devices()[:1]), module=module,
                   batch_size=batch_size, seq_len=seq_len)
     params = one.init(jax.random.key(0)).params
-    num_rows, want = direct_lm_metrics(module, params, data, seq_len)
+    num_rows, want = direct_lm_metrics(module, params, documents(data), seq_len)
     assert num_rows % batch_size  # the last batch is partial
     for rules, mesh in (("dp", one.mesh), ("fsdp", make_mesh("fsdp=8"))):
         program = one if rules == "dp" else Program(config, get_rules(rules), mesh, module=module,
@@ -84,14 +88,15 @@ def test_whole_split_equals_direct_mean_on_one_device_and_fsdp(tiny_lm, tmp_path
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A one-layer llama-tiny trained 150 steps on "Q: ... A: answer" texts: (run dir, data dir)."""
+    """A one-layer llama-tiny trained 100 steps on "Q: ... A: answer" texts (each 4 times), a
+    quarter of them held out: (run dir, data dir)."""
     d = tmp_path_factory.mktemp("qa")
     write_jsonl(d / "train.jsonl", [{"text": f"Q: {q} A: {a}"} for q, a in QA] * 4)
     write_jsonl(d / "mc.jsonl", mc_rows())
     run = str(d / "run")
-    assert cli.main(["train", *TINY_FLAGS, "--data", str(d / "train.jsonl"), "--batch-size", "8",
-                     "--seq-len", "32", "--steps", "150", "--lr", "1e-2", "--warmup-steps", "5",
-                     "--log-every", "150", "--eval-every", "0", "--out", run]) == 0
+    assert cli.main(["train", *TINY_FLAGS, "--data", str(d / "train.jsonl"), "--eval-fraction", "0.25",
+                     "--seed", "3", "--batch-size", "8", "--seq-len", "32", "--steps", "100", "--lr", "1e-2",
+                     "--warmup-steps", "5", "--log-every", "100", "--eval-every", "0", "--out", run]) == 0
     return run, d
 
 
@@ -105,19 +110,26 @@ def test_a_model_trained_on_the_answers_picks_every_one(trained, capsys):
     assert "acc 1.0000" in capsys.readouterr().out
 
 
-def test_eval_cli_writes_the_direct_numbers_of_a_checkpoint(trained, tmp_path):
+def test_eval_split_of_a_run_is_its_held_out_documents(trained, tmp_path):
+    """``--split eval`` with the run's data, seed, fraction and seq_len (all defaulted from the
+    run) equals the direct mean over the held-out documents, and the trainer's own final eval."""
+    from shardzoo.data.packing import split_documents
     from shardzoo.train.checkpoint import load_model_and_params
 
     run, d = trained
     out = tmp_path / "m.json"
-    assert cli.main(["eval", "--checkpoint", run, "--data", str(d / "train.jsonl"), "--batch-size", "8",
-                     "--seq-len", "32", "--rules", "fsdp", "--mesh", "fsdp=8", "--out", str(out)]) == 0
+    assert cli.main(["eval", "--checkpoint", run, "--split", "eval", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
+    assert (got["seq_len"], got["seed"], got["eval_fraction"], got["mesh"]) == (32, 3, 0.25, "data=1,fsdp=8,expert=1,sequence=1,tensor=1")
     module, _, params, _ = load_model_and_params(run)
-    _, want = direct_lm_metrics(module, params, str(d / "train.jsonl"), 32)
+    held_out = split_documents(documents(str(d / "train.jsonl")), 0.25, 3)[1]
+    _, want = direct_lm_metrics(module, params, held_out, 32)
     assert got["tokens"] == want["tokens"]
     assert abs(got["loss"] - want["loss"]) < 1e-5
     assert abs(got["token_accuracy"] - want["token_accuracy"]) < 1e-5
+    with open(f"{run}/metrics.jsonl") as f:
+        trainer_eval = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
+    assert abs(got["loss"] - trainer_eval["eval_loss"]) < 1e-5
 
 
 @pytest.fixture(scope="module")
