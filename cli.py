@@ -261,7 +261,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-fraction", type=float, default=None,
                    help="for --split (default: the --checkpoint run's)")
     p.add_argument("--seed", type=int, default=None, help="for --split (default: the run's, else 0)")
-    p.add_argument("--text-column", default=None, help="column holding the documents (default: the run's, else text)")
+    p.add_argument("--text-column", default=None, help="column holding the documents (default: "
+                   "the run's columns, else text)")
     p.add_argument("--prompt-column", default=None, help="prompt/completion rows: the prompt column (no loss)")
     p.add_argument("--completion-column", default=None, help="prompt/completion rows: the completion column")
     p.add_argument("--add-bos", action="store_true",

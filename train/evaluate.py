@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardzoo.data import DataConfig
 from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import activate, replicated
@@ -38,6 +39,7 @@ from shardzoo.train.tasks import forward, summarize_eval
 
 TASKS = ("lm", "multiple-choice")
 MC_COLUMNS = ("context", "choices", "label")
+DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,24 +240,27 @@ def run_settings(checkpoint: str) -> dict:
 
 
 def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
-    """``(data config, split)`` of an lm eval: the flags, else what the run recorded when
-    ``--data`` is the run's data (or not given); ``--split eval`` of a run that held out
+    """``(data config, split)`` of an lm eval: the flags, else what the run recorded (its eval
+    fraction only for the run's own data); ``--split eval`` of a run that held out
     ``--eval-data`` is all of that data."""
-    from shardzoo.data import DataConfig
     from shardzoo.train.launch import STDLIB_EVAL_FRACTION
 
     data, split = s.data or run.get("data"), s.split
     if split == "eval" and s.data is None and s.eval_fraction is None and run.get("eval_data"):
         data, split = run["eval_data"], "all"
     same = data == run.get("data")
-    pick = lambda flag, key, default: flag if flag is not None else run.get(key, default) if same else default
-    fraction = pick(s.eval_fraction, "eval_fraction", None)
+    fraction = s.eval_fraction if s.eval_fraction is not None else run.get("eval_fraction") if same else None
     if fraction is None:  # what `shardzoo train` holds out of the embedded corpus by default
         fraction = STDLIB_EVAL_FRACTION if data == "stdlib" and not (same and run.get("eval_data")) else 0.0
-    config = DataConfig(data=data, text_column=pick(s.text_column, "text_column", "text"),
-                        prompt_column=pick(s.prompt_column, "prompt_column", None),
-                        completion_column=pick(s.completion_column, "completion_column", None),
-                        eval_fraction=fraction, tokenizer=tokenizer.spec, add_bos=add_bos)
+    flags = {"text_column": s.text_column, "prompt_column": s.prompt_column,
+             "completion_column": s.completion_column}
+    if any(v is not None for v in flags.values()):
+        layout = {k: v for k, v in flags.items() if v is not None}
+    else:  # the run's columns and row layout (data of the same layout), else the text column
+        own = {"data", "eval_data", "eval_fraction", "tokenizer", "add_bos", "cache_dir"}
+        layout = {k: v for k, v in run.items() if k in DATA_FIELDS - own}
+    config = DataConfig(data=data, eval_fraction=fraction, tokenizer=tokenizer.spec, add_bos=add_bos,
+                        **layout)
     return config, split
 
 
