@@ -265,6 +265,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    "the run's columns, else text)")
     p.add_argument("--prompt-column", default=None, help="prompt/completion rows: the prompt column (no loss)")
     p.add_argument("--completion-column", default=None, help="prompt/completion rows: the completion column")
+    p.add_argument("--chat-column", default=None,
+                   help="conversations ({role, content} lists): loss on the assistant turns only")
     p.add_argument("--add-bos", action="store_true",
                    help="start every text with bos (default: as the run did, else when the "
                         "tokenizer itself adds it)")

@@ -56,6 +56,7 @@ class EvalSettings:
     text_column: str | None = None
     prompt_column: str | None = None
     completion_column: str | None = None
+    chat_column: str | None = None
     add_bos: bool = False
     rules: str | None = None
     mesh: str | None = None
@@ -253,7 +254,7 @@ def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
     if fraction is None:  # what `shardzoo train` holds out of the embedded corpus by default
         fraction = STDLIB_EVAL_FRACTION if data == "stdlib" and not (same and run.get("eval_data")) else 0.0
     flags = {"text_column": s.text_column, "prompt_column": s.prompt_column,
-             "completion_column": s.completion_column}
+             "completion_column": s.completion_column, "chat_column": s.chat_column}
     if any(v is not None for v in flags.values()):
         layout = {k: v for k, v in flags.items() if v is not None}
     else:  # the run's columns and row layout (data of the same layout), else the text column
