@@ -285,10 +285,10 @@ def run(s: EvalSettings) -> dict:
         raise UserError("--batch-size and --seq-len must be positive")
     if s.out and os.path.isdir(s.out):
         raise UserError(f"--out {s.out} is a directory: name the JSON file to write")
-    run = run_settings(s.checkpoint) if s.checkpoint else {}
+    recorded = run_settings(s.checkpoint) if s.checkpoint else {}
     if s.task == "multiple-choice" and s.data is None:
         raise UserError("--task multiple-choice needs --data FILE of rows {context, choices, label}")
-    if s.data is None and "data" not in run:
+    if s.data is None and "data" not in recorded:
         raise UserError("--data SPEC is required (only a run that records its data defaults to it)")
     rows = read_choices(s.data) if s.task == "multiple-choice" else None  # fail fast, before loading
     mesh, rules = hf_io.mesh_and_rules(s.mesh, s.rules)
@@ -296,7 +296,7 @@ def run(s: EvalSettings) -> dict:
                                                                 step=s.step)
     if getattr(config, "task", "lm") != "lm":
         raise UserError(f"eval scores language models; this model's task is {config.task!r}")
-    add_bos = s.add_bos or run.get("add_bos", adds_bos(tokenizer))
+    add_bos = s.add_bos or recorded.get("add_bos", adds_bos(tokenizer))
     max_len = getattr(config, "max_position_embeddings", 1024)
     if s.seq_len is not None and s.seq_len > max_len:
         raise UserError(f"--seq-len {s.seq_len} exceeds the model's max_position_embeddings {max_len}")
@@ -304,15 +304,15 @@ def run(s: EvalSettings) -> dict:
     if rows is not None:
         seq_len = s.seq_len or mc_seq_len(rows, tokenizer, add_bos, max_len)
     else:
-        seq_len = s.seq_len or min(run.get("seq_len", 1024), max_len)
+        seq_len = s.seq_len or min(recorded.get("seq_len", 1024), max_len)
     program = Program(config, rules, mesh, module=module, batch_size=batch_size, seq_len=seq_len)
     params = jax.device_put(params, program.shardings.params)
     if rows is not None:
         metrics = score_choices(program, params, rows, tokenizer, add_bos)
         data = s.data
     else:
-        config, split = _data_config(s, run, tokenizer, add_bos)
-        seed = s.seed if s.seed is not None else run.get("seed", 0)
+        config, split = _data_config(s, recorded, tokenizer, add_bos)
+        seed = s.seed if s.seed is not None else recorded.get("seed", 0)
         batches = make_eval_dataset(config, tokenizer, seq_len, batch_size, split=split, seed=seed,
                                     mesh=mesh, rules=rules)
         metrics = {**evaluate_lm(program, params, batches), "split": split}

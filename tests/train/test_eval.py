@@ -151,7 +151,8 @@ def hf_llama(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    # the vocabulary rounded up to a multiple of 8, so that tensor=2 divides it
+    config = LlamaConfig(vocab_size=-(-len(fast) // 8) * 8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -170,7 +171,8 @@ def test_choice_loglikelihoods_equal_transformers(hf_llama, tmp_path):
     data = write_jsonl(tmp_path / "mc.jsonl", rows)
     out = tmp_path / "m.json"
     assert cli.main(["eval", "--hf", path, "--task", "multiple-choice", "--data", data, "--batch-size", "8",
-                     "--out", str(out)]) == 0  # default: fsdp over the 8 devices, 18 sequences in 3 batches
+                     "--rules", "fsdp_tp", "--mesh", "fsdp=4,tensor=2",  # logits split over the vocabulary
+                     "--out", str(out)]) == 0  # 18 sequences in 3 batches, the last one partial
     got = json.loads(out.read_text())["logprobs"]
     for row, scores in zip(rows, got, strict=True):
         context = row["context"].rstrip(" ")
