@@ -202,6 +202,7 @@ def score_choices(program: Program, params, rows, tokenizer, add_bos: bool = Fal
     with _progress(-(-len(seqs) // b), "scoring") as bar:
         for k in range(0, len(seqs), b):
             items = seqs[k:k + b]
+            # every process builds the whole batch alike; place() hands each device its rows
             batch = mc_batch(items, program.seq_len, b, tokenizer.pad_id)
             out = jax.device_get(score(params, program.place(batch)))
             for r, (i, j, _, _) in enumerate(items):
