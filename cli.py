@@ -243,6 +243,56 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- eval
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
+    src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json)")
+    p.add_argument("--data", default=None, metavar="SPEC",
+                   help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
+                        "data of the --checkpoint run); --task multiple-choice: rows {context, "
+                        "choices, label} (e.g. JSONL)")
+    p.add_argument("--task", default="lm", choices=("lm", "multiple-choice"),
+                   help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
+                        "accuracy by each choice's log-likelihood (default: lm)")
+    p.add_argument("--split", default="all", choices=("all", "train", "eval"),
+                   help="all rows of --data, or the documents that training with --eval-fraction "
+                        "and --seed kept (train) or held out (eval) (default: all)")
+    p.add_argument("--eval-fraction", type=float, default=None,
+                   help="for --split (default: the --checkpoint run's)")
+    p.add_argument("--seed", type=int, default=None, help="for --split (default: the run's, else 0)")
+    p.add_argument("--text-column", default=None, help="column holding the documents (default: "
+                   "the run's columns, else text)")
+    p.add_argument("--prompt-column", default=None, help="prompt/completion rows: the prompt column (no loss)")
+    p.add_argument("--completion-column", default=None, help="prompt/completion rows: the completion column")
+    p.add_argument("--chat-column", default=None,
+                   help="conversations ({role, content} lists): loss on the assistant turns only")
+    p.add_argument("--add-bos", action="store_true",
+                   help="start every text with bos (default: as the run did, else when the "
+                        "tokenizer itself adds it)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch (default: a multiple of the device count, at least 8)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: lm the run's, else min(1024, "
+                        "max_position_embeddings); "
+                        "multiple-choice the longest sequence, rounded up to a multiple of 8)")
+    p.add_argument("--out", default=None, metavar="JSON", help="write the metrics to this JSON file")
+    _add_step_arg(p)
+    _add_sharding_args(p, "float32 for --hf, the checkpoint's for --checkpoint")
+
+
+def cmd_eval(args) -> int:
+    """Print (and with --out write as JSON) a model's metrics over a whole split."""
+    import dataclasses
+
+    from shardzoo.train import evaluate
+
+    fields = {f.name for f in dataclasses.fields(evaluate.EvalSettings)}
+    metrics = evaluate.run(evaluate.EvalSettings(**{k: v for k, v in vars(args).items() if k in fields}))
+    print(evaluate.format_metrics(metrics))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 COMMANDS = {
     "plan": (add_plan_args, cmd_plan, "show where every array lives and what it costs per device"),
@@ -250,6 +300,7 @@ COMMANDS = {
     "generate": (add_generate_args, cmd_generate, "generate text from a checkpoint or an HF model"),
     "import-hf": (add_import_hf_args, cmd_import_hf, "convert a Hugging Face checkpoint to shardzoo"),
     "export-hf": (add_export_hf_args, cmd_export_hf, "convert a shardzoo checkpoint to Hugging Face"),
+    "eval": (add_eval_args, cmd_eval, "loss, perplexity, accuracy or multiple-choice accuracy of a model"),
     "plot": (add_plot_args, cmd_plot, "draw the loss curves of a run to a PNG"),
 }
 

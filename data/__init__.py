@@ -26,6 +26,11 @@ The API the trainer codes against::
         config, tokenizer, seq_len, global_batch_size, mesh=None, rules=None, seed=0,
         process_index=None, process_count=None)
 
+``make_eval_dataset(config, tokenizer, seq_len, global_batch_size, split="all", seed=0, mesh=None,
+rules=None)``: one in-order pass over every row of ``config.data`` (``split="all"``) or over the
+documents ``make_datasets`` keeps (``"train"``) or holds out (``"eval"``) under ``eval_fraction``
+and ``seed`` (``shardzoo eval``).
+
 ``tokenizer=None`` loads ``config.tokenizer``. ``eval_iter`` is None without eval data. Text
 files are one document per file; ``eval_fraction`` holds out whole documents (seeded by ``seed``).
 
@@ -97,6 +102,7 @@ from shardzoo.data.loader import (
     DataConfig,
     LabelledBatchIterator,
     make_datasets,
+    make_eval_dataset,
     make_labelled_datasets,
 )
 from shardzoo.data.sources import load_source
@@ -112,5 +118,6 @@ __all__ = [
     "load_source",
     "load_tokenizer",
     "make_datasets",
+    "make_eval_dataset",
     "make_labelled_datasets",
 ]

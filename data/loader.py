@@ -225,6 +225,11 @@ def _documents(spec: str, config: DataConfig, tokenizer):
     return docs
 
 
+def _packer(config: DataConfig):
+    """How ``config``'s documents become rows: conversations, examples, or packed documents."""
+    return pack_conversations if config.chat else pack_examples if config.examples else pack_documents
+
+
 def _check_eval_split(config: DataConfig) -> None:
     if not 0.0 <= config.eval_fraction < 1.0:
         raise DataError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
@@ -265,7 +270,7 @@ def make_datasets(
             )
         train_docs, eval_docs = split_documents(train_docs, config.eval_fraction, seed)
 
-    pack = pack_conversations if config.chat else pack_examples if config.examples else pack_documents
+    pack = _packer(config)
     train_rows = pack(train_docs, seq_len, tokenizer.pad_id)
     if config.chat and not train_rows.loss_mask.any():
         where = (f"within the first --seq-len {seq_len} tokens of any conversation"
@@ -307,6 +312,37 @@ def make_datasets(
             **common,
         )
     return train, evaluation
+
+
+def make_eval_dataset(
+    config: DataConfig,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    *,
+    split: str = "all",
+    seed: int = 0,
+    mesh=None,
+    rules=None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> BatchIterator:
+    """One in-order pass over the rows of ``config.data`` (``split="all"``), or of the documents
+    that ``make_datasets`` trains on (``"train"``) or holds out (``"eval"``) under
+    ``config.eval_fraction`` and ``seed``; the last batch is filled up with rows of weight 0."""
+    if split not in ("all", "train", "eval"):
+        raise DataError(f"--split {split!r}: expected all, train or eval")
+    if split != "all" and not 0.0 < config.eval_fraction < 1.0:
+        raise DataError(f"--split {split} needs the --eval-fraction in (0, 1) the run held out")
+    tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
+    docs = _documents(config.data, config, tokenizer)
+    if split != "all":
+        if len(docs) < 2:
+            raise DataError(f"data {config.data!r} has {len(docs)} document: nothing to split")
+        docs = split_documents(docs, config.eval_fraction, seed)[split == "eval"]
+    return BatchIterator(_packer(config)(docs, seq_len, tokenizer.pad_id), global_batch_size, seed=seed,
+                         shuffle=False, repeat=False, mesh=mesh, rules=rules,
+                         process_index=process_index, process_count=process_count)
 
 
 class LabelledBatchIterator(BatchIterator):

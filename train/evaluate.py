@@ -1,0 +1,342 @@
+"""``shardzoo eval``: a language model's loss, perplexity and token accuracy over a whole split,
+and multiple-choice accuracy by log-likelihood, under any rule table.
+
+Language modelling: one in-order pass over every row of the split (``data.make_eval_dataset``,
+the pipeline the trainer's eval uses; the last batch filled up with rows of weight 0) through
+the Program's compiled eval step. Its per-batch sums (weighted loss, weight, correct guesses)
+are added up in float64 on the host and divided once at the end, so the numbers are those of
+one batch holding the whole split.
+
+Multiple choice (lm-eval-harness's ``loglikelihood`` requests): each row ``{context, choices,
+label}`` becomes one sequence per choice. ``context + choice`` is tokenized whole and the
+choice's tokens are those past the context's own tokens (trailing spaces of the context move to
+the choice first, as the harness does). A choice scores the sum of its tokens' log-probabilities
+given everything before them. ``acc`` picks the highest sum; ``acc_norm`` the highest sum divided
+by the choice's length in characters (the harness's ``acc_norm``, which divides by
+``len(choice)``, a count of characters). Sequences go through the model in batches, sharded as
+the Program lays out params and batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardzoo.data import DataConfig
+from shardzoo.errors import UserError
+from shardzoo.sharding.mesh import describe_mesh
+from shardzoo.sharding.partition import activate, replicated
+from shardzoo.train.program import Program
+from shardzoo.train.tasks import forward, summarize_eval
+
+TASKS = ("lm", "multiple-choice")
+MC_COLUMNS = ("context", "choices", "label")
+DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What ``shardzoo eval`` was asked (its flags; see ``cli.add_eval_args``)."""
+
+    data: str | None = None  # None: the data the run (--checkpoint) trained on
+    checkpoint: str | None = None
+    hf: str | None = None
+    task: str = "lm"
+    split: str = "all"
+    eval_fraction: float | None = None  # None (and seed, columns, add_bos, seq_len): the run's
+    seed: int | None = None
+    text_column: str | None = None
+    prompt_column: str | None = None
+    completion_column: str | None = None
+    chat_column: str | None = None
+    add_bos: bool = False
+    rules: str | None = None
+    mesh: str | None = None
+    dtype: str | None = None
+    step: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    out: str | None = None
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar on stderr (off when stderr is not a terminal, and on every process but 0)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False,
+                disable=None if jax.process_index() == 0 else True)
+
+
+# --------------------------------------------------------------------------- language modelling
+def evaluate_lm(program: Program, params, batches, total: int | None = None) -> dict:
+    """Loss, perplexity and token accuracy over every batch of ``batches`` (the data contract's
+    dicts; rows of weight 0 count nothing), by ``program``'s compiled eval step."""
+    step = program.compiled_eval_step()
+    totals, count = {}, 0
+    with _progress(total if total is not None else getattr(batches, "batches_per_epoch", None), "eval") as bar:
+        for batch in batches:
+            sums = jax.device_get(step(params, program.place(batch)))
+            for key, value in sums.items():
+                totals[key] = totals.get(key, 0.0) + float(value)  # float64 on the host
+            count += 1
+            bar.update()
+    if not count or totals["weight"] <= 0:
+        raise UserError("the evaluation data has no target tokens")
+    summary = summarize_eval(program.task, totals)
+    return {"task": "lm", "loss": summary["eval_loss"],
+            "perplexity": float(math.exp(min(summary["eval_loss"], 700.0))),
+            "token_accuracy": summary["eval_accuracy"], "tokens": int(round(totals["weight"])),
+            "batches": count}
+
+
+# --------------------------------------------------------------------------- multiple choice
+def read_choices(spec: str) -> list[dict]:
+    """The rows ``{context, choices, label}`` of a data spec (e.g. a JSONL file), checked."""
+    from shardzoo.data import DataError, load_source
+
+    ds = load_source(spec)
+    missing = [c for c in MC_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise DataError(f"data {spec!r} has no column {missing[0]!r} (multiple choice needs "
+                        f"{', '.join(MC_COLUMNS)}); its columns are: {', '.join(ds.column_names)}")
+    rows = []
+    for n, row in enumerate(ds.select_columns(list(MC_COLUMNS)), 1):
+        context, choices, label = (row[c] for c in MC_COLUMNS)
+        where = f"data {spec!r}, row {n}"
+        if not isinstance(context, str):
+            raise DataError(f"{where}: context is {type(context).__name__}, not text")
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise DataError(f"{where}: choices must be a non-empty list of non-empty texts")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+            raise DataError(f"{where}: label {label!r} is not an index of its {len(choices)} choices")
+        rows.append({"context": context, "choices": list(choices), "label": label})
+    return rows
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether an HF tokenizer's post-processor starts every text with bos (as Llama's does):
+    then the data pipeline and the scoring add bos too, as the model saw in training."""
+    inner = getattr(tokenizer, "tokenizer", None)  # HFTokenizer's tokenizers.Tokenizer
+    if inner is None:
+        return False
+    plain, full = inner.encode("a", add_special_tokens=False).ids, inner.encode("a").ids
+    return full[:1] == [tokenizer.bos_id] and plain[:1] != [tokenizer.bos_id]
+
+
+def encode_pair(tokenizer, context: str, choice: str, add_bos: bool) -> tuple[list[int], list[int]]:
+    """``(context ids, choice ids)`` the lm-eval-harness way: the whole text tokenized at once,
+    the choice being the tokens past the context's own; an empty context starts with bos."""
+    stripped = context.rstrip(" ")
+    choice = context[len(stripped):] + choice
+    prefix = [tokenizer.bos_id] if add_bos or not stripped else []
+    head = prefix + list(tokenizer.encode(stripped))
+    whole = prefix + list(tokenizer.encode(stripped + choice))
+    return head, whole[len(head):]
+
+
+def choice_logprobs(params, batch, *, module, task):
+    """Per row of ``batch``: the summed log-probability of its weighted targets, and whether
+    each of them is the model's greedy guess."""
+    logits, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [batch, length, vocab]
+    picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    weights = batch["weights"].astype(jnp.float32)
+    greedy = (jnp.argmax(logp, axis=-1) == batch["targets"]) | (weights == 0)
+    return {"logprob": jnp.sum(picked * weights, axis=-1), "greedy": jnp.all(greedy, axis=-1)}
+
+
+def _sequences(rows, tokenizer, add_bos: bool):
+    """``(row, choice, ids, first target index)`` of every choice of every row."""
+    out = []
+    for i, row in enumerate(rows):
+        for j, choice in enumerate(row["choices"]):
+            head, tail = encode_pair(tokenizer, row["context"], choice, add_bos)
+            if not tail:
+                raise UserError(f"row {i + 1}: choice {j} encodes to no tokens after the context")
+            out.append((i, j, head + tail, len(head)))
+    return out
+
+
+def mc_batch(items, seq_len: int, batch_size: int, pad_id: int) -> dict:
+    """The lm batch of up to ``batch_size`` sequences: ids truncated on the left to ``seq_len + 1``
+    tokens, the choice's tokens the only targets; missing rows are all padding (weight 0)."""
+    shape = (batch_size, seq_len)
+    batch = {k: np.zeros(shape, np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    batch["inputs"][:] = batch["targets"][:] = pad_id
+    batch["weights"] = np.zeros(shape, np.float32)
+    for r, (_, _, ids, start) in enumerate(items):
+        cut = max(0, len(ids) - (seq_len + 1))
+        ids, start = ids[cut:], start - cut
+        n = len(ids) - 1
+        batch["inputs"][r, :n], batch["targets"][r, :n] = ids[:-1], ids[1:]
+        batch["positions"][r, :n] = np.arange(n)
+        batch["segment_ids"][r, :n] = 1
+        batch["weights"][r, start - 1:n] = 1.0  # targets ids[start:] are the choice's tokens
+    return batch
+
+
+def score_choices(program: Program, params, rows, tokenizer, add_bos: bool = False) -> dict:
+    """Multiple-choice accuracy of ``rows`` (``read_choices``) and every choice's summed
+    log-likelihood; batches of ``program.batch_size`` sequences of ``program.seq_len``."""
+    seqs = _sequences(rows, tokenizer, add_bos)
+    for i, j, ids, start in seqs:
+        if len(ids) - start > program.seq_len:
+            raise UserError(f"row {i + 1}: choice {j} is {len(ids) - start} tokens, more than "
+                            f"--seq-len {program.seq_len}")
+    fn = jax.jit(functools.partial(choice_logprobs, module=program.module, task=program.task),
+                 in_shardings=(program.shardings.params, program.batch_shardings),
+                 out_shardings=replicated(program.mesh))
+    with activate(program.mesh, program.rules):
+        score = fn.lower(program.abstract.params, program.abstract_batch).compile()
+    b = program.batch_size
+    logprobs = [np.zeros(len(r["choices"])) for r in rows]
+    greedy = [np.zeros(len(r["choices"]), bool) for r in rows]
+    with _progress(-(-len(seqs) // b), "scoring") as bar:
+        for k in range(0, len(seqs), b):
+            items = seqs[k:k + b]
+            # every process builds the whole batch alike; place() hands each device its rows
+            batch = mc_batch(items, program.seq_len, b, tokenizer.pad_id)
+            out = jax.device_get(score(params, program.place(batch)))
+            for r, (i, j, _, _) in enumerate(items):
+                logprobs[i][j], greedy[i][j] = out["logprob"][r], out["greedy"][r]
+            bar.update()
+    lengths = [np.asarray([len(c) for c in r["choices"]], np.float64) for r in rows]
+    acc = [int(np.argmax(lp)) == r["label"] for lp, r in zip(logprobs, rows, strict=True)]
+    acc_norm = [int(np.argmax(lp / n)) == r["label"] for lp, n, r in zip(logprobs, lengths, rows, strict=True)]
+    return {"task": "multiple-choice", "acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)),
+            "acc_norm_by": "characters", "rows": len(rows), "sequences": len(seqs),
+            "logprobs": [lp.tolist() for lp in logprobs],
+            "greedy": [g.tolist() for g in greedy]}
+
+
+def mc_seq_len(rows, tokenizer, add_bos: bool, max_len: int) -> int:
+    """The default sequence length of multiple choice: the longest sequence (inputs are one
+    token shorter than the ids), rounded up to a multiple of 8, at most ``max_len``."""
+    longest = max(len(ids) - 1 for _, _, ids, _ in _sequences(rows, tokenizer, add_bos))
+    return min(-(-longest // 8) * 8, max_len)
+
+
+# --------------------------------------------------------------------------- the command
+def run_settings(checkpoint: str) -> dict:
+    """The data settings (``data``, columns, ``eval_fraction``, ``add_bos``, ``seq_len``) and
+    ``seed`` a run recorded in its run.json; empty when it has none (e.g. an import-hf dir)."""
+    from shardzoo.train.checkpoint import checkpoint_steps
+
+    root, _ = checkpoint_steps(checkpoint)
+    try:
+        with open(os.path.join(os.path.dirname(root), "run.json")) as f:
+            settings = json.load(f).get("settings") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    recorded = {k: v for k, v in (settings.get("data") or {}).items() if v is not None}
+    seed = (settings.get("optimizer") or {}).get("seed")
+    return {**recorded, "seed": seed} if seed is not None else recorded
+
+
+def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
+    """``(data config, split)`` of an lm eval: the flags, else what the run recorded (its eval
+    fraction only for the run's own data); ``--split eval`` of a run that held out
+    ``--eval-data`` is all of that data."""
+    from shardzoo.train.launch import STDLIB_EVAL_FRACTION
+
+    data, split = s.data or run.get("data"), s.split
+    if split == "eval" and s.data is None and s.eval_fraction is None and run.get("eval_data"):
+        data, split = run["eval_data"], "all"
+    same = data == run.get("data")
+    fraction = s.eval_fraction if s.eval_fraction is not None else run.get("eval_fraction") if same else None
+    if fraction is None:  # what `shardzoo train` holds out of the embedded corpus by default
+        fraction = STDLIB_EVAL_FRACTION if data == "stdlib" and not (same and run.get("eval_data")) else 0.0
+    flags = {"text_column": s.text_column, "prompt_column": s.prompt_column,
+             "completion_column": s.completion_column, "chat_column": s.chat_column}
+    if any(v is not None for v in flags.values()):
+        layout = {k: v for k, v in flags.items() if v is not None}
+    else:  # the run's columns and row layout (data of the same layout), else the text column
+        own = {"data", "eval_data", "eval_fraction", "tokenizer", "add_bos", "cache_dir"}
+        layout = {k: v for k, v in run.items() if k in DATA_FIELDS - own}
+    config = DataConfig(data=data, eval_fraction=fraction, tokenizer=tokenizer.spec, add_bos=add_bos,
+                        **layout)
+    return config, split
+
+
+def run(s: EvalSettings) -> dict:
+    """Load the model (``--checkpoint`` or ``--hf``), evaluate it as ``s`` says, write the
+    metrics to ``s.out`` as JSON when given, and return them."""
+    import datasets
+
+    from shardzoo.data import make_eval_dataset
+    from shardzoo.train import hf_io
+
+    if not sys.stderr.isatty():  # keep a user error one line on a log
+        datasets.disable_progress_bars()
+    if (s.checkpoint is None) == (s.hf is None):
+        raise UserError("give one of --checkpoint DIR or --hf DIR")
+    if s.task not in TASKS:
+        raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
+    if s.step is not None and s.checkpoint is None:
+        raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
+    if (s.batch_size is not None and s.batch_size < 1) or (s.seq_len is not None and s.seq_len < 1):
+        raise UserError("--batch-size and --seq-len must be positive")
+    if s.out and os.path.isdir(s.out):
+        raise UserError(f"--out {s.out} is a directory: name the JSON file to write")
+    recorded = run_settings(s.checkpoint) if s.checkpoint else {}
+    if s.task == "multiple-choice" and s.data is None:
+        raise UserError("--task multiple-choice needs --data FILE of rows {context, choices, label}")
+    if s.data is None and "data" not in recorded:
+        raise UserError("--data SPEC is required (only a run that records its data defaults to it)")
+    rows = read_choices(s.data) if s.task == "multiple-choice" else None  # fail fast, before loading
+    mesh, rules = hf_io.mesh_and_rules(s.mesh, s.rules)
+    module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
+                                                                step=s.step)
+    if getattr(config, "task", "lm") != "lm":
+        raise UserError(f"eval scores language models; this model's task is {config.task!r}")
+    add_bos = s.add_bos or recorded.get("add_bos", adds_bos(tokenizer))
+    max_len = getattr(config, "max_position_embeddings", 1024)
+    if s.seq_len is not None and s.seq_len > max_len:
+        raise UserError(f"--seq-len {s.seq_len} exceeds the model's max_position_embeddings {max_len}")
+    batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
+    if rows is not None:
+        seq_len = s.seq_len or mc_seq_len(rows, tokenizer, add_bos, max_len)
+    else:
+        seq_len = s.seq_len or min(recorded.get("seq_len", 1024), max_len)
+    program = Program(config, rules, mesh, module=module, batch_size=batch_size, seq_len=seq_len)
+    params = jax.device_put(params, program.shardings.params)
+    if rows is not None:
+        metrics = score_choices(program, params, rows, tokenizer, add_bos)
+        data = s.data
+    else:
+        config, split = _data_config(s, recorded, tokenizer, add_bos)
+        seed = s.seed if s.seed is not None else recorded.get("seed", 0)
+        batches = make_eval_dataset(config, tokenizer, seq_len, batch_size, split=split, seed=seed,
+                                    mesh=mesh, rules=rules)
+        metrics = {**evaluate_lm(program, params, batches), "split": split}
+        if split != "all":
+            metrics.update(eval_fraction=config.eval_fraction, seed=seed)
+        data = config.data
+    metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
+                   add_bos=bool(add_bos), rules=rules.name, mesh=describe_mesh(mesh))
+    if s.out and jax.process_index() == 0:
+        try:
+            with open(s.out, "w") as f:
+                json.dump(metrics, f, indent=1)
+                f.write("\n")
+        except OSError as e:
+            raise UserError(f"--out {s.out}: cannot write: {e.strerror}") from None
+    return metrics
+
+
+def format_metrics(metrics: dict) -> str:
+    """One line of the headline numbers."""
+    if metrics["task"] == "multiple-choice":
+        return (f"multiple-choice over {metrics['rows']} rows: acc {metrics['acc']:.4f}, "
+                f"acc_norm {metrics['acc_norm']:.4f} (log-likelihood / characters)")
+    return (f"eval over {metrics['tokens']} tokens in {metrics['batches']} batches: loss "
+            f"{metrics['loss']:.4f}, perplexity {metrics['perplexity']:.4f}, token accuracy "
+            f"{metrics['token_accuracy']:.4f}")
