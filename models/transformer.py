@@ -30,7 +30,7 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
-from shardzoo.models.pipeline import PipelineError, active_schedule, pipeline
+from shardzoo.models.pipeline import PipelineError, active_schedule, make_schedule, pipeline
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -234,9 +234,22 @@ class TransformerConfig:
         attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * keys
         return 6 * matmul + attn
 
+    def pipeline_plan(self, batch_size: int, shards) -> dict | None:
+        """The pipeline schedule (``models/pipeline.py``) when the rules split the layer stack
+        (``shards((layers,)) > 1``), as the plan shows it; else None."""
+        stages = shards((ax.LAYERS,))
+        if stages == 1 or not self.scan_layers:
+            return None
+        sched = make_schedule(self.num_hidden_layers, batch_size, stages=stages,
+                              microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
+                              batch_shards=shards((ax.BATCH,)))
+        layers = sched.layers_per_stage * sched.repeats
+        return sched.to_dict() | {"text": sched.describe(), "stages_layers": f"{layers} / {self.num_hidden_layers}"}
+
     def activation_estimate(self, batch_size: int, seq_len: int, shards):
         """Activation bytes a train step keeps per device (``models/costs.py``)."""
-        return transformer_activations(self, batch_size, seq_len or 1, shards)
+        return transformer_activations(self, batch_size, seq_len or 1, shards,
+                                       self.pipeline_plan(batch_size, shards))
 
 
 class Block(nn.Module):
