@@ -6,8 +6,8 @@ parameter, its path, shape, dtype, logical axes, mesh spec, per-device shape and
 which rule won (or lost) each dimension. Totals per device: parameters, gradients (as
 parameters), the optimizer state (as the program's optimizer holds it), the model's own
 activation estimate, and a verdict against a device's memory; when the rules split a model's
-layer stack into pipeline stages, the model's schedule and its bubble fraction. Works on an ``AbstractMesh``,
-i.e. for a mesh larger than this machine.
+layer stack into pipeline stages, the model's schedule, its bubble fraction and one stage's
+share. Works on an ``AbstractMesh``, i.e. for a mesh larger than this machine.
 """
 
 from __future__ import annotations
@@ -190,8 +190,9 @@ class Plan:
         if self.pipeline is not None:
             pipe = self.pipeline
             out.append(f"  {pipe['text']}")
-            out.append(f"  per stage: every device above is in one of the {pipe['stages']} stages and holds "
-                       f"{pipe['stages_layers']} of the layers; idle {100 * pipe['bubble_fraction']:.1f}% "
+            per_stage = math.prod(self.mesh.values()) // pipe["stages"]
+            out.append(f"  per stage: {pipe['stages_layers']} layers; each of its {per_stage} devices holds the "
+                       f"totals above ({format_bytes(t['total'])}); idle {100 * pipe['bubble_fraction']:.1f}% "
                        "of a step")
         if self.device_memory is not None:
             label, cap = self.device_memory

@@ -99,7 +99,11 @@ def test_plan_shows_the_bubble_and_a_stage_share_of_the_layers():
     assert "bubble (S-1)/(RxM+S-1) = 3/19 = 15.8%" in plan.format()
     row = next(r for r in plan.params if r.array.path.endswith("layers/attn/q/kernel"))
     assert row.shard_shape[0] == 2  # 8 layers over 4 stages
-    assert _program(make_mesh("data=8"), get_rules("dp")).plan().pipeline is None
+    dp = _program(make_mesh("data=8"), get_rules("dp"))
+    assert dp.plan().pipeline is None
+    # the same parameter tree as without a pipeline: checkpoints and HF export move between them
+    shapes = lambda p: jax.tree.map(lambda a: (a.shape, a.dtype), p.abstract.params)  # noqa: E731
+    assert shapes(program) == shapes(dp)
 
 
 @pytest.mark.parametrize("overrides, batch, message", [
