@@ -52,6 +52,8 @@ BENCHES = (
           "bench_presets.py", ("--what", "presets"), ("--quick",)),
     Bench("plan", "the plan's per-device memory against XLA's for the step shardzoo train runs, every "
           "preset, 8 fake devices", "bench_plan_vs_compiled.py", quick=("--quick",)),
+    Bench("pipeline", "pipeline parallelism: per-device memory at stage 1, 2, 4 (plan beside XLA) and step "
+          "time against the analytic bubble, 8 fake devices", "bench_pipeline.py", quick=("--rounds", "1")),
     Bench("compile", "compile time against depth, scanned vs unrolled", "bench_presets.py",
           ("--what", "depth"), ("--quick",)),
     Bench("moe", "MoE dispatch strategies", "bench_moe.py",

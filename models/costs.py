@@ -49,6 +49,11 @@ V, when larger).
 of the logits, V per token.
 ``batch``: the step's input arrays (inputs, targets, positions, segment_ids int32; weights
 float32): 20 bytes per token.
+``pipeline`` (the rules split the layer stack into S stages, ``models/pipeline.py``): every
+iteration is rematerialized, so the layer terms become one iteration's: ``layers_per_stage``
+layers of one microbatch (``/ M``) for the backward's recompute, and the ``stash`` holds the
+embedded input, its microbatched copy, the circular store and each iteration's stage input
+(``3 + iterations / M`` times D per token). The head runs on the whole batch on every stage.
 Not counted: XLA's buffers of the optimizer update (donated state: it updates in place),
 collective buffers, and a layer's transient copies (transposes, gathered parameters under
 fsdp), which XLA overlaps with the arrays above.
@@ -109,7 +114,7 @@ def _saved(terms: dict, policy: str) -> int:
     return sum(v for n, v in terms.items() if n in keep)
 
 
-def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstimate:
+def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     k = cfg.num_key_value_heads or h
     dh = cfg.head_dim or d // h
@@ -157,12 +162,25 @@ def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstim
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits,
     }
+    if pipeline is not None:  # one stage's layers on one microbatch at a time (models/pipeline.py)
+        m, iters = pipeline["microbatches"], pipeline["iterations"]
+        lps = pipeline["layers_per_stage"]
+        largest, layers = largest // m, lps * _saved(dense, policy) // m
+        recompute = largest if policy != "none" else 0
+        others.update(mask=others["mask"] // m, backward=max(largest, logits),
+                      stash=int((3 + iters / m) * t(d, BLE)))
     total = layers + recompute + sum(others.values())
-    formula = (
-        f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
-        + (" + one layer recomputed" if policy != "none" else "")
-        + " + one layer's backward + final norm and logits"
-    )
+    if pipeline is not None:
+        formula = (f"batch + mask + pipeline stash (input, microbatches, circular store, {iters} iterations' "
+                   f"stage inputs) + one iteration: {lps} layers x saved({policy}) of one microbatch"
+                   + (" + one layer recomputed" if policy != "none" else "")
+                   + " + one layer's backward + final norm and logits")
+    else:
+        formula = (
+            f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
+            + (" + one layer recomputed" if policy != "none" else "")
+            + " + one layer's backward + final norm and logits"
+        )
     terms = {**(moe_layer if n_moe and not n_dense else dense), **others}
     return ActivationEstimate(int(total), policy, formula, terms)
 

@@ -11,6 +11,7 @@ parameter tree stays one homogeneous stack when scanned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -29,6 +30,7 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
+from shardzoo.models.pipeline import PipelineError, active_schedule, make_schedule, pipeline
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -56,7 +58,7 @@ _CHOICES = {
 }
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-             "moe_layer_freq")
+             "moe_layer_freq", "pipeline_repeats")
 
 
 def _check_rope_scaling(value) -> None:
@@ -113,6 +115,8 @@ class TransformerConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "none"
+    pipeline_microbatches: int = 0  # when the rules put layers on a mesh axis (pp); 0: one per stage
+    pipeline_repeats: int = 1  # circular pipeline: passes of each microbatch through all stages
     attention_impl: str = "auto"
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     num_local_experts: int = 0  # 0: dense MLPs
@@ -134,6 +138,8 @@ class TransformerConfig:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         check_fields(self, _CHOICES, _POSITIVE)
+        if self.pipeline_microbatches < 0:
+            raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
         if self.num_local_experts < 0:
             raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -228,9 +234,22 @@ class TransformerConfig:
         attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * keys
         return 6 * matmul + attn
 
+    def pipeline_plan(self, batch_size: int, shards) -> dict | None:
+        """The pipeline schedule (``models/pipeline.py``) when the rules split the layer stack
+        (``shards((layers,)) > 1``), as the plan shows it; else None."""
+        stages = shards((ax.LAYERS,))
+        if stages == 1 or not self.scan_layers:
+            return None
+        sched = make_schedule(self.num_hidden_layers, batch_size, stages=stages,
+                              microbatches=self.pipeline_microbatches, repeats=self.pipeline_repeats,
+                              batch_shards=shards((ax.BATCH,)))
+        layers = sched.layers_per_stage * sched.repeats
+        return sched.to_dict() | {"text": sched.describe(), "stages_layers": f"{layers} / {self.num_hidden_layers}"}
+
     def activation_estimate(self, batch_size: int, seq_len: int, shards):
         """Activation bytes a train step keeps per device (``models/costs.py``)."""
-        return transformer_activations(self, batch_size, seq_len or 1, shards)
+        return transformer_activations(self, batch_size, seq_len or 1, shards,
+                                       self.pipeline_plan(batch_size, shards))
 
 
 class Block(nn.Module):
@@ -264,6 +283,21 @@ class Block(nn.Module):
         return (x, None) if self.scanned else x
 
 
+def pipeline_schedule(cfg, batch_size: int):
+    """The pipeline schedule the active rules ask for (``models/pipeline.py``), or None."""
+    sched = active_schedule(cfg.num_hidden_layers, batch_size, microbatches=cfg.pipeline_microbatches,
+                            repeats=cfg.pipeline_repeats)
+    if sched is not None and cfg.num_local_experts:
+        raise PipelineError("pipeline parallelism (rules put layers on a mesh axis) runs dense layers only;"
+                            f" num_local_experts={cfg.num_local_experts}")
+    return sched
+
+
+def _apply_layer(cfg, block, params, x, positions, segment_ids):
+    """One scanned layer, outside the scan: the pipeline's stage function."""
+    return block(cfg, parent=None).apply({"params": params}, x, positions, segment_ids)
+
+
 class Transformer(nn.Module):
     """The decoder LM. ``__call__(inputs, positions, segment_ids, deterministic, decode)`` -> logits.
 
@@ -293,7 +327,11 @@ class Transformer(nn.Module):
         if cfg.remat_policy != "none" and not decode:
             block = nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
         flags = dict(deterministic=deterministic, decode=decode)
-        if cfg.scan_layers:
+        sched = None if decode or not cfg.scan_layers else pipeline_schedule(cfg, x.shape[0])
+        if sched is not None and not self.is_initializing():  # init builds the same tree by nn.scan
+            x = pipeline(sched, functools.partial(_apply_layer, cfg, block), self.variables["params"]["layers"],
+                         x, positions, segment_ids)
+        elif cfg.scan_layers:
             stack = nn.scan(
                 block,
                 variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "intermediates")},

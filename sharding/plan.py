@@ -5,8 +5,9 @@ recorded activation constraints, from the one trace in ``train/program.py``) int
 parameter, its path, shape, dtype, logical axes, mesh spec, per-device shape and bytes, and
 which rule won (or lost) each dimension. Totals per device: parameters, gradients (as
 parameters), the optimizer state (as the program's optimizer holds it), the model's own
-activation estimate, and a verdict against a device's memory. Works on an ``AbstractMesh``,
-i.e. for a mesh larger than this machine.
+activation estimate, and a verdict against a device's memory; when the rules split a model's
+layer stack into pipeline stages, the model's schedule, its bubble fraction and one stage's
+share. Works on an ``AbstractMesh``, i.e. for a mesh larger than this machine.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Plan:
     activation_estimate: object  # the model's estimate (models/costs.py), or None
     device_memory: tuple[str, int] | None
     problems: tuple[str, ...]  # non-strict mode's warnings
+    pipeline: dict | None = None  # the model's pipeline schedule when the rules split its layers
 
     @property
     def fits(self) -> bool | None:
@@ -135,6 +137,7 @@ class Plan:
                 "fraction": self.totals["total"] / self.device_memory[1],
             },
             "problems": list(self.problems),
+            "pipeline": self.pipeline,
         }
 
     def to_json(self) -> str:
@@ -184,6 +187,13 @@ class Plan:
         out += [f"  {k.ljust(width)}  {format_bytes(v)}" for k, v in lines]
         if est is not None:
             out.append(f"  activation estimate: remat {est.policy}: {est.formula}")
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            out.append(f"  {pipe['text']}")
+            per_stage = math.prod(self.mesh.values()) // pipe["stages"]
+            out.append(f"  per stage: {pipe['stages_layers']} layers; each of its {per_stage} devices holds the "
+                       f"totals above ({format_bytes(t['total'])}); idle {100 * pipe['bubble_fraction']:.1f}% "
+                       "of a step")
         if self.device_memory is not None:
             label, cap = self.device_memory
             verdict = "fits" if self.fits else "DOES NOT FIT"
@@ -226,6 +236,9 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
     est = None
     if model_config is not None and hasattr(model_config, "activation_estimate"):
         est = model_config.activation_estimate(micro_batch, seq_len, lambda names: shards(names, report.rules, mesh))
+    pipeline = None
+    if model_config is not None and hasattr(model_config, "pipeline_plan"):
+        pipeline = model_config.pipeline_plan(micro_batch, lambda names: shards(names, report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
                        + (totals["activations"] or 0))
@@ -242,4 +255,5 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         activation_estimate=est,
         device_memory=device_memory,
         problems=tuple(p.message for p in report.problems),
+        pipeline=pipeline,
     )

@@ -16,8 +16,9 @@ from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
 
 DATA, FSDP, SEQUENCE, TENSOR, EXPERT = "data", "fsdp", "sequence", "tensor", "expert"
+STAGE = "stage"  # pipeline stages: the layer stack is split along it (models/pipeline.py)
 # Outermost (slowest links, e.g. across hosts) to innermost (fastest, e.g. NVLink).
-MESH_AXES = (DATA, FSDP, EXPERT, SEQUENCE, TENSOR)
+MESH_AXES = (DATA, STAGE, FSDP, EXPERT, SEQUENCE, TENSOR)
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -99,6 +100,8 @@ PRESETS: dict[str, Rules] = {
         "ep",
     )
     + REPLICATED,
+    # Pipeline: the layer stack over stage (a rule file with `base: pp` adds fsdp or tp inside a stage).
+    "pp": Rules(((ax.LAYERS, STAGE), (ax.BATCH, DATA)), "pp") + REPLICATED,
     # ZeRO-1 optimizer-state table: pair with params under `dp` (see train/state.py).
     "zero1": Rules(((ax.BATCH, DATA), (ax.EMBED, DATA)), "zero1") + REPLICATED,
 }
@@ -112,6 +115,7 @@ PRESET_HELP = {
     "fsdp_tp": "fsdp along embed plus tensor parallel",
     "sp": "tensor parallel plus activations' length over sequence",
     "ep": "experts over expert, batch over data+fsdp+expert, the rest fsdp",
+    "pp": "pipeline parallel: layer stack over stage, microbatches on a circular schedule; batch over data",
     "zero1": "optimizer-state table for ZeRO-1: state sharded over data along embed",
 }
 

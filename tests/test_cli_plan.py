@@ -31,7 +31,7 @@ def test_table(capsys):
     status, out, err = _run(capsys, *TINY, "--rules", "fsdp", "--mesh", "fsdp=8",
                             "--device-memory", "v5e")
     assert status == 0 and err == ""
-    assert "plan for mlp-tiny: rules 'fsdp' on mesh data=1,fsdp=8" in out
+    assert "plan for mlp-tiny: rules 'fsdp' on mesh data=1,stage=1,fsdp=8" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("params/layers_0/kernel"))
     assert "(16, 32)" in line and "embed:fsdp #1" in line and "(2, 32)" in line
     assert "device v5e (16 GB): fits" in out
