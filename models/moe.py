@@ -17,9 +17,9 @@ router's probabilities. Four ways to send tokens to experts, chosen by ``MoeConf
 - ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
   the mesh axes that the active rules give ``expert`` (asked from ``sharding.partition``).
 
-Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row. Each expert
-takes at most ``capacity = min(length, ceil(capacity_factor * length * k / num_experts))``
-assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
+Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
+Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
+num_experts))`` assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
 order, then every top-2 choice in token order, and so on. A dropped assignment contributes 0
 to the layer's output; the block's residual add carries the token on.
 
