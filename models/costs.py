@@ -141,15 +141,18 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     moe_layer = None
     if experts:
         slots = experts * cfg.moe_config().capacity(seq_len)  # E*C per row, per token: / L
+        fe = cfg.moe_intermediate_size or f
+        # one-hot [batch, length, expert, capacity] masks for the einsum dispatches; the
+        # indexed one keeps int32 slot indices instead (a few per token: not counted)
+        masks = t(2 * slots, BLEC) if cfg.moe_dispatch in ("capacity", "shard_map") else 0
         moe_layer = dict(
             layer, router_logits=t(experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
             router=t(2 * experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
-            masks=t(2 * slots, BLEC), expert_in=t(slots * d / seq_len, ECD),
-            expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * f / seq_len, ECF),
-            expert_hidden=t(4 * slots * f / seq_len, ECF),
+            masks=masks, expert_in=t(slots * d / seq_len, ECD),
+            expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * fe / seq_len, ECF),
+            expert_hidden=t(4 * slots * fe / seq_len, ECF),
         )
-    freq = cfg.moe_layer_freq
-    n_moe = sum((i + 1) % freq == 0 for i in range(cfg.num_hidden_layers)) if experts else 0
+    n_moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
     n_dense = cfg.num_hidden_layers - n_moe
     policy = cfg.remat_policy
     largest = max(_saved(dense, "none") if n_dense else 0, _saved(moe_layer, "none") if n_moe else 0)

@@ -2,9 +2,14 @@
 
 ``MoeMLP`` replaces a Transformer block's MLP: a router picks ``num_experts_per_tok`` of
 ``num_experts`` gated (SwiGLU) experts per token and sums their outputs, weighted by the
-router's probabilities. Three ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
+router's probabilities. Four ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
 
-- ``capacity``: GShard einsum dispatch into fixed ``[expert, batch, capacity, embed]`` buffers.
+- ``indexed`` (the default): each row's (token, expert) assignments sorted by expert, the tokens
+  gathered into fixed ``[expert, batch, capacity, embed]`` buffers by index, every expert's
+  matmul on its buffer, the outputs gathered back by index and weighted. Costs grow with the
+  tokens, not with experts x capacity; the same buffers, drops and sharding as ``capacity``.
+- ``capacity``: GShard einsum dispatch into the same buffers through one-hot
+  ``[batch, length, expert, capacity]`` masks (cost: tokens x experts x capacity x embed).
   The expert dimension is a logical axis, so rules mapping ``expert`` to a mesh axis (``ep``)
   give expert parallelism, with XLA inserting the all-to-all. Tokens over capacity are dropped.
 - ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped. The
@@ -12,9 +17,9 @@ router's probabilities. Three ways to send tokens to experts, chosen by ``MoeCon
 - ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
   the mesh axes that the active rules give ``expert`` (asked from ``sharding.partition``).
 
-Groups and priority (``capacity`` and ``shard_map``): a group is one batch row. Each expert
-takes at most ``capacity = min(length, ceil(capacity_factor * length * k / num_experts))``
-assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
+Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
+Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
+num_experts))`` assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
 order, then every top-2 choice in token order, and so on. A dropped assignment contributes 0
 to the layer's output; the block's residual add carries the token on.
 
@@ -45,7 +50,7 @@ from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding.partition import mesh_axes_of
 
-DISPATCHES = ("capacity", "dropless", "shard_map")
+DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
 ACTIVATIONS = {
     "silu": nn.silu,
     "swish": nn.silu,
@@ -72,7 +77,7 @@ class MoeConfig:
     num_experts_per_tok: int = 2
     intermediate_size: int = 14336
     hidden_act: str = "silu"  # gated: act(x @ wi_gate) * (x @ wi_up)
-    dispatch: str = "capacity"  # "capacity" | "dropless" | "shard_map"
+    dispatch: str = "indexed"  # "indexed" | "capacity" | "dropless" | "shard_map"
     capacity_factor: float = 1.25
     router_jitter_noise: float = 0.0
     norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral)
@@ -184,6 +189,56 @@ def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
     ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
     ye = constrain(ye, local)
     return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
+
+
+def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
+    """GShard's slots found by sorting each row's assignments by expert (same priority, drops).
+
+    top_idx [batch, length, k]; token_mask [batch, length] (padding takes no slot). Returns
+    ``source`` [batch, expert*capacity]: the token in each slot (``length``, out of range, for
+    an empty one), ``slot`` [batch, length, k]: each assignment's slot (``expert*capacity``,
+    out of range, where dropped or not routed), and the fraction of routed assignments dropped.
+    """
+    b, length, k = top_idx.shape
+    # Priority order within a row: all top-1 choices in token order, then all top-2 choices, ...
+    flat = einops.rearrange(top_idx, "b l k -> b (k l)")
+    if token_mask is not None:  # padding sorts after every expert: it fills no slot
+        flat = jnp.where(jnp.tile(token_mask, (1, k)), flat, num_experts)
+    order = jnp.argsort(flat, axis=-1, stable=True)  # [batch, k*length]: by expert, then priority
+    grouped = jnp.take_along_axis(flat, order, axis=-1)
+    bounds = jax.vmap(functools.partial(jnp.searchsorted, v=jnp.arange(num_experts + 1)))(grouped)
+    start, count = bounds[:, :-1], jnp.diff(bounds, axis=-1)  # [batch, expert]
+    pos = jnp.arange(capacity)
+    filled = pos < count[..., None]  # [batch, expert, capacity]
+    assignment = jnp.take_along_axis(order, (start[..., None] + pos).reshape(b, -1), axis=-1, mode="clip")
+    source = jnp.where(filled.reshape(b, -1), assignment % length, length)  # [batch, expert*capacity]
+    rank = jnp.argsort(order, axis=-1)  # each assignment's place in expert order
+    within = rank - jnp.take_along_axis(start, jnp.minimum(flat, num_experts - 1), axis=-1)
+    kept = (flat < num_experts) & (within < capacity)
+    slot = jnp.where(kept, flat * capacity + within, num_experts * capacity)
+    routed = b * length if token_mask is None else jnp.maximum(token_mask.sum(), 1)
+    dropped = 1.0 - kept.sum() / (routed * k)
+    return source, einops.rearrange(slot, "b (k l) -> b l k", k=k), dropped
+
+
+def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act):
+    """Gather tokens into the capacity buffers, run the experts, gather back and weight.
+
+    The buffers and their sharding are ``capacity_dispatch``'s: the rules' ``expert`` axis
+    moves them to their experts' owners (XLA's all-to-all under ``ep``).
+    """
+    num_experts = wi_gate.shape[0]
+    gather = functools.partial(jnp.take_along_axis, axis=1, mode="fill", fill_value=0)
+    local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
+    buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
+    xe = gather(x, source[..., None])  # [batch, expert*capacity, embed]; empty slots 0
+    xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
+    xe = constrain(constrain(xe, local), buffers)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
+    ye = einops.rearrange(constrain(ye, local), "e b c d -> b (e c) d")
+    yk = gather(ye, einops.rearrange(slot, "b l k -> b (l k)")[..., None])  # dropped: 0
+    yk = einops.rearrange(yk, "b (l k) d -> b l k d", k=slot.shape[-1])
+    return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
 
 
 def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
@@ -308,6 +363,9 @@ class MoeMLP(nn.Module):
         if cfg.dispatch == "dropless":
             y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act)
             dropped = jnp.zeros((), jnp.float32)
+        elif cfg.dispatch == "indexed":
+            source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
+            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act)
         else:
             dispatch, combine, dropped = capacity_masks(
                 top_idx, top_p, num_experts, cfg.capacity(length), token_mask)

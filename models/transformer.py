@@ -1,11 +1,12 @@
 """Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2,
-Phi-3, GPT-2, Mixtral (MoE).
+Phi-3, GPT-2, Mixtral and Qwen3-MoE (MoE).
 
 One frozen config with Hugging Face field names selects the family's pieces; one model covers
 them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
 axis) or unrolled (``layers_0``, ``layers_1``, ...). MoE layers (``num_local_experts > 0``) use
-``models/moe.py``'s ``MoeMLP``; with ``moe_layer_freq > 1`` the layers must be unrolled, so the
-parameter tree stays one homogeneous stack when scanned.
+``models/moe.py``'s ``MoeMLP``; where dense and MoE layers mix (``moe_layer_freq > 1`` or
+``mlp_only_layers``) the layers must be unrolled, so the parameter tree stays one homogeneous
+stack when scanned.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ _CHOICES = {
     "attention_impl": ("auto", "xla", "cudnn"),
     "dtype": DTYPES,
     "param_dtype": DTYPES,
-    "moe_dispatch": ("capacity", "dropless", "shard_map"),
+    "moe_dispatch": ("indexed", "capacity", "dropless", "shard_map"),
     "hidden_act": tuple(ACTIVATIONS),
 }
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-             "moe_layer_freq", "pipeline_repeats")
+             "moe_layer_freq", "pipeline_repeats", "moe_intermediate_size")
 
 
 def _check_rope_scaling(value) -> None:
@@ -121,8 +122,10 @@ class TransformerConfig:
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     num_local_experts: int = 0  # 0: dense MLPs
     num_experts_per_tok: int = 2
-    moe_layer_freq: int = 1  # layer i is MoE iff (i + 1) % moe_layer_freq == 0
-    moe_dispatch: str = "capacity"
+    moe_layer_freq: int = 1  # layer i is MoE iff (i + 1) % moe_layer_freq == 0 (HF decoder_sparse_step)
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not in mlp_only_layers (Qwen3-MoE)
+    moe_intermediate_size: int | None = None  # the experts' width (None: intermediate_size)
+    moe_dispatch: str = "indexed"
     capacity_factor: float = 1.25
     router_jitter_noise: float = 0.0
     norm_topk_prob: bool = True
@@ -137,6 +140,8 @@ class TransformerConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.mlp_only_layers, list):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         check_fields(self, _CHOICES, _POSITIVE)
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
@@ -152,10 +157,14 @@ class TransformerConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.kv_heads}"
             )
-        if self.num_local_experts and self.moe_layer_freq > 1 and self.scan_layers:
-            raise ModelError(
-                f"moe_layer_freq={self.moe_layer_freq} mixes dense and MoE layers: set scan_layers=false"
-            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ModelError(f"mlp_only_layers={list(self.mlp_only_layers)} names layers outside "
+                             f"0..{self.num_hidden_layers - 1} (num_hidden_layers={self.num_hidden_layers})")
+        mixed = ([f"moe_layer_freq={self.moe_layer_freq}"] if self.moe_layer_freq > 1 else []) + (
+            [f"mlp_only_layers={list(self.mlp_only_layers)}"] if self.mlp_only_layers else [])
+        if self.num_local_experts and mixed and self.scan_layers:
+            raise ModelError(f"{' and '.join(mixed)} mixes dense and MoE layers: set scan_layers=false")
         if self.num_local_experts:
             self.moe_config()  # its own checks (experts per token, capacity, jitter) now, not at trace
 
@@ -172,15 +181,21 @@ class TransformerConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling or ())
 
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
     def is_moe_layer(self, i: int) -> bool:
-        return self.num_local_experts > 0 and (i + 1) % self.moe_layer_freq == 0
+        """As HF's Qwen3MoeDecoderLayer decides (Mixtral's: every layer)."""
+        return (self.num_local_experts > 0 and (i + 1) % self.moe_layer_freq == 0
+                and i not in self.mlp_only_layers)
 
     def moe_config(self):
         from shardzoo.models.moe import MoeConfig
 
         return MoeConfig(
             num_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
-            intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
+            intermediate_size=self.expert_size, hidden_act=self.hidden_act,
             dispatch=self.moe_dispatch, capacity_factor=self.capacity_factor,
             router_jitter_noise=self.router_jitter_noise, norm_topk_prob=self.norm_topk_prob,
             aux_loss_coef=self.router_aux_loss_coef, z_loss_coef=self.router_z_loss_coef,
@@ -201,7 +216,7 @@ class TransformerConfig:
         if not moe:
             return attn + n_mats * d * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_local_experts
-        return attn + d * self.num_local_experts + 3 * experts * d * self.intermediate_size
+        return attn + d * self.num_local_experts + 3 * experts * d * self.expert_size
 
     def num_params(self, active: bool = False) -> int:
         """Parameters of the model (``active``: counting only the top-k experts of MoE layers)."""
@@ -373,6 +388,10 @@ _OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_position="post", qk_n
 # Phi-3 mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): Mistral's model, fused tensors in HF.
 _PHI3 = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
              rms_norm_eps=1e-5, sliding_window=2047, bos_token_id=1, eos_token_id=32000)
+# Qwen3-MoE (Qwen/Qwen3-30B-A3B/config.json): Qwen3's attention, 128 experts top-8 of their own
+# width, renormalised top-k; HF's router has no z-loss.
+_QWEN3_MOE = dict(_QWEN3, num_key_value_heads=4, num_local_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, router_aux_loss_coef=0.001, router_z_loss_coef=0.0)
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None)
@@ -409,6 +428,8 @@ PRESETS = {
     "olmo-2-1b": TransformerConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                    num_attention_heads=16, max_position_embeddings=4096, **_OLMO2),
     "phi-3-mini-4k": TransformerConfig(**_PHI3),
+    "qwen3-30b-a3b": TransformerConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                       num_attention_heads=32, moe_intermediate_size=768, **_QWEN3_MOE),
     # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
     "llama-tiny": TransformerConfig(**_TINY),
     "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
@@ -419,6 +440,10 @@ PRESETS = {
     "olmo2-tiny": TransformerConfig(**{**_OLMO2, **_TINY}),
     "phi3-tiny": TransformerConfig(**{**_PHI3, **_TINY, "sliding_window": 8}),
     "qwen3-tiny": TransformerConfig(**{**_QWEN3, **_TINY, "head_dim": 32, "tie_word_embeddings": True}),
+    # one dense layer (layer 0, as mlp_only_layers says) and one MoE layer: unrolled
+    "qwen3-moe-tiny": TransformerConfig(**{**_QWEN3_MOE, **_TINY, "head_dim": 32, "num_local_experts": 4,
+                                           "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                           "mlp_only_layers": (0,), "scan_layers": False}),
     "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 256}),
 }

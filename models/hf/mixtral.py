@@ -36,8 +36,8 @@ def to_hf(c) -> dict:
 
 
 def obstacles(c) -> list[str]:
-    need = dict(moe_layer_freq=1, norm_topk_prob=True, attention_bias=False,
-                attention_out_bias=False)
+    need = dict(moe_layer_freq=1, mlp_only_layers=(), moe_intermediate_size=None, norm_topk_prob=True,
+                attention_bias=False, attention_out_bias=False)
     return rotary_obstacles(c, experts=True) + mismatches(c, need)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, phi3, qwen3
+from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
 from shardzoo.models.hf.base import Family, HFError, read_hf_config
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -17,6 +17,7 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.OLMO2,
     phi3.PHI3,
     mixtral.MIXTRAL,
+    qwen3_moe.QWEN3_MOE,
     gpt2.GPT2,
 )
 

@@ -21,6 +21,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from shardzoo import cli
@@ -44,7 +45,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -60,6 +61,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "phi3": lambda: Phi3Config(**DIMS, sliding_window=4, pad_token_id=2, bos_token_id=1,
                                eos_token_id=2),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**DIMS, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, norm_topk_prob=True),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
 }

@@ -22,6 +22,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from shardzoo.models.decode import generate
@@ -50,6 +51,10 @@ CONFIGS = {
     "phi3_partial_rotary": lambda: Phi3Config(**DIMS, partial_rotary_factor=0.5, pad_token_id=2,
                                               bos_token_id=1, eos_token_id=2),
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
+    # every layer MoE (scanned), experts narrower than the dense width, top-k not renormalised;
+    # mixed dense/MoE layers, drops and the aux loss: tests/hf/test_hf_qwen3_moe.py
+    "qwen3_moe": lambda: Qwen3MoeConfig(**DIMS, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, norm_topk_prob=False),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
 }
@@ -122,7 +127,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path):
     np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2", "phi3"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
+@pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
 def test_greedy_generate_matches_transformers(built):
     path, model, _ = built
     prompt = TOKENS[:1, :8]

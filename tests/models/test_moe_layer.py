@@ -123,7 +123,7 @@ HAND_LOGITS = [[3, 2, 0, -1], [3, 0, 2, -1], [3, 2, 0, -1], [2, 3, 0, -1], [-1, 
 HAND_KEPT = [{0}, {0, 2}, set(), {1}, {2, 3}, {1, 3}]
 
 
-@pytest.mark.parametrize("dispatch", ["capacity", "shard_map"])
+@pytest.mark.parametrize("dispatch", ["capacity", "shard_map", "indexed"])
 def test_capacity_drops_hand_worked_example(dispatch):
     cfg = MoeConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=M, capacity_factor=0.5,
                     dispatch=dispatch)

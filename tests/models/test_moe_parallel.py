@@ -1,7 +1,8 @@
 """MoE under meshes: same losses over 3 adamw steps, all-to-all under ep, experts split per device.
 
 Layouts compared with one device: ``ep`` on an expert=4,data=2 mesh (capacity dispatch, XLA
-inserts the all-to-all), ``fsdp`` on data=2,fsdp=4, and ``shard_map`` dispatch under ``ep``.
+inserts the all-to-all), ``fsdp`` on data=2,fsdp=4, and ``shard_map`` and ``indexed`` dispatch
+under ``ep``.
 Groups are batch rows in every layout, so even dropped tokens are the same ones.
 """
 
@@ -32,6 +33,7 @@ LAYOUTS = {  # name: (mesh spec, rules, dispatch)
     "ep": ("expert=4,data=2", "ep", "capacity"),
     "fsdp": ("data=2,fsdp=4", "fsdp", "capacity"),
     "shard_map": ("expert=4,data=2", "ep", "shard_map"),
+    "indexed_ep": ("expert=4,data=2", "ep", "indexed"),
 }
 
 
@@ -147,7 +149,7 @@ def test_same_losses_over_three_adamw_steps_in_every_layout(runs, request):
     runs = request.getfixturevalue(runs)
     reference = runs["one_device"][0]
     assert reference[2] < reference[0]  # it trains
-    for name in ("ep", "fsdp", "shard_map"):
+    for name in ("ep", "fsdp", "shard_map", "indexed_ep"):
         np.testing.assert_allclose(runs[name][0], reference, rtol=1e-5, atol=0, err_msg=name)
 
 
@@ -158,6 +160,7 @@ def test_expert_parallel_steps_exchange_tokens_by_all_to_all(runs, request):
     # shard_map: the two explicit all_to_alls (forward) plus their transposes (backward).
     assert all_to_all_count(runs["ep"][2]) >= 2
     assert all_to_all_count(runs["shard_map"][2]) >= 2
+    assert all_to_all_count(runs["indexed_ep"][2]) >= 2
     assert all_to_all_count(runs["one_device"][2]) == 0
 
 

@@ -1,0 +1,135 @@
+"""Qwen3-MoE with dense and MoE layers mixed (``decoder_sparse_step`` and ``mlp_only_layers``):
+logits of transformers on one device and under ep, HF's load-balancing loss, drops, export.
+
+Every-layer-MoE Qwen3-MoE (scanned) runs the families' tests in test_hf_models.py (one device,
+fsdp_tp, greedy generate, export). Tolerance: 1e-4 on float32 logits, as there.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from shardzoo.models import ModelError
+from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+E, K = 4, 2
+# Layer 0 dense (mlp_only_layers), layer 1 MoE.
+HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E,
+                 num_experts_per_tok=K, moe_intermediate_size=16, mlp_only_layers=[0],
+                 norm_topk_prob=True, router_aux_loss_coef=0.02)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(HF dir, HF model, reference logits): weights random, norm scales near 1."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**HF_CONFIG),
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("qwen3_moe"))
+    model.save_pretrained(path)
+    return path, model, hf_logits(model, TOKENS)
+
+
+def _apply(module, params, mesh=None, rules=None, collections=()):
+    fn = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
+    if mesh is None:
+        return fn(params, TOKENS)
+    with activate(mesh, rules):
+        return fn(params, TOKENS)
+
+
+def test_moe_layers_are_those_hf_builds(tmp_path):
+    """decoder_sparse_step and mlp_only_layers pick the MoE layers as Qwen3MoeDecoderLayer does."""
+    hf_config = Qwen3MoeConfig(**(HF_CONFIG | dict(num_hidden_layers=7, decoder_sparse_step=2,
+                                                   mlp_only_layers=[3, 4])))
+    hf_config.save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path), scan_layers=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    want = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers]
+    assert want == [False, True, False, False, False, True, False]
+    assert [config.is_moe_layer(i) for i in range(7)] == want
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ModelError, match=r"moe_layer_freq=2 and mlp_only_layers=\[3, 4\] mixes dense "
+                                         "and MoE layers: set scan_layers=false"):
+        load_hf_config(str(tmp_path))
+
+
+def test_mixed_layers_import_unrolled_with_the_dense_and_moe_layers_hf_has(built):
+    path, _, ref = built
+    module, config, params = load_hf(path, scan_layers=False)
+    assert [sorted(set(params[f"layers_{i}"]) & {"mlp", "moe"}) for i in range(2)] == [["mlp"], ["moe"]]
+    assert params["layers_1"]["moe"]["wi_gate"].shape == (E, 32, 16)  # moe_intermediate_size
+    assert params["layers_0"]["mlp"]["gate"]["kernel"].shape == (32, 64)  # intermediate_size
+    logits, _ = _apply(module, params)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
+
+
+def test_logits_match_under_ep_on_8_devices_with_the_indexed_dispatch(built):
+    path, _, ref = built
+    mesh, rules = make_mesh("expert=4,data=2"), get_rules("ep")
+    # capacity factor E / K: every expert has a slot for every token, so nothing is dropped
+    module, _, params = load_hf(path, mesh=mesh, rules=rules, scan_layers=False,
+                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    wi_gate = params["layers_1"]["moe"]["wi_gate"]
+    assert wi_gate.addressable_shards[0].data.shape == (1, 32, 16)  # experts split 4 ways
+    logits, state = _apply(module, params, mesh, rules, ["metrics"])
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
+    assert float(state["metrics"]["layers_1"]["moe"]["dropped_fraction"][0]) == pytest.approx(0, abs=1e-6)
+
+
+def test_load_balancing_loss_is_hfs(built):
+    path, model, _ = built
+    with torch.no_grad():
+        want = model(torch.tensor(TOKENS, dtype=torch.long), output_router_logits=True).aux_loss.item()
+    module, config, params = load_hf(path, scan_layers=False)
+    assert (config.router_aux_loss_coef, config.router_z_loss_coef) == (0.02, 0.0)
+    _, state = _apply(module, params, collections=["losses", "metrics"])
+    got = float(state["metrics"]["layers_1"]["moe"]["load_balance_loss"][0])
+    assert got == pytest.approx(want, rel=1e-5) and got > K  # K: perfectly balanced
+    aux = float(state["losses"]["layers_1"]["moe"]["moe_aux_loss"][0])
+    assert aux == pytest.approx(0.02 * want, rel=1e-5)  # HF's coefficient, no z-loss
+
+
+def test_dropped_tokens_are_the_capacity_dispatchs(built):
+    """HF drops nothing; at capacity factor 0.5 the indexed and capacity dispatches drop the
+    same assignments, so they agree with each other and not with transformers."""
+    path, _, ref = built
+    out = {}
+    for dispatch in ("indexed", "capacity"):
+        module, _, params = load_hf(path, scan_layers=False,
+                                    overrides=dict(moe_dispatch=dispatch, capacity_factor=0.5))
+        logits, state = _apply(module, params, collections=["metrics"])
+        out[dispatch] = np.asarray(logits), float(state["metrics"]["layers_1"]["moe"]["dropped_fraction"][0])
+    np.testing.assert_allclose(out["indexed"][0], out["capacity"][0], atol=1e-5, rtol=0)
+    assert out["indexed"][1] == pytest.approx(out["capacity"][1], abs=1e-6) and out["indexed"][1] > 0.2
+    assert np.abs(out["indexed"][0] - ref).max() > 1e-2  # the drops change the logits
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path):
+    path, model, ref = built
+    _, config, params = load_hf(path, scan_layers=False)
+    hf = export_hf(config, params, str(tmp_path))
+    assert (hf["decoder_sparse_step"], hf["mlp_only_layers"], hf["moe_intermediate_size"]) == (1, [0], 16)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    want, got = model.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
