@@ -29,6 +29,7 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
+from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -280,6 +281,8 @@ class Transformer(nn.Module):
             if decode:
                 raise ValueError("decoding needs explicit positions")
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        # context parallelism: the tokens in the ring's zig-zag order (ring_attention.py)
+        ring, (inputs, positions, segment_ids) = enter_ring(self, decode, inputs, positions, segment_ids)
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
         embed = Embed(cfg.vocab_size, cfg.hidden_size, name="embed", **kw)
         x = embed(inputs)  # [batch, length, embed]
@@ -309,6 +312,8 @@ class Transformer(nn.Module):
             for i in range(cfg.num_hidden_layers):
                 x = block(cfg, cfg.is_moe_layer(i), name=f"layers_{i}", **flags)(x, positions, segment_ids)
 
+        if ring:
+            x = unzigzag(x, ring)  # the natural order again; the norm and head work per token
         x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
