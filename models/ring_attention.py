@@ -157,9 +157,13 @@ def _block(q, k, v, q_idx, k_idx, q_seg, k_seg, window, scale):
     mask = mask[None, None, None]
     if q_seg is not None:
         mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
-    s = jnp.where(mask, s, _MASKED)
-    m = jnp.max(s, axis=-1)  # [b, kv_heads, groups, q_len]
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    s = s + jnp.where(mask, 0.0, _MASKED)  # an added bias: the backward keeps no mask
+    # The shift cancels in out / sum, so it takes no gradient (nor keeps max's residuals). A
+    # query's masked keys give exp(_MASKED - max) = 0; a block that hides all of a query's keys
+    # (max = _MASKED) gives garbage that the merge weighs by exp(_MASKED - max) = 0, since the
+    # diagonal block, merged first, holds every query's own key.
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1))  # [b, kv_heads, groups, q_len]
+    p = jnp.exp(s - m[..., None])
     o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o, m, jnp.sum(p, axis=-1)
 
