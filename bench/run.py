@@ -52,6 +52,8 @@ BENCHES = (
           "bench_presets.py", ("--what", "presets"), ("--quick",)),
     Bench("plan", "the plan's per-device memory against XLA's for the step shardzoo train runs, every "
           "preset, 8 fake devices", "bench_plan_vs_compiled.py", quick=("--quick",)),
+    Bench("context", "context parallelism: per-device memory of a 4096-token train step at context = "
+          "1, 2, 4, 8, plan beside XLA", "bench_context.py", quick=("--seq-len", "1024")),
     Bench("compile", "compile time against depth, scanned vs unrolled", "bench_presets.py",
           ("--what", "depth"), ("--quick",)),
     Bench("moe", "MoE dispatch strategies", "bench_moe.py",
