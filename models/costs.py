@@ -174,6 +174,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstim
         f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
         + (" + one layer recomputed" if policy != "none" else "")
         + " + one layer's backward + final norm and logits"
+        + (f" (ring attention over {ring} devices)" if ring > 1 else "")
     )
     terms = {**(moe_layer if n_moe and not n_dense else dense), **others}
     return ActivationEstimate(int(total), policy, formula, terms)
