@@ -47,7 +47,8 @@ ring_attention.py): no ``scores`` and no ``mask``; each block pair keeps its flo
 numerators only, of the pairs it computes: the diagonal block and half of every other, so
 ``probs`` is (N + 1) / (2N) of the length-sharded figure (H*L^2 (N+1) / (2 N^2) per row and
 device). ``ring_diagonal``: the backward of the diagonal block holds two float32 cotangents of
-its (L/N)^2 scores.
+its (L/N)^2 scores. With ``context_attention="all_gather"`` every device keeps the numerators
+of its queries against the whole row (the length-sharded ``probs``), no ``scores`` or ``mask``.
 ``backward``: the backward pass of one layer holds the cotangent of each array the layer
 saved, so one more ``saved("none")`` of the largest layer (or the logits' float32 cotangent
 V, when larger).
@@ -129,8 +130,9 @@ def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstim
 
     ring = getattr(shards, "ring", 1)  # context-parallel ring attention over this many devices
     scores, probs = (0, 0) if flash else (t(h * seq_len, BHL), t(h * seq_len, BHL, 4))
+    gathered = ring > 1 and cfg.context_attention == "all_gather"
     if ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
-        scores, probs = 0, int(probs * (ring + 1) / (2 * ring))
+        scores, probs = 0, probs if gathered else int(probs * (ring + 1) / (2 * ring))
     layer = {
         "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
         "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
@@ -167,7 +169,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards) -> ActivationEstim
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits,
     }
-    if ring > 1:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
+    if ring > 1 and not gathered:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
         others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring
     total = layers + recompute + sum(others.values())
     formula = (

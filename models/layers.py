@@ -337,7 +337,8 @@ class Attention(nn.Module):
             k, v, mask = self._update_cache(k, v, segment_ids, batch, length)
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         elif (ring := ring_axes()) and not self.is_initializing():  # context parallelism
-            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=cfg.sliding_window)
+            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=cfg.sliding_window,
+                                 strategy=cfg.context_attention)
         else:
             mask = None
             if segment_ids is not None:

@@ -191,15 +191,34 @@ def _pick(cond, a, b):
     return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
 
 
+def _indices(d, n: int, c: int):
+    """The row indices of the 2C tokens that device ``d`` of a ring of ``n`` holds."""
+    arange = jnp.arange(c)
+    return jnp.concatenate([d * c + arange, (2 * n - 1 - d) * c + arange])
+
+
+def _gathered_local(q, k, v, seg, *, axes, n, window, scale):
+    """Per device: its queries against the whole row's keys and values, all-gathered (the
+    ``all_gather`` strategy: one exchange, then the memory of a whole row's K/V and scores)."""
+    b, two_c, nh, hd = q.shape
+    nkv, c = k.shape[2], two_c // 2
+    k, v = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v))  # ring order
+    k_seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
+    k_idx = jnp.concatenate([_indices(d, n, c) for d in range(n)])
+    q = q.reshape(b, two_c, nkv, nh // nkv, hd)
+    q_idx = _indices(jax.lax.axis_index(axes), n, c)
+    o, _, total = _block(q, k, v, q_idx, k_idx, seg, k_seg, window, scale)
+    return (o / _t(total)).reshape(b, two_c, nh, hd).astype(v.dtype)
+
+
 def _ring_local(q, k, v, seg, *, axes, n, window, scale):
     """Per device: q [b, 2C, heads, head_dim] (chunks i, 2N-1-i), k, v [b, 2C, kv_heads, head_dim]."""
     b, two_c, nh, hd = q.shape
     nkv, c = k.shape[2], two_c // 2
     i = jax.lax.axis_index(axes)
-    arange = jnp.arange(c)
 
-    def idx(d):  # the row indices of the tokens device d holds
-        return jnp.concatenate([d * c + arange, (2 * n - 1 - d) * c + arange])
+    def idx(d):
+        return _indices(d, n, c)
 
     q = q.reshape(b, two_c, nkv, nh // nkv, hd)  # [b, 2C, kv_heads, groups, head_dim]
     q_idx = idx(i)
@@ -235,9 +254,15 @@ def _ring_local(q, k, v, seg, *, axes, n, window, scale):
     return out.reshape(b, two_c, nh, hd).astype(v.dtype)
 
 
-def ring_attention(q, k, v, segment_ids, axes, *, sliding_window=None, scale=None):
+STRATEGIES = ("ring", "all_gather")
+
+
+def ring_attention(q, k, v, segment_ids, axes, *, sliding_window=None, scale=None, strategy="ring"):
     """Causal attention of length-sharded, zig-zag ordered ``q`` [batch, length, heads, head_dim]
-    and ``k``, ``v`` [batch, length, kv_heads, head_dim] over the ring ``axes``."""
+    and ``k``, ``v`` [batch, length, kv_heads, head_dim] over the ring ``axes``.
+
+    ``strategy``: "ring" passes K/V blocks around the ring; "all_gather" gathers the whole row's
+    K/V on every device first (fewer, larger transfers; memory of a whole row's scores)."""
     n = _ring_size(axes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     batch = _other_axes(ax.BATCH, (q.shape[0],), axes)
@@ -245,7 +270,8 @@ def ring_attention(q, k, v, segment_ids, axes, *, sliding_window=None, scale=Non
     if heads != _other_axes(ax.KV_HEADS, (q.shape[2], k.shape[2]), axes + batch):
         heads = ()  # query and kv heads split alike, or neither
     qkv = _spec(batch, axes, heads, None)
-    fn = lambda q, k, v, seg: _ring_local(  # noqa: E731
+    local = _ring_local if strategy == "ring" else _gathered_local
+    fn = lambda q, k, v, seg: local(  # noqa: E731
         q, k, v, seg, axes=axes, n=n, window=sliding_window, scale=scale)
     if segment_ids is None:
         return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=_mesh(),

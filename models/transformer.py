@@ -29,6 +29,7 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
+from shardzoo.models.ring_attention import STRATEGIES as CONTEXT_STRATEGIES
 from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.sharding import axes as ax
 
@@ -50,6 +51,7 @@ _CHOICES = {
     "qk_norm": ("none", "head", "projection"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
+    "context_attention": CONTEXT_STRATEGIES,
     "dtype": DTYPES,
     "param_dtype": DTYPES,
     "moe_dispatch": ("capacity", "dropless", "shard_map"),
@@ -115,6 +117,7 @@ class TransformerConfig:
     scan_layers: bool = True
     remat_policy: str = "none"
     attention_impl: str = "auto"
+    context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     num_local_experts: int = 0  # 0: dense MLPs
     num_experts_per_tok: int = 2

@@ -92,6 +92,19 @@ def test_ring_attention_logits_and_gradients_equal_one_device(reference, preset)
     assert not attention_length_gathers(hlo)  # no device gathers the whole row's K/V
 
 
+def test_all_gather_strategy_equals_one_device_and_gathers_the_row():
+    """``context_attention="all_gather"``: each device's queries against the whole row's K/V."""
+    module, _ = get_model("mistral-tiny", context_attention="all_gather", **TINY)
+    batch = packed_batch(seed=5)
+    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
+    one = f(params, batch)
+    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
+        compiled = f.lower(params, batch).compile()
+    np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
+    assert attention_length_gathers(compiled.as_text())
+
+
 def test_three_adamw_steps_of_the_program_give_one_devices_losses():
     module, config = get_model("llama-tiny", **TINY)
     cfg = TrainConfig(batch_size=BATCH, seq_len=LENGTH, lr=1e-2, warmup_steps=0, steps=3)
