@@ -20,7 +20,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="change a config field, e.g. --override remat_policy=full (repeatable)")
     p.add_argument("--rules", required=True, metavar="NAME|FILE",
-                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, ep) or a YAML/JSON rule file")
+                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, cp, cp_fsdp, ep) or a YAML/JSON rule file")
     p.add_argument("--mesh", required=True, metavar="SPEC",
                    help="e.g. fsdp=32,tensor=8; a spec without -1 that does not match the local "
                         "device count is planned on an abstract mesh (no devices needed)")

@@ -54,6 +54,8 @@ BENCHES = (
           "preset, 8 fake devices", "bench_plan_vs_compiled.py", quick=("--quick",)),
     Bench("pipeline", "pipeline parallelism: per-device memory at stage 1, 2, 4 (plan beside XLA) and step "
           "time against the analytic bubble, 8 fake devices", "bench_pipeline.py", quick=("--rounds", "1")),
+    Bench("context", "context parallelism: per-device memory of a 4096-token train step at context = "
+          "1, 2, 4, 8, plan beside XLA", "bench_context.py", quick=("--seq-len", "1024")),
     Bench("compile", "compile time against depth, scanned vs unrolled", "bench_presets.py",
           ("--what", "depth"), ("--quick",)),
     Bench("moe", "MoE dispatch strategies", "bench_moe.py",

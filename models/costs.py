@@ -42,6 +42,13 @@ backward pass recomputes one layer whole, hence ``saved("none")`` once more.
 
 ``mask``: the attention mask (bool [batch, K, H/K, L, L]), made once outside the layer scan
 and kept for every layer's backward: H*L bytes per token (0 with cuDNN).
+Ring attention (context parallelism over a ring of N devices, ``shards.ring``; models/
+ring_attention.py): no ``scores`` and no ``mask``; each block pair keeps its float32 softmax
+numerators only, of the pairs it computes: the diagonal block and half of every other, so
+``probs`` is (N + 1) / (2N) of the length-sharded figure (H*L^2 (N+1) / (2 N^2) per row and
+device). ``ring_diagonal``: the backward of the diagonal block holds two float32 cotangents of
+its (L/N)^2 scores. With ``context_attention="all_gather"`` every device keeps the numerators
+of its queries against the whole row (the length-sharded ``probs``), no ``scores`` or ``mask``.
 ``backward``: the backward pass of one layer holds the cotangent of each array the layer
 saved, so one more ``saved("none")`` of the largest layer (or the logits' float32 cotangent
 V, when larger).
@@ -126,11 +133,16 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
 
+    ring = getattr(shards, "ring", 1)  # context-parallel ring attention over this many devices
+    scores, probs = (0, 0) if flash else (t(h * seq_len, BHL), t(h * seq_len, BHL, 4))
+    gathered = ring > 1 and cfg.context_attention == "all_gather"
+    if ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
+        scores, probs = 0, probs if gathered else int(probs * (ring + 1) / (2 * ring))
     layer = {
         "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
         "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
         "kv_proj": t(k * dh, BLKD) if cfg.fuse_projections else 0,
-        "scores": 0 if flash else t(h * seq_len, BHL), "probs": 0 if flash else t(h * seq_len, BHL, 4),
+        "scores": scores, "probs": probs,
         "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
@@ -161,10 +173,12 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     logits = t(cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
     others = {
         "batch": t(5, BL, 4),
-        "mask": 0 if flash else t(h * seq_len, BHL, 1),
+        "mask": 0 if flash or ring > 1 else t(h * seq_len, BHL, 1),
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits,
     }
+    if ring > 1 and not gathered:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
+        others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring
     if pipeline is not None:  # one stage's layers on one microbatch at a time (models/pipeline.py)
         m, iters = pipeline["microbatches"], pipeline["iterations"]
         lps = pipeline["layers_per_stage"]
@@ -183,6 +197,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
             + (" + one layer recomputed" if policy != "none" else "")
             + " + one layer's backward + final norm and logits"
+            + (f" (ring attention over {ring} devices)" if ring > 1 else "")
         )
     terms = {**(moe_layer if n_moe and not n_dense else dense), **others}
     return ActivationEstimate(int(total), policy, formula, terms)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from shardzoo.models.ring_attention import ring_attention, ring_axes
 from shardzoo.sharding import axes as ax
 
 
@@ -335,6 +336,9 @@ class Attention(nn.Module):
         if decode:
             k, v, mask = self._update_cache(k, v, segment_ids, batch, length)
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        elif (ring := ring_axes()) and not self.is_initializing():  # context parallelism
+            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=cfg.sliding_window,
+                                 strategy=cfg.context_attention)
         else:
             mask = None
             if segment_ids is not None:

@@ -32,6 +32,8 @@ from shardzoo.models.layers import (
     make_norm,
 )
 from shardzoo.models.pipeline import PipelineError, active_schedule, make_schedule, pipeline
+from shardzoo.models.ring_attention import STRATEGIES as CONTEXT_STRATEGIES
+from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -52,6 +54,7 @@ _CHOICES = {
     "qk_norm": ("none", "head", "projection"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
+    "context_attention": CONTEXT_STRATEGIES,
     "dtype": DTYPES,
     "param_dtype": DTYPES,
     "moe_dispatch": ("indexed", "capacity", "dropless", "shard_map"),
@@ -119,6 +122,7 @@ class TransformerConfig:
     pipeline_microbatches: int = 0  # when the rules put layers on a mesh axis (pp); 0: one per stage
     pipeline_repeats: int = 1  # circular pipeline: passes of each microbatch through all stages
     attention_impl: str = "auto"
+    context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     num_local_experts: int = 0  # 0: dense MLPs
     num_experts_per_tok: int = 2
@@ -329,6 +333,8 @@ class Transformer(nn.Module):
             if decode:
                 raise ValueError("decoding needs explicit positions")
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        # context parallelism: the tokens in the ring's zig-zag order (ring_attention.py)
+        ring, (inputs, positions, segment_ids) = enter_ring(self, decode, inputs, positions, segment_ids)
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
         embed = Embed(cfg.vocab_size, cfg.hidden_size, name="embed", **kw)
         x = embed(inputs)  # [batch, length, embed]
@@ -362,6 +368,8 @@ class Transformer(nn.Module):
             for i in range(cfg.num_hidden_layers):
                 x = block(cfg, cfg.is_moe_layer(i), name=f"layers_{i}", **flags)(x, positions, segment_ids)
 
+        if ring:
+            x = unzigzag(x, ring)  # the natural order again; the norm and head work per token
         x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)

@@ -6,7 +6,7 @@ is not in ``ALL`` is a bug in the model and is reported by validation.
 """
 
 BATCH = "batch"  # examples in a global batch (activations, data, KV cache)
-LENGTH = "length"  # token positions of activations; only ``sp`` shards it
+LENGTH = "length"  # token positions of activations; ``sp`` and ``cp`` shard it
 EMBED = "embed"  # model width (hidden_size); FSDP shards parameters along it
 HEADS = "heads"  # query attention heads
 KV_HEADS = "kv_heads"  # key/value heads (GQA, MQA)
@@ -37,7 +37,7 @@ ALL = (
 
 MEANINGS = {
     BATCH: "examples in a global batch",
-    LENGTH: "token positions of activations (sequence parallelism shards it)",
+    LENGTH: "token positions of activations (sequence and context parallelism shard it)",
     EMBED: "model width; FSDP shards parameters along it",
     HEADS: "query attention heads",
     KV_HEADS: "key/value attention heads",

@@ -8,6 +8,9 @@ import jax
 from flax import linen as nn
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from shardzoo.sharding import axes as ax
+from shardzoo.sharding.rules import CONTEXT_AXES
+
 
 def logical_specs(abstract_tree):
     """Logical PartitionSpecs of a tree of (possibly boxed) abstract arrays."""
@@ -46,7 +49,7 @@ def activate(mesh, rules):
 def mesh_axes_of(logical_name: str, rules, mesh=None) -> tuple[str, ...]:
     """The mesh axes a logical name maps to when alone in an array (empty when replicated).
 
-    With ``mesh``, axes of size 1 are dropped. Used by the explicit ``shard_map`` MoE path.
+    With ``mesh``, axes of size 1 are dropped. Used by the explicit ``shard_map`` paths (MoE, ring attention).
     """
     (assigned,) = nn.logical_to_mesh_axes((logical_name,), tuple(rules))
     names = () if assigned is None else ((assigned,) if isinstance(assigned, str) else tuple(assigned))
@@ -54,3 +57,13 @@ def mesh_axes_of(logical_name: str, rules, mesh=None) -> tuple[str, ...]:
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
         names = tuple(n for n in names if sizes.get(n, 1) > 1)
     return names
+
+
+def context_axes(rules, mesh) -> tuple[str, ...]:
+    """The mesh axes (size > 1) of the activations' ``length`` when they make a context-parallel
+    ring (one of them is a context axis, ``rules.CONTEXT_AXES``); empty otherwise.
+
+    Used by ring attention; ``length`` over ``sequence`` alone (``sp``) is left to XLA.
+    """
+    names = mesh_axes_of(ax.LENGTH, rules, mesh)
+    return names if any(n in CONTEXT_AXES for n in names) else ()

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.sharding.activations import shards
+from shardzoo.sharding.activations import Shards
 from shardzoo.sharding.mesh import make_abstract_mesh, make_mesh, mesh_shape, parse_mesh_spec
 from shardzoo.sharding.rules import Rules
 from shardzoo.sharding.validate import Resolved, rule_text
@@ -235,10 +235,10 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
     }
     est = None
     if model_config is not None and hasattr(model_config, "activation_estimate"):
-        est = model_config.activation_estimate(micro_batch, seq_len, lambda names: shards(names, report.rules, mesh))
+        est = model_config.activation_estimate(micro_batch, seq_len, Shards(report.rules, mesh))
     pipeline = None
     if model_config is not None and hasattr(model_config, "pipeline_plan"):
-        pipeline = model_config.pipeline_plan(micro_batch, lambda names: shards(names, report.rules, mesh))
+        pipeline = model_config.pipeline_plan(micro_batch, Shards(report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
                        + (totals["activations"] or 0))

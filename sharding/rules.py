@@ -17,8 +17,15 @@ from shardzoo.sharding import axes as ax
 
 DATA, FSDP, SEQUENCE, TENSOR, EXPERT = "data", "fsdp", "sequence", "tensor", "expert"
 STAGE = "stage"  # pipeline stages: the layer stack is split along it (models/pipeline.py)
-# Outermost (slowest links, e.g. across hosts) to innermost (fastest, e.g. NVLink).
-MESH_AXES = (DATA, STAGE, FSDP, EXPERT, SEQUENCE, TENSOR)
+CONTEXT = "context"
+# Outermost (slowest links, e.g. across hosts) to innermost (fastest, e.g. NVLink). `context`
+# sits inside `sequence` and outside `tensor`: its ring passes K/V blocks to one neighbour per
+# layer, a step that overlaps with the block's attention, while tensor parallelism all-reduces
+# on the critical path of every matmul and needs the fastest links.
+MESH_AXES = (DATA, STAGE, FSDP, EXPERT, SEQUENCE, CONTEXT, TENSOR)
+# Mesh axes that hold the activations' `length` for context parallelism: attention over them
+# runs as a ring (models/ring_attention.py); `length` over `sequence` alone leaves it to XLA.
+CONTEXT_AXES = (CONTEXT,)
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -90,6 +97,9 @@ PRESETS: dict[str, Rules] = {
     "tp": Rules(((ax.BATCH, DATA),) + _TP, "tp") + REPLICATED,
     "fsdp_tp": Rules(((ax.BATCH, (DATA, FSDP)), (ax.EMBED, FSDP)) + _TP, "fsdp_tp") + REPLICATED,
     "sp": Rules(((ax.BATCH, DATA), (ax.LENGTH, SEQUENCE)) + _TP, "sp") + REPLICATED,
+    "cp": Rules(((ax.BATCH, DATA), (ax.LENGTH, CONTEXT)), "cp") + REPLICATED,
+    "cp_fsdp": Rules(((ax.BATCH, (DATA, FSDP)), (ax.LENGTH, CONTEXT), (ax.EMBED, FSDP)), "cp_fsdp")
+    + REPLICATED,
     "ep": Rules(
         (
             (ax.EXPERT, EXPERT),
@@ -113,7 +123,9 @@ PRESET_HELP = {
     "fsdp": "ZeRO-3: parameters sharded over fsdp along embed, batch over data+fsdp",
     "tp": "Megatron tensor parallel: heads, kv_heads, mlp, vocab over tensor; batch over data",
     "fsdp_tp": "fsdp along embed plus tensor parallel",
-    "sp": "tensor parallel plus activations' length over sequence",
+    "sp": "tensor parallel plus activations' length over sequence (attention left to XLA)",
+    "cp": "context parallel: activations' length over context (ring attention), batch over data",
+    "cp_fsdp": "context parallel plus fsdp: length over context, parameters over fsdp along embed",
     "ep": "experts over expert, batch over data+fsdp+expert, the rest fsdp",
     "pp": "pipeline parallel: layer stack over stage, microbatches on a circular schedule; batch over data",
     "zero1": "optimizer-state table for ZeRO-1: state sharded over data along embed",

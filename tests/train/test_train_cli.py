@@ -219,7 +219,7 @@ def test_a_rule_file_typo_lists_every_problem_typo_first(files, tmp_path, capsys
     lines = err.strip().splitlines()
     assert rc == 2 and "Traceback" not in err and not out.exists()
     assert lines[0] == ("shardzoo train: error: rules 'typo.yaml' on mesh data=1,stage=1,fsdp=8,expert=1,sequence=1,"
-                        "tensor=1: 2 sharding problems:")
+                        "context=1,tensor=1: 2 sharding problems:")
     assert "rule #2 mlp->bogusaxis names mesh axis 'bogusaxis', which the mesh does not have" in lines[1]
     assert "logical axis 'vocab' has no rule in rule table 'typo.yaml'" in lines[2] and len(lines) == 3
 
