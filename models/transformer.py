@@ -29,6 +29,8 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
+from shardzoo.models.lora import TARGETS as LORA_TARGETS
+from shardzoo.models.lora import check_lora
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -124,6 +126,9 @@ class TransformerConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
+    lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains (models/lora.py)
+    lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     task: ClassVar[str] = "lm"
 
@@ -150,6 +155,8 @@ class TransformerConfig:
             raise ModelError(
                 f"moe_layer_freq={self.moe_layer_freq} mixes dense and MoE layers: set scan_layers=false"
             )
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        check_lora(self)
         if self.num_local_experts:
             self.moe_config()  # its own checks (experts per token, capacity, jitter) now, not at trace
 
