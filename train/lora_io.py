@@ -94,9 +94,11 @@ def _as_list(value) -> list[str]:
 def initial_params(cfg, target, config, mesh, rules, family=None):
     """``--init-from``'s params for ``target``: the base from the run or HF dir, and the adapters
     from ``--lora-from`` when given (else they are left to the program's random init)."""
-    base, adapters = split(target, is_adapter if getattr(config, "lora_rank", 0) else None)
+    if not getattr(config, "lora_rank", 0):
+        return init_params_from(cfg.init_from, target, config, mesh, rules)
+    adapters, base = split(target, is_adapter)
     params = init_params_from(cfg.init_from, base, config, mesh, rules)
-    if cfg.lora_from and adapters is not None:
+    if cfg.lora_from:
         params = join(load_adapters(cfg.lora_from, adapters, config, family), params)
     return params
 
