@@ -4,6 +4,8 @@ and every rule table gives the one-device losses."""
 
 import dataclasses
 import functools
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -100,3 +102,27 @@ def test_lora_under_fsdp_and_tp_gives_the_one_device_losses(lora_config, one_dev
     assert lora_a[2] is None and lora_b[1] is None
     _, _, got = _train(program, 3)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_lora_run_resumes_exactly_and_names_its_base(tmp_path):
+    from shardzoo import cli
+    from shardzoo.train.checkpoint import load_model_and_params, read_meta
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"text": "line {i} of a tiny corpus for a LoRA run"}}\n' for i in range(64)))
+    flags = ["--model", "llama-tiny", "--override", "hidden_size=32", "--override", "num_hidden_layers=2",
+             "--lora-rank", "4", "--lora-base-dtype", "bfloat16", "--data", str(data), "--batch-size", "8",
+             "--seq-len", "16", "--save-every", "2", "--eval-every", "0", "--rules", "fsdp", "--mesh", "fsdp=8"]
+    run = str(tmp_path / "run")
+    assert cli.main(["train", *flags, "--out", run, "--steps", "4"]) == 0  # checkpoints 2 and 4
+    _, config, want, _ = load_model_and_params(run)
+    shutil.rmtree(os.path.join(run, "checkpoints", "4"))
+    assert cli.main(["train", *flags, "--out", run, "--steps", "4"]) == 0  # resumes from step 2
+    _, _, got, _ = load_model_and_params(run)
+    assert config.param_dtype == "bfloat16" and config.lora_rank == 4
+    flat_want, flat_got = traverse_util.flatten_dict(want), traverse_util.flatten_dict(got)
+    for key, value in flat_want.items():  # one computation each way on one machine: exact
+        assert value.dtype == (np.float32 if is_adapter(key) else jax.numpy.bfloat16), key
+        np.testing.assert_array_equal(np.asarray(flat_got[key]), np.asarray(value), err_msg=str(key))
+    meta = read_meta(os.path.join(run, "checkpoints"), 4)
+    assert meta["lora"]["base"] == "llama-tiny" and meta["config"]["lora_rank"] == 4
