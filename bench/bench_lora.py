@@ -63,12 +63,20 @@ def plan_rows(batch: int, seq_len: int) -> list[str]:
     return rows
 
 
+VARIANTS = (  # (row, config): full and LoRA, with scanned layers (the default) and unrolled
+    ("full fine-tuning", STEP_CONFIG),
+    (f"LoRA r={RANK}", dataclasses.replace(STEP_CONFIG, lora_rank=RANK)),
+    ("full fine-tuning, unrolled layers", dataclasses.replace(STEP_CONFIG, scan_layers=False)),
+    (f"LoRA r={RANK}, unrolled layers", dataclasses.replace(STEP_CONFIG, lora_rank=RANK, scan_layers=False)),
+)
+
+
 def time_steps(rounds: int) -> tuple[dict, dict, dict]:
-    """Wall and CPU seconds (this process, all threads) per step, and XLA's cost analysis."""
-    lora = dataclasses.replace(STEP_CONFIG, lora_rank=RANK)
+    """Wall and CPU seconds (this process, all threads) per step of each variant, and XLA's
+    cost analysis of each compiled step."""
     batch = packed_batch(STEP_CONFIG.vocab_size, BATCH, LENGTH)
     runs, costs = {}, {}
-    for name, config in (("full", STEP_CONFIG), ("lora", lora)):
+    for name, config in VARIANTS:
         program = one_device_program(config.build(), config, BATCH, LENGTH, lr=1e-4)
         state = program.init(np.asarray(jax.random.PRNGKey(0), np.uint32))
         runs[name] = stepper(program, state, batch)
@@ -103,28 +111,33 @@ def main() -> None:
              "|---|---|---:|---:|---:|---:|---:|---:|---|",
              *plan_rows(8, 2048), ""]
     times, cpu, costs = time_steps(args.rounds)
-    full, lora = statistics.median(times["full"]), statistics.median(times["lora"])
-    cpu_full, cpu_lora = statistics.median(cpu["full"]), statistics.median(cpu["lora"])
+    wall = {k: statistics.median(v) for k, v in times.items()}
+    cpus = {k: statistics.median(v) for k, v in cpu.items()}
     flops = {k: float(c.get("flops", 0.0)) for k, c in costs.items()}
     moved = {k: float(c.get("bytes accessed", 0.0)) for k, c in costs.items()}
+    rows = [f"| {k} | {wall[k]:.3f} | {BATCH * LENGTH / wall[k]:,.0f} | {cpus[k]:.2f} | "
+            f"{flops[k] / 1e9:.1f} G | {format_bytes(moved[k])} |" for k, _ in VARIANTS]
+    (full, _), (lora, _), (full_u, _), (lora_u, _) = VARIANTS
+
+    def ratio(a, b):
+        return (f"{wall[a] / wall[b]:.2f}x wall, {cpus[a] / cpus[b]:.2f}x CPU time, "
+                f"{flops[a] / flops[b]:.2f}x XLA's FLOPs")
+
     lines += [
         f"### Train step on this CPU: hidden 512, 4 layers, batch {BATCH} x {LENGTH}, float32", "",
         f"The Program's compiled step (`bench/program_step.py`: adamw, clipping, schedule, a packed "
-        f"batch), full fine-tuning against LoRA r={RANK} on q,k,v,o,gate,up,down (float32 base); "
-        f"{args.rounds} interleaved rounds after a warm-up each; medians. Load average at the end: "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.", "",
+        f"batch), full fine-tuning against LoRA r={RANK} on q,k,v,o,gate,up,down (float32 base), "
+        f"with scanned (default) and unrolled layers; {args.rounds} interleaved rounds (each row "
+        f"once per round) after a warm-up each; medians. Load average at the end: "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; on a shared machine the CPU time "
+        f"(this process's threads) is the steadier timing.", "",
         "| step | wall (s) | tokens/s | CPU s (all threads) | XLA FLOPs | XLA bytes accessed |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| full fine-tuning | {full:.3f} | {BATCH * LENGTH / full:,.0f} | {cpu_full:.2f} | "
-        f"{flops['full'] / 1e9:.1f} G | {format_bytes(moved['full'])} |",
-        f"| LoRA r={RANK} | {lora:.3f} | {BATCH * LENGTH / lora:,.0f} | {cpu_lora:.2f} | "
-        f"{flops['lora'] / 1e9:.1f} G | {format_bytes(moved['lora'])} |", "",
-        f"- **LoRA step / full step: {lora / full:.2f}x wall, {cpu_lora / cpu_full:.2f}x CPU time, "
-        f"{flops['lora'] / flops['full']:.2f}x XLA's FLOPs** (goal: below 1: no gradient of the "
-        f"base weights, no optimizer update of them; the adapters' own matmuls are small). On a "
-        f"shared machine the CPU time (this process's threads) is the steadier of the two timings.",
-        "- Step times (s): full " + ", ".join(f"{t:.3f}" for t in times["full"]) + "; LoRA "
-        + ", ".join(f"{t:.3f}" for t in times["lora"]) + ".", "",
+        "|---|---:|---:|---:|---:|---:|", *rows, "",
+        f"- **LoRA step / full step, scanned layers: {ratio(lora, full)}; unrolled layers: "
+        f"{ratio(lora_u, full_u)}** (goal: below 1: no gradient of the base weights, no optimizer "
+        f"update of them; the adapters' own matmuls are thin).",
+        "- Step times (s): " + "; ".join(f"{k}: " + ", ".join(f"{t:.2f}" for t in v)
+                                         for k, v in times.items()) + ".", "",
     ]
     text = "\n".join(lines)
     if args.out:
