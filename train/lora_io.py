@@ -93,14 +93,27 @@ def _as_list(value) -> list[str]:
 
 def initial_params(cfg, target, config, mesh, rules, family=None):
     """``--init-from``'s params for ``target``: the base from the run or HF dir, and the adapters
-    from ``--lora-from`` when given (else they are left to the program's random init)."""
-    if not getattr(config, "lora_rank", 0):
+    from ``--lora-from`` when given, or from a LoRA run's checkpoint with the same rank and
+    targets (else they are left to the program's random init)."""
+    if not getattr(config, "lora_rank", 0) or _same_adapters(cfg, config):
         return init_params_from(cfg.init_from, target, config, mesh, rules)
     adapters, base = split(target, is_adapter)
     params = init_params_from(cfg.init_from, base, config, mesh, rules)
     if cfg.lora_from:
         params = join(load_adapters(cfg.lora_from, adapters, config, family), params)
     return params
+
+
+def _same_adapters(cfg, config) -> bool:
+    """Whether ``--init-from`` is a LoRA run with the adapters ``config`` asks for (rank and
+    targets): then they continue from its checkpoint, with its base."""
+    if cfg.lora_from or hf.is_hf_dir(cfg.init_from):
+        return False
+    from shardzoo.train.hf_io import init_source
+
+    source = init_source(cfg.init_from)[0]
+    return (getattr(source, "lora_rank", 0), getattr(source, "lora_targets", ())) == (
+        config.lora_rank, config.lora_targets)
 
 
 # ------------------------------------------------------------------------- PEFT names

@@ -126,3 +126,10 @@ def test_lora_run_resumes_exactly_and_names_its_base(tmp_path):
         np.testing.assert_array_equal(np.asarray(flat_got[key]), np.asarray(value), err_msg=str(key))
     meta = read_meta(os.path.join(run, "checkpoints"), 4)
     assert meta["lora"]["base"] == "llama-tiny" and meta["config"]["lora_rank"] == 4
+
+    # --init-from a LoRA run with the same adapters continues them (one step at lr 0 keeps them)
+    more = str(tmp_path / "more")
+    assert cli.main(["train", *flags, "--out", more, "--init-from", run, "--steps", "1", "--lr", "0"]) == 0
+    flat_more = traverse_util.flatten_dict(load_model_and_params(more)[2])
+    for key, value in flat_want.items():
+        np.testing.assert_array_equal(np.asarray(flat_more[key]), np.asarray(value), err_msg=str(key))
