@@ -226,6 +226,8 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
                    help="safetensors shard size in GiB (default: 5)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into OUT_DIR even when it is not empty (its files of the same name are replaced)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run: fold the adapters into the base weights (alpha/r A B added)")
     _add_step_arg(p)
     _add_sharding_args(p, "the checkpoint's param_dtype")
 
@@ -238,7 +240,8 @@ def cmd_export_hf(args) -> int:
     if not (math.isfinite(args.max_shard_size) and args.max_shard_size > 0):
         raise UserError(f"--max-shard-size must be a positive number of GiB, got {args.max_shard_size}")
     hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
-                                int(args.max_shard_size * 2**30), overwrite=args.overwrite, step=args.step)
+                                int(args.max_shard_size * 2**30), overwrite=args.overwrite, step=args.step,
+                                merge_lora=args.merge_lora)
     print(f"exported {hf_config['architectures'][0]} to {args.out}")
     return 0
 
@@ -293,6 +296,29 @@ def cmd_eval(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export-lora
+def add_export_lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a shardzoo LoRA run or checkpoint dir")
+    p.add_argument("out", metavar="OUT_DIR", help="the PEFT adapter dir to write")
+    p.add_argument("--base", metavar="NAME_OR_PATH",
+                   help="base_model_name_or_path to record (default: the run's --init-from)")
+    p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it is not empty")
+    _add_step_arg(p)
+    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table to load with (default: fsdp)")
+    p.add_argument("--mesh", default=None, metavar="SPEC", help="mesh spec to load on (default: fsdp=-1)")
+
+
+def cmd_export_lora(args) -> int:
+    """Write a LoRA run's adapters as a PEFT adapter dir (adapter_config.json + safetensors)."""
+    from shardzoo.train import hf_io, lora_io
+
+    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    conf = lora_io.export_lora(args.checkpoint, args.out, mesh, rules, step=args.step, base=args.base,
+                               overwrite=args.overwrite)
+    print(f"exported rank-{conf['r']} LoRA adapters on {','.join(conf['target_modules'])} to {args.out}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 COMMANDS = {
     "plan": (add_plan_args, cmd_plan, "show where every array lives and what it costs per device"),
@@ -300,6 +326,7 @@ COMMANDS = {
     "generate": (add_generate_args, cmd_generate, "generate text from a checkpoint or an HF model"),
     "import-hf": (add_import_hf_args, cmd_import_hf, "convert a Hugging Face checkpoint to shardzoo"),
     "export-hf": (add_export_hf_args, cmd_export_hf, "convert a shardzoo checkpoint to Hugging Face"),
+    "export-lora": (add_export_lora_args, cmd_export_lora, "write a LoRA run's adapters as a PEFT adapter dir"),
     "eval": (add_eval_args, cmd_eval, "loss, perplexity, accuracy or multiple-choice accuracy of a model"),
     "plot": (add_plot_args, cmd_plot, "draw the loss curves of a run to a PNG"),
 }

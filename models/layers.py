@@ -17,6 +17,7 @@ import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from shardzoo.models.lora import linear_lora
 from shardzoo.models.ring_attention import ring_attention, ring_axes
 from shardzoo.sharding import axes as ax
 
@@ -144,6 +145,8 @@ class Linear(nn.Module):
     ``axes`` names the kernel's dimensions; its last ``len(features)`` are the outputs, the rest
     contract with the last dimensions of ``x``. (Not ``nn.DenseGeneral``: see JAX_NOTES.)
     ``weights`` creates (or reads) the parameters without applying them, for ``fused``.
+    ``lora`` ``(rank, scale, targets)``: a linear whose name is in ``targets`` also has LoRA
+    adapters (``models/lora.py``) and adds ``scale * (x A) B``.
     """
 
     features: tuple[int, ...]
@@ -152,6 +155,7 @@ class Linear(nn.Module):
     dtype: str = "float32"
     param_dtype: str = "float32"
     init_std: float = 0.02
+    lora: tuple = ()
 
     @property
     def n_in(self) -> int:
@@ -159,7 +163,8 @@ class Linear(nn.Module):
 
     @nn.compact
     def weights(self, in_shape: tuple[int, ...]):
-        """(kernel, bias or None) in the compute dtype; ``in_shape`` is the contracted dims."""
+        """(kernel, bias or None, adapter or None) in the compute dtype; ``in_shape`` is the
+        contracted dims; the adapter is ``(A, B, scale)``."""
         init = nn.initializers.normal(stddev=self.init_std)
         pdt, dt = dtype_of(self.param_dtype), dtype_of(self.dtype)
         shape = tuple(in_shape) + tuple(self.features)
@@ -170,12 +175,33 @@ class Linear(nn.Module):
                 "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[self.n_in:]),
                 tuple(self.features), pdt,
             ).astype(dt)
-        return kernel.astype(dt), bias
+        adapter = None
+        if self.lora and self.name in self.lora[2]:  # float32 adapters, whatever the base's dtype
+            rank, scale, _ = self.lora
+            bound = 1.0 / math.sqrt(math.prod(in_shape))  # PEFT: kaiming_uniform(a=sqrt(5))
+            a_init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
+            a = self.param("lora_a", nn.with_logical_partitioning(a_init, self.axes[:self.n_in] + (ax.LORA_RANK,)),
+                           tuple(in_shape) + (rank,), jnp.float32)
+            b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.LORA_RANK,) + self.axes[self.n_in:]),
+                           (rank,) + tuple(self.features), jnp.float32)
+            adapter = (a.astype(dt), b.astype(dt), scale)
+        return kernel.astype(dt), bias, adapter
 
     def __call__(self, x):
-        kernel, bias = self.weights(x.shape[x.ndim - self.n_in:])
-        y = jnp.tensordot(x.astype(dtype_of(self.dtype)), kernel, axes=self.n_in)
-        return y if bias is None else y + bias
+        kernel, bias, adapter = self.weights(x.shape[x.ndim - self.n_in:])
+        x = x.astype(dtype_of(self.dtype))
+        y = jnp.tensordot(x, kernel, axes=self.n_in)
+        y = y if bias is None else y + bias
+        return adapted(y, x, adapter, self.n_in)
+
+
+def adapted(y, x, adapter, n_in: int):
+    """``y + scale * (x A) B``: LoRA's low-rank path, never forming ``W + A B``."""
+    if adapter is None:
+        return y
+    a, b, scale = adapter
+    h = jnp.tensordot(x, a, axes=n_in) * scale  # [batch..., lora_rank]
+    return y + jnp.tensordot(h, b, axes=1)
 
 
 def fused(linears, x):
@@ -187,12 +213,14 @@ def fused(linears, x):
     """
     first = linears[0]
     weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
-    kernel = jnp.stack([k for k, _ in weights])  # [n, inputs..., features...]
-    y = jnp.tensordot(x.astype(kernel.dtype), kernel, axes=(
+    kernel = jnp.stack([k for k, _, _ in weights])  # [n, inputs..., features...]
+    x = x.astype(kernel.dtype)
+    y = jnp.tensordot(x, kernel, axes=(
         tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
     # y: [batch..., n, features...]
     outs = [jnp.take(y, i, axis=x.ndim - first.n_in) for i in range(len(linears))]
-    return [o if b is None else o + b for o, (_, b) in zip(outs, weights, strict=True)]
+    return [adapted(o if b is None else o + b, x, adapter, first.n_in)
+            for o, (_, b, adapter) in zip(outs, weights, strict=True)]
 
 
 class Embed(nn.Module):
@@ -313,7 +341,8 @@ class Attention(nn.Module):
         cfg = self.config
         dt = dtype_of(cfg.dtype)
         nh, nkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range,
+                  lora=linear_lora(cfg))
         q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), cfg.attention_bias, name="q", **kw)(x)
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name=n, **kw)
               for n in ("k", "v")]
@@ -419,7 +448,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range,
+                  lora=linear_lora(cfg))
         act = activation(cfg.hidden_act)
         def linear(name):
             return Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name=name, **kw)

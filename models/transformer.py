@@ -31,6 +31,8 @@ from shardzoo.models.layers import (
     constrain,
     make_norm,
 )
+from shardzoo.models.lora import TARGETS as LORA_TARGETS
+from shardzoo.models.lora import check_lora
 from shardzoo.models.pipeline import PipelineError, active_schedule, make_schedule, pipeline
 from shardzoo.models.ring_attention import STRATEGIES as CONTEXT_STRATEGIES
 from shardzoo.models.ring_attention import enter_ring, unzigzag
@@ -135,6 +137,9 @@ class TransformerConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
+    lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains (models/lora.py)
+    lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     task: ClassVar[str] = "lm"
 
@@ -169,6 +174,8 @@ class TransformerConfig:
             [f"mlp_only_layers={list(self.mlp_only_layers)}"] if self.mlp_only_layers else [])
         if self.num_local_experts and mixed and self.scan_layers:
             raise ModelError(f"{' and '.join(mixed)} mixes dense and MoE layers: set scan_layers=false")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        check_lora(self)
         if self.num_local_experts:
             self.moe_config()  # its own checks (experts per token, capacity, jitter) now, not at trace
 

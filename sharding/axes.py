@@ -18,6 +18,7 @@ LAYERS = "layers"  # the stacked-layer axis that nn.scan adds to parameters
 POSITION = "position"  # rows of a learned position table (max_position_embeddings)
 CAPACITY = "capacity"  # token slots per expert in MoE dispatch (activations only)
 CACHE_LENGTH = "cache_length"  # positions of a decoding KV cache
+LORA_RANK = "lora_rank"  # the low-rank axis of LoRA adapters (replicated in every preset)
 
 ALL = (
     BATCH,
@@ -33,6 +34,7 @@ ALL = (
     POSITION,
     CAPACITY,
     CACHE_LENGTH,
+    LORA_RANK,
 )
 
 MEANINGS = {
@@ -49,4 +51,5 @@ MEANINGS = {
     POSITION: "rows of a learned position-embedding table",
     CAPACITY: "token slots per expert in MoE dispatch",
     CACHE_LENGTH: "positions of a decoding KV cache",
+    LORA_RANK: "the low-rank axis of LoRA adapters (A: [inputs..., rank], B: [rank, outputs...])",
 }

@@ -216,11 +216,13 @@ def _dims_text(array: Resolved) -> str:
 
 
 def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int | None,
-              optimizer_bytes: int, device_memory=None, name=None) -> Plan:
+              optimizer_bytes: int, gradient_bytes: int | None = None, device_memory=None,
+              name=None) -> Plan:
     """The plan of a validated train state (``validate.Report`` of its params and activations).
 
     ``optimizer_bytes``: the optimizer state's bytes per device (the program knows them from
-    its own optimizer and shardings). The activation estimate is the model's own
+    its own optimizer and shardings); ``gradient_bytes`` those of the gradients (default: as the
+    params; less when only some params train, as LoRA's adapters). The activation estimate is the model's own
     (``model_config.activation_estimate(micro_batch, seq_len, shards)``, where ``shards(names)``
     says how many devices split an array with those logical names); sharding reads no model
     field.
@@ -230,7 +232,8 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
     totals = {
         "param_count": sum(math.prod(r.array.shape) for r in params),
         "params": sum(r.bytes_per_device for r in params),
-        "gradients": sum(r.bytes_per_device for r in params),
+        "gradients": (sum(r.bytes_per_device for r in params) if gradient_bytes is None
+                      else int(gradient_bytes)),
         "optimizer": int(optimizer_bytes),
     }
     est = None

@@ -44,6 +44,12 @@ class TrainConfig:
     rules: str | None = None  # default: fsdp on >1 device, dp on one
     opt_rules: str | None = None  # default: the optimizer state follows its params
     mesh: str | None = None  # default: fsdp=-1 when the rules use fsdp, else data=-1
+    # LoRA (model section): adapters on the base model's projections, the only params trained
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_alpha: float | None = None  # default: the rank (scale alpha / rank = 1)
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    lora_base_dtype: str | None = None  # e.g. bfloat16: the frozen base's param_dtype
+    lora_from: str | None = None  # a PEFT adapter dir to continue training (with --init-from)
     # data
     data: str = "stdlib"  # the embedded standard-library corpus
     text_column: str = "text"
@@ -93,7 +99,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_every", "warmup_steps"):
+        for name in ("save_every", "eval_every", "warmup_steps", "lora_rank"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
@@ -126,7 +132,8 @@ class TrainConfig:
 
 
 SECTIONS = {
-    "model": ("model", "override", "init_from"),
+    "model": ("model", "override", "init_from", "lora_rank", "lora_alpha", "lora_targets",
+              "lora_base_dtype", "lora_from"),
     "data": ("data", "text_column", "prompt_column", "completion_column", "chat_column",
              "label_column", "feature_columns", "eval_data", "eval_fraction", "tokenizer", "add_bos", "batch_size",
              "seq_len"),
@@ -172,6 +179,11 @@ HELP = {
     "grad_accum": "microbatches per step (gradient accumulation)",
     "seed": "random seed of init and dropout",
     "init_from": "initialize params from a shardzoo run or checkpoint dir",
+    "lora_rank": "LoRA: train rank-R adapters on the frozen base (0: full fine-tuning)",
+    "lora_alpha": "LoRA: the adapters' scale is alpha / rank (default: alpha = rank)",
+    "lora_targets": "LoRA: comma-separated projections to adapt, among q,k,v,o,gate,up,down",
+    "lora_base_dtype": "LoRA: param dtype of the frozen base (e.g. bfloat16); adapters stay float32",
+    "lora_from": "LoRA: start the adapters from a PEFT adapter dir (rank, alpha, targets from it); needs --init-from",
     "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints to keep",
@@ -191,7 +203,8 @@ HELP = {
 }
 METAVARS = {"chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
-            "init_from": "DIR", "coordinator": "HOST:PORT"}
+            "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
+            "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}
 
 
 def _flag(name: str) -> str:

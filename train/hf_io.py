@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardzoo.errors import UserError
-from shardzoo.models import hf
+from shardzoo.models import hf, lora
 from shardzoo.models.decode import generate
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.partition import activate
@@ -185,15 +185,22 @@ def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, fam
 
 
 def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
-              max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, step: int | None = None) -> dict:
+              max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, step: int | None = None,
+              merge_lora: bool = False) -> dict:
     """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files.
 
     ``out_dir`` must be missing or empty unless ``overwrite``; it is locked while written. The
-    newest restorable checkpoint is exported, or that of ``step``."""
+    newest restorable checkpoint is exported, or that of ``step``. A LoRA run's adapters are
+    folded into their kernels with ``merge_lora`` (else refused: ``export-lora`` writes them)."""
     mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
     _, config, params, tokenizer_spec = load_model_and_params(checkpoint_dir, mesh, rules or "fsdp", step=step)
+    if getattr(config, "lora_rank", 0) and not merge_lora:
+        raise UserError(f"{checkpoint_dir} holds LoRA adapters: --merge-lora writes the merged "
+                        f"weights, `shardzoo export-lora` the PEFT adapters")
+    if getattr(config, "lora_rank", 0):
+        config, params = lora.merge_lora(config, params)
     family = _recorded_family(checkpoint_dir, step)  # e.g. phi3: fused tensors
     with _locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)

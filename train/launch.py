@@ -29,13 +29,13 @@ from shardzoo.train.checkpoint import (
     checkpoint_steps,
     config_to_dict,
     hf_module,
-    init_params_from,
     model_meta,
     no_restorable,
     read_meta,
     verify,
 )
 from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
+from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
@@ -104,9 +104,9 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
     check_run_dir(out)
     if config is None:
-        module, config = get_model(cfg.model, **parse_overrides(cfg.override))
-    else:
-        module = config.build()
+        _, config = get_model(cfg.model, **parse_overrides(cfg.override))
+    config = with_lora(cfg, config)  # --lora-*: the adapted model
+    module = config.build()
     labelled = config.task != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
@@ -329,6 +329,9 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
+    if getattr(p.config, "lora_rank", 0):  # the base the adapters belong to (also stored whole)
+        base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
+        meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
     if is_main_process():  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)
         tokenizer_dir = os.path.join(p.out, "tokenizer")
@@ -341,7 +344,8 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
         })
     init_params = None
     if cfg.init_from and p.resume_step is None:
-        init_params = lambda target: init_params_from(cfg.init_from, target, p.config, p.mesh, p.rules)
+        init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
+                                                    init_meta.get("family"))
     for note in p.notes:
         say(note)
     say(str(p.rules))

@@ -7,6 +7,8 @@ recording every activation constraint on the way, and validates params and activ
 strictly. Every sharding comes from that one trace: the params' from their logical axes under
 ``rules``, the optimizer state's from the same axes under ``opt_rules`` (ZeRO-1 is ``rules=dp,
 opt_rules=zero1``: one transform, nothing else). It owns the one train step and eval step.
+A model with LoRA adapters trains only them: the optimizer is built for, and its state holds,
+the adapters alone, and the step differentiates only them (``trains``); the base passes through.
 
 The Trainer, ``shardzoo plan`` (and ``plan --compile``), the benchmarks, checkpoint loading,
 Hugging Face import and export, and decoding all build a Program; nothing else traces ``init``
@@ -26,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax import struct
+from flax import struct, traverse_util
 from jax.sharding import AbstractMesh
 
 from shardzoo.errors import UserError
 from shardzoo.models.layers import recording_constraints
+from shardzoo.models.lora import join, split, trainable_filter
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
@@ -121,6 +124,7 @@ class Program:
         self.grad_accum, self.skip_nonfinite = grad_accum, skip_nonfinite
         self.tx = self.schedule = None
         self._optimizer = optimizer
+        self.trains = trainable_filter(config)  # None: every param trains
         if self.batch_size % grad_accum:
             raise UserError(f"batch size {self.batch_size} is not divisible by grad_accum {grad_accum}")
         self.micro_batch = self.batch_size // grad_accum
@@ -160,22 +164,33 @@ class Program:
     def _sample_inputs(self):
         return [jnp.zeros(s.shape, s.dtype) for s in self.config.sample_inputs(self.micro_batch, self.seq_len)]
 
+    def _init_params(self, rng):
+        rngs = {"params": rng, "dropout": rng, "jitter": rng}
+        return self.module.init(rngs, *self._sample_inputs(), deterministic=True)["params"]
+
     def _init_state(self, rng):
         """The boxed train state at step 0 (traced by ``eval_shape`` and, unboxed, by ``init``)."""
-        rngs = {"params": rng, "dropout": rng, "jitter": rng}
-        params = self.module.init(rngs, *self._sample_inputs(), deterministic=True)["params"]
-        return self._state_from(params)
+        return self._state_from(self._init_params(rng))
 
     def _state_from(self, params):
+        trained, _ = split(params, self.trains)
         if self._optimizer is not None and self.tx is None:  # built once, from the traced names
-            self.tx, self.schedule = self._optimizer(params)
-        opt_state = _keep_matching_boxes(self.tx.init(params)) if self.tx is not None else None
+            self.tx, self.schedule = self._optimizer(trained)
+        opt_state = _keep_matching_boxes(self.tx.init(trained)) if self.tx is not None else None
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
     def init(self, rng, params=None) -> TrainState:
         """A TrainState at step 0, created sharded by one jit; ``params`` (placed like
-        ``params_target()``) replaces the random init."""
+        ``params_target()``) replaces the random init; when it lacks leaves (LoRA adapters over
+        an imported base), those come from the random init."""
         with activate(self.mesh, self.rules):
+            given = set(traverse_util.flatten_dict(params)) if params is not None else set()
+            wanted = traverse_util.flatten_dict(self.shardings.params)
+            if params is not None and given != set(wanted):
+                shardings = traverse_util.unflatten_dict({k: wanted[k] for k in given})
+                fn = jax.jit(lambda key, p: nn.meta.unbox(self._state_from(join(p, self._init_params(key)))),
+                             in_shardings=(None, shardings), out_shardings=self.shardings)
+                return _compile(fn.lower(rng, params), fast=True)(rng, params)
             if params is not None:
                 fn = jax.jit(lambda p: nn.meta.unbox(self._state_from(p)),
                              in_shardings=(self.shardings.params,), out_shardings=self.shardings)
@@ -210,7 +225,7 @@ class Program:
             raise ValueError("a params-only Program (no optimizer) has no train step")
         step = functools.partial(train_step, module=self.module, task=self.task, tx=self.tx,
                                  schedule=self.schedule, grad_accum=self.grad_accum,
-                                 skip_nonfinite=self.skip_nonfinite)
+                                 skip_nonfinite=self.skip_nonfinite, trains=self.trains)
         scalar = replicated(self.mesh)
         return jax.jit(step, in_shardings=(self.shardings, self.batch_shardings, scalar),
                        out_shardings=(self.shardings, scalar), donate_argnums=0)
@@ -262,9 +277,14 @@ class Program:
     def plan(self, *, device_memory=None, name: str | None = None) -> Plan:
         """The sharding plan: every array's placement and the per-device totals."""
         opt = 0 if self.tx is None else per_device_bytes(self.abstract.opt_state, self.shardings.opt_state)
+        grads = None  # as the params
+        if self.trains is not None:
+            trained = split(self.abstract.params, self.trains)[0]
+            grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch,
                          seq_len=self.seq_len if self.task.name == "lm" else None,
-                         optimizer_bytes=opt, device_memory=device_memory, name=name)
+                         optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
+                         name=name)
 
     @property
     def is_abstract(self) -> bool:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardzoo.models.lora import join, split
 from shardzoo.train.tasks import forward
 
 
@@ -28,18 +29,24 @@ def split_microbatches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
-def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, skip_nonfinite=False):
+def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, skip_nonfinite=False,
+               trains=None):
     """One optimizer step on ``batch``: ``(new_state, metrics)``.
 
     ``rng`` is the run's base key; dropout draws from ``fold_in(rng, step)``. With
     ``skip_nonfinite`` a step whose loss or gradient norm is not finite keeps the old params
-    and optimizer state (the step counter still advances).
+    and optimizer state (the step counter still advances). ``trains`` (a predicate on param
+    paths, e.g. LoRA's adapters; None: all) picks the params that are differentiated and
+    updated, and that ``state.opt_state`` is for; the others pass through untouched.
     """
     step = state.step + 1  # the number of this step, 1-based
     step_rng = jax.random.fold_in(rng, state.step)
     total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1e-8)
 
-    def objective(params, mb, mb_rng):
+    trained, frozen = split(state.params, trains)
+
+    def objective(trained, mb, mb_rng):
+        params = join(trained, frozen)
         outputs, aux, model_metrics = forward(task, module, params, mb, mb_rng, deterministic=False)
         sums = task.sums(outputs, mb)
         obj = sums["loss"] / total_weight + (0.0 if aux is None else aux / grad_accum)
@@ -47,14 +54,14 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if grad_accum == 1:
-        (loss, (sums, aux, model_metrics)), grads = grad_fn(state.params, batch, step_rng)
+        (loss, (sums, aux, model_metrics)), grads = grad_fn(trained, batch, step_rng)
     else:
         def body(grads_acc, xs):
             mb, i = xs
-            out, grads = grad_fn(state.params, mb, jax.random.fold_in(step_rng, i))
+            out, grads = grad_fn(trained, mb, jax.random.fold_in(step_rng, i))
             return jax.tree.map(jnp.add, grads_acc, grads), out
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, trained)
         micro = (split_microbatches(batch, grad_accum), jnp.arange(grad_accum))
         grads, (objs, (sums_k, auxes, metrics_k)) = jax.lax.scan(body, zeros, micro)
         loss, sums = jnp.sum(objs), jax.tree.map(jnp.sum, sums_k)
@@ -62,16 +69,14 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
         model_metrics = jax.tree.map(jnp.mean, metrics_k)
 
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    new_trained = optax.apply_updates(trained, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    new_state = state.replace(step=step, params=params, opt_state=opt_state)
     if skip_nonfinite:
         keep = lambda new, old: jnp.where(finite, new, old)
-        new_state = new_state.replace(
-            params=jax.tree.map(keep, params, state.params),
-            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-        )
+        new_trained = jax.tree.map(keep, new_trained, trained)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    new_state = state.replace(step=step, params=join(new_trained, frozen), opt_state=opt_state)
     metrics = {
         "loss": loss,
         task.loss_name: sums["loss"] / total_weight,

@@ -1,0 +1,242 @@
+"""LoRA runs: the model a run adapts, its starting params, and PEFT adapter dirs both ways.
+
+A PEFT adapter dir holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules`` as
+HF module names, ``base_model_name_or_path``) and ``adapter_model.safetensors`` with keys
+``base_model.model.<HF module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``
+(``peft.PeftModel.from_pretrained`` loads it onto the transformers base model). The HF module
+of each adapted projection comes from the family's weight map (``model.layers.{i}.self_attn.
+q_proj`` for Llama's ``attn/q/kernel``), so every family whose projections are separate
+``nn.Linear``s exports and imports; fused ones (Phi-3, GPT-2) are refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from shardzoo.errors import UserError
+from shardzoo.models import apply_overrides, hf
+from shardzoo.models.hf.tensors import _layer_weights, put_leaf
+from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split
+from shardzoo.train.checkpoint import init_params_from, load_model_and_params, read_meta
+from shardzoo.train.config import ConfigError
+from shardzoo.train.rundir import check_empty_target
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+class AdapterError(UserError):
+    """A PEFT adapter dir that shardzoo cannot read, or a model it cannot export one for."""
+
+
+# ------------------------------------------------------------------------------- the model
+def read_adapter_config(path: str) -> dict:
+    """The adapter_config.json of a PEFT LoRA dir, checked for what shardzoo computes."""
+    where = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(where) as f:
+            conf = json.load(f)
+    except OSError as e:
+        raise AdapterError(f"--lora-from {path}: cannot read {CONFIG_FILE}: {e.strerror}") from None
+    except ValueError as e:
+        raise AdapterError(f"{where}: not JSON: {e}") from None
+    if conf.get("peft_type") != "LORA":
+        raise AdapterError(f"{where}: peft_type {conf.get('peft_type')!r}, shardzoo reads LORA adapters")
+    unsupported = [k for k in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern",
+                               "alpha_pattern", "layers_to_transform", "modules_to_save")
+                   if conf.get(k)]
+    if conf.get("bias", "none") != "none":
+        unsupported.append(f"bias={conf['bias']!r}")
+    if unsupported:
+        raise AdapterError(f"{where}: {', '.join(unsupported)} not supported (plain LoRA only)")
+    return conf
+
+
+def with_lora(cfg, config):
+    """The model config a run trains: ``config`` with the run's LoRA settings (from the flags,
+    or the adapter dir of ``--lora-from``), and ``--lora-base-dtype`` as the base's dtype."""
+    if not cfg.lora_rank and not cfg.lora_from:
+        return config
+    if not hasattr(config, "lora_rank"):
+        raise ConfigError(f"--lora-rank: {type(config).__name__} has no LoRA adapters (Transformer models have)")
+    rank, alpha, targets = cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets
+    if cfg.lora_from:
+        if not cfg.init_from:
+            raise ConfigError("--lora-from needs --init-from: the base model the adapters were trained on")
+        conf = read_adapter_config(cfg.lora_from)
+        names = {f"{t}_proj": t for t in TARGETS}
+        modules = [m.rsplit(".", 1)[-1] for m in _as_list(conf.get("target_modules"))]
+        unknown = [m for m in modules if m not in names]
+        if unknown:
+            raise AdapterError(f"--lora-from {cfg.lora_from}: target_modules {', '.join(unknown)} are "
+                               f"not among {', '.join(names)}")
+        if rank not in (0, conf["r"]):
+            raise ConfigError(f"--lora-rank {rank}, but --lora-from {cfg.lora_from} has r={conf['r']}")
+        rank, alpha = conf["r"], float(conf.get("lora_alpha", 8))
+        targets = tuple(t for t in TARGETS if f"{t}_proj" in modules)
+    fields = dict(lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+    if cfg.lora_base_dtype:
+        fields["param_dtype"] = cfg.lora_base_dtype
+    return apply_overrides(config, fields, where="--lora-*")
+
+
+def _as_list(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def initial_params(cfg, target, config, mesh, rules, family=None):
+    """``--init-from``'s params for ``target``: the base from the run or HF dir, and the adapters
+    from ``--lora-from`` when given, or from a LoRA run's checkpoint with the same rank and
+    targets (else they are left to the program's random init)."""
+    if not getattr(config, "lora_rank", 0) or _same_adapters(cfg, config):
+        return init_params_from(cfg.init_from, target, config, mesh, rules)
+    adapters, base = split(target, is_adapter)
+    params = init_params_from(cfg.init_from, base, config, mesh, rules)
+    if cfg.lora_from:
+        params = join(load_adapters(cfg.lora_from, adapters, config, family), params)
+    return params
+
+
+def _same_adapters(cfg, config) -> bool:
+    """Whether ``--init-from`` is a LoRA run with the adapters ``config`` asks for (rank and
+    targets): then they continue from its checkpoint, with its base."""
+    if cfg.lora_from or hf.is_hf_dir(cfg.init_from):
+        return False
+    from shardzoo.train.hf_io import init_source
+
+    source = init_source(cfg.init_from)[0]
+    return (getattr(source, "lora_rank", 0), getattr(source, "lora_targets", ())) == (
+        config.lora_rank, config.lora_targets)
+
+
+# ------------------------------------------------------------------------- PEFT names
+def _modules(config, family) -> list[tuple[tuple, int | None, str, str]]:
+    """``(leaf path without its last name, layer or None (scanned), target, HF module)`` of each
+    adapted projection, from the family's weight map."""
+    fam = hf.family_of_config(dataclasses.replace(config, lora_rank=0), family)
+    _, groups = _layer_weights(config, fam)
+    out = []
+    for prefix, i, weights in groups:
+        by_path = {w.path: w for w in weights}
+        for t in config.lora_targets:
+            owner = "mlp" if t in ("gate", "up", "down") else "attn"
+            w = by_path.get((owner, t, "kernel"))
+            if w is None or w.op != "linear" or w.part != (0, 1) or not w.name.endswith(".weight"):
+                where = "no HF tensor" if w is None else f"HF tensor {w.name} (fused or not a Linear)"
+                raise AdapterError(f"family {fam.name} stores projection {t!r} as {where}: "
+                                   f"PEFT adapters cover separate q/k/v/o/gate/up/down Linears only")
+            out.append((prefix + w.path[:-1], i, t, w.name.removesuffix(".weight")))
+    return out
+
+
+def _layers(config, i):
+    return range(config.num_hidden_layers) if i is None else [i]
+
+
+# ----------------------------------------------------------------------------- import
+def load_adapters(path: str, target, config, family=None):
+    """The adapters of a PEFT dir, placed like ``target`` (the adapter leaves' ShapeDtypeStructs)."""
+    from safetensors import safe_open
+
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise AdapterError(f"--lora-from {path}: no {WEIGHTS_FILE}")
+    flat = traverse_util.flatten_dict(target)
+    out = {}
+    with safe_open(weights, framework="np") as f:
+        stored = set(f.keys())
+
+        def tensor(name, shape):
+            if name not in stored:
+                raise AdapterError(f"{weights}: no tensor {name!r}")
+            t = f.get_tensor(name)
+            if tuple(t.shape) != shape:
+                raise AdapterError(f"{weights}: tensor {name!r} has shape {list(t.shape)}, the "
+                                   f"model wants {list(shape)}")
+            return t
+
+        for path_, i, _, module in _modules(config, family):
+            for leaf_name, letter in (("lora_a", "A"), ("lora_b", "B")):
+                leaf = flat[path_ + (leaf_name,)]
+                per_layer = leaf.shape[1:] if i is None else leaf.shape
+                rank = per_layer[-1] if letter == "A" else per_layer[0]
+                other = math.prod(per_layer) // rank
+                shape = (rank, other) if letter == "A" else (other, rank)
+
+                def read(j, module=module, letter=letter, shape=shape, per_layer=per_layer):
+                    name = f"{PREFIX}{module.replace('{i}', str(j))}.lora_{letter}.weight"
+                    return tensor(name, shape).T.reshape(per_layer)
+
+                if i is None:
+                    out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read,
+                                                         leaf.shape[0])
+                else:
+                    out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding,
+                                                         lambda read=read, i=i: read(i))
+    return traverse_util.unflatten_dict(out)
+
+
+# ----------------------------------------------------------------------------- export
+def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None = None,
+                base: str | None = None, overwrite: bool = False) -> dict:
+    """Write a LoRA run's adapters as a PEFT adapter dir; returns its adapter_config."""
+    from safetensors.numpy import save_file
+
+    from shardzoo.train.hf_io import _locked, _recorded_family
+
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
+    check_empty_target(out_dir, "OUT_DIR", overwrite)
+    _, config, params, _ = load_model_and_params(checkpoint_dir, mesh, rules, step=step)
+    if not getattr(config, "lora_rank", 0):
+        raise AdapterError(f"{checkpoint_dir} has no LoRA adapters (a run trained with --lora-rank has)")
+    family = _recorded_family(checkpoint_dir, step)
+    flat = traverse_util.flatten_dict(params)
+    tensors, modules = {}, []
+    for path_, i, t, module in _modules(config, family):
+        a, b = (np.asarray(_host(flat[path_ + (n,)]), np.float32) for n in ("lora_a", "lora_b"))
+        for j in _layers(config, i):
+            aj, bj = (a[j], b[j]) if i is None else (a, b)
+            name = PREFIX + module.replace("{i}", str(j))
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(aj.reshape(-1, config.lora_rank).T)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(bj.reshape(config.lora_rank, -1).T)
+        modules.append(f"{t}_proj")
+    conf = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
+        "lora_alpha": lora_scale(config) * config.lora_rank, "lora_dropout": 0.0,
+        "target_modules": sorted(set(modules)), "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "base_model_name_or_path": base or _base_of(checkpoint_dir, step),
+    }
+    with _locked(out_dir, "OUT_DIR"):
+        check_empty_target(out_dir, "OUT_DIR", overwrite)
+        if jax.process_index() == 0:
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+                save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+                with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+                    json.dump(conf, f, indent=2)
+            except OSError as e:
+                raise UserError(f"OUT_DIR {out_dir}: cannot write {e.filename or ''}: {e.strerror}") from None
+    return conf
+
+
+def _host(x):
+    from shardzoo.models.hf.tensors import _to_host
+
+    return _to_host(x)
+
+
+def _base_of(checkpoint_dir: str, step: int | None):
+    """The base model a LoRA checkpoint names (its --init-from, else its zoo preset)."""
+    from shardzoo.train.checkpoint import checkpoint_steps
+
+    root, steps = checkpoint_steps(checkpoint_dir, step)
+    meta = read_meta(root, steps[0])
+    return (meta.get("lora") or {}).get("base") or meta.get("model")
