@@ -464,8 +464,9 @@ PRESETS = {
     "olmo-2-1b": TransformerConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                    num_attention_heads=16, max_position_embeddings=4096, **_OLMO2),
     "phi-3-mini-4k": TransformerConfig(**_PHI3),
-    "gemma-2b": TransformerConfig(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
-                                  num_attention_heads=8, num_key_value_heads=1, **_GEMMA),
+    "gemma-2b": TransformerConfig(**{  # head_dim 256 = hidden / heads: spelled None, as imported
+        **_GEMMA, "hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 18,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": None}),
     "gemma-2-2b": TransformerConfig(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                                     num_attention_heads=8, num_key_value_heads=4, **_GEMMA2),
     "gemma-2-9b": TransformerConfig(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,

@@ -6,6 +6,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import linen as nn
 
 from shardzoo.models import decode as dec
@@ -134,3 +135,14 @@ def test_compile_time_stays_flat_in_depth():
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
     assert times[36] < 1.5 * times[12], times
+
+
+def test_flops_count_each_layer_with_its_own_window():
+    """Local layers see at most ``sliding_window`` keys, global ones the whole causal prefix."""
+    config = get_config("gemma3-tiny", **TINY)  # 7 local layers (window 4), 1 global
+    seq, w = 64, TINY["sliding_window"]
+    dense = get_config("gemma3-tiny", **dict(TINY, sliding_window=None))
+    attn = 12 * 4 * 8  # 12 x heads x head_dim, per key
+    local_keys, global_keys = w - w * w / (2 * seq), seq / 2
+    assert dense.flops_per_token(seq) - config.flops_per_token(seq) == pytest.approx(
+        attn * 7 * (global_keys - local_keys))
