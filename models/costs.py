@@ -26,12 +26,18 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
+    softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
+                                 (such attention always runs in plain XLA)
     attn_context H*Dh            the input of the output projection
     attn_residual D              x + attention: the input of the MLP norm
     mlp_norm 3 D, float32        as attn_norm
+    post_attn_norm, post_mlp_norm 3 D float32 each, with norm_position "both" (Gemma 2/3: four
+                                 norms a block; "post" moves the two norms, it adds none)
     dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
-      mlp_hidden F
+      mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of
+      the activation (jax lists five for tanh-GELU; XLA's fusions keep about one: gemma3-tiny's
+      plan/compiled 0.97 with one, 1.17 with five; gemma2-tiny 0.90)
     MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
       z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
       expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
@@ -53,7 +59,8 @@ of its queries against the whole row (the length-sharded ``probs``), no ``scores
 saved, so one more ``saved("none")`` of the largest layer (or the logits' float32 cotangent
 V, when larger).
 ``head``: the final norm's 3 D float32 intermediates and the log-softmax's float32 ``exp``
-of the logits, V per token.
+of the logits, V per token (and with final_logit_softcapping tanh's output and its
+derivative, 2 V).
 ``batch``: the step's input arrays (inputs, targets, positions, segment_ids int32; weights
 float32): 20 bytes per token.
 ``pipeline`` (the rules split the layer stack into S stages, ``models/pipeline.py``): every
@@ -128,7 +135,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     nb = jnp.dtype(cfg.dtype).itemsize
     tok = batch_size * seq_len
     gated = cfg.mlp_type == "gated"
-    flash = cfg.attention_impl == "cudnn"
+    flash = cfg.attention_impl == "cudnn" and not cfg.attn_logit_softcapping
 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
@@ -146,9 +153,15 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
+    if cfg.attn_logit_softcapping:
+        layer["softcap"] = t(2 * h * seq_len, BHL)
+    if cfg.norm_position == "both":
+        layer.update(post_attn_norm=t(3 * d, BLE, 4), post_mlp_norm=t(3 * d, BLE, 4))
     dense = dict(layer, mlp_up=t(f, BLF), mlp_hidden=t(f, BLF))
     if gated:
         dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if cfg.fuse_projections else 0)
+        if cfg.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
+            dense["mlp_act"] = t(f, BLF)
     experts = cfg.num_local_experts
     moe_layer = None
     if experts:
@@ -175,7 +188,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "batch": t(5, BL, 4),
         "mask": 0 if flash or ring > 1 else t(h * seq_len, BHL, 1),
         "backward": max(largest, logits),
-        "head": t(3 * d, BLE, 4) + logits,
+        "head": t(3 * d, BLE, 4) + logits
+        + (t(2 * cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB)) if cfg.final_logit_softcapping else 0),
     }
     if ring > 1 and not gathered:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
         others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring

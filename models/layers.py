@@ -100,17 +100,20 @@ class RMSNorm(nn.Module):
     dtype: str = "float32"
     param_dtype: str = "float32"
     axes: tuple[str, ...] = (ax.EMBED,)
+    plus_one: bool = False  # scale by (1 + weight), weight zero-initialized (Gemma)
 
     @nn.compact
     def __call__(self, x):
         dims = tuple(range(x.ndim - len(self.axes), x.ndim))
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes),
-            x.shape[dims[0]:], dtype_of(self.param_dtype),
+            "scale", nn.with_logical_partitioning(init, self.axes), x.shape[dims[0]:],
+            dtype_of(self.param_dtype),
         )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=dims, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(dtype_of(self.dtype))
+        scale32 = scale.astype(jnp.float32)
+        return (y * (1.0 + scale32 if self.plus_one else scale32)).astype(dtype_of(self.dtype))
 
 
 class LayerNorm(nn.Module):
@@ -133,9 +136,12 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(config, name: str) -> nn.Module:
-    """The config's norm (``norm_type`` "rmsnorm" or "layernorm") as a named submodule."""
-    cls = RMSNorm if config.norm_type == "rmsnorm" else LayerNorm
-    return cls(config.rms_norm_eps, config.dtype, config.param_dtype, name=name)
+    """The config's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one" or "layernorm") as a
+    named submodule."""
+    if config.norm_type == "layernorm":
+        return LayerNorm(config.rms_norm_eps, config.dtype, config.param_dtype, name=name)
+    return RMSNorm(config.rms_norm_eps, config.dtype, config.param_dtype,
+                   plus_one=config.norm_type == "rmsnorm_plus_one", name=name)
 
 
 # ------------------------------------------------------------------------------- linear, embed
@@ -257,16 +263,19 @@ ROPE_SCALING = {
 }
 
 
-def rope_inv_freq(config) -> np.ndarray:
+def rope_inv_freq(config, local: bool = False) -> np.ndarray:
     """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
 
     Handles ``partial_rotary_factor`` and ``rope_scaling`` types default, linear and llama3
     (the latter exactly as ``transformers.modeling_rope_utils._compute_llama3_parameters``).
+    A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
     """
     dim = int(config.head_size * config.partial_rotary_factor)
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    scaling = config.rope_scaling_dict
+    local_base = config.rope_local_base_freq if local else None
+    theta = local_base or config.rope_theta
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    scaling = {} if local_base else config.rope_scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -326,10 +335,40 @@ def _implementation(config, dtype):
     return "cudnn" if on_gpu and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
+def softcap(x, cap):
+    """``cap * tanh(x / cap)``: values squashed smoothly into (-cap, cap) (Gemma 2)."""
+    return cap * jnp.tanh(x / cap)
+
+
+def xla_attention(q, k, v, mask, scale, logit_cap=None):
+    """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
+    (soft-capped logits): scores scaled, capped, masked, softmax in float32 (as HF's eager).
+
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
+    mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
+    # [batch, kv_heads, group, q_len, k_len]
+    if logit_cap:
+        scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
+    scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
+    return ctx.reshape(batch, length, heads, dim)  # [batch, length, heads, head_dim]
+
+
 class Attention(nn.Module):
-    """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache."""
+    """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
+
+    ``local``: a layer of the config's local kind (its ``sliding_window`` and local rotary
+    base); with a layer pattern (``sliding_window_pattern``) the global layers see everything.
+    """
 
     config: object
+    local: bool = True
 
     def _cached(self, name, shape, axes, dtype):
         return self.variable(
@@ -350,11 +389,12 @@ class Attention(nn.Module):
         if cfg.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
             q_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
             k_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
-            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                        plus_one=cfg.norm_type == "rmsnorm_plus_one")  # Gemma 3: (1 + w)
             q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
             k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
         if cfg.position_embedding == "rope":
-            inv_freq = rope_inv_freq(cfg)
+            inv_freq = rope_inv_freq(cfg, self.local)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)), "key")
@@ -362,19 +402,28 @@ class Attention(nn.Module):
         # [batch, length, heads|kv_heads, head_dim]
 
         batch, length = x.shape[:2]
+        window = cfg.sliding_window if self.local else None
+        scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         if decode:
-            k, v, mask = self._update_cache(k, v, segment_ids, batch, length)
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window)
+        elif cfg.attn_logit_softcapping:
+            # causality by position (restarting per packed segment, which the segment mask
+            # separates): right in any token order, also the ring's zig-zag one under cp
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
+        if cfg.attn_logit_softcapping:  # jax.nn.dot_product_attention cannot cap the logits
+            ctx = xla_attention(q, k, v, mask, scale, cfg.attn_logit_softcapping)
+        elif decode:
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif (ring := ring_axes()) and not self.is_initializing():  # context parallelism
-            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=cfg.sliding_window,
+            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=window, scale=scale,
                                  strategy=cfg.context_attention)
         else:
             mask = None
             if segment_ids is not None:
                 mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-            window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
             ctx = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                q, k, v, mask=mask, scale=scale, is_causal=True,
+                local_window_size=(window - 1, 0) if window else None,
                 implementation=_implementation(cfg, dt),
             )
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
@@ -383,9 +432,8 @@ class Attention(nn.Module):
         )(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
-    def _update_cache(self, k, v, segment_ids, batch, length):
+    def _update_cache(self, k, v, segment_ids, batch, length, window):
         """Write this chunk's keys/values at the cache index; mask over the whole cache."""
-        cfg = self.config
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
         ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
@@ -402,7 +450,7 @@ class Attention(nn.Module):
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        mask = attention_mask(q_slots, k_slots, seg, cseg.value, cfg.sliding_window)
+        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window)
         return ck.value, cv.value, mask
 
 

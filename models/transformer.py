@@ -1,5 +1,5 @@
 """Decoder-only Transformer LMs: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, OLMo 2,
-Phi-3, GPT-2, Mixtral and Qwen3-MoE (MoE).
+Phi-3, Gemma 1/2/3, GPT-2, Mixtral and Qwen3-MoE (MoE).
 
 One frozen config with Hugging Face field names selects the family's pieces; one model covers
 them. Layers are stacked with ``nn.scan`` by default (every parameter gets a leading ``layers``
@@ -7,6 +7,11 @@ axis) or unrolled (``layers_0``, ``layers_1``, ...). MoE layers (``num_local_exp
 ``models/moe.py``'s ``MoeMLP``; where dense and MoE layers mix (``moe_layer_freq > 1`` or
 ``mlp_only_layers``) the layers must be unrolled, so the parameter tree stays one homogeneous
 stack when scanned.
+
+A local/global layer pattern (``sliding_window_pattern``, Gemma 2/3) is scanned as MaxText
+does: each scanned step runs one period of the pattern, ``period`` blocks with their own
+parameters (``layers/sub_0``, ``layers/sub_1``, ..., each with the leading ``layers`` axis), and
+the layers past the last whole period are unrolled after the scan (``layers_24``, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from shardzoo.models.layers import (
     Linear,
     constrain,
     make_norm,
+    softcap,
 )
 from shardzoo.models.lora import TARGETS as LORA_TARGETS
 from shardzoo.models.lora import check_lora
@@ -51,8 +57,8 @@ REMAT_POLICIES = {
 _CHOICES = {
     "mlp_type": ("gated", "plain"),
     "position_embedding": ("rope", "learned"),
-    "norm_type": ("rmsnorm", "layernorm"),
-    "norm_position": ("pre", "post"),
+    "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm"),
+    "norm_position": ("pre", "post", "both"),
     "qk_norm": ("none", "head", "projection"),
     "remat_policy": tuple(REMAT_POLICIES),
     "attention_impl": ("auto", "xla", "cudnn"),
@@ -64,7 +70,9 @@ _CHOICES = {
 }
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-             "moe_layer_freq", "pipeline_repeats", "moe_intermediate_size")
+             "moe_layer_freq", "pipeline_repeats", "moe_intermediate_size", "sliding_window_pattern")
+_POSITIVE_FLOATS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                    "rope_local_base_freq")
 
 
 def _check_rope_scaling(value) -> None:
@@ -112,8 +120,15 @@ class TransformerConfig:
     mlp_type: str = "gated"
     position_embedding: str = "rope"
     norm_type: str = "rmsnorm"
-    norm_position: str = "pre"  # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo 2)
+    norm_position: str = "pre"  # "pre": x + f(norm(x)); "post": x + norm(f(x)) (OLMo 2); "both": x + norm(f(norm(x))) (Gemma 2/3)
     qk_norm: str = "none"  # RMSNorm of q and k before rotary: per "head" (Qwen3) or whole "projection" (OLMo 2)
+    # Gemma ("rmsnorm_plus_one" norms, GeGLU as hidden_act "gelu_pytorch_tanh"):
+    scale_embeddings: bool = False  # embeddings x sqrt(hidden_size), in the compute dtype
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # cap * tanh(logits / cap) on attention scores
+    final_logit_softcapping: float | None = None  # ... and on the output logits
+    sliding_window_pattern: int | None = None  # layer i global iff (i + 1) % pattern == 0, else local
+    rope_local_base_freq: float | None = None  # local layers' rotary base, unscaled (None: as global)
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     initializer_range: float = 0.02
@@ -154,6 +169,13 @@ class TransformerConfig:
         check_fields(self, _CHOICES, _POSITIVE)
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
+        for name in _POSITIVE_FLOATS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ModelError(f"{name}={value!r} must be a number > 0 (or null: off)")
+        if self.rope_local_base_freq is not None and self.sliding_window_pattern is None:
+            raise ModelError("rope_local_base_freq needs sliding_window_pattern (which layers are local)")
         if self.num_local_experts < 0:
             raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -196,6 +218,30 @@ class TransformerConfig:
     def expert_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
 
+    @property
+    def layer_period(self) -> int:
+        """Layers in one scanned step: the local/global pattern's period (1: all layers alike)."""
+        return self.sliding_window_pattern or 1
+
+    def is_local_layer(self, i: int) -> bool:
+        """Layer ``i`` uses ``sliding_window`` and ``rope_local_base_freq`` (without a pattern,
+        every layer: the window, if any, is everyone's)."""
+        return self.sliding_window_pattern is None or (i + 1) % self.sliding_window_pattern != 0
+
+    def param_layout(self) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
+        """Where each layer's parameters live: ``(path prefix, layers, stacked)``; a stacked
+        prefix holds its layers on a leading axis in that order, else it holds one layer."""
+        n, period = self.num_hidden_layers, self.layer_period
+        if not self.scan_layers:
+            return [((f"layers_{i}",), (i,), False) for i in range(n)]
+        scanned = n - n % period
+        if period == 1:
+            out = [(("layers",), tuple(range(n)), True)]
+        else:
+            out = [(("layers", f"sub_{j}"), tuple(range(j, scanned, period)), True)
+                   for j in range(period)] if scanned else []
+        return out + [((f"layers_{i}",), (i,), False) for i in range(scanned, n)]
+
     def is_moe_layer(self, i: int) -> bool:
         """As HF's Qwen3MoeDecoderLayer decides (Mixtral's: every layer)."""
         return (self.num_local_experts > 0 and (i + 1) % self.moe_layer_freq == 0
@@ -237,9 +283,10 @@ class TransformerConfig:
             total += self.max_position_embeddings * d
         norm = d * (2 if self.norm_type == "layernorm" else 1)
         total += norm  # final norm
+        norms = 4 if self.norm_position == "both" else 2
         for i in range(self.num_hidden_layers):
             moe = self.is_moe_layer(i)
-            total += self._layer_matmul_params(moe, active) + 2 * norm
+            total += self._layer_matmul_params(moe, active) + norms * norm
             if self.qk_norm != "none":
                 total += hd * (2 if self.qk_norm == "head" else self.num_attention_heads + self.kv_heads)
             if self.attention_bias:
@@ -255,9 +302,11 @@ class TransformerConfig:
         matmul = sum(self._layer_matmul_params(self.is_moe_layer(i), True)
                      for i in range(self.num_hidden_layers))
         matmul += self.vocab_size * self.hidden_size  # output head (tied or not)
-        w = self.sliding_window
-        keys = seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
-        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * keys
+        keys = 0.0  # keys a query sees on average, summed over layers (each its own window)
+        for i in range(self.num_hidden_layers):
+            w = self.sliding_window if self.is_local_layer(i) else None
+            keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
+        attn = 12 * self.num_attention_heads * self.head_size * keys
         return 6 * matmul + attn
 
     def pipeline_plan(self, batch_size: int, shards) -> dict | None:
@@ -280,21 +329,23 @@ class TransformerConfig:
 
 class Block(nn.Module):
     """Residual block: x + attn(norm(x)), then x + mlp(norm(x)); with ``norm_position="post"``
-    the norms move onto the outputs: x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2)."""
+    the norms move onto the outputs: x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2); with
+    "both" there are both: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3)."""
 
     config: TransformerConfig
     use_moe: bool = False
     deterministic: bool = True
     decode: bool = False
     scanned: bool = False  # return (x, None) as nn.scan wants
+    local: bool = True  # a local layer of the pattern (see TransformerConfig.is_local_layer)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         cfg = self.config
-        pre = cfg.norm_position == "pre"
+        pre, post = cfg.norm_position in ("pre", "both"), cfg.norm_position in ("post", "both")
         h = make_norm(cfg, "attn_norm")(x) if pre else x
-        h = Attention(cfg, name="attn")(h, positions, segment_ids, self.decode)
-        h = h if pre else make_norm(cfg, "post_attn_norm")(h)
+        h = Attention(cfg, self.local, name="attn")(h, positions, segment_ids, self.decode)
+        h = make_norm(cfg, "post_attn_norm")(h) if post else h
         x = constrain(x + h, BLE)
         h = make_norm(cfg, "mlp_norm")(x) if pre else x
         if self.use_moe:
@@ -304,7 +355,7 @@ class Block(nn.Module):
             h = MoeMLP(config=cfg.moe_config(), name="moe")(h, self.deterministic, token_mask)
         else:
             h = MLP(cfg, name="mlp")(h)
-        h = h if pre else make_norm(cfg, "post_mlp_norm")(h)
+        h = make_norm(cfg, "post_mlp_norm")(h) if post else h
         x = constrain(x + h, BLE)  # [batch, length, embed]
         return (x, None) if self.scanned else x
 
@@ -313,6 +364,9 @@ def pipeline_schedule(cfg, batch_size: int):
     """The pipeline schedule the active rules ask for (``models/pipeline.py``), or None."""
     sched = active_schedule(cfg.num_hidden_layers, batch_size, microbatches=cfg.pipeline_microbatches,
                             repeats=cfg.pipeline_repeats)
+    if sched is not None and cfg.layer_period > 1:
+        raise PipelineError("pipeline parallelism (rules put layers on a mesh axis) needs one homogeneous "
+                            f"layer stack; sliding_window_pattern={cfg.sliding_window_pattern} scans periods")
     if sched is not None and cfg.num_local_experts:
         raise PipelineError("pipeline parallelism (rules put layers on a mesh axis) runs dense layers only;"
                             f" num_local_experts={cfg.num_local_experts}")
@@ -322,6 +376,31 @@ def pipeline_schedule(cfg, batch_size: int):
 def _apply_layer(cfg, block, params, x, positions, segment_ids):
     """One scanned layer, outside the scan: the pipeline's stage function."""
     return block(cfg, parent=None).apply({"params": params}, x, positions, segment_ids)
+
+
+def _block_class(cfg: TransformerConfig, decode: bool, prevent_cse: bool):
+    """Block, wrapped in the config's remat policy when training."""
+    if cfg.remat_policy == "none" or decode:
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=prevent_cse)
+
+
+class PeriodBlock(nn.Module):
+    """One scanned step of a layer pattern: ``layer_period`` blocks with their own parameters
+    (``sub_0``, ``sub_1``, ...); at step k, ``sub_j`` is layer ``k * period + j``."""
+
+    config: TransformerConfig
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        block = _block_class(cfg, self.decode, prevent_cse=False)
+        for j in range(cfg.layer_period):
+            x = block(cfg, cfg.num_local_experts > 0, self.deterministic, self.decode,
+                      local=cfg.is_local_layer(j), name=f"sub_{j}")(x, positions, segment_ids)
+        return x, None
 
 
 class Transformer(nn.Module):
@@ -345,35 +424,40 @@ class Transformer(nn.Module):
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range)
         embed = Embed(cfg.vocab_size, cfg.hidden_size, name="embed", **kw)
         x = embed(inputs)  # [batch, length, embed]
+        if cfg.scale_embeddings:  # Gemma: the scale rounded to the compute dtype, as HF does
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         if cfg.position_embedding == "learned":
             pos_embed = Embed(cfg.max_position_embeddings, cfg.hidden_size, ax.POSITION, name="pos_embed", **kw)
             x = x + pos_embed(positions)
         x = constrain(x, BLE)
 
-        policy = REMAT_POLICIES[cfg.remat_policy]
-        block = Block
-        if cfg.remat_policy != "none" and not decode:
-            block = nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
         flags = dict(deterministic=deterministic, decode=decode)
-        sched = None if decode or not cfg.scan_layers else pipeline_schedule(cfg, x.shape[0])
+        period = cfg.layer_period
+        scanned = cfg.num_hidden_layers - cfg.num_hidden_layers % period if cfg.scan_layers else 0
+        sched = None if decode or not scanned else pipeline_schedule(cfg, x.shape[0])
         if sched is not None and not self.is_initializing():  # init builds the same tree by nn.scan
-            x = pipeline(sched, functools.partial(_apply_layer, cfg, block), self.variables["params"]["layers"],
+            step = _block_class(cfg, decode, prevent_cse=False)
+            x = pipeline(sched, functools.partial(_apply_layer, cfg, step), self.variables["params"]["layers"],
                          x, positions, segment_ids)
-        elif cfg.scan_layers:
+        elif scanned:
+            step = _block_class(cfg, decode, prevent_cse=False) if period == 1 else PeriodBlock
             stack = nn.scan(
-                block,
+                step,
                 variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "intermediates")},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_hidden_layers,
+                length=scanned // period,
                 metadata_params={nn.PARTITION_NAME: ax.LAYERS},
             )
-            x, _ = stack(cfg, cfg.num_local_experts > 0, scanned=True, name="layers", **flags)(
-                x, positions, segment_ids
-            )
-        else:
-            for i in range(cfg.num_hidden_layers):
-                x = block(cfg, cfg.is_moe_layer(i), name=f"layers_{i}", **flags)(x, positions, segment_ids)
+            if period == 1:
+                layers = stack(cfg, cfg.num_local_experts > 0, scanned=True, name="layers", **flags)
+            else:
+                layers = stack(cfg, name="layers", **flags)
+            x, _ = layers(x, positions, segment_ids)
+        block = _block_class(cfg, decode, prevent_cse=True)
+        for i in range(scanned, cfg.num_hidden_layers):  # all layers unrolled, or the remainder
+            x = block(cfg, cfg.is_moe_layer(i), local=cfg.is_local_layer(i), name=f"layers_{i}",
+                      **flags)(x, positions, segment_ids)
 
         if ring:
             x = unzigzag(x, ring)  # the natural order again; the norm and head work per token
@@ -382,6 +466,8 @@ class Transformer(nn.Module):
             logits = embed.attend(x)
         else:
             logits = Linear((cfg.vocab_size,), (ax.EMBED, ax.VOCAB), name="lm_head", **kw)(x)
+        if cfg.final_logit_softcapping:
+            logits = softcap(logits, jnp.asarray(cfg.final_logit_softcapping, logits.dtype))
         return constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))  # [batch, length, vocab]
 
 
@@ -407,6 +493,17 @@ _PHI3 = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_pos
 # width, renormalised top-k; HF's router has no z-loss.
 _QWEN3_MOE = dict(_QWEN3, num_key_value_heads=4, num_local_experts=128, num_experts_per_tok=8,
                   norm_topk_prob=True, router_aux_loss_coef=0.001, router_z_loss_coef=0.0)
+# Gemma (google/gemma-2b, gemma-2-*, gemma-3-*-pt config.json): GeGLU, (1 + w) norms, scaled
+# tied embeddings, head_dim 256; Gemma 2 adds four norms a block, soft-caps and alternating
+# local/global layers; Gemma 3 drops the caps for qk-norm, 5 local : 1 global, two rope bases.
+_GEMMA = dict(vocab_size=256000, head_dim=256, max_position_embeddings=8192,
+              hidden_act="gelu_pytorch_tanh", norm_type="rmsnorm_plus_one", scale_embeddings=True,
+              tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+_GEMMA2 = dict(_GEMMA, norm_position="both", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+               final_logit_softcapping=30.0, sliding_window=4096, sliding_window_pattern=2)
+_GEMMA3 = dict(_GEMMA, vocab_size=262144, norm_position="both", qk_norm="head",
+               query_pre_attn_scalar=256, sliding_window_pattern=6, rope_theta=1000000.0,
+               rope_local_base_freq=10000.0)
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              bos_token_id=None, eos_token_id=None)
@@ -445,6 +542,22 @@ PRESETS = {
     "phi-3-mini-4k": TransformerConfig(**_PHI3),
     "qwen3-30b-a3b": TransformerConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                        num_attention_heads=32, moe_intermediate_size=768, **_QWEN3_MOE),
+    "gemma-2b": TransformerConfig(**{  # head_dim 256 = hidden / heads: spelled None, as imported
+        **_GEMMA, "hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 18,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": None}),
+    "gemma-2-2b": TransformerConfig(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                    num_attention_heads=8, num_key_value_heads=4, **_GEMMA2),
+    "gemma-2-9b": TransformerConfig(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                    num_attention_heads=16, num_key_value_heads=8, **_GEMMA2),
+    "gemma-3-1b": TransformerConfig(**{
+        **_GEMMA3, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "sliding_window": 512,
+        "max_position_embeddings": 32768}),
+    "gemma-3-4b": TransformerConfig(**{  # the text model of google/gemma-3-4b-pt
+        **_GEMMA3, "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+        "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "sliding_window": 1024, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
     # Tiny variants for tests and demos (vocab 512 fits the byte tokenizer's 259 ids).
     "llama-tiny": TransformerConfig(**_TINY),
     "mistral-tiny": TransformerConfig(**_TINY, sliding_window=8),
@@ -459,6 +572,17 @@ PRESETS = {
     "qwen3-moe-tiny": TransformerConfig(**{**_QWEN3_MOE, **_TINY, "head_dim": 32, "num_local_experts": 4,
                                            "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                            "mlp_only_layers": (0,), "scan_layers": False}),
+    # Gemma: windows shorter than a test's sequence, caps that clip; 8 layers at period 6.
+    "gemma-tiny": TransformerConfig(**{**_GEMMA, **_TINY, "num_key_value_heads": 1, "head_dim": 32,
+                                       "bos_token_id": None, "eos_token_id": None}),
+    "gemma2-tiny": TransformerConfig(**{**_GEMMA2, **_TINY, "num_hidden_layers": 4, "head_dim": 16,
+                                        "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 2.0,
+                                        "bos_token_id": None, "eos_token_id": None}),
+    "gemma3-tiny": TransformerConfig(**{**_GEMMA3, **_TINY, "num_hidden_layers": 8, "head_dim": 16,
+                                        "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                        "bos_token_id": None, "eos_token_id": None}),
     "mixtral-tiny": TransformerConfig(**{**_TINY, **_MIXTRAL, "num_local_experts": 4,
                                          "num_key_value_heads": 2, "max_position_embeddings": 256}),
 }

@@ -61,6 +61,13 @@ class Family:
     weights: Callable[[object], tuple[list[Weight], list[Weight], list[Weight]]]
 
 
+# TransformerConfig fields only the Gemma families (gemma.py) express, at their off values:
+# what every other family needs.
+GEMMA_ONLY_OFF = dict(scale_embeddings=False, query_pre_attn_scalar=None,
+                      attn_logit_softcapping=None, final_logit_softcapping=None,
+                      sliding_window_pattern=None, rope_local_base_freq=None)
+
+
 def mismatches(config, need: dict) -> list[str]:
     """``field=value`` for each field of ``config`` that differs from ``need``."""
     return [f"{k}={getattr(config, k)!r}" for k, v in need.items() if getattr(config, k) != v]

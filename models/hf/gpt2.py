@@ -7,7 +7,14 @@ column blocks the import splits and the export joins. Files from the Hub lack th
 
 from __future__ import annotations
 
-from shardzoo.models.hf.base import Family, HFError, Weight, mismatches, special_tokens
+from shardzoo.models.hf.base import (
+    GEMMA_ONLY_OFF,
+    Family,
+    HFError,
+    Weight,
+    mismatches,
+    special_tokens,
+)
 from shardzoo.models.transformer import TransformerConfig
 
 PREFIX = "transformer."
@@ -44,7 +51,8 @@ def to_hf(c) -> dict:
 def obstacles(c) -> list[str]:
     bad = mismatches(c, dict(position_embedding="learned", norm_type="layernorm",
                              mlp_type="plain", attention_bias=True, attention_out_bias=True,
-                             mlp_bias=True, num_local_experts=0, sliding_window=None))
+                             mlp_bias=True, num_local_experts=0, sliding_window=None,
+                             **GEMMA_ONLY_OFF))
     if c.kv_heads != c.num_attention_heads or c.head_size * c.num_attention_heads != c.hidden_size:
         bad.append("grouped or resized heads")
     return bad

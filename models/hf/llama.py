@@ -9,6 +9,7 @@ only; Mistral: none) and in the sliding window (Mistral; Qwen2 behind ``use_slid
 from __future__ import annotations
 
 from shardzoo.models.hf.base import (
+    GEMMA_ONLY_OFF,
     Family,
     HFError,
     Weight,
@@ -68,7 +69,7 @@ def rotary_obstacles(c, experts: bool = False, **features) -> list[str]:
     """Rotary positions, RMSNorm, gated MLPs, and experts only where the family has them;
     ``features`` the family's norm placement and qk-norm (default: pre-norms, no qk-norm)."""
     need = dict(position_embedding="rope", norm_type="rmsnorm", mlp_type="gated",
-                norm_position="pre", qk_norm="none")
+                norm_position="pre", qk_norm="none", **GEMMA_ONLY_OFF)
     bad = mismatches(c, need | features)
     if bool(c.num_local_experts) != experts:
         bad.append(f"num_local_experts={c.num_local_experts}")

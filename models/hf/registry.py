@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from shardzoo.models.hf import gpt2, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
+from shardzoo.models.hf import gemma, gpt2, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
 from shardzoo.models.hf.base import Family, HFError, read_hf_config
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -16,11 +16,13 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.QWEN3,
     olmo2.OLMO2,
     phi3.PHI3,
+    gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3,
     mixtral.MIXTRAL,
     qwen3_moe.QWEN3_MOE,
     gpt2.GPT2,
 )
 
+REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 BY_NAME = {f.name: f for f in FAMILIES}
 SUPPORTED = tuple(BY_MODEL_TYPE)
@@ -30,6 +32,8 @@ if len(BY_MODEL_TYPE) != sum(len(f.model_types) for f in FAMILIES) or len(BY_NAM
 
 def family_of_model_type(model_type, where: str = "config.json") -> Family:
     """The family that reads config.json's ``model_type``; an HFError naming the supported ones."""
+    if model_type in REFUSED:
+        raise HFError(f"{where}: {REFUSED[model_type]}")
     if model_type not in BY_MODEL_TYPE:
         raise HFError(f"{where}: unsupported model_type {model_type!r}; "
                       f"supported: {', '.join(SUPPORTED)}")

@@ -178,17 +178,17 @@ def load_hf_params(hf_dir: str, target, config=None):
     flat = traverse_util.flatten_dict(target)
     reader = SafetensorsReader(hf_dir)
     glob, groups = _layer_weights(config, family)
-    plan = [(w.path, None, w) for w in glob]
-    plan += [(prefix + w.path, i, w) for prefix, i, ws in groups for w in ws]
-    _check(plan, flat, reader, config, hf_dir)
+    plan = [(w.path, (None,), False, w) for w in glob]
+    plan += [(prefix + w.path, layers, stacked, w) for prefix, layers, stacked, ws in groups for w in ws]
+    _check(plan, flat, reader, hf_dir)
     params = {}
-    for path, i, w in plan:
+    for path, layers, stacked, w in plan:
         leaf = flat[path]
-        if i is None and path[0] == "layers":  # scanned: per-layer reads stacked on the device
-            read = functools.partial(_read, reader, w, leaf.shape[1:])
+        if stacked:  # scanned: per-layer reads stacked on the device
+            read = functools.partial(_read_stacked, reader, w, leaf.shape[1:], layers)
             params[path] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read, leaf.shape[0])
         else:
-            read = functools.partial(_read, reader, w, leaf.shape, i)
+            read = functools.partial(_read, reader, w, leaf.shape, layers[0])
             params[path] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read)
     return traverse_util.unflatten_dict(params)
 
@@ -198,27 +198,33 @@ def _read(reader, w: Weight, shape, i: int | None) -> np.ndarray:
     return hf_to_leaf(w, [reader.get(n) for n in _names(w, i)], shape)
 
 
+def _read_stacked(reader, w: Weight, shape, layers, k: int) -> np.ndarray:
+    """Entry ``k`` of a stacked leaf: model layer ``layers[k]``."""
+    return _read(reader, w, shape, layers[k])
+
+
 def _layer_weights(config, family):
-    """(global weights, [(path prefix, layer index or None for the stack, weights)])."""
+    """(global weights, [(path prefix, model layers, stacked, weights)]) by the config's
+    ``param_layout`` (one stack; a stack per position in a layer pattern; unrolled layers)."""
     glob, dense, moe = family.weights(config)
-    if config.scan_layers:
-        return glob, [(("layers",), None, moe if config.num_local_experts else dense)]
-    return glob, [((f"layers_{i}",), i, moe if config.is_moe_layer(i) else dense)
-                  for i in range(config.num_hidden_layers)]
+    groups = []
+    for prefix, layers, stacked in config.param_layout():
+        use_moe = config.num_local_experts > 0 if stacked else config.is_moe_layer(layers[0])
+        groups.append((prefix, layers, stacked, moe if use_moe else dense))
+    return glob, groups
 
 
-def _check(plan, shapes, reader, config, hf_dir) -> None:
+def _check(plan, shapes, reader, hf_dir) -> None:
     """Every parameter has a source; every source tensor exists, shaped as config.json implies."""
-    unmapped = sorted("/".join(p) for p in set(shapes) - {p for p, _, _ in plan})
+    unmapped = sorted("/".join(p) for p in set(shapes) - {p for p, _, _, _ in plan})
     if unmapped:
         raise HFError(f"{hf_dir}: no HF tensor maps to shardzoo parameter(s) {', '.join(unmapped)}")
-    for path, i, w in plan:
+    for path, layers, stacked, w in plan:
         if path not in shapes:
             raise HFError(f"{hf_dir}: HF tensor {w.name} has no shardzoo parameter "
                           f"{'/'.join(path)}")
-        scanned = i is None and path[0] == "layers"
-        want = _hf_shape(w, shapes[path].shape[1:] if scanned else shapes[path].shape)
-        for j in range(config.num_hidden_layers) if scanned else [i]:
+        want = _hf_shape(w, shapes[path].shape[1:] if stacked else shapes[path].shape)
+        for j in layers:
             for name in _names(w, j):
                 if reader.resolve(name) is None:
                     raise HFError(f"{hf_dir}: missing tensor {name!r} (for {'/'.join(path)})")
@@ -276,10 +282,10 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
 
     for w in glob:
         emit(w, None, _to_host(flat[w.path]))
-    for prefix, i, ws in groups:
+    for prefix, layers, stacked, ws in groups:
         for w in ws:
             leaf = _to_host(flat[prefix + w.path])
-            for j, layer in (enumerate(leaf) if i is None else [(i, leaf)]):
+            for j, layer in (zip(layers, leaf, strict=True) if stacked else [(layers[0], leaf)]):
                 emit(w, j, layer)
     flush()
     if not write:

@@ -12,8 +12,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -45,7 +48,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -65,6 +68,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                         moe_intermediate_size=16, norm_topk_prob=True),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
+    "gemma": lambda: GemmaConfig(**DIMS, head_dim=16),
+    "gemma2": lambda: Gemma2Config(**DIMS, sliding_window=4, attn_logit_softcapping=20.0),
+    "gemma3_text": lambda: Gemma3TextConfig(**(DIMS | dict(num_hidden_layers=8)), sliding_window=4,
+                                            rope_scaling={"rope_type": "linear", "factor": 8.0}),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -117,10 +124,9 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
 
 
 def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path, capsys):
-    gemma = GemmaConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
-                        head_dim=8)
-    hf_dir = save_tiny(gemma, tmp_path / "gemma")
+    neox = GPTNeoXConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4)
+    hf_dir = save_tiny(neox, tmp_path / "neox")
     capsys.readouterr()
     errors = []
     for argv in (["import-hf", hf_dir, str(tmp_path / "imported")],
@@ -128,7 +134,7 @@ def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1, err
-        assert "unsupported model_type 'gemma'; supported: " + ", ".join(SUPPORTED) in err
+        assert "unsupported model_type 'gpt_neox'; supported: " + ", ".join(SUPPORTED) in err
         errors.append(err.split(": error: ", 1)[1])
     assert errors[0] == errors[1]
     assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "imported")
@@ -163,8 +169,8 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
     config = dataclasses.replace(get_config("llama3.2-1b"), num_hidden_layers=2)
     old = {"model": "llama2-7b", "config": json.loads(json.dumps(config_to_dict(config)))}
     assert config_from_meta(old) == config
-    with pytest.raises(CheckpointError, match="family 'gemma'"):
-        config_from_meta({"family": "gemma", "config": old["config"]})
+    with pytest.raises(CheckpointError, match="family 'gpt_neox'"):
+        config_from_meta({"family": "gpt_neox", "config": old["config"]})
     with pytest.raises(CheckpointError, match="unknown field"):
         config_from_meta({"family": "llama", "config": {**old["config"], "rope_kind": 1}})
 
