@@ -158,3 +158,21 @@ def test_sp_shards_the_residual_stream_by_length_and_leaves_attention_to_xla():
     assert residual == [(BATCH // 2, LENGTH // 2, d)], norm_shapes
     # XLA's attention gathers the keys/values along the length (cp's ring does not: above).
     assert attention_length_gathers(sp_hlo)
+
+
+@pytest.mark.parametrize("name", ["gemma2-tiny", "gemma3-tiny"])
+def test_gemma_local_global_layers_under_cp_equal_one_device(name):
+    """Gemma 2's soft-capped attention (plain XLA, its mask by position: right in the ring's
+    token order) and Gemma 3's ring with each layer's own window and query scale."""
+    module, config = get_model(name, **{**TINY, "num_hidden_layers": 2, "sliding_window_pattern": 2,
+                                        "sliding_window": 8})
+    assert [config.is_local_layer(i) for i in range(2)] == [True, False]
+    batch = packed_batch(seed=7)
+    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
+    one = f(params, batch)
+    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
+        compiled = f.lower(params, batch).compile()
+    np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
+    if not config.attn_logit_softcapping:
+        assert count_collectives(compiled.as_text())["collective-permute"] > 0  # the ring
