@@ -407,6 +407,13 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
                 cand.reason = "does not divide: " + e.problems[0].message
                 rejected.append(cand)
                 continue
+            idle = [a for a, n in sizes.items() if n > 1 and not any(
+                a in d.mesh_axes for r in report.params + report.activations for d in r.dims)]
+            if idle:
+                cand.reason = (f"does not divide: mesh axis {idle[0]}={sizes[idle[0]]} shards no array "
+                               "of the model (its devices would repeat each other's work)")
+                rejected.append(cand)
+                continue
             sig = _signature(report, sizes)
             if sig in signatures:
                 continue  # the same placement as an earlier table's candidate

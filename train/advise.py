@@ -67,7 +67,7 @@ def advise_model(config, *, name: str, num_devices: int, device_memory: str,
     if num_devices < 1:
         raise AdviseError(f"--devices {num_devices}: need at least one device")
     tables = [get_rules(c) for c in (candidates or default_tables())]
-    batch = batch_size or num_devices
+    batch = num_devices if batch_size is None else batch_size
     if batch < 1 or (seq_len is not None and seq_len < 1):
         raise AdviseError("--batch-size and --seq-len must be positive")
     lm = getattr(config, "task", "") == "lm"

@@ -165,6 +165,7 @@ def test_cli_verify_and_json(capsys):
     ["--devices", "0", "--device-memory", "h100"],
     ["--devices", "8", "--device-memory", "tpu9"],
     ["--devices", "8", "--device-memory", "h100", "--candidates", "{bad}"],
+    ["--devices", "8", "--device-memory", "h100", "--batch-size", "0"],
 ])
 def test_invalid_input_exits_2_with_one_line(tmp_path, capsys, extra):
     bad = tmp_path / "bad.yaml"
@@ -173,6 +174,14 @@ def test_invalid_input_exits_2_with_one_line(tmp_path, capsys, extra):
     assert main(["advise", "--model", "llama-tiny", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shardzoo advise: error:") and len(err.splitlines()) == 1, err
+
+
+def test_a_mesh_axis_that_shards_nothing_is_rejected():
+    # The MLP has no length dimension: sp's sequence axis would only repeat work.
+    advice = advise_model(get_config("mlp-tiny"), name="mlp-tiny", num_devices=8,
+                          device_memory="1GB", candidates=["sp"])
+    assert all(c.mesh.get("sequence", 1) == 1 for c in advice.ranked)
+    assert any("sequence=8 shards no array" in c.reason for c in advice.rejected)
 
 
 def test_device_kinds():
