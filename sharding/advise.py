@@ -37,6 +37,13 @@ The cost model (per step, per device):
   - keys and values with ``length`` sharded (sequence parallelism): all-gathered over the
     length axes for the attention, twice forward and twice backward, and their gradients
     reduce-scattered;
+  - keys and values with ``length`` on a ring axis (context parallelism, ``CONTEXT_AXES``
+    of the rules module when it has them): their blocks pass to a neighbour P-1 times forward
+    and, with their gradients, backward (collective-permutes that overlap the attention);
+  - a stacked parameter whose ``layers`` dim is sharded (pipeline stages): no tensor-parallel
+    all-reduce for that axis; each microbatch's activations hop to the next stage forward and
+    backward (collective-permutes), and compute is divided by (1 - the bubble fraction of the
+    schedule the plan reports);
   - loss and norm statistics (a few bytes a token) are not counted.
   The bytes of a collective are its whole buffer over its group (an all-gather's result, a
   reduce-scatter's or all-reduce's operand); ``shardzoo advise --verify`` and the tests
@@ -65,6 +72,7 @@ import jax.numpy as jnp
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
+from shardzoo.sharding import rules as _rules
 from shardzoo.sharding.mesh import make_abstract_mesh
 from shardzoo.sharding.plan import DEVICE_MEMORY, format_bytes, make_plan, parse_device_memory
 from shardzoo.sharding.rules import MESH_AXES, get_rules
@@ -75,6 +83,9 @@ from shardzoo.sharding.validate import (
     check,
 )
 
+# Mesh axes whose `length` shards run attention as a ring (context parallelism), when the
+# rule vocabulary has them.
+RING_AXES = tuple(getattr(_rules, "CONTEXT_AXES", ()))
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 SHORT = {"all-gather": "AG", "all-reduce": "AR", "reduce-scatter": "RS", "all-to-all": "A2A",
          "collective-permute": "CP"}
@@ -214,10 +225,12 @@ def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
     tokens = set(t_batch) | set(t_len)
     tok_bytes = _nbytes(resid) / _prod(tokens, sizes)  # [tokens, embed] on one device
     layers = _layer_count(report)
+    stage_axes = sorted({a for r in report.params if ax.LAYERS in r.names
+                         for a in dim_axes(r, ax.LAYERS)})  # pipeline stages
     expert_buffer = next((a for a in acts if a.names[:1] == (ax.EXPERT,) and ax.EMBED in a.names), None)
     out, seen = [], set()
     for row in report.params:
-        names = tuple(n for n in row.names)
+        names = row.names
         held = {a for d in row.dims for a in _eff(d.mesh_axes, sizes)}
         local = _nbytes(row) / _prod(held, sizes)
         stacked = ax.LAYERS in names
@@ -226,7 +239,7 @@ def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
         expert_axes = set(dim_axes(row, ax.EXPERT))
         gathered = tuple(a for a in held if a in tokens and a not in expert_axes)
         g = _prod(gathered, sizes)
-        model = tuple(a for a in held if a not in tokens)
+        model = tuple(a for a in held if a not in tokens and a not in stage_axes)
         unheld = tuple(a for a in sorted(tokens) if a not in held)
         if g > 1 and lookup and _prod(unheld, sizes) > 1:
             out += [Transfer("all-to-all", tok_bytes, gathered, False, f"{row.path} lookup"),
@@ -263,10 +276,20 @@ def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
             if set(e_axes) & tokens:
                 buf = _nbytes(site) / _prod(tokens | set(e_axes), sizes) * repeat
                 out += [Transfer("all-to-all", buf, e_axes, False, f"{site.path} dispatch")] * 4
-        if ax.KV_HEADS in site.names and ax.LENGTH in site.names and t_len:
+        ring = tuple(a for a in t_len if a in RING_AXES)
+        if ax.KV_HEADS in site.names and ax.LENGTH in site.names and ring:
+            # ring attention: K and V blocks pass to a neighbour P-1 times forward, and K, V,
+            # dK, dV backward; each pass overlaps with a block's attention
+            passes = _prod(ring, sizes) - 1
+            block = _nbytes(site) / _prod(site_axes, sizes) * repeat * passes
+            out += [Transfer("collective-permute", block, ring, True, f"{site.path} ring")] * 6
+        elif ax.KV_HEADS in site.names and ax.LENGTH in site.names and t_len:
             full = _nbytes(site) / _prod(site_axes - set(t_len), sizes) * repeat
             out += [Transfer("all-gather", full, t_len, False, f"{site.path} keys, values")] * 4
             out += [Transfer("reduce-scatter", full, t_len, False, f"{site.path} gradients")] * 2
+    if _prod(stage_axes, sizes) > 1:
+        # pipeline: each microbatch's activations hop to the next stage, forward and backward
+        out += [Transfer("collective-permute", tok_bytes, tuple(stage_axes), False, "pipeline stages")] * 2
     return out
 
 
@@ -441,8 +464,10 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
                     if smallest is None or total < smallest[0]:
                         smallest = (total, plan.totals, variant.label, accum)
                     if total <= budget:
+                        pipe = getattr(plan, "pipeline", None)  # the model's pipeline schedule
+                        bubble = pipe["bubble_fraction"] if pipe else 0.0
                         c = _cost(rules.name, sizes, variant, accum, plan.totals, rep, device,
-                                  model_flops, tokens, fused, num_devices)
+                                  model_flops, tokens, fused, num_devices, bubble)
                         if best is None or c.step_s < best.step_s:
                             best = c
                         break
@@ -468,7 +493,7 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
 
 
 def _cost(rules_name, sizes, variant, accum, totals, report, device, model_flops, tokens,
-          fused, num_devices) -> Candidate:
+          fused, num_devices, bubble=0.0) -> Candidate:
     transfers = collectives(report, sizes, fused=fused)
     by_kind = dict.fromkeys(KINDS, 0.0)
     hidden = exposed = 0.0
@@ -488,7 +513,7 @@ def _cost(rules_name, sizes, variant, accum, totals, report, device, model_flops
             exposed += secs
             exposed_kind[t.kind] += secs
     recompute = variant.recompute_flops_per_token * tokens
-    compute = (model_flops + recompute) / (num_devices * device.peak_flops)
+    compute = (model_flops + recompute) / (num_devices * device.peak_flops) / (1 - bubble)
     step = max(compute, hidden) + exposed
     if exposed >= max(compute, hidden):
         k = max(exposed_kind, key=exposed_kind.get)
