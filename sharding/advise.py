@@ -447,7 +447,7 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
             opt_bytes = 0 if opt is None else sum(
                 _nbytes(r) // _prod({a for d in r.dims for a in _eff(d.mesh_axes, sizes)}, sizes)
                 for r in opt.params)
-            best, smallest = None, None
+            best, smallest, refused = None, None, None
             for variant in variants:
                 accum = 1
                 while accum <= max_grad_accum and batch_size % accum == 0:
@@ -458,8 +458,12 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
                             activations=_scaled_sites(sites, mb), strict=True)
                     except ShardingValidationError:
                         break  # the microbatch no longer divides over the batch axes
-                    plan = make_plan(rep, mesh, variant.config, micro_batch=mb, seq_len=seq_len,
-                                     optimizer_bytes=opt_bytes, name=name)
+                    try:
+                        plan = make_plan(rep, mesh, variant.config, micro_batch=mb, seq_len=seq_len,
+                                         optimizer_bytes=opt_bytes, name=name)
+                    except UserError as e:  # the model refuses this split (e.g. its schedule)
+                        refused = str(e)
+                        break
                     total = plan.totals["total"]
                     if smallest is None or total < smallest[0]:
                         smallest = (total, plan.totals, variant.label, accum)
@@ -475,7 +479,10 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
                     if state > budget:
                         break  # no accumulation shrinks the state
                     accum *= 2
-            if best is None:
+            if best is None and smallest is None:
+                cand.reason = f"does not divide: {refused}"
+                rejected.append(cand)
+            elif best is None:
                 total, totals, label, accum = smallest
                 cand.memory, cand.variant, cand.grad_accum = totals, label, accum
                 cand.reason = (f"does not fit: needs {format_bytes(total)} per device at best "
