@@ -41,9 +41,11 @@ The cost model (per step, per device):
     of the rules module when it has them): their blocks pass to a neighbour P-1 times forward
     and, with their gradients, backward (collective-permutes that overlap the attention);
   - a stacked parameter whose ``layers`` dim is sharded (pipeline stages): no tensor-parallel
-    all-reduce for that axis; each microbatch's activations hop to the next stage forward and
-    backward (collective-permutes), and compute is divided by (1 - the bubble fraction of the
-    schedule the plan reports);
+    all-reduce for that axis; with the schedule the plan reports (I iterations, M
+    microbatches), each iteration passes a microbatch's activations to the next stage once
+    forward and twice backward (collective-permutes, 3 (I + 1) / M of the step's
+    ``[tokens, embed]``), the stage's gradients are all-reduced in every iteration, and
+    compute is divided by (1 - the schedule's bubble fraction);
   - loss and norm statistics (a few bytes a token) are not counted.
   The bytes of a collective are its whole buffer over its group (an all-gather's result, a
   reduce-scatter's or all-reduce's operand); ``shardzoo advise --verify`` and the tests
@@ -209,9 +211,10 @@ def _site_repeats(path: str, layers: int) -> int:
     return layers if "/layers/" in path or path.startswith("activations/layers#") else 1
 
 
-def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
+def collectives(report, sizes: dict, *, fused: bool = True, pipeline: dict | None = None) -> list[Transfer]:
     """The collectives of one microbatch's forward and backward and its gradient reduction,
-    from a validated report of params and activation constraints (see the module docstring)."""
+    from a validated report of params and activation constraints (see the module docstring);
+    ``pipeline``: the schedule the plan reports when the rules split the layer stack."""
     acts = report.activations
     resid = next((a for a in acts if ax.BATCH in a.names and ax.EMBED in a.names), None)
     resid = resid or next((a for a in acts if ax.BATCH in a.names), None)
@@ -251,10 +254,12 @@ def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
             twice = stacked or _prod(model, sizes) > 1
             out += [Transfer("all-gather", local * g, gathered, True, row.path)] * (2 if twice else 1)
             out.append(Transfer("reduce-scatter", local * g, gathered, True, row.path))
+        # a stage's gradients are reduced in every iteration of the pipeline's loop
+        reductions = pipeline["iterations"] if pipeline and stacked else 1
         for part in (t_batch, t_len):
             rest = tuple(a for a in part if a not in held)
             if _prod(rest, sizes) > 1:
-                out.append(Transfer("all-reduce", local, rest, True, f"{row.path} gradient"))
+                out.append(Transfer("all-reduce", local * reductions, rest, True, f"{row.path} gradient"))
         embed_axes = set(dim_axes(row, ax.EMBED))
         if (_prod(model, sizes) > 1 and ax.EMBED in core and len(core) > 1
                 and not embed_axes & set(model)):
@@ -288,8 +293,11 @@ def collectives(report, sizes: dict, *, fused: bool = True) -> list[Transfer]:
             out += [Transfer("all-gather", full, t_len, False, f"{site.path} keys, values")] * 4
             out += [Transfer("reduce-scatter", full, t_len, False, f"{site.path} gradients")] * 2
     if _prod(stage_axes, sizes) > 1:
-        # pipeline: each microbatch's activations hop to the next stage, forward and backward
-        out += [Transfer("collective-permute", tok_bytes, tuple(stage_axes), False, "pipeline stages")] * 2
+        # pipeline: every iteration (and the loop's entry) passes one microbatch's activations
+        # to the next stage, once forward and twice backward (activations and cotangents)
+        hops = 3 * (pipeline["iterations"] + 1) / pipeline["microbatches"] if pipeline else 2
+        out.append(Transfer("collective-permute", tok_bytes * hops, tuple(stage_axes), False,
+                            "pipeline stages"))
     return out
 
 
@@ -469,9 +477,8 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
                         smallest = (total, plan.totals, variant.label, accum)
                     if total <= budget:
                         pipe = getattr(plan, "pipeline", None)  # the model's pipeline schedule
-                        bubble = pipe["bubble_fraction"] if pipe else 0.0
                         c = _cost(rules.name, sizes, variant, accum, plan.totals, rep, device,
-                                  model_flops, tokens, fused, num_devices, bubble)
+                                  model_flops, tokens, fused, num_devices, pipe)
                         if best is None or c.step_s < best.step_s:
                             best = c
                         break
@@ -500,8 +507,9 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
 
 
 def _cost(rules_name, sizes, variant, accum, totals, report, device, model_flops, tokens,
-          fused, num_devices, bubble=0.0) -> Candidate:
-    transfers = collectives(report, sizes, fused=fused)
+          fused, num_devices, pipeline=None) -> Candidate:
+    transfers = collectives(report, sizes, fused=fused, pipeline=pipeline)
+    bubble = pipeline["bubble_fraction"] if pipeline else 0.0
     by_kind = dict.fromkeys(KINDS, 0.0)
     hidden = exposed = 0.0
     hidden_kind, exposed_kind = dict.fromkeys(KINDS, 0.0), dict.fromkeys(KINDS, 0.0)
