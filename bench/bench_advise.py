@@ -26,7 +26,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 MESHES = {"dp": "data=8", "fsdp": "data=2,fsdp=4", "tp": "data=4,tensor=2",
-          "fsdp_tp": "fsdp=4,tensor=2", "sp": "data=2,sequence=2,tensor=2", "ep": "fsdp=2,expert=4"}
+          "fsdp_tp": "fsdp=4,tensor=2", "sp": "data=2,sequence=2,tensor=2", "ep": "fsdp=2,expert=4",
+          "cp": "data=4,context=2", "cp_fsdp": "fsdp=4,context=2", "pp": "data=4,stage=2"}
 
 
 def speed(memory: str) -> dict:
@@ -55,7 +56,8 @@ def versus_compiled(model: str, preset: str) -> dict:
                       optimizer=default_optimizer(), batch_size=16, seq_len=32)
     sizes = dict(zip(program.mesh.axis_names, program.mesh.axis_sizes, strict=True))
     est = dict.fromkeys(KINDS, 0.0)
-    for t in collectives(program.report, sizes, fused=config.fuse_projections):
+    pipeline = getattr(program.plan(), "pipeline", None)
+    for t in collectives(program.report, sizes, fused=config.fuse_projections, pipeline=pipeline):
         est[t.kind] += t.bytes
     got = hlo_collective_bytes(program.compiled_train_step().as_text())
     for d in (est, got):
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="speed only, one device kind")
     parser.add_argument("--out", default=None, help="write the markdown section here")
     args = parser.parse_args(argv)
+    from shardzoo.sharding import PRESETS
     runs = [speed(m) for m in (("16GB",) if args.quick else ("16GB", "h100"))]
     lines = ["## `shardzoo advise`: speed, and its collective bytes against the compiled step", "",
              "`python bench/bench_advise.py`. Speed: the whole command as a subprocess (Python and "
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
                   "| model | preset | mesh | all-gather | all-reduce + RS | all-to-all | collective-permute |",
                   "|---|---|---|---|---|---|---|"]
         for model in ("llama-tiny", "mixtral-tiny"):
-            for preset in MESHES:
+            for preset in (p for p in MESHES if p in PRESETS):
                 r = versus_compiled(model, preset)
                 cells = [f"{kb(r['est'][k])} / {kb(r['got'][k])}" for k in
                          ("all-gather", "all-reduce", "all-to-all", "collective-permute")]

@@ -8,21 +8,25 @@ import pytest
 
 from shardzoo.cli import main
 from shardzoo.models import get_config
-from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding import PRESETS, get_rules, make_mesh
 from shardzoo.sharding.advise import KINDS, collectives, factorizations, get_device
 from shardzoo.train.advise import advise_model, hlo_collective_bytes
 from shardzoo.train.program import Program, default_optimizer, plan
 
 # One mesh per preset on 8 devices, every axis the table uses > 1 where the tiny models allow
-# (2 kv heads: tensor=2; mixtral-tiny's 4 experts: expert=4).
-MESHES = {
+# (2 kv heads: tensor=2; mixtral-tiny's 4 experts: expert=4; 2 layers: stage=2); the context
+# and pipeline presets when the rule vocabulary has them.
+MESHES = {preset: mesh for preset, mesh in {
     "dp": "data=8",
     "fsdp": "data=2,fsdp=4",
     "tp": "data=4,tensor=2",
     "fsdp_tp": "fsdp=4,tensor=2",
     "sp": "data=2,sequence=2,tensor=2",
     "ep": "fsdp=2,expert=4",
-}
+    "cp": "data=4,context=2",
+    "cp_fsdp": "fsdp=4,context=2",
+    "pp": "data=4,stage=2",
+}.items() if preset in PRESETS}
 BATCH, SEQ = 16, 32
 TOLERANCE = 0.25
 NEGLIGIBLE = 0.02  # a kind under 2% of the step's collective bytes in both is not compared
@@ -40,7 +44,8 @@ def compiled():
                               optimizer=default_optimizer(), batch_size=BATCH, seq_len=SEQ)
             sizes = dict(zip(program.mesh.axis_names, program.mesh.axis_sizes, strict=True))
             est = dict.fromkeys(KINDS, 0.0)
-            for t in collectives(program.report, sizes, fused=config.fuse_projections):
+            pipeline = getattr(program.plan(), "pipeline", None)  # the pipeline's schedule
+            for t in collectives(program.report, sizes, fused=config.fuse_projections, pipeline=pipeline):
                 est[t.kind] += t.bytes
             got = hlo_collective_bytes(program.compiled_train_step().as_text())
             cache[model, preset] = (est, got)
