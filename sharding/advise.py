@@ -21,9 +21,10 @@ The cost model (per step, per device):
     outside it XLA keeps the forward's copy, unless the array is also tensor-sharded). An
     embedding table (first logical axis ``vocab`` or ``position``) is not gathered for its
     lookup: the activations move instead (all-to-all forward and backward), or, when the
-    tokens are also split over axes the table is not sharded on, one all-to-all, the table
-    gathered over those axes and its gradient gathered whole (what XLA's SPMD partitioner does
-    with the scatter-add);
+    tokens are also split over batch axes the table is not sharded on, one all-to-all, the
+    table gathered over those axes and its gradient gathered whole; over length axes, four
+    all-to-alls and two gathers of the table's shard (what XLA's SPMD partitioner does with
+    the gather and its scatter-add);
   - a parameter's gradient is all-reduced over the token axes it is not sharded on, once for
     the batch axes and once for the length axes (XLA reduces them separately);
   - a kernel sharded over a mesh axis that does not split the tokens (tensor parallelism)
@@ -39,7 +40,8 @@ The cost model (per step, per device):
     reduce-scattered;
   - keys and values with ``length`` on a ring axis (context parallelism, ``CONTEXT_AXES``
     of the rules module when it has them): their blocks pass to a neighbour P-1 times forward
-    and, with their gradients, backward (collective-permutes that overlap the attention);
+    and backward (collective-permutes that overlap the attention), and the residual stream
+    moves into and out of the zig-zag order, forward and backward ((P-1)/P of it each time);
   - a stacked parameter whose ``layers`` dim is sharded (pipeline stages): no tensor-parallel
     all-reduce for that axis; with the schedule the plan reports (I iterations, M
     microbatches), each iteration passes a microbatch's activations to the next stage once
@@ -244,7 +246,10 @@ def collectives(report, sizes: dict, *, fused: bool = True, pipeline: dict | Non
         g = _prod(gathered, sizes)
         model = tuple(a for a in held if a not in tokens and a not in stage_axes)
         unheld = tuple(a for a in sorted(tokens) if a not in held)
-        if g > 1 and lookup and _prod(unheld, sizes) > 1:
+        if g > 1 and lookup and _prod(unheld, sizes) > 1 and set(unheld) <= set(t_len):
+            out += [Transfer("all-to-all", tok_bytes, gathered, False, f"{row.path} lookup")] * 4
+            out += [Transfer("all-gather", local, unheld, True, f"{row.path} lookup")] * 2
+        elif g > 1 and lookup and _prod(unheld, sizes) > 1:
             out += [Transfer("all-to-all", tok_bytes, gathered, False, f"{row.path} lookup"),
                     Transfer("all-gather", local, unheld, True, f"{row.path} lookup"),
                     Transfer("all-gather", local * g, gathered, True, f"{row.path} gradient")]
@@ -273,6 +278,7 @@ def collectives(report, sizes: dict, *, fused: bool = True, pipeline: dict | Non
                 act = _nbytes(expert_buffer) / _prod(buf_axes, sizes)
             repeat = layers if stacked else 1
             out.append(Transfer("all-reduce", act * repeat, model, False, f"{row.path} activations"))
+    zigzag = False
     for site in acts:
         repeat = _site_repeats(site.path, layers)
         site_axes = {a for d in site.dims for a in _eff(d.mesh_axes, sizes)}
@@ -283,11 +289,15 @@ def collectives(report, sizes: dict, *, fused: bool = True, pipeline: dict | Non
                 out += [Transfer("all-to-all", buf, e_axes, False, f"{site.path} dispatch")] * 4
         ring = tuple(a for a in t_len if a in RING_AXES)
         if ax.KV_HEADS in site.names and ax.LENGTH in site.names and ring:
-            # ring attention: K and V blocks pass to a neighbour P-1 times forward, and K, V,
-            # dK, dV backward; each pass overlaps with a block's attention
+            # ring attention: K and V blocks pass to a neighbour P-1 times forward and again
+            # backward, each pass beside a block's attention
             passes = _prod(ring, sizes) - 1
             block = _nbytes(site) / _prod(site_axes, sizes) * repeat * passes
-            out += [Transfer("collective-permute", block, ring, True, f"{site.path} ring")] * 6
+            out += [Transfer("collective-permute", block, ring, True, f"{site.path} ring")] * 4
+            if not zigzag:  # the zig-zag order that balances causal work: the residual stream
+                zigzag = True  # in and out of it, forward and backward, (P-1)/P of it each time
+                moved = tok_bytes * passes / (passes + 1)
+                out += [Transfer("collective-permute", moved, ring, False, "zig-zag order")] * 8
         elif ax.KV_HEADS in site.names and ax.LENGTH in site.names and t_len:
             full = _nbytes(site) / _prod(site_axes - set(t_len), sizes) * repeat
             out += [Transfer("all-gather", full, t_len, False, f"{site.path} keys, values")] * 4
