@@ -29,7 +29,7 @@ from shardzoo.sharding.mesh import make_abstract_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.program import Program
 
-DEFAULT_TABLES = ("dp", "fsdp", "tp", "fsdp_tp", "sp", "ep", "cp", "pp")
+DEFAULT_TABLES = ("dp", "fsdp", "tp", "fsdp_tp", "sp", "ep", "cp", "cp_fsdp", "pp")
 _SAVE_ATTN_MLP_SHARE = 0.65
 
 
