@@ -22,7 +22,8 @@ The cost model (per step, per device):
     embedding table (first logical axis ``vocab`` or ``position``) is not gathered for its
     lookup: the activations move instead (all-to-all forward and backward), or, when the
     tokens are also split over batch axes the table is not sharded on, one all-to-all, the
-    table gathered over those axes and its gradient gathered whole; over length axes, four
+    table gathered over those axes and its gradient gathered whole (the table whole, twice
+    forward and once backward, when it is also tensor-sharded); over length axes, four
     all-to-alls and two gathers of the table's shard (what XLA's SPMD partitioner does with
     the gather and its scatter-add);
   - a parameter's gradient is all-reduced over the token axes it is not sharded on, once for
@@ -249,6 +250,9 @@ def collectives(report, sizes: dict, *, fused: bool = True, pipeline: dict | Non
         if g > 1 and lookup and _prod(unheld, sizes) > 1 and set(unheld) <= set(t_len):
             out += [Transfer("all-to-all", tok_bytes, gathered, False, f"{row.path} lookup")] * 4
             out += [Transfer("all-gather", local, unheld, True, f"{row.path} lookup")] * 2
+        elif g > 1 and lookup and _prod(unheld, sizes) > 1 and _prod(model, sizes) > 1:
+            whole = _nbytes(row)  # XLA gathers the table whole, twice forward, once backward
+            out += [Transfer("all-gather", whole, tuple(held), True, f"{row.path} lookup")] * 3
         elif g > 1 and lookup and _prod(unheld, sizes) > 1:
             out += [Transfer("all-to-all", tok_bytes, gathered, False, f"{row.path} lookup"),
                     Transfer("all-gather", local, unheld, True, f"{row.path} lookup"),
