@@ -371,6 +371,7 @@ class Advice:
     rejected: list  # candidates that do not fit or do not validate
     seconds: float = 0.0
     verify: list | None = None  # filled by train/advise.py
+    tables: dict = dataclasses.field(default_factory=dict)  # rule table name -> Rules
 
     def to_dict(self, top: int | None = None) -> dict:
         return {
@@ -517,7 +518,7 @@ def advise(boxed_params, boxed_opt_state, sites, variants, *, tables, num_device
         for c in ranked[1:]:
             c.reason = f"{c.step_s / win.step_s:.2f}x the best step: {c.bound}"
     return Advice(name, num_devices, device, batch_size, seq_len, headroom, ranked, rejected,
-                  seconds=time.perf_counter() - start)
+                  seconds=time.perf_counter() - start, tables={t.name: t for t in tables})
 
 
 def _cost(rules_name, sizes, variant, accum, totals, report, device, model_flops, tokens,

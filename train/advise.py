@@ -183,7 +183,7 @@ def verify(advice: Advice, config, top: int, *, optimizer_name: str = "adamw") -
             variant = dataclasses.replace(config, remat_policy=c.variant)
         settings = TrainConfig(batch_size=advice.batch_size, seq_len=advice.seq_len or 1,
                                grad_accum=c.grad_accum, optimizer=optimizer_name)
-        program = run_program(settings, variant, get_rules(c.rules), make_mesh(c.mesh))
+        program = run_program(settings, variant, advice.tables[c.rules], make_mesh(c.mesh))
         report = program.compile_report()
         entry.update(memory=report["memory"], collectives=report["collectives"],
                      collective_bytes=hlo_collective_bytes(program.compiled_train_step().as_text()),

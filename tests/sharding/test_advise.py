@@ -158,12 +158,15 @@ def test_every_ranked_candidate_fits_and_a_fresh_plan_agrees(llama8b_8, llama8b_
 
 
 # ------------------------------------------------------------------ the command line
-def test_cli_verify_and_json(capsys):
+def test_cli_verify_and_json(tmp_path, capsys):
+    table = tmp_path / "mine.yaml"  # a rule file as a candidate: --verify rebuilds its table
+    table.write_text("base: fsdp\nrules:\n  - [mlp, tensor]\n")
     args = ["advise", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1GB",
-            "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--candidates", "fsdp,tp", "--top", "1"]
+            "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--candidates", str(table), "--top", "1"]
     assert main(args + ["--verify"]) == 0
     out = capsys.readouterr().out
-    assert "--verify: the compiled train step" in out and "estimate" in out
+    assert "--verify: the compiled train step" in out and "mine.yaml (base fsdp)" in out
+    assert "skipped" not in out and "memory" in out
     assert main(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_devices"] == 8 and len(data["ranked"]) == 1
