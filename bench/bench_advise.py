@@ -7,6 +7,8 @@
 2. The cost model against XLA: llama-tiny and mixtral-tiny under every preset on 8 fake CPU
    devices (batch 16 x 32), estimated collective bytes per step by kind beside the bytes the
    compiled train step's collectives move (``train/advise.py: hlo_collective_bytes``).
+3. `shardzoo advise --verify` itself: llama-tiny's top 12 candidates on 8 fake devices, each
+   compiled, XLA's memory and bytes over the estimates.
 
     python bench/bench_advise.py [--quick] [--out bench/results/advise.md]
 """
@@ -65,6 +67,33 @@ def versus_compiled(model: str, preset: str) -> dict:
     return {"model": model, "preset": preset, "est": est, "got": got}
 
 
+def verified() -> list[str]:
+    from shardzoo.models import get_config
+    from shardzoo.train.advise import advise_model, verify
+
+    config = get_config("llama-tiny")
+    advice = advise_model(config, name="llama-tiny", num_devices=DEVICES, device_memory="1GB",
+                          batch_size=16, seq_len=32)
+    lines = ["", "`shardzoo advise --model llama-tiny --devices 8 --device-memory 1GB --batch-size 16 "
+             "--seq-len 32 --top 12 --verify`: each candidate's compiled step, XLA over the estimate "
+             "(memory: the plan's total; collectives: bytes by kind, AR with RS; kinds under 2% of "
+             "the step's bytes left out).", "",
+             "| # | rules | mesh | memory | all-gather | all-reduce + RS | all-to-all | collective-permute |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, v in enumerate(verify(advice, config, 12), 1):
+        xla, est = dict(v["collective_bytes"]), dict(v["estimate_bytes"])
+        for d in (xla, est):
+            d["all-reduce"] += d.pop("reduce-scatter")
+        total = sum(xla.values())
+        cells = []
+        for k in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+            small = max(xla[k], est[k]) < 0.02 * total
+            cells.append("-" if small else f"{xla[k] / est[k]:.2f}x" if est[k] else "not estimated")
+        memory = v["memory"]["total"] / v["estimate_total"]
+        lines.append(f"| {i} | {v['rules']} | {v['mesh']} | {memory:.2f}x | " + " | ".join(cells) + " |")
+    return lines
+
+
 def kb(x) -> str:
     return f"{x / 1e3:,.1f}"
 
@@ -103,6 +132,8 @@ def main(argv=None) -> int:
                 cells = [f"{kb(r['est'][k])} / {kb(r['got'][k])}" for k in
                          ("all-gather", "all-reduce", "all-to-all", "collective-permute")]
                 lines.append(f"| {model} | {preset} | {MESHES[preset]} | " + " | ".join(cells) + " |")
+    if not args.quick:
+        lines += verified()
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
