@@ -361,6 +361,8 @@ class Candidate:
 
 @dataclasses.dataclass
 class Advice:
+    """The ranking: fitting candidates best first, the rejected with their reasons, the inputs."""
+
     model: str
     num_devices: int
     device: Device
