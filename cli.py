@@ -120,6 +120,57 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- advise
+def add_advise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a registered model")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a config field (repeatable); remat_policy=... keeps that one policy")
+    p.add_argument("--devices", type=int, required=True, help="how many devices to plan for")
+    p.add_argument("--device-memory", required=True, metavar="KIND|SIZE",
+                   help="h100, h200, a100, v5p, v5e, or a size like 80GB (h100's compute and links)")
+    p.add_argument("--devices-per-host", type=int, default=None,
+                   help="devices sharing the fast link (default: the kind's, 8 for GPUs)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: --devices)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length of an LM (default: min(2048, max_position_embeddings))")
+    p.add_argument("--candidates", default=None, metavar="NAME,...|FILE,...",
+                   help="rule tables to try: presets and YAML/JSON rule files, comma-separated "
+                        "(default: every parameter preset)")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="memory kept free for XLA's buffers, a fraction (default: 0.1)")
+    p.add_argument("--top", type=int, default=5, help="how many candidates to show (default: 5)")
+    p.add_argument("--verify", action="store_true",
+                   help="compile the top candidates' train step on this machine's devices (fake CPU "
+                        "devices: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
+
+
+def cmd_advise(args) -> int:
+    """Rank rule tables and mesh shapes for a model on a topology (no devices needed)."""
+    from shardzoo.models import get_model, parse_overrides
+    from shardzoo.train import advise
+
+    overrides = parse_overrides(args.override)
+    _, config = get_model(args.model, **overrides)
+    if args.top < 1:
+        raise UserError(f"--top {args.top}: must be at least 1")
+    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
+    result = advise.advise_model(
+        config, name=args.model, num_devices=args.devices, device_memory=args.device_memory,
+        devices_per_host=args.devices_per_host, batch_size=args.batch_size, seq_len=args.seq_len,
+        candidates=candidates, headroom=args.headroom, pinned_remat="remat_policy" in overrides)
+    if args.verify:
+        advise.verify(result, config, args.top)
+    if args.json:
+        print(result.to_json(args.top))
+    else:
+        print(result.format(args.top))
+        if args.verify:
+            print()
+            print(advise.format_verify(result.verify))
+    return 0
+
+
 # --------------------------------------------------------------------------- train
 def add_train_args(p: argparse.ArgumentParser) -> None:
     from shardzoo.train.config import add_arguments
@@ -322,6 +373,7 @@ def cmd_export_lora(args) -> int:
 # --------------------------------------------------------------------------- main
 COMMANDS = {
     "plan": (add_plan_args, cmd_plan, "show where every array lives and what it costs per device"),
+    "advise": (add_advise_args, cmd_advise, "rank rule tables and mesh shapes for a model on N devices"),
     "train": (add_train_args, cmd_train, "train a model under a rule table on a mesh"),
     "generate": (add_generate_args, cmd_generate, "generate text from a checkpoint or an HF model"),
     "import-hf": (add_import_hf_args, cmd_import_hf, "convert a Hugging Face checkpoint to shardzoo"),

@@ -62,6 +62,8 @@ BENCHES = (
           quick=("--rounds", "2", "--iters", "1", "--length", "128")),
     Bench("lora", "LoRA against full fine-tuning: the plan of llama3-8b, and the train step on this CPU",
           "bench_lora.py", quick=("--rounds", "1")),
+    Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
+          "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",
           quick=("--warmup", "1", "--steps", "3"), env=()),
     Bench("gpu_mfu_tiny", "bench/gpu_mfu.py's code path on CPU (tiny config; not a figure)",

@@ -153,7 +153,7 @@ class Program:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt_report = check(boxed.opt_state, self.rules, mesh, strict=False)
-        self.boxed_params = boxed.params
+        self.boxed_params, self.boxed_opt_state = boxed.params, boxed.opt_state
         abstract = nn.meta.unbox(boxed)
         self.shardings = TrainState(step=replicated(mesh), params=self.report.shardings(mesh)["params"],
                                     opt_state=opt_report.shardings(mesh))
