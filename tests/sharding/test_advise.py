@@ -41,11 +41,8 @@ def compiled():
     def get(model, preset):
         if (model, preset) not in cache:
             config = get_config(model)
-            try:
-                program = Program(config, get_rules(preset), make_mesh(MESHES[preset]),
-                                  optimizer=default_optimizer(), batch_size=BATCH, seq_len=SEQ)
-            except UserError as e:  # e.g. a pipeline of MoE layers, which the model refuses
-                pytest.skip(f"{model} under {preset}: {e}")
+            program = Program(config, get_rules(preset), make_mesh(MESHES[preset]),
+                              optimizer=default_optimizer(), batch_size=BATCH, seq_len=SEQ)
             sizes = dict(zip(program.mesh.axis_names, program.mesh.axis_sizes, strict=True))
             est = dict.fromkeys(KINDS, 0.0)
             pipeline = getattr(program.plan(), "pipeline", None)  # the pipeline's schedule
@@ -68,6 +65,10 @@ def _merged(by_kind):
 @pytest.mark.parametrize("model", ["llama-tiny", "mixtral-tiny"])
 @pytest.mark.parametrize("preset", list(MESHES))
 def test_collective_bytes_match_compiled_hlo(compiled, model, preset):
+    if (model, preset) == ("mixtral-tiny", "pp"):  # refused in one line, so never ranked
+        with pytest.raises(UserError, match="num_local_experts"):
+            compiled(model, preset)
+        return
     est, got = (_merged(x) for x in compiled(model, preset))
     total = sum(got.values())
     assert total > 0, (model, preset, got)
