@@ -117,13 +117,14 @@ def _same_adapters(cfg, config) -> bool:
 
 
 # ------------------------------------------------------------------------- PEFT names
-def _modules(config, family) -> list[tuple[tuple, int | None, str, str]]:
-    """``(leaf path without its last name, layer or None (scanned), target, HF module)`` of each
-    adapted projection, from the family's weight map."""
+def _modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, str]]:
+    """``(leaf path without its last name, model layers, stacked, target, HF module)`` of each
+    adapted projection, from the family's weight map and the config's ``param_layout`` (a
+    stacked leaf holds its layers on a leading axis in that order)."""
     fam = hf.family_of_config(dataclasses.replace(config, lora_rank=0), family)
     _, groups = _layer_weights(config, fam)
     out = []
-    for prefix, i, weights in groups:
+    for prefix, layers, stacked, weights in groups:
         by_path = {w.path: w for w in weights}
         for t in config.lora_targets:
             owner = "mlp" if t in ("gate", "up", "down") else "attn"
@@ -132,12 +133,8 @@ def _modules(config, family) -> list[tuple[tuple, int | None, str, str]]:
                 where = "no HF tensor" if w is None else f"HF tensor {w.name} (fused or not a Linear)"
                 raise AdapterError(f"family {fam.name} stores projection {t!r} as {where}: "
                                    f"PEFT adapters cover separate q/k/v/o/gate/up/down Linears only")
-            out.append((prefix + w.path[:-1], i, t, w.name.removesuffix(".weight")))
+            out.append((prefix + w.path[:-1], layers, stacked, t, w.name.removesuffix(".weight")))
     return out
-
-
-def _layers(config, i):
-    return range(config.num_hidden_layers) if i is None else [i]
 
 
 # ----------------------------------------------------------------------------- import
@@ -162,24 +159,24 @@ def load_adapters(path: str, target, config, family=None):
                                    f"model wants {list(shape)}")
             return t
 
-        for path_, i, _, module in _modules(config, family):
+        for path_, layers, stacked, _, module in _modules(config, family):
             for leaf_name, letter in (("lora_a", "A"), ("lora_b", "B")):
                 leaf = flat[path_ + (leaf_name,)]
-                per_layer = leaf.shape[1:] if i is None else leaf.shape
+                per_layer = leaf.shape[1:] if stacked else leaf.shape
                 rank = per_layer[-1] if letter == "A" else per_layer[0]
                 other = math.prod(per_layer) // rank
                 shape = (rank, other) if letter == "A" else (other, rank)
 
-                def read(j, module=module, letter=letter, shape=shape, per_layer=per_layer):
-                    name = f"{PREFIX}{module.replace('{i}', str(j))}.lora_{letter}.weight"
+                def read(k, module=module, letter=letter, shape=shape, per_layer=per_layer, layers=layers):
+                    name = f"{PREFIX}{module.replace('{i}', str(layers[k]))}.lora_{letter}.weight"
                     return tensor(name, shape).T.reshape(per_layer)
 
-                if i is None:
+                if stacked:
                     out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read,
                                                          leaf.shape[0])
                 else:
                     out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding,
-                                                         lambda read=read, i=i: read(i))
+                                                         lambda read=read: read(0))
     return traverse_util.unflatten_dict(out)
 
 
@@ -199,10 +196,10 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
     family = _recorded_family(checkpoint_dir, step)
     flat = traverse_util.flatten_dict(params)
     tensors, modules = {}, []
-    for path_, i, t, module in _modules(config, family):
+    for path_, layers, stacked, t, module in _modules(config, family):
         a, b = (np.asarray(_host(flat[path_ + (n,)]), np.float32) for n in ("lora_a", "lora_b"))
-        for j in _layers(config, i):
-            aj, bj = (a[j], b[j]) if i is None else (a, b)
+        for k, j in enumerate(layers):
+            aj, bj = (a[k], b[k]) if stacked else (a, b)
             name = PREFIX + module.replace("{i}", str(j))
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(aj.reshape(-1, config.lora_rank).T)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(bj.reshape(config.lora_rank, -1).T)

@@ -120,7 +120,7 @@ def test_eval_split_of_a_run_is_its_held_out_documents(trained, tmp_path):
     out = tmp_path / "m.json"
     assert cli.main(["eval", "--checkpoint", run, "--split", "eval", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert (got["seq_len"], got["seed"], got["eval_fraction"], got["mesh"]) == (32, 3, 0.25, "data=1,fsdp=8,expert=1,sequence=1,tensor=1")
+    assert (got["seq_len"], got["seed"], got["eval_fraction"], got["mesh"]) == (32, 3, 0.25, "data=1,stage=1,fsdp=8,expert=1,sequence=1,context=1,tensor=1")
     module, _, params, _ = load_model_and_params(run)
     held_out = split_documents(documents(str(d / "train.jsonl")), 0.25, 3)[1]
     _, want = direct_lm_metrics(module, params, held_out, 32)
