@@ -101,3 +101,21 @@ def test_lora_run_exports_merged_and_peft_and_imports_back(base, tmp_path, capsy
         if is_adapter(key):  # a transpose and reshape each way: exact
             np.testing.assert_array_equal(np.asarray(flat2[key]), np.asarray(flat[key]), err_msg=str(key))
     np.testing.assert_allclose(logits2, ours, rtol=0, atol=1e-5)
+
+
+def test_peft_module_names_follow_a_layer_pattern_layout():
+    """Gemma 3's period stacks (layers/sub_j) and unrolled remainder (layers_6, layers_7): each
+    model layer's adapters get exactly one PEFT module name, with its own layer number."""
+    import dataclasses
+
+    from shardzoo.models import get_config
+    from shardzoo.train.lora_io import _modules
+
+    config = dataclasses.replace(get_config("gemma3-tiny"), lora_rank=4, lora_targets=("q", "down"))
+    mods = _modules(config, "gemma3_text")
+    for target, hf_name in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+        found = sorted(j for _, layers, _, t, name in mods if t == target for j in layers)
+        assert found == list(range(config.num_hidden_layers))
+        assert all(name == f"model.layers.{{i}}.{hf_name}" for _, _, _, t, name in mods if t == target)
+    assert {(path[0], stacked) for path, _, stacked, _, _ in mods} == (
+        {("layers", True), ("layers_6", False), ("layers_7", False)})
