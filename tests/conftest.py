@@ -23,5 +23,26 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _snapshot(path) -> dict:
+    """Every file under ``path`` (relative name) with the sha256 of its bytes."""
+    import hashlib
+
+    found = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="session")
+def snapshot():
+    """``snapshot(path)``: every file under ``path`` with the sha256 of its bytes (to show that a
+    failed command left a run directory byte for byte as it was)."""
+    return _snapshot

@@ -7,7 +7,6 @@ placement (LAUNCHER's ``SZ_TEST_STEP_DELAY``, which wraps ``jax.make_array_from_
 and changes nothing else).
 """
 
-import hashlib
 import json
 import os
 import random
@@ -89,14 +88,16 @@ class Cli:
 
 
 @pytest.fixture(scope="session")
-def cli(tmp_path_factory):
+def cli(tmp_path_factory, snapshot):
     root = tmp_path_factory.mktemp("faults")
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog while seven small cats sleep on warm mats".split()
     with open(root / "corpus.jsonl", "w") as f:
         for _ in range(200):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(20)) + "."}) + "\n")
-    return Cli(root)
+    found = Cli(root)
+    found.snapshot = snapshot  # tests/conftest.py's
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -114,17 +115,6 @@ def run_copy(reference, tmp_path):
     dest = tmp_path / "run"
     shutil.copytree(reference, dest)
     return dest
-
-
-def snapshot(path) -> dict:
-    """Every file under ``path`` (relative name) with the sha256 of its bytes."""
-    found = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            with open(full, "rb") as f:
-                found[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
-    return found
 
 
 def one_line(stderr: str, command: str = "train", kind: str = "error") -> str:
@@ -172,5 +162,5 @@ def unshare():
 
 
 # the helpers above, reachable from the tests through the ``cli`` fixture (tests/ is no package)
-for _helper in (snapshot, one_line, losses, logged_step, wait_for, stop):
+for _helper in (one_line, losses, logged_step, wait_for, stop):
     setattr(Cli, _helper.__name__, staticmethod(_helper))

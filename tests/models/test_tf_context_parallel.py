@@ -60,6 +60,17 @@ def _objective(module):
     return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST)
 
 
+def _logits_under_cp_equal_one_device(module, batch) -> str:
+    """The forward under ``cp`` (context=4,data=2) gives one device's logits (1e-5); its HLO."""
+    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
+    one = f(params, batch)
+    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
+        compiled = f.lower(params, batch).compile()
+    np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
+    return compiled.as_text()
+
+
 @pytest.fixture(scope="module", params=["llama-tiny", "mistral-tiny"])
 def reference(request):
     module, config = get_model(request.param, **TINY)
@@ -95,14 +106,8 @@ def test_ring_attention_logits_and_gradients_equal_one_device(reference, preset)
 def test_all_gather_strategy_equals_one_device_and_gathers_the_row():
     """``context_attention="all_gather"``: each device's queries against the whole row's K/V."""
     module, _ = get_model("mistral-tiny", context_attention="all_gather", **TINY)
-    batch = packed_batch(seed=5)
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
-    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
-    one = f(params, batch)
-    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
-        compiled = f.lower(params, batch).compile()
-    np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
-    assert attention_length_gathers(compiled.as_text())
+    hlo = _logits_under_cp_equal_one_device(module, packed_batch(seed=5))
+    assert attention_length_gathers(hlo)
 
 
 def test_three_adamw_steps_of_the_program_give_one_devices_losses():
@@ -167,12 +172,6 @@ def test_gemma_local_global_layers_under_cp_equal_one_device(name):
     module, config = get_model(name, **{**TINY, "num_hidden_layers": 2, "sliding_window_pattern": 2,
                                         "sliding_window": 8})
     assert [config.is_local_layer(i) for i in range(2)] == [True, False]
-    batch = packed_batch(seed=7)
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
-    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
-    one = f(params, batch)
-    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
-        compiled = f.lower(params, batch).compile()
-    np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
+    hlo = _logits_under_cp_equal_one_device(module, packed_batch(seed=7))
     if not config.attn_logit_softcapping:
-        assert count_collectives(compiled.as_text())["collective-permute"] > 0  # the ring
+        assert count_collectives(hlo)["collective-permute"] > 0  # the ring

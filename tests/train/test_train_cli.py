@@ -1,7 +1,6 @@
 """``shardzoo train`` and ``shardzoo plot`` as a user runs them: real processes where it matters
 (end to end, kill -9 and resume, SIGTERM), in-process for bad inputs and the plot."""
 
-import hashlib
 import json
 import os
 import random
@@ -159,17 +158,6 @@ def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_0(files):
     assert latest_step(str(out / "checkpoints")) == current
 
 
-def _snapshot(path):
-    """Every file under ``path`` with the hash of its bytes."""
-    found = {}
-    for root, _, names in os.walk(path):
-        for name in names:
-            full = os.path.join(root, name)
-            with open(full, "rb") as f:
-                found[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
-    return found
-
-
 BAD = {
     "unknown model": (["--model", "llama-huge"], "unknown model 'llama-huge'"),
     "other model on resume": (["--model", "gpt2-tiny"], "holds model 'llama-tiny', not 'gpt2-tiny'"),
@@ -187,9 +175,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_a_bad_input_exits_2_with_one_line_and_leaves_out_untouched(reference, files, case, capsys):
+def test_a_bad_input_exits_2_with_one_line_and_leaves_out_untouched(reference, files, case, capsys, snapshot):
     out, _ = reference
-    before = _snapshot(out)
+    before = snapshot(out)
     flags, expected = BAD[case]
     flags = [f.format(files=files) for f in flags]
     capsys.readouterr()
@@ -199,7 +187,7 @@ def test_a_bad_input_exits_2_with_one_line_and_leaves_out_untouched(reference, f
     assert rc == 2
     assert len(lines) == 1 and lines[0].startswith("shardzoo train: error: "), captured.err
     assert expected in lines[0]
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 def test_a_bad_input_creates_no_out_dir(files, tmp_path, capsys):
