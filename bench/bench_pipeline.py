@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 from program_step import packed_batch, stepper  # noqa: E402
+from report import write_section  # noqa: E402  (bench/report.py)
 
 from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
@@ -150,11 +151,7 @@ def main(argv=None) -> int:
         f"- Raw step times (s), stages/microbatches/repeats (0: one per stage): {'; '.join(raw)}.",
     ]
     report = "\n".join(lines) + "\n"
-    print(report)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.md")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(report)
+    write_section(report, args.out, "pipeline.md")
     return 0
 
 

@@ -25,6 +25,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+from report import write_section  # noqa: E402  (bench/report.py)
 
 from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
@@ -104,11 +105,7 @@ def main(argv=None) -> int:
         *rows,
     ]
     report = "\n".join(lines) + "\n"
-    print(report)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plan.md")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(report)
+    write_section(report, args.out, "plan.md")
     return 0
 
 
