@@ -228,17 +228,9 @@ def mc_seq_len(rows, tokenizer, add_bos: bool, max_len: int) -> int:
 def run_settings(checkpoint: str) -> dict:
     """The data settings (``data``, columns, ``eval_fraction``, ``add_bos``, ``seq_len``) and
     ``seed`` a run recorded in its run.json; empty when it has none (e.g. an import-hf dir)."""
-    from shardzoo.train.checkpoint import checkpoint_steps
+    from shardzoo.train.sources import READS_RUNS, open_source
 
-    root, _ = checkpoint_steps(checkpoint)
-    try:
-        with open(os.path.join(os.path.dirname(root), "run.json")) as f:
-            settings = json.load(f).get("settings") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-    recorded = {k: v for k, v in (settings.get("data") or {}).items() if v is not None}
-    seed = (settings.get("optimizer") or {}).get("seed")
-    return {**recorded, "seed": seed} if seed is not None else recorded
+    return open_source(checkpoint, what="--checkpoint", accept=READS_RUNS).run_settings()
 
 
 def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):

@@ -17,19 +17,13 @@ import jax
 import numpy as np
 
 from shardzoo.errors import UserError
-from shardzoo.models import get_model, parse_overrides
+from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
-    CheckpointError,
     DamagedCheckpoint,
     all_steps,
-    check_same_model,
-    checkpoint_steps,
-    config_to_dict,
-    hf_module,
-    model_meta,
     no_restorable,
     read_meta,
     verify,
@@ -38,6 +32,8 @@ from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
+from shardzoo.train.runmeta import check_same_model, config_to_dict, model_meta
+from shardzoo.train.sources import open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
 
@@ -64,6 +60,25 @@ def default_rules(num_devices: int) -> str:
 
 def default_mesh(rules) -> str:
     return "fsdp=-1" if "fsdp" in rules.mesh_axes_used() else "data=-1"
+
+
+def with_init_model(cfg: TrainConfig):
+    """``(cfg, config, model meta)``: with ``--init-from``, the model its source holds (an HF
+    dir, a run or a step; ``sources.open_source``) with the user's ``--override``s applied, its
+    tokenizer unless ``--tokenizer`` names another than byte, and ``cfg.model`` the zoo preset it
+    started from (None if none); without, ``(cfg, None, {})`` and ``--model`` builds the model."""
+    from shardzoo.train.hf_io import _adds_bos
+
+    if not cfg.init_from:
+        return cfg, None, {}
+    source = open_source(cfg.init_from, what="--init-from")
+    config = apply_overrides(source.config, parse_overrides(cfg.override), where="--override")
+    tokenizer = source.tokenizer or "byte"
+    if cfg.tokenizer not in (None, "byte"):
+        tokenizer = cfg.tokenizer
+    add_bos = cfg.add_bos or (os.path.isdir(tokenizer) and _adds_bos(tokenizer))
+    cfg = dataclasses.replace(cfg, model=source.model, tokenizer=tokenizer, add_bos=add_bos)
+    return cfg, config, {"model": source.model, "family": source.family}
 
 
 @dataclasses.dataclass
@@ -127,8 +142,6 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = _check_resume(cfg, out, config, tokenizer, mesh, rules)
-    if resume_step is None and cfg.init_from:
-        _check_init_from(cfg.init_from)
     eval_fraction = cfg.eval_fraction
     if eval_fraction is None:
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
@@ -236,26 +249,6 @@ def _model_name(cfg) -> str:
     return cfg.model or os.path.basename(os.path.normpath(cfg.init_from))
 
 
-def _check_init_from(path: str) -> None:
-    """A run or checkpoint dir with at least one step whose meta reads (the Trainer falls back
-    past damaged ones)."""
-    hf = hf_module()
-    if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
-        return
-    try:
-        root, steps = checkpoint_steps(path)
-        damaged = []
-        for step in steps:
-            try:
-                read_meta(root, step)
-                return
-            except DamagedCheckpoint as e:
-                damaged.append(e)
-        raise no_restorable(root, damaged)
-    except CheckpointError as e:
-        raise ConfigError(f"--init-from {e}") from None
-
-
 def _program(cfg, config, module, rules, opt_rules, mesh):
     """The run's one program, validated strictly: a rule that cannot apply is an error."""
     from shardzoo.sharding.validate import ShardingValidationError
@@ -314,8 +307,6 @@ def run(cfg: TrainConfig, hooks=()) -> int:
 
 
 def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
-    from shardzoo.train.hf_io import with_init_model
-
     cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
     p = _agree(lambda: prepare(cfg, init_config))
     cfg = dataclasses.replace(cfg, out=p.out)
