@@ -77,6 +77,7 @@ def cmd_plan(args) -> int:
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
+    from shardzoo.train.defaults import default_seq_len
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
@@ -85,9 +86,7 @@ def cmd_plan(args) -> int:
     mesh = planning_mesh(args.mesh)
     devices = math.prod(mesh_shape(mesh).values())
     batch = args.batch_size or devices
-    seq_len = args.seq_len
-    if seq_len is None:
-        seq_len = min(2048, getattr(config, "max_position_embeddings", 2048))
+    seq_len = args.seq_len or default_seq_len(config)
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum)
     with warnings.catch_warnings():
@@ -202,10 +201,11 @@ def cmd_plot(args) -> int:
 
 # --------------------------------------------------------------------------- generate
 def _add_sharding_args(p: argparse.ArgumentParser, dtype_default: str) -> None:
-    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table (default: fsdp)")
+    p.add_argument("--rules", default=None, metavar="NAME|FILE",
+                   help="rule table (default: fsdp on more than one device, dp on one)")
     p.add_argument("--mesh", default=None, metavar="SPEC",
-                   help="mesh spec (default: every device on the first of fsdp, tensor, data "
-                        "that the rules use)")
+                   help="mesh spec (default: every device on the first of fsdp, tensor that the "
+                        "rules use, else on data)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help=f"parameter and compute dtype (default: {dtype_default})")
 
@@ -234,6 +234,7 @@ def _add_step_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     """Print the prompt and its continuation."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
     if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
             or not 0 < args.top_p <= 1 or not math.isfinite(args.temperature)):
@@ -241,7 +242,7 @@ def cmd_generate(args) -> int:
                         "0 < --top-p <= 1")
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype, step=args.step)
     print(hf_io.generate_text(*loaded, args.prompt, mesh, rules, args.max_new_tokens,
                               args.temperature, args.top_k, args.top_p, args.seed))
@@ -262,8 +263,9 @@ def add_import_hf_args(p: argparse.ArgumentParser) -> None:
 def cmd_import_hf(args) -> int:
     """Convert a Hugging Face model dir into a shardzoo run dir."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     meta = hf_io.import_hf(args.hf_dir, args.out, mesh, rules, args.dtype, args.scan_layers)
     print(f"imported {meta['hf_model_type']} from {args.hf_dir} into {args.out}/checkpoints/0"
           f"{' with its tokenizer' if meta['tokenizer_saved'] else ' (no tokenizer.json)'}")
@@ -286,8 +288,9 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
 def cmd_export_hf(args) -> int:
     """Write a shardzoo checkpoint as an HF model dir (config.json, safetensors, tokenizer)."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     if not (math.isfinite(args.max_shard_size) and args.max_shard_size > 0):
         raise UserError(f"--max-shard-size must be a positive number of GiB, got {args.max_shard_size}")
     hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
@@ -327,7 +330,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per batch (default: a multiple of the device count, at least 8)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default: lm the run's, else min(1024, "
+                   help="tokens per sequence (default: lm the run's, else min(2048, "
                         "max_position_embeddings); "
                         "multiple-choice the longest sequence, rounded up to a multiple of 8)")
     p.add_argument("--out", default=None, metavar="JSON", help="write the metrics to this JSON file")
@@ -355,15 +358,17 @@ def add_export_lora_args(p: argparse.ArgumentParser) -> None:
                    help="base_model_name_or_path to record (default: the run's --init-from)")
     p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it is not empty")
     _add_step_arg(p)
-    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table to load with (default: fsdp)")
-    p.add_argument("--mesh", default=None, metavar="SPEC", help="mesh spec to load on (default: fsdp=-1)")
+    p.add_argument("--rules", default=None, metavar="NAME|FILE",
+                   help="rule table to load with (default: as generate's)")
+    p.add_argument("--mesh", default=None, metavar="SPEC", help="mesh spec to load on (default: as generate's)")
 
 
 def cmd_export_lora(args) -> int:
     """Write a LoRA run's adapters as a PEFT adapter dir (adapter_config.json + safetensors)."""
-    from shardzoo.train import hf_io, lora_io
+    from shardzoo.train import lora_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     conf = lora_io.export_lora(args.checkpoint, args.out, mesh, rules, step=args.step, base=args.base,
                                overwrite=args.overwrite)
     print(f"exported rank-{conf['r']} LoRA adapters on {','.join(conf['target_modules'])} to {args.out}")

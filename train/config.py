@@ -43,7 +43,7 @@ class TrainConfig:
     override: tuple[str, ...] = ()
     rules: str | None = None  # default: fsdp on >1 device, dp on one
     opt_rules: str | None = None  # default: the optimizer state follows its params
-    mesh: str | None = None  # default: fsdp=-1 when the rules use fsdp, else data=-1
+    mesh: str | None = None  # default: every device on the first of fsdp, tensor the rules use, else data
     # LoRA (model section): adapters on the base model's projections, the only params trained
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None  # default: the rank (scale alpha / rank = 1)
@@ -154,7 +154,8 @@ HELP = {
     "override": "change one field of the model config (repeatable)",
     "rules": "rule table: a preset name or a YAML/JSON file (default: fsdp on >1 device, dp on one)",
     "opt_rules": "separate rule table for the optimizer state, e.g. zero1 (default: as the params)",
-    "mesh": "mesh spec like data=2,fsdp=-1 (default: fsdp=-1 if the rules use fsdp, else data=-1)",
+    "mesh": "mesh spec like data=2,fsdp=-1 (default: every device on the first of fsdp, tensor "
+            "that the rules use, else on data)",
     "data": "a file, glob, directory, 'stdlib' (the embedded standard-library corpus) or hub:NAME[:CONFIG][@SPLIT]",
     "text_column": "column holding the documents",
     "prompt_column": "fine-tuning: the prompt column (no loss); needs --completion-column",

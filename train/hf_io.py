@@ -24,6 +24,7 @@ from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
+from shardzoo.train.defaults import mesh_and_rules
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import DirLock, check_empty_target
 from shardzoo.train.runmeta import model_meta
@@ -46,28 +47,6 @@ def copy_tokenizer_files(src: str, dst: str) -> bool:
     return True
 
 
-def mesh_and_rules(mesh_spec: str | None, rules: str | None):
-    """The CLI's mesh and rules; defaults: rules fsdp, and every local device on the first of
-    fsdp, tensor, data that the rules use."""
-    rules = get_rules(rules or "fsdp")
-    used = rules.mesh_axes_used()
-    axis = next((a for a in ("fsdp", "tensor") if a in used), "data")
-    return make_mesh(mesh_spec or f"{axis}=-1"), rules
-
-
-def _adds_bos(tokenizer_dir: str) -> bool:
-    """Whether the tokenizer.json in ``tokenizer_dir`` starts every text with bos (Llama's
-    post-processor), so training sees what ``generate`` feeds."""
-    from tokenizers import Tokenizer
-
-    path = os.path.join(tokenizer_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        return False
-    tokenizer = Tokenizer.from_file(path)
-    plain = tokenizer.encode("a", add_special_tokens=False).ids
-    return len(tokenizer.encode("a").ids) > len(plain)
-
-
 def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = True,
             overrides=None):
     """``(module, config, params)`` from an HF model directory, the params sharded under
@@ -83,8 +62,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
               scan_layers=True) -> dict:
     """Convert an HF model dir into a shardzoo run dir at ``out_dir``; return the checkpoint meta.
     Nothing is written until every tensor has been read."""
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
-    rules = get_rules(rules or "fsdp")
+    mesh, rules = mesh_and_rules(mesh, rules)
     model_type = hf.read_hf_config(hf_dir).get("model_type")
     family = hf.family_of_model_type(model_type, os.path.join(hf_dir, "config.json"))
     out_dir = os.path.abspath(out_dir)
@@ -132,11 +110,11 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     ``out_dir`` must be missing or empty unless ``overwrite``; it is locked while written. The
     newest restorable checkpoint is exported, or that of ``step``. A LoRA run's adapters are
     folded into their kernels with ``merge_lora`` (else refused: ``export-lora`` writes them)."""
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
+    mesh, rules = mesh_and_rules(mesh, rules)
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
     source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
-    _, config, params = load_model(source, mesh, get_rules(rules or "fsdp"))
+    _, config, params = load_model(source, mesh, rules)
     tokenizer_spec = source.tokenizer
     if model_info.lora_rank(config) and not merge_lora:
         raise UserError(f"{checkpoint_dir} holds LoRA adapters: --merge-lora writes the merged "
@@ -163,8 +141,7 @@ def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, 
     """``(module, config, params, tokenizer)`` from a shardzoo run/checkpoint or an HF model dir."""
     from shardzoo.data.tokenizer import load_tokenizer
 
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
-    rules = get_rules(rules or "fsdp")
+    mesh, rules = mesh_and_rules(mesh, rules)
     if hf_dir is not None:
         source = open_source(hf_dir, what="--hf", accept=("hf",))
         tokenizer = load_tokenizer(source.tokenizer)  # first: a missing tokenizer.json fails fast

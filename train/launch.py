@@ -18,8 +18,9 @@ import numpy as np
 
 from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
-from shardzoo.sharding.mesh import describe_mesh, make_mesh
+from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
+from shardzoo.train import model_info
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
     DamagedCheckpoint,
@@ -29,6 +30,7 @@ from shardzoo.train.checkpoint import (
     verify,
 )
 from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
+from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -36,8 +38,6 @@ from shardzoo.train.runmeta import check_same_model, config_to_dict, model_meta
 from shardzoo.train.sources import open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
-
-STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
 
 
 def init_distributed(cfg: TrainConfig) -> None:
@@ -54,21 +54,11 @@ def init_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize(**timeouts)
 
 
-def default_rules(num_devices: int) -> str:
-    return "fsdp" if num_devices > 1 else "dp"
-
-
-def default_mesh(rules) -> str:
-    return "fsdp=-1" if "fsdp" in rules.mesh_axes_used() else "data=-1"
-
-
 def with_init_model(cfg: TrainConfig):
     """``(cfg, config, model meta)``: with ``--init-from``, the model its source holds (an HF
     dir, a run or a step; ``sources.open_source``) with the user's ``--override``s applied, its
     tokenizer unless ``--tokenizer`` names another than byte, and ``cfg.model`` the zoo preset it
     started from (None if none); without, ``(cfg, None, {})`` and ``--model`` builds the model."""
-    from shardzoo.train.hf_io import _adds_bos
-
     if not cfg.init_from:
         return cfg, None, {}
     source = open_source(cfg.init_from, what="--init-from")
@@ -76,7 +66,7 @@ def with_init_model(cfg: TrainConfig):
     tokenizer = source.tokenizer or "byte"
     if cfg.tokenizer not in (None, "byte"):
         tokenizer = cfg.tokenizer
-    add_bos = cfg.add_bos or (os.path.isdir(tokenizer) and _adds_bos(tokenizer))
+    add_bos = cfg.add_bos or (tokenizer != "byte" and adds_bos(tokenizer))
     cfg = dataclasses.replace(cfg, model=source.model, tokenizer=tokenizer, add_bos=add_bos)
     return cfg, config, {"model": source.model, "family": source.family}
 
@@ -122,19 +112,18 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = with_lora(cfg, config)  # --lora-*: the adapted model
     module = config.build()
-    labelled = config.task != "lm"
+    labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
             f"--model {cfg.model} (task {config.task!r}) trains on labelled examples: give --data "
             "and --label-column" if labelled else
             f"--label-column {cfg.label_column}: --model {cfg.model} is a language model; "
             "labelled examples train a classification or regression model (e.g. mlp-mnist)")
-    max_len = getattr(config, "max_position_embeddings", None)
+    max_len = model_info.max_positions(config)
     if max_len is not None and cfg.seq_len > max_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
-    rules = get_rules(cfg.rules or default_rules(jax.device_count()))
+    mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
-    mesh = make_mesh(cfg.mesh or default_mesh(rules))
     program = _program(cfg, config, module, rules, opt_rules, mesh)
 
     tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
@@ -320,7 +309,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
-    if getattr(p.config, "lora_rank", 0):  # the base the adapters belong to (also stored whole)
+    if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
         base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
     if is_main_process():  # validated: from here on we write

@@ -24,9 +24,9 @@ from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, hf
 from shardzoo.models.hf.tensors import _layer_weights, put_leaf
 from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split
-from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.config import ConfigError
+from shardzoo.train.defaults import mesh_and_rules
 from shardzoo.train.rundir import check_empty_target
 from shardzoo.train.sources import ADAPTER_CONFIG as CONFIG_FILE
 from shardzoo.train.sources import ADAPTER_WEIGHTS as WEIGHTS_FILE
@@ -173,7 +173,7 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
     source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
-    _, config, params = load_model(source, mesh, get_rules(rules if rules is not None else "fsdp"))
+    _, config, params = load_model(source, *mesh_and_rules(mesh, rules))
     if not model_info.lora_rank(config):
         raise AdapterError(f"{checkpoint_dir} has no LoRA adapters (a run trained with --lora-rank has)")
     family = source.family  # of the step the params came from (the readers' rule)
