@@ -177,12 +177,32 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def report_train(result) -> int:
+    """Print how a run ended (``launch.RunResult``) and return its exit status: 0 when done,
+    preempted (SIGTERM) or with nothing to do, 130 on Ctrl-C, 3 on a NaN/Inf step."""
+    from shardzoo.train import launch
+    from shardzoo.train.config import NONFINITE_EXIT
+
+    if result.main_process:
+        if result.status == launch.INTERRUPTED:
+            print(f"shardzoo train: interrupted: {result.message}", file=sys.stderr, flush=True)
+        elif result.status == launch.NONFINITE:
+            print(f"shardzoo train: error: {result.message}", file=sys.stderr, flush=True)
+        else:
+            print(result.message, flush=True)
+    return {launch.INTERRUPTED: 130, launch.NONFINITE: NONFINITE_EXIT}.get(result.status, 0)
+
+
 def cmd_train(args) -> int:
-    """Train (or resume) a run in --out; exit 0 when done or preempted, 3 on a NaN/Inf step."""
+    """Train (or resume) a run in --out; the exit status says how it ended (``report_train``)."""
     from shardzoo.train.config import config_from_args
     from shardzoo.train.launch import run
 
-    return run(config_from_args(args))
+    return report_train(run(config_from_args(args), log=_print))
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 # --------------------------------------------------------------------------- plot

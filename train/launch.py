@@ -29,7 +29,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     verify,
 )
-from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
+from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
@@ -274,35 +274,62 @@ def _agree(fn):
     return result
 
 
-def run(cfg: TrainConfig, hooks=()) -> int:
-    """Lock --out, validate, then train; 0 when done or preempted (SIGTERM), 130 on Ctrl-C,
-    NONFINITE_EXIT on a NaN/Inf step.
+DONE, PREEMPTED, NOTHING_TO_DO, INTERRUPTED, NONFINITE = (
+    "done", "preempted", "nothing to do", "interrupted", "non-finite")
 
-    ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """How a run ended: ``status`` (DONE, PREEMPTED by SIGTERM, NOTHING_TO_DO, INTERRUPTED by
+    Ctrl-C, NONFINITE), the ``step`` it stopped at, its last logged ``loss``, the ``checkpoint``
+    it left, and ``message``, the line that says so (the command line prints it, on stderr for
+    INTERRUPTED and NONFINITE, and picks the exit status). ``main_process``: whether this
+    process is the one that speaks for the run."""
+
+    status: str
+    out: str
+    step: int | None = None
+    loss: float | None = None
+    checkpoint: str | None = None
+    message: str = ""
+    main_process: bool = True
+
+
+def run(cfg: TrainConfig, hooks=(), log=None) -> RunResult:
+    """Lock --out, validate, then train; returns how the run ended (``RunResult``) and raises a
+    UserError (or EnvironmentFault) for a bad input (or a failed disk).
+
+    ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step. ``log``: where the
+    progress lines go (the rule table, the plan, resumes; process 0 only), default stdout."""
     xla_flags = apply_xla_preset(cfg.xla_preset)  # before anything starts a backend
     if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
     if not cfg.out:
         raise ConfigError("--out DIR is required")
+    emit = log or say
+    log = (lambda line: emit(line)) if is_main_process() else (lambda line: None)
     # process 0 holds the lock for the whole run; a second run on --out stops here
     lock = DirLock(cfg.out, "--out") if is_main_process() else None
     _agree(lambda: lock and lock.acquire())
     try:
-        return _run(cfg, hooks, xla_flags)
+        return _run(cfg, hooks, xla_flags, log)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
+def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
+    main = is_main_process()
     cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
     p = _agree(lambda: prepare(cfg, init_config))
     cfg = dataclasses.replace(cfg, out=p.out)
+    checkpoints = os.path.join(p.out, CHECKPOINTS)
     if p.resume_step is not None and cfg.steps <= p.resume_step:
-        say(f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: nothing to do "
-            f"(raise --steps to train further)")
-        return 0
+        return RunResult(NOTHING_TO_DO, p.out, p.resume_step,
+                         checkpoint=os.path.join(checkpoints, str(p.resume_step)),
+                         message=f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: "
+                                 f"nothing to do (raise --steps to train further)", main_process=main)
     rules_spec = cfg.rules or p.rules.name
     meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
             "overrides": parse_overrides(cfg.override), "rules": rules_spec,
@@ -312,7 +339,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
     if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
         base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
-    if is_main_process():  # validated: from here on we write
+    if main:  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)
         tokenizer_dir = os.path.join(p.out, "tokenizer")
         # a resume keeps the run's tokenizer files (checked equal above)
@@ -327,29 +354,30 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
                                                     init_meta.get("family"))
     for note in p.notes:
-        say(note)
-    say(str(p.rules))
+        log(note)
+    log(str(p.rules))
     if p.opt_rules is not None:
-        say(f"optimizer state: {p.opt_rules}")
-    say(p.program.plan(name=_model_name(cfg)).format())
+        log(f"optimizer state: {p.opt_rules}")
+    log(p.program.plan(name=_model_name(cfg)).format())
     trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                       opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
-                      program=p.program)
-    say(trainer.describe())
-    say(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
+                      program=p.program, log=log)
+    log(trainer.describe())
+    log(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
         f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")
     try:
         history = trainer.fit()
     except NonFiniteError as e:
-        if is_main_process():
-            print(f"shardzoo train: error: {e}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT
-    if trainer.stop_signal == signal.SIGINT:
-        if is_main_process():
-            print(f"shardzoo train: interrupted: saved step {trainer.final_step} to {p.out}/{CHECKPOINTS}/"
-                  f"{trainer.last_saved}; run the same command to resume", file=sys.stderr, flush=True)
-        return 130
+        saved = None if e.last_checkpoint is None else os.path.join(checkpoints, str(e.last_checkpoint))
+        return RunResult(NONFINITE, p.out, e.step, checkpoint=saved, message=str(e), main_process=main)
+    saved = os.path.join(checkpoints, str(trainer.last_saved))
     last = next((r for r in reversed(history) if "loss" in r), None)
-    summary = f"; loss {last['loss']:.4f}" if last else ""
-    say(f"stopped at step {trainer.final_step}{summary}; checkpoint {p.out}/{CHECKPOINTS}/{trainer.last_saved}")
-    return 0
+    loss = last["loss"] if last else None
+    if trainer.stop_signal == signal.SIGINT:
+        return RunResult(INTERRUPTED, p.out, trainer.final_step, loss, saved,
+                         f"saved step {trainer.final_step} to {saved}; run the same command to resume",
+                         main_process=main)
+    status = PREEMPTED if trainer.stop_signal == signal.SIGTERM else DONE
+    summary = f"; loss {loss:.4f}" if loss is not None else ""
+    return RunResult(status, p.out, trainer.final_step, loss, saved,
+                     f"stopped at step {trainer.final_step}{summary}; checkpoint {saved}", main_process=main)
