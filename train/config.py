@@ -79,6 +79,7 @@ class TrainConfig:
     # output
     save_every: int = 100
     keep: int = 3
+    restart: bool = False  # --out has metrics but no checkpoint: train it again from step 0
     eval_every: int = 100  # 0: only at the end
     eval_steps: int = 4
     log_every: int = 10
@@ -140,7 +141,7 @@ SECTIONS = {
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
-    "checkpoint": ("out", "save_every", "keep"),
+    "checkpoint": ("out", "save_every", "keep", "restart"),
     "logging": ("log_every", "eval_every", "eval_steps", "tensorboard"),
     "distributed": ("coordinator", "num_processes", "process_id", "distributed",
                     "distributed_timeout", "heartbeat_timeout"),
@@ -188,6 +189,8 @@ HELP = {
     "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints to keep",
+    "restart": "train an --out that has metrics but no checkpoint again from step 0 (its metrics.jsonl "
+               "starts over); without it such a run is refused. A run with a checkpoint resumes as usual",
     "eval_every": "evaluate every N steps (0: only at the end)",
     "eval_steps": "batches per evaluation",
     "log_every": "log metrics every N steps",

@@ -32,10 +32,11 @@ from shardzoo.train.checkpoint import (
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.metrics import METRICS_FILE, read_metrics
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.runmeta import check_same_model, config_to_dict, model_meta
-from shardzoo.train.sources import open_source
+from shardzoo.train.sources import WORDS, classify, is_checkpoints_dir, is_step_dir, open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
 
@@ -108,6 +109,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
         raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
     check_run_dir(out)
+    _check_fresh_start(cfg, out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = with_lora(cfg, config)  # --lora-*: the adapted model
@@ -146,6 +148,44 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
+
+
+def check_out(out: str) -> None:
+    """``--out`` names a run directory: not a checkpoint step, a run's checkpoints dir or a
+    directory inside one (a new run would nest in the old one), nor a Hugging Face model or PEFT
+    adapter directory that is no run."""
+    path = probe = os.path.abspath(os.path.expanduser(out))
+    while True:
+        inside = " inside" if probe != path else ""
+        if is_step_dir(probe):
+            run_dir = os.path.dirname(os.path.dirname(probe))
+            raise ConfigError(f"--out {path} is{inside} checkpoint step {os.path.basename(probe)} of the "
+                              f"run {run_dir}: resume that run with --out {run_dir}, or choose a new directory")
+        parent = os.path.dirname(probe)
+        if is_checkpoints_dir(probe):
+            raise ConfigError(f"--out {path} is{inside} the {CHECKPOINTS} directory of the run {parent}: "
+                              f"resume that run with --out {parent}, or choose a new directory")
+        if probe == path and classify(path) in ("hf", "adapter") and not (
+                os.path.isdir(os.path.join(path, CHECKPOINTS)) or os.path.isfile(os.path.join(path, "run.json"))):
+            raise ConfigError(f"--out {path} is {WORDS[classify(path)]}: a run's files would mix with its "
+                              f"files; choose a new directory (--init-from takes it as the model)")
+        if parent == probe:
+            return
+        probe = parent
+
+
+def _check_fresh_start(cfg: TrainConfig, out: str) -> None:
+    """A run with logged metrics but no checkpoint (deleted, or never saved) would start over
+    and overwrite them: only with ``--restart``."""
+    root = os.path.join(out, CHECKPOINTS)
+    metrics = os.path.join(out, METRICS_FILE)
+    if cfg.restart or all_steps(root) or not os.path.isfile(metrics):
+        return
+    logged = [r.get("step") for r in read_metrics(metrics) if isinstance(r.get("step"), int)]
+    if logged:
+        raise ConfigError(f"--out {out} holds {METRICS_FILE} up to step {max(logged)} but no checkpoint "
+                          f"to resume from ({root} has no step): --restart trains it again from step 0 "
+                          f"and starts {METRICS_FILE} over; or choose another --out")
 
 
 def _check_resume(cfg, out, config, tokenizer, mesh, rules) -> tuple[int | None, tuple[str, ...]]:
@@ -307,6 +347,7 @@ def run(cfg: TrainConfig, hooks=(), log=None) -> RunResult:
     init_distributed(cfg)
     if not cfg.out:
         raise ConfigError("--out DIR is required")
+    check_out(cfg.out)  # before the lock, which creates --out
     emit = log or say
     log = (lambda line: emit(line)) if is_main_process() else (lambda line: None)
     # process 0 holds the lock for the whole run; a second run on --out stops here

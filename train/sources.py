@@ -57,12 +57,21 @@ def _words(kinds, needs: bool = False) -> str:
 
 
 def is_step_dir(path: str) -> bool:
-    """Whether ``path`` is one checkpoint step (``checkpoints/<step>``), damaged or not."""
+    """Whether ``path`` is one checkpoint step (``checkpoints/<step>``), damaged or not: a number
+    holding orbax's files, or a number in a shardzoo run's checkpoints dir."""
     if not (os.path.basename(path).isdigit() and os.path.isdir(path)):
         return False
+    parent = os.path.dirname(path)
     return (os.path.isdir(os.path.join(path, "state"))
             or os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA"))
-            or os.path.basename(os.path.dirname(path)) == CHECKPOINTS)
+            or (os.path.basename(parent) == CHECKPOINTS
+                and os.path.isfile(os.path.join(os.path.dirname(parent), "run.json"))))
+
+
+def is_checkpoints_dir(path: str) -> bool:
+    """Whether ``path`` is a shardzoo run's checkpoints dir (it holds steps, or its run has run.json)."""
+    return (os.path.basename(path) == CHECKPOINTS and os.path.isdir(path)
+            and (_holds_steps(path) or os.path.isfile(os.path.join(os.path.dirname(path), "run.json"))))
 
 
 def _holds_steps(path: str) -> bool:
