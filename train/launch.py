@@ -87,7 +87,7 @@ class Prepared:
 
 def prepare(cfg: TrainConfig, config=None) -> Prepared:
     """Resolve and check every input of a run; raises a UserError naming the first bad one.
-    ``config``: the model ``--init-from`` named (``hf_io.with_init_model``), else ``--model``."""
+    ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``."""
     import datasets
 
     from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
