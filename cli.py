@@ -1,4 +1,5 @@
-"""The command line: one function per subcommand, each a thin call into the library.
+"""The command line: one function per subcommand, each a thin call into the library (``plan``
+and ``advise`` live in ``cli_plan.py``).
 
 A ``UserError`` (bad flag, file, rule, mesh, model or data) prints one line and exits 2.
 """
@@ -9,166 +10,8 @@ import argparse
 import math
 import sys
 
+from shardzoo.cli_plan import add_advise_args, add_plan_args, cmd_advise, cmd_plan
 from shardzoo.errors import EnvironmentFault, UserError
-from shardzoo.train.config import OPTIMIZERS
-
-
-# --------------------------------------------------------------------------- plan
-def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="a registered model (see shardzoo.models.list_models())")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a config field, e.g. --override remat_policy=full (repeatable)")
-    p.add_argument("--rules", required=True, metavar="NAME|FILE",
-                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, cp, cp_fsdp, ep) or a YAML/JSON rule file")
-    p.add_argument("--mesh", required=True, metavar="SPEC",
-                   help="e.g. fsdp=32,tensor=8; a spec without -1 that does not match the local "
-                        "device count is planned on an abstract mesh (no devices needed)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: mesh size)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length of an LM (default: min(2048, max_position_embeddings))")
-    p.add_argument("--device-memory", default=None, metavar="SIZE|DEVICE",
-                   help="e.g. 80GB, 16GiB, or h100, h200, a100, v5p, v5e, v4: "
-                        "adds a fits/does-not-fit verdict")
-    p.add_argument("--compile", action="store_true",
-                   help="also compile the train step ahead of time on the local devices (their "
-                        "count must equal the mesh's) and report XLA's memory and collectives")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="the run's optimizer: its state is planned and compiled (default: adamw)")
-    p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
-                   help="a separate rule table for the optimizer state, e.g. zero1")
-    p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
-    p.add_argument("--non-strict", action="store_true",
-                   help="report validation problems as warnings instead of failing")
-
-
-def _format_compiled(result: dict, plan) -> str:
-    from shardzoo.sharding.plan import format_bytes
-
-    m, t = result["memory"], plan.totals
-    state = t["params"] + t["optimizer"]
-    lines = ["compiled train step (XLA memory_analysis, per device): the step `shardzoo train` runs"]
-    if m:
-        lines += [
-            f"  arguments  {format_bytes(m['argument'])}  (plan: params + optimizer state "
-            f"{format_bytes(state)} + batch {format_bytes(result['batch_bytes'])})",
-            f"  outputs    {format_bytes(m['output'])}"
-            f"  (aliased to donated arguments: {format_bytes(m['alias'])})",
-            f"  temp       {format_bytes(m['temp'])}",
-            f"  total      {format_bytes(m['total'])}  (arguments + outputs + temp - aliased;"
-            f" plan estimate {format_bytes(t['total'])})",
-        ]
-    else:
-        lines.append("  (this backend gives no memory analysis)")
-    lines.append("collectives: " + ", ".join(f"{op} {n}" for op, n in result["collectives"].items()))
-    return "\n".join(lines)
-
-
-def cmd_plan(args) -> int:
-    """Print the sharding plan of a model's training run: a table, or JSON with --json."""
-    import json
-    import math
-    import warnings
-
-    from shardzoo.models import get_model, parse_overrides
-    from shardzoo.sharding.mesh import mesh_shape
-    from shardzoo.sharding.plan import planning_mesh
-    from shardzoo.sharding.rules import get_rules
-    from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
-    from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
-
-    module, config = get_model(args.model, **parse_overrides(args.override))
-    rules = get_rules(args.rules)
-    opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
-    mesh = planning_mesh(args.mesh)
-    devices = math.prod(mesh_shape(mesh).values())
-    batch = args.batch_size or devices
-    seq_len = args.seq_len
-    if seq_len is None:
-        seq_len = min(2048, getattr(config, "max_position_embeddings", 2048))
-    settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
-                           grad_accum=args.grad_accum)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
-        try:
-            program = run_program(settings, config, rules, mesh, opt_rules=opt_rules, module=module,
-                                  strict=not args.non_strict)
-        except ShardingValidationError as e:
-            raise UserError(e.summary(hint="--non-strict makes these warnings")) from None
-        result = program.plan(device_memory=args.device_memory, name=args.model)
-        if args.compile and program.is_abstract:
-            import jax
-
-            raise UserError(
-                f"--compile needs the mesh's {devices} devices locally, this machine has "
-                f"{jax.device_count()} (fake CPU devices: "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
-            )
-        compiled = program.compile_report() if args.compile else None
-    if args.json:
-        out = result.to_dict()
-        out["batch_size"], out["seq_len"] = batch, seq_len
-        out["compile"] = compiled
-        print(json.dumps(out, indent=2))
-    else:
-        print(result.format())
-        if compiled:
-            print()
-            print(_format_compiled(compiled, result))
-    return 0
-
-
-# --------------------------------------------------------------------------- advise
-def add_advise_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a registered model")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="change a config field (repeatable); remat_policy=... keeps that one policy")
-    p.add_argument("--devices", type=int, required=True, help="how many devices to plan for")
-    p.add_argument("--device-memory", required=True, metavar="KIND|SIZE",
-                   help="h100, h200, a100, v5p, v5e, or a size like 80GB (h100's compute and links)")
-    p.add_argument("--devices-per-host", type=int, default=None,
-                   help="devices sharing the fast link (default: the kind's, 8 for GPUs)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: --devices)")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length of an LM (default: min(2048, max_position_embeddings))")
-    p.add_argument("--candidates", default=None, metavar="NAME,...|FILE,...",
-                   help="rule tables to try: presets and YAML/JSON rule files, comma-separated "
-                        "(default: every parameter preset)")
-    p.add_argument("--headroom", type=float, default=0.1,
-                   help="memory kept free for XLA's buffers, a fraction (default: 0.1)")
-    p.add_argument("--top", type=int, default=5, help="how many candidates to show (default: 5)")
-    p.add_argument("--verify", action="store_true",
-                   help="compile the top candidates' train step on this machine's devices (fake CPU "
-                        "devices: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
-
-
-def cmd_advise(args) -> int:
-    """Rank rule tables and mesh shapes for a model on a topology (no devices needed)."""
-    from shardzoo.models import get_model, parse_overrides
-    from shardzoo.train import advise
-
-    overrides = parse_overrides(args.override)
-    _, config = get_model(args.model, **overrides)
-    if args.top < 1:
-        raise UserError(f"--top {args.top}: must be at least 1")
-    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
-    result = advise.advise_model(
-        config, name=args.model, num_devices=args.devices, device_memory=args.device_memory,
-        devices_per_host=args.devices_per_host, batch_size=args.batch_size, seq_len=args.seq_len,
-        candidates=candidates, headroom=args.headroom, pinned_remat="remat_policy" in overrides)
-    if args.verify:
-        advise.verify(result, config, args.top)
-    if args.json:
-        print(result.to_json(args.top))
-    else:
-        print(result.format(args.top))
-        if args.verify:
-            print()
-            print(advise.format_verify(result.verify))
-    return 0
 
 
 # --------------------------------------------------------------------------- train
@@ -178,12 +21,32 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def report_train(result) -> int:
+    """Print how a run ended (``launch.RunResult``) and return its exit status: 0 when done,
+    preempted (SIGTERM) or with nothing to do, 130 on Ctrl-C, 3 on a NaN/Inf step."""
+    from shardzoo.train import launch
+    from shardzoo.train.config import NONFINITE_EXIT
+
+    if result.main_process:
+        if result.status == launch.INTERRUPTED:
+            print(f"shardzoo train: interrupted: {result.message}", file=sys.stderr, flush=True)
+        elif result.status == launch.NONFINITE:
+            print(f"shardzoo train: error: {result.message}", file=sys.stderr, flush=True)
+        else:
+            print(result.message, flush=True)
+    return {launch.INTERRUPTED: 130, launch.NONFINITE: NONFINITE_EXIT}.get(result.status, 0)
+
+
 def cmd_train(args) -> int:
-    """Train (or resume) a run in --out; exit 0 when done or preempted, 3 on a NaN/Inf step."""
+    """Train (or resume) a run in --out; the exit status says how it ended (``report_train``)."""
     from shardzoo.train.config import config_from_args
     from shardzoo.train.launch import run
 
-    return run(config_from_args(args))
+    return report_train(run(config_from_args(args), log=_print))
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 # --------------------------------------------------------------------------- plot
@@ -202,10 +65,11 @@ def cmd_plot(args) -> int:
 
 # --------------------------------------------------------------------------- generate
 def _add_sharding_args(p: argparse.ArgumentParser, dtype_default: str) -> None:
-    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table (default: fsdp)")
+    p.add_argument("--rules", default=None, metavar="NAME|FILE",
+                   help="rule table (default: fsdp on more than one device, dp on one)")
     p.add_argument("--mesh", default=None, metavar="SPEC",
-                   help="mesh spec (default: every device on the first of fsdp, tensor, data "
-                        "that the rules use)")
+                   help="mesh spec (default: every device on the first of fsdp, tensor that the "
+                        "rules use, else on data)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help=f"parameter and compute dtype (default: {dtype_default})")
 
@@ -234,6 +98,7 @@ def _add_step_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     """Print the prompt and its continuation."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
     if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
             or not 0 < args.top_p <= 1 or not math.isfinite(args.temperature)):
@@ -241,7 +106,7 @@ def cmd_generate(args) -> int:
                         "0 < --top-p <= 1")
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype, step=args.step)
     print(hf_io.generate_text(*loaded, args.prompt, mesh, rules, args.max_new_tokens,
                               args.temperature, args.top_k, args.top_p, args.seed))
@@ -262,8 +127,9 @@ def add_import_hf_args(p: argparse.ArgumentParser) -> None:
 def cmd_import_hf(args) -> int:
     """Convert a Hugging Face model dir into a shardzoo run dir."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     meta = hf_io.import_hf(args.hf_dir, args.out, mesh, rules, args.dtype, args.scan_layers)
     print(f"imported {meta['hf_model_type']} from {args.hf_dir} into {args.out}/checkpoints/0"
           f"{' with its tokenizer' if meta['tokenizer_saved'] else ' (no tokenizer.json)'}")
@@ -286,8 +152,9 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
 def cmd_export_hf(args) -> int:
     """Write a shardzoo checkpoint as an HF model dir (config.json, safetensors, tokenizer)."""
     from shardzoo.train import hf_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     if not (math.isfinite(args.max_shard_size) and args.max_shard_size > 0):
         raise UserError(f"--max-shard-size must be a positive number of GiB, got {args.max_shard_size}")
     hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
@@ -327,7 +194,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per batch (default: a multiple of the device count, at least 8)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default: lm the run's, else min(1024, "
+                   help="tokens per sequence (default: lm the run's, else min(2048, "
                         "max_position_embeddings); "
                         "multiple-choice the longest sequence, rounded up to a multiple of 8)")
     p.add_argument("--out", default=None, metavar="JSON", help="write the metrics to this JSON file")
@@ -355,15 +222,17 @@ def add_export_lora_args(p: argparse.ArgumentParser) -> None:
                    help="base_model_name_or_path to record (default: the run's --init-from)")
     p.add_argument("--overwrite", action="store_true", help="write into OUT_DIR even when it is not empty")
     _add_step_arg(p)
-    p.add_argument("--rules", default=None, metavar="NAME|FILE", help="rule table to load with (default: fsdp)")
-    p.add_argument("--mesh", default=None, metavar="SPEC", help="mesh spec to load on (default: fsdp=-1)")
+    p.add_argument("--rules", default=None, metavar="NAME|FILE",
+                   help="rule table to load with (default: as generate's)")
+    p.add_argument("--mesh", default=None, metavar="SPEC", help="mesh spec to load on (default: as generate's)")
 
 
 def cmd_export_lora(args) -> int:
     """Write a LoRA run's adapters as a PEFT adapter dir (adapter_config.json + safetensors)."""
-    from shardzoo.train import hf_io, lora_io
+    from shardzoo.train import lora_io
+    from shardzoo.train.defaults import mesh_and_rules
 
-    mesh, rules = hf_io.mesh_and_rules(args.mesh, args.rules)
+    mesh, rules = mesh_and_rules(args.mesh, args.rules)
     conf = lora_io.export_lora(args.checkpoint, args.out, mesh, rules, step=args.step, base=args.base,
                                overwrite=args.overwrite)
     print(f"exported rank-{conf['r']} LoRA adapters on {','.join(conf['target_modules'])} to {args.out}")

@@ -96,11 +96,10 @@ Errors: every bad input raises ``DataError`` (a ``UserError``) naming the file, 
 spec or tokenizer.
 """
 
+from shardzoo.data.batches import BatchIterator, LabelledBatchIterator
 from shardzoo.data.errors import DataError
 from shardzoo.data.loader import (
-    BatchIterator,
     DataConfig,
-    LabelledBatchIterator,
     make_datasets,
     make_eval_dataset,
     make_labelled_datasets,

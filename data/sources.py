@@ -20,6 +20,7 @@ import glob
 import io
 import json
 import os
+import stat
 import threading
 from urllib.parse import urlparse
 
@@ -77,9 +78,19 @@ def local_files(spec: str) -> list[str] | None:
         return sorted(files)
     if os.path.isfile(path):
         return [path]
+    if os.path.exists(path):  # /dev/null, a pipe, a socket: there, but no file to read
+        raise DataError(f"data {spec!r} is {_file_kind(path)}, not a data file: give a file, "
+                        f"a directory or a glob of them")
     if _looks_like_path(spec):
         raise DataError(f"data file {spec!r} does not exist")
     return None
+
+
+def _file_kind(path: str) -> str:
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _load_local(spec: str, files: list[str], cache_dir: str | None) -> datasets.Dataset:

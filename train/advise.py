@@ -27,6 +27,8 @@ import re
 from shardzoo.sharding.advise import KINDS, Advice, AdviseError, Variant, advise, get_device
 from shardzoo.sharding.mesh import make_abstract_mesh
 from shardzoo.sharding.rules import get_rules
+from shardzoo.train import model_info
+from shardzoo.train.defaults import default_seq_len
 from shardzoo.train.program import Program
 
 DEFAULT_TABLES = ("dp", "fsdp", "tp", "fsdp_tp", "sp", "ep", "cp", "cp_fsdp", "pp")
@@ -70,9 +72,9 @@ def advise_model(config, *, name: str, num_devices: int, device_memory: str,
     batch = num_devices if batch_size is None else batch_size
     if batch < 1 or (seq_len is not None and seq_len < 1):
         raise AdviseError("--batch-size and --seq-len must be positive")
-    lm = getattr(config, "task", "") == "lm"
+    lm = model_info.task(config) == "lm"
     if lm and seq_len is None:
-        seq_len = min(2048, getattr(config, "max_position_embeddings", 2048))
+        seq_len = default_seq_len(config)
     if optimizer is None:
         from shardzoo.train.program import default_optimizer
 

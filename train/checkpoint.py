@@ -1,4 +1,4 @@
-"""Checkpoints with orbax: layout, resharding restore, and loading a run's model for export.
+"""Checkpoints with orbax: layout, saves, damaged steps, and restores onto any mesh.
 
 Layout of a run directory ``OUT``::
 
@@ -10,12 +10,12 @@ Layout of a run directory ``OUT``::
 
 Half-written steps live in ``<step>.orbax-checkpoint-tmp-*`` and are never picked up.
 Restores build ``jax.ShapeDtypeStruct`` targets carrying the *new* shardings, so a checkpoint
-written under one mesh and rule table loads onto any other.
+written under one mesh and rule table loads onto any other. What a step's ``meta`` holds is
+``runmeta.py``'s; opening a path (a run, a step, an HF dir) is ``sources.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -28,10 +28,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from shardzoo.errors import EnvironmentFault, UserError
-from shardzoo.models import apply_overrides, get_config
-from shardzoo.sharding.mesh import make_mesh
-from shardzoo.sharding.rules import get_rules
-from shardzoo.train.program import Program
 
 CHECKPOINTS = "checkpoints"
 DAMAGED = "damaged-checkpoints"  # where a step that cannot be restored is moved, never deleted
@@ -126,78 +122,6 @@ def jsonable(value):
     return json.loads(json.dumps(value, default=str))
 
 
-def config_to_dict(config) -> dict:
-    return jsonable(dataclasses.asdict(config))
-
-
-def model_meta(config, model: str | None = None, family: str | None = None) -> dict:
-    """What a checkpoint records of its model: ``model``, the zoo preset the run started from
-    (None when it started from an HF dir or a run that had none), ``family``, the Hugging Face
-    family whose config class rebuilds it (default: the first that expresses ``config``; None
-    if none does), and the whole ``config``."""
-    hf = hf_module()
-    if family is None and hf is not None:
-        try:
-            family = hf.family_of_config(config).name
-        except hf.HFError:
-            family = None
-    return {"model": model, "family": family, "config": config_to_dict(config)}
-
-
-def _tuples(value):
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
-
-
-def config_from_meta(meta: dict, where: str = "the checkpoint"):
-    """The model config a checkpoint was written with: its family's config class built from the
-    whole stored config; for a checkpoint without a family (older, or a model no HF family
-    expresses), its preset ``model`` with the stored fields applied."""
-    stored = {k: _tuples(v) for k, v in (meta.get("config") or {}).items()}
-    name = meta.get("family")
-    if name is not None:
-        hf = hf_module()
-        family = hf.family_named(name) if hf is not None else None
-        if family is None:
-            raise CheckpointError(f"{where} records model family {name!r}, which this shardzoo "
-                                  f"does not know")
-        known = {f.name for f in dataclasses.fields(family.config_class)}
-        unknown = sorted(set(stored) - known)
-        if unknown:
-            raise CheckpointError(f"{where}: its {name} config has unknown field(s) "
-                                  f"{', '.join(unknown)}")
-        return family.config_class(**stored)
-    if meta.get("model") is None:
-        raise CheckpointError(f"{where} records neither a model family nor a zoo preset")
-    return apply_overrides(get_config(meta["model"]), stored,
-                           where=f"{where}: model {meta['model']!r}")
-
-
-def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str, where: str) -> None:
-    """A resumed run must ask for the model config and optimizer its checkpoint holds."""
-    saved_model = meta.get("model")
-    if model is not None and saved_model is not None and saved_model != model:
-        raise CheckpointError(
-            f"{where} holds model {saved_model!r}, not {model!r}: use another --out or --model {saved_model}"
-        )
-    saved, new = meta.get("config") or {}, jsonable(config)
-    diff = [k for k in sorted(set(saved) | set(new)) if saved.get(k) != new.get(k)]
-    if diff:
-        had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
-        asked = ", ".join(f"{k}={new.get(k)!r}" for k in diff)
-        if saved_model is not None:
-            holds, flags = f"model {saved_model!r}", "the checkpoint's --override values"
-        else:
-            holds, flags = f"a model of family {meta.get('family')!r}", "the --init-from and --override it started with"
-        raise CheckpointError(f"{where} holds {holds} with {had}, this run asks for {asked}: "
-                              f"use another --out or {flags}")
-    if meta.get("optimizer") not in (None, optimizer):
-        raise CheckpointError(
-            f"{where} was trained with --optimizer {meta['optimizer']}, not {optimizer}: its state cannot be resumed"
-        )
-
-
 def _manager(root: str, read_only: bool, keep: int | None = None) -> ocp.CheckpointManager:
     if not read_only:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
@@ -209,35 +133,6 @@ def _manager(root: str, read_only: bool, keep: int | None = None) -> ocp.Checkpo
         return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     finally:
         absl.setLevel(level)
-
-
-def checkpoint_steps(path: str, step: int | None = None) -> tuple[str, list[int]]:
-    """``(checkpoints_root, steps newest first)`` for a run dir, its checkpoints dir or one
-    ``<step>`` dir (that step only); ``step`` picks one step of a run."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such directory")
-    base = os.path.basename(path.rstrip("/"))
-    if base.isdigit() and os.path.isdir(os.path.join(path, "state")):
-        if step is not None and step != int(base):
-            raise CheckpointError(f"{path} is the checkpoint of step {base}, not --step {step}")
-        return os.path.dirname(path), [int(base)]
-    root = os.path.join(path, CHECKPOINTS) if os.path.isdir(os.path.join(path, CHECKPOINTS)) else path
-    steps = all_steps(root)
-    if not steps:
-        raise CheckpointError(f"{path}: no finished checkpoint (expected a shardzoo run or checkpoint dir)")
-    if step is not None:
-        if step not in steps:
-            raise CheckpointError(f"{path} has no checkpoint of --step {step} (it has steps "
-                                  f"{', '.join(map(str, sorted(steps)))})")
-        return root, [step]
-    return root, steps
-
-
-def resolve_checkpoint(path: str) -> tuple[str, int]:
-    """``(checkpoints_root, step)`` for a run dir, its checkpoints dir or one ``<step>`` dir."""
-    root, steps = checkpoint_steps(path)
-    return root, steps[0]
 
 
 def all_steps(root: str) -> list[int]:
@@ -469,59 +364,15 @@ def restore_params(root: str, step: int, target):
     return restored.state["params"]
 
 
-def hf_module():
-    try:
-        from shardzoo.models import hf
-    except ImportError:
-        return None
-    return hf if hasattr(hf, "is_hf_dir") else None
+# Names that lived here before the split (runmeta.py, sources.py); older imports keep working.
+_MOVED = {"config_to_dict": "runmeta", "model_meta": "runmeta", "config_from_meta": "runmeta",
+          "check_same_model": "runmeta", "hf_module": "runmeta", "resolve_checkpoint": "sources", "init_params_from": "sources",
+          "load_model_and_params": "sources"}
 
 
-def init_params_from(path: str, target, config, mesh, rules):
-    """Params for ``--init-from PATH``, placed as ``target`` (ShapeDtypeStructs with shardings).
+def __getattr__(name):
+    if name in _MOVED:
+        import importlib
 
-    PATH is a shardzoo run or checkpoint dir, or (the hook for Hugging Face model dirs, when
-    ``shardzoo.models.hf.is_hf_dir`` says so) an HF model dir read by ``train.hf_io.load_hf``;
-    either way the params must have the shapes of the run's model.
-    """
-    hf = hf_module()
-    if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
-        return hf.load_hf_params(path, target, config)
-    try:
-        root, steps = checkpoint_steps(path)
-        return newest_restorable(root, steps, lambda step: restore_params(root, step, target))[1]
-    except CheckpointError as e:
-        raise CheckpointError(f"--init-from {e}") from None
-
-
-def _check_shapes(params, target, where: str) -> None:
-    got = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-    for key in sorted(set(got) | set(want)):
-        if got.get(key) != want.get(key):
-            raise CheckpointError(f"{where}: param {key} has shape {got.get(key)}, the model wants {want.get(key)}")
-
-
-def load_model_and_params(run_dir_or_checkpoint_dir: str, mesh=None, rules=None, step: int | None = None):
-    """``(module, config, params, tokenizer_spec)`` of a run's newest restorable checkpoint (a
-    newer damaged one is passed over with a warning line and left in place), or of ``step``.
-
-    Without ``mesh``/``rules`` the params land whole on the first device. ``tokenizer_spec`` is
-    ``OUT/tokenizer`` when the run saved its tokenizer, else the spec it was trained with.
-    """
-    root, steps = checkpoint_steps(run_dir_or_checkpoint_dir, step)
-    mesh = mesh if mesh is not None else make_mesh("", devices=jax.devices()[:1])
-    rules = get_rules(rules if rules is not None else "dp")
-
-    def load(step):
-        meta = read_meta(root, step)
-        config = config_from_meta(meta, os.path.join(root, str(step)))
-        module = config.build()
-        target = Program(config, rules, mesh, module=module).params_target()
-        return meta, config, module, restore_params(root, step, target)
-
-    _, (meta, config, module, params) = newest_restorable(root, steps, load)
-    run_dir = os.path.dirname(root)
-    saved = os.path.join(run_dir, "tokenizer")
-    tokenizer_spec = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")
-    return module, config, params, tokenizer_spec
+        return getattr(importlib.import_module(f"shardzoo.train.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

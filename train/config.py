@@ -43,7 +43,7 @@ class TrainConfig:
     override: tuple[str, ...] = ()
     rules: str | None = None  # default: fsdp on >1 device, dp on one
     opt_rules: str | None = None  # default: the optimizer state follows its params
-    mesh: str | None = None  # default: fsdp=-1 when the rules use fsdp, else data=-1
+    mesh: str | None = None  # default: every device on the first of fsdp, tensor the rules use, else data
     # LoRA (model section): adapters on the base model's projections, the only params trained
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None  # default: the rank (scale alpha / rank = 1)
@@ -79,6 +79,7 @@ class TrainConfig:
     # output
     save_every: int = 100
     keep: int = 3
+    restart: bool = False  # --out has metrics but no checkpoint: train it again from step 0
     eval_every: int = 100  # 0: only at the end
     eval_steps: int = 4
     log_every: int = 10
@@ -140,7 +141,7 @@ SECTIONS = {
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
-    "checkpoint": ("out", "save_every", "keep"),
+    "checkpoint": ("out", "save_every", "keep", "restart"),
     "logging": ("log_every", "eval_every", "eval_steps", "tensorboard"),
     "distributed": ("coordinator", "num_processes", "process_id", "distributed",
                     "distributed_timeout", "heartbeat_timeout"),
@@ -154,7 +155,8 @@ HELP = {
     "override": "change one field of the model config (repeatable)",
     "rules": "rule table: a preset name or a YAML/JSON file (default: fsdp on >1 device, dp on one)",
     "opt_rules": "separate rule table for the optimizer state, e.g. zero1 (default: as the params)",
-    "mesh": "mesh spec like data=2,fsdp=-1 (default: fsdp=-1 if the rules use fsdp, else data=-1)",
+    "mesh": "mesh spec like data=2,fsdp=-1 (default: every device on the first of fsdp, tensor "
+            "that the rules use, else on data)",
     "data": "a file, glob, directory, 'stdlib' (the embedded standard-library corpus) or hub:NAME[:CONFIG][@SPLIT]",
     "text_column": "column holding the documents",
     "prompt_column": "fine-tuning: the prompt column (no loss); needs --completion-column",
@@ -187,6 +189,8 @@ HELP = {
     "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints to keep",
+    "restart": "train an --out that has metrics but no checkpoint again from step 0 (its metrics.jsonl "
+               "starts over); without it such a run is refused. A run with a checkpoint resumes as usual",
     "eval_every": "evaluate every N steps (0: only at the end)",
     "eval_steps": "batches per evaluation",
     "log_every": "log metrics every N steps",

@@ -34,6 +34,14 @@ from shardzoo.data import DataConfig
 from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import activate, replicated
+from shardzoo.train import model_info
+from shardzoo.train.defaults import (
+    DEFAULT_SEQ_LEN,
+    STDLIB_EVAL_FRACTION,
+    adds_bos,
+    default_seq_len,
+    mesh_and_rules,
+)
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import forward, summarize_eval
 
@@ -119,16 +127,6 @@ def read_choices(spec: str) -> list[dict]:
             raise DataError(f"{where}: label {label!r} is not an index of its {len(choices)} choices")
         rows.append({"context": context, "choices": list(choices), "label": label})
     return rows
-
-
-def adds_bos(tokenizer) -> bool:
-    """Whether an HF tokenizer's post-processor starts every text with bos (as Llama's does):
-    then the data pipeline and the scoring add bos too, as the model saw in training."""
-    inner = getattr(tokenizer, "tokenizer", None)  # HFTokenizer's tokenizers.Tokenizer
-    if inner is None:
-        return False
-    plain, full = inner.encode("a", add_special_tokens=False).ids, inner.encode("a").ids
-    return full[:1] == [tokenizer.bos_id] and plain[:1] != [tokenizer.bos_id]
 
 
 def encode_pair(tokenizer, context: str, choice: str, add_bos: bool) -> tuple[list[int], list[int]]:
@@ -228,25 +226,15 @@ def mc_seq_len(rows, tokenizer, add_bos: bool, max_len: int) -> int:
 def run_settings(checkpoint: str) -> dict:
     """The data settings (``data``, columns, ``eval_fraction``, ``add_bos``, ``seq_len``) and
     ``seed`` a run recorded in its run.json; empty when it has none (e.g. an import-hf dir)."""
-    from shardzoo.train.checkpoint import checkpoint_steps
+    from shardzoo.train.sources import READS_RUNS, open_source
 
-    root, _ = checkpoint_steps(checkpoint)
-    try:
-        with open(os.path.join(os.path.dirname(root), "run.json")) as f:
-            settings = json.load(f).get("settings") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-    recorded = {k: v for k, v in (settings.get("data") or {}).items() if v is not None}
-    seed = (settings.get("optimizer") or {}).get("seed")
-    return {**recorded, "seed": seed} if seed is not None else recorded
+    return open_source(checkpoint, what="--checkpoint", accept=READS_RUNS).run_settings()
 
 
 def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
     """``(data config, split)`` of an lm eval: the flags, else what the run recorded (its eval
     fraction only for the run's own data); ``--split eval`` of a run that held out
     ``--eval-data`` is all of that data."""
-    from shardzoo.train.launch import STDLIB_EVAL_FRACTION
-
     data, split = s.data or run.get("data"), s.split
     if split == "eval" and s.data is None and s.eval_fraction is None and run.get("eval_data"):
         data, split = run["eval_data"], "all"
@@ -292,20 +280,20 @@ def run(s: EvalSettings) -> dict:
     if s.data is None and "data" not in recorded:
         raise UserError("--data SPEC is required (only a run that records its data defaults to it)")
     rows = read_choices(s.data) if s.task == "multiple-choice" else None  # fail fast, before loading
-    mesh, rules = hf_io.mesh_and_rules(s.mesh, s.rules)
+    mesh, rules = mesh_and_rules(s.mesh, s.rules)
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
-    if getattr(config, "task", "lm") != "lm":
-        raise UserError(f"eval scores language models; this model's task is {config.task!r}")
+    if model_info.task(config) != "lm":
+        raise UserError(f"eval scores language models; this model's task is {model_info.task(config)!r}")
     add_bos = s.add_bos or recorded.get("add_bos", adds_bos(tokenizer))
-    max_len = getattr(config, "max_position_embeddings", 1024)
+    max_len = model_info.max_positions(config) or DEFAULT_SEQ_LEN
     if s.seq_len is not None and s.seq_len > max_len:
         raise UserError(f"--seq-len {s.seq_len} exceeds the model's max_position_embeddings {max_len}")
     batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
     if rows is not None:
         seq_len = s.seq_len or mc_seq_len(rows, tokenizer, add_bos, max_len)
     else:
-        seq_len = s.seq_len or min(recorded.get("seq_len", 1024), max_len)
+        seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
     program = Program(config, rules, mesh, module=module, batch_size=batch_size, seq_len=seq_len)
     params = jax.device_put(params, program.shardings.params)
     if rows is not None:

@@ -1,5 +1,4 @@
-"""Hugging Face model dirs <-> shardzoo runs: ``import-hf``, ``export-hf``, ``generate``'s loader,
-and the model that ``train --init-from`` (an HF dir or a run) starts from.
+"""Hugging Face model dirs <-> shardzoo runs: ``import-hf``, ``export-hf`` and ``generate``.
 
 An imported model is a run directory like a trained one (``OUT/checkpoints/0`` with the params
 under ``state``, ``OUT/tokenizer/``, ``OUT/run.json``), so ``train --init-from``,
@@ -9,7 +8,6 @@ under ``state``, ``OUT/tokenizer/``, ``OUT/run.json``), so ``train --init-from``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -24,21 +22,13 @@ from shardzoo.models.decode import generate
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train.checkpoint import (
-    CHECKPOINTS,
-    Checkpointer,
-    CheckpointError,
-    DamagedCheckpoint,
-    checkpoint_steps,
-    config_from_meta,
-    latest_step,
-    load_model_and_params,
-    model_meta,
-    no_restorable,
-    read_meta,
-)
+from shardzoo.train import model_info
+from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
+from shardzoo.train.defaults import mesh_and_rules
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import DirLock, check_empty_target
+from shardzoo.train.runmeta import model_meta
+from shardzoo.train.sources import READS_RUNS, load_model, open_source
 
 # Files of an HF tokenizer, carried between HF dirs and runs' tokenizer/ dirs.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -57,77 +47,6 @@ def copy_tokenizer_files(src: str, dst: str) -> bool:
     return True
 
 
-def mesh_and_rules(mesh_spec: str | None, rules: str | None):
-    """The CLI's mesh and rules; defaults: rules fsdp, and every local device on the first of
-    fsdp, tensor, data that the rules use."""
-    rules = get_rules(rules or "fsdp")
-    used = rules.mesh_axes_used()
-    axis = next((a for a in ("fsdp", "tensor") if a in used), "data")
-    return make_mesh(mesh_spec or f"{axis}=-1"), rules
-
-
-def _adds_bos(tokenizer_dir: str) -> bool:
-    """Whether the tokenizer.json in ``tokenizer_dir`` starts every text with bos (Llama's
-    post-processor), so training sees what ``generate`` feeds."""
-    from tokenizers import Tokenizer
-
-    path = os.path.join(tokenizer_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        return False
-    tokenizer = Tokenizer.from_file(path)
-    plain = tokenizer.encode("a", add_special_tokens=False).ids
-    return len(tokenizer.encode("a").ids) > len(plain)
-
-
-def init_source(path: str) -> tuple[object, dict, str]:
-    """``(config, model meta, tokenizer spec)`` of the model ``--init-from PATH`` names: an HF
-    model dir (its family's mapping of config.json) or a shardzoo run or checkpoint dir (the
-    config its checkpoint records). The meta has the family and, for a run that started from a
-    zoo preset, its ``model``."""
-    if hf.is_hf_dir(path):
-        where = os.path.join(path, "config.json")
-        family = hf.family_of_model_type(hf.read_hf_config(path).get("model_type"), where)
-        return hf.load_hf_config(path), {"model": None, "family": family.name}, path
-    try:
-        root, steps = checkpoint_steps(path)
-        step, meta = _newest_meta(root, steps)  # the params load says which steps it passed over
-    except CheckpointError as e:
-        raise CheckpointError(f"--init-from {e}") from None
-    where = f"--init-from {os.path.join(root, str(step))}"
-    config = config_from_meta(meta, where)
-    saved = os.path.join(os.path.dirname(root), "tokenizer")
-    tokenizer = saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")
-    return config, {"model": meta.get("model"), "family": meta.get("family")}, tokenizer or "byte"
-
-
-def _newest_meta(root: str, steps: list[int]) -> tuple[int, dict]:
-    damaged = []
-    for step in steps:
-        try:
-            return step, read_meta(root, step)
-        except DamagedCheckpoint as e:
-            damaged.append(e)
-    raise no_restorable(root, damaged)
-
-
-def with_init_model(cfg):
-    """``(cfg, config, model meta)``: with ``--init-from``, the model it names (``init_source``)
-    with the user's ``--override``s applied, its tokenizer unless ``--tokenizer`` names another
-    than byte, and ``cfg.model`` the zoo preset it started from (None if none); without, ``(cfg,
-    None, {})`` and ``--model`` builds the model."""
-    from shardzoo.models import apply_overrides, parse_overrides
-
-    if not cfg.init_from:
-        return cfg, None, {}
-    config, meta, tokenizer = init_source(cfg.init_from)
-    config = apply_overrides(config, parse_overrides(cfg.override), where="--override")
-    if cfg.tokenizer not in (None, "byte"):
-        tokenizer = cfg.tokenizer
-    add_bos = cfg.add_bos or (os.path.isdir(tokenizer) and _adds_bos(tokenizer))
-    cfg = dataclasses.replace(cfg, model=meta["model"], tokenizer=tokenizer, add_bos=add_bos)
-    return cfg, config, meta
-
-
 def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = True,
             overrides=None):
     """``(module, config, params)`` from an HF model directory, the params sharded under
@@ -143,8 +62,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
               scan_layers=True) -> dict:
     """Convert an HF model dir into a shardzoo run dir at ``out_dir``; return the checkpoint meta.
     Nothing is written until every tensor has been read."""
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
-    rules = get_rules(rules or "fsdp")
+    mesh, rules = mesh_and_rules(mesh, rules)
     model_type = hf.read_hf_config(hf_dir).get("model_type")
     family = hf.family_of_model_type(model_type, os.path.join(hf_dir, "config.json"))
     out_dir = os.path.abspath(out_dir)
@@ -192,16 +110,18 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     ``out_dir`` must be missing or empty unless ``overwrite``; it is locked while written. The
     newest restorable checkpoint is exported, or that of ``step``. A LoRA run's adapters are
     folded into their kernels with ``merge_lora`` (else refused: ``export-lora`` writes them)."""
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
+    mesh, rules = mesh_and_rules(mesh, rules)
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
-    _, config, params, tokenizer_spec = load_model_and_params(checkpoint_dir, mesh, rules or "fsdp", step=step)
-    if getattr(config, "lora_rank", 0) and not merge_lora:
+    source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
+    _, config, params = load_model(source, mesh, rules)
+    tokenizer_spec = source.tokenizer
+    if model_info.lora_rank(config) and not merge_lora:
         raise UserError(f"{checkpoint_dir} holds LoRA adapters: --merge-lora writes the merged "
                         f"weights, `shardzoo export-lora` the PEFT adapters")
-    if getattr(config, "lora_rank", 0):
+    if model_info.lora_rank(config):
         config, params = lora.merge_lora(config, params)
-    family = _recorded_family(checkpoint_dir, step)  # e.g. phi3: fused tensors
+    family = source.family  # e.g. phi3: fused tensors
     with _locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)
         try:
@@ -216,33 +136,21 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     return hf_config
 
 
-def _recorded_family(path: str, step: int | None):
-    """The model family the newest readable checkpoint of ``path`` (or ``step``) records."""
-    root, steps = checkpoint_steps(path, step)
-    for candidate in steps:
-        try:
-            return read_meta(root, candidate).get("family")
-        except DamagedCheckpoint:
-            continue
-    return None
-
-
 def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, mesh=None,
                       rules=None, dtype=None, step: int | None = None):
     """``(module, config, params, tokenizer)`` from a shardzoo run/checkpoint or an HF model dir."""
     from shardzoo.data.tokenizer import load_tokenizer
 
-    mesh = mesh if mesh is not None else make_mesh("fsdp=-1")
-    rules = get_rules(rules or "fsdp")
+    mesh, rules = mesh_and_rules(mesh, rules)
     if hf_dir is not None:
-        tokenizer = load_tokenizer(hf_dir)  # first: a missing tokenizer.json fails fast
-        module, config, params = load_hf(hf_dir, mesh, rules, dtype=dtype)
-        return module, config, params, tokenizer
-    module, config, params, spec = load_model_and_params(checkpoint, mesh, rules, step=step)
-    if dtype is not None and dtype != config.param_dtype:
-        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
-        module, params = config.build(), jax.tree.map(lambda x: x.astype(dtype), params)
-    return module, config, params, load_tokenizer(spec or "byte")
+        source = open_source(hf_dir, what="--hf", accept=("hf",))
+        tokenizer = load_tokenizer(source.tokenizer)  # first: a missing tokenizer.json fails fast
+    else:
+        source = open_source(checkpoint, step=step, what="--checkpoint", accept=READS_RUNS)
+    module, config, params = load_model(source, mesh, rules, dtype)
+    if hf_dir is None:
+        tokenizer = load_tokenizer(source.tokenizer or "byte")
+    return module, config, params, tokenizer
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -17,31 +17,22 @@ import jax
 import numpy as np
 
 from shardzoo.errors import UserError
-from shardzoo.models import get_model, parse_overrides
-from shardzoo.sharding.mesh import describe_mesh, make_mesh
+from shardzoo.models import apply_overrides, get_model, parse_overrides
+from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
+from shardzoo.train import model_info, outdir
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
-    CheckpointError,
-    DamagedCheckpoint,
-    all_steps,
-    check_same_model,
-    checkpoint_steps,
-    config_to_dict,
-    hf_module,
-    model_meta,
-    no_restorable,
-    read_meta,
-    verify,
 )
-from shardzoo.train.config import NONFINITE_EXIT, ConfigError, TrainConfig
+from shardzoo.train.config import ConfigError, TrainConfig
+from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
+from shardzoo.train.runmeta import model_meta
+from shardzoo.train.sources import open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
-
-STDLIB_EVAL_FRACTION = 0.05  # held out of the embedded corpus when no eval data is named
 
 
 def init_distributed(cfg: TrainConfig) -> None:
@@ -58,12 +49,21 @@ def init_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize(**timeouts)
 
 
-def default_rules(num_devices: int) -> str:
-    return "fsdp" if num_devices > 1 else "dp"
-
-
-def default_mesh(rules) -> str:
-    return "fsdp=-1" if "fsdp" in rules.mesh_axes_used() else "data=-1"
+def with_init_model(cfg: TrainConfig):
+    """``(cfg, config, model meta)``: with ``--init-from``, the model its source holds (an HF
+    dir, a run or a step; ``sources.open_source``) with the user's ``--override``s applied, its
+    tokenizer unless ``--tokenizer`` names another than byte, and ``cfg.model`` the zoo preset it
+    started from (None if none); without, ``(cfg, None, {})`` and ``--model`` builds the model."""
+    if not cfg.init_from:
+        return cfg, None, {}
+    source = open_source(cfg.init_from, what="--init-from")
+    config = apply_overrides(source.config, parse_overrides(cfg.override), where="--override")
+    tokenizer = source.tokenizer or "byte"
+    if cfg.tokenizer not in (None, "byte"):
+        tokenizer = cfg.tokenizer
+    add_bos = cfg.add_bos or (tokenizer != "byte" and adds_bos(tokenizer))
+    cfg = dataclasses.replace(cfg, model=source.model, tokenizer=tokenizer, add_bos=add_bos)
+    return cfg, config, {"model": source.model, "family": source.family}
 
 
 @dataclasses.dataclass
@@ -87,7 +87,7 @@ class Prepared:
 
 def prepare(cfg: TrainConfig, config=None) -> Prepared:
     """Resolve and check every input of a run; raises a UserError naming the first bad one.
-    ``config``: the model ``--init-from`` named (``hf_io.with_init_model``), else ``--model``."""
+    ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``."""
     import datasets
 
     from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
@@ -103,32 +103,30 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
         raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
     check_run_dir(out)
+    outdir.check_fresh_start(cfg, out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = with_lora(cfg, config)  # --lora-*: the adapted model
     module = config.build()
-    labelled = config.task != "lm"
+    labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
             f"--model {cfg.model} (task {config.task!r}) trains on labelled examples: give --data "
             "and --label-column" if labelled else
             f"--label-column {cfg.label_column}: --model {cfg.model} is a language model; "
             "labelled examples train a classification or regression model (e.g. mlp-mnist)")
-    max_len = getattr(config, "max_position_embeddings", None)
+    max_len = model_info.max_positions(config)
     if max_len is not None and cfg.seq_len > max_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
-    rules = get_rules(cfg.rules or default_rules(jax.device_count()))
+    mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
-    mesh = make_mesh(cfg.mesh or default_mesh(rules))
     program = _program(cfg, config, module, rules, opt_rules, mesh)
 
     tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
-    resume_step, notes = _check_resume(cfg, out, config, tokenizer, mesh, rules)
-    if resume_step is None and cfg.init_from:
-        _check_init_from(cfg.init_from)
+    resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
     eval_fraction = cfg.eval_fraction
     if eval_fraction is None:
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
@@ -144,74 +142,6 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
-
-
-def _check_resume(cfg, out, config, tokenizer, mesh, rules) -> tuple[int | None, tuple[str, ...]]:
-    """The step a run in ``out`` resumes from (None: a fresh run), checked against this run's
-    model, overrides, optimizer, tokenizer, sequence length and batch size; reads only.
-
-    Steps whose meta cannot be read are passed over here (the Trainer moves them aside), and so
-    is a final step whose arrays do not read back (before "nothing to do"); a run whose every step
-    is damaged is refused. A changed mesh or rule table is allowed (the restore reshards) and
-    said in one line.
-    """
-    root = os.path.join(out, CHECKPOINTS)
-    steps, damaged = all_steps(root), []
-    for step in steps:
-        try:
-            meta = read_meta(root, step)
-            problem = verify(root, step) if cfg.steps <= step else None  # before "nothing to do"
-            if problem:
-                raise DamagedCheckpoint(root, step, problem)
-        except DamagedCheckpoint as e:
-            damaged.append(e)
-            continue
-        break
-    else:
-        if damaged:
-            raise no_restorable(root, damaged)
-        return None, ()
-    where = os.path.join(root, str(step))
-    check_same_model(meta, cfg.model, config_to_dict(config), cfg.optimizer, where)
-    sizes = (("seq_len", cfg.seq_len),) * (tokenizer is not None) + (("batch_size", cfg.batch_size),)
-    for key, value in sizes:
-        flag = "--" + key.replace("_", "-")
-        if meta.get(key) not in (None, value):
-            raise ConfigError(f"{where} was trained with {flag} {meta[key]}, not {value}: resume with "
-                              f"{flag} {meta[key]} or choose another --out")
-    if tokenizer is not None and not _same_tokenizer(tokenizer, meta.get("tokenizer"),
-                                                      os.path.join(out, "tokenizer")):
-        raise ConfigError(f"{where} was trained with --tokenizer {meta.get('tokenizer')}, not "
-                          f"{cfg.tokenizer}: resume with --tokenizer {meta.get('tokenizer')} (or "
-                          f"{out}/tokenizer) or choose another --out")
-    notes = []
-    now = (describe_mesh(mesh), cfg.rules or rules.name)
-    then = (meta.get("mesh"), meta.get("rules"))
-    if None not in then and then != now:
-        notes.append(f"resuming step {step}, saved on mesh {then[0]} under rules {then[1]}, onto mesh "
-                     f"{now[0]} under rules {now[1]}: the state is resharded")
-    return step, tuple(notes)
-
-
-def _tokenizer_key(tokenizer):
-    inner = getattr(tokenizer, "tokenizer", None)  # an HFTokenizer's tokenizers.Tokenizer
-    if inner is None:
-        return (type(tokenizer).__name__,)
-    return (inner.to_str(), tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
-
-
-def _same_tokenizer(tokenizer, saved_spec, saved_dir: str) -> bool:
-    """Whether ``tokenizer`` is the one a run was trained with (its spec, or its saved files)."""
-    from shardzoo.data import load_tokenizer
-
-    if saved_spec is None or tokenizer.spec == saved_spec:
-        return True
-    for spec in (saved_dir, saved_spec):
-        try:
-            return _tokenizer_key(load_tokenizer(spec)) == _tokenizer_key(tokenizer)
-        except UserError:
-            continue
-    return False
 
 
 def _check_labelled(cfg, config, data) -> None:
@@ -234,26 +164,6 @@ def _check_labelled(cfg, config, data) -> None:
 def _model_name(cfg) -> str:
     """The zoo preset, or the directory ``--init-from`` took the model from."""
     return cfg.model or os.path.basename(os.path.normpath(cfg.init_from))
-
-
-def _check_init_from(path: str) -> None:
-    """A run or checkpoint dir with at least one step whose meta reads (the Trainer falls back
-    past damaged ones)."""
-    hf = hf_module()
-    if hf is not None and os.path.isdir(path) and hf.is_hf_dir(path):
-        return
-    try:
-        root, steps = checkpoint_steps(path)
-        damaged = []
-        for step in steps:
-            try:
-                read_meta(root, step)
-                return
-            except DamagedCheckpoint as e:
-                damaged.append(e)
-        raise no_restorable(root, damaged)
-    except CheckpointError as e:
-        raise ConfigError(f"--init-from {e}") from None
 
 
 def _program(cfg, config, module, rules, opt_rules, mesh):
@@ -292,47 +202,73 @@ def _agree(fn):
     return result
 
 
-def run(cfg: TrainConfig, hooks=()) -> int:
-    """Lock --out, validate, then train; 0 when done or preempted (SIGTERM), 130 on Ctrl-C,
-    NONFINITE_EXIT on a NaN/Inf step.
+DONE, PREEMPTED, NOTHING_TO_DO, INTERRUPTED, NONFINITE = (
+    "done", "preempted", "nothing to do", "interrupted", "non-finite")
 
-    ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step."""
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """How a run ended: ``status`` (DONE, PREEMPTED by SIGTERM, NOTHING_TO_DO, INTERRUPTED by
+    Ctrl-C, NONFINITE), the ``step`` it stopped at, its last logged ``loss``, the ``checkpoint``
+    it left, and ``message``, the line that says so (the command line prints it, on stderr for
+    INTERRUPTED and NONFINITE, and picks the exit status). ``main_process``: whether this
+    process is the one that speaks for the run."""
+
+    status: str
+    out: str
+    step: int | None = None
+    loss: float | None = None
+    checkpoint: str | None = None
+    message: str = ""
+    main_process: bool = True
+
+
+def run(cfg: TrainConfig, hooks=(), log=None) -> RunResult:
+    """Lock --out, validate, then train; returns how the run ended (``RunResult``) and raises a
+    UserError (or EnvironmentFault) for a bad input (or a failed disk).
+
+    ``hooks``: ``trainer.Hook`` objects the Trainer calls around every step. ``log``: where the
+    progress lines go (the rule table, the plan, resumes; process 0 only), default stdout."""
     xla_flags = apply_xla_preset(cfg.xla_preset)  # before anything starts a backend
     if cfg.compile_cache:  # jax's persistent cache: later runs of the same program skip XLA
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(cfg.compile_cache))
     init_distributed(cfg)
     if not cfg.out:
         raise ConfigError("--out DIR is required")
+    outdir.check_out(cfg.out)  # before the lock, which creates --out
+    emit = log or say
+    log = (lambda line: emit(line)) if is_main_process() else (lambda line: None)
     # process 0 holds the lock for the whole run; a second run on --out stops here
     lock = DirLock(cfg.out, "--out") if is_main_process() else None
     _agree(lambda: lock and lock.acquire())
     try:
-        return _run(cfg, hooks, xla_flags)
+        return _run(cfg, hooks, xla_flags, log)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
-    from shardzoo.train.hf_io import with_init_model
-
+def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
+    main = is_main_process()
     cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
     p = _agree(lambda: prepare(cfg, init_config))
     cfg = dataclasses.replace(cfg, out=p.out)
+    checkpoints = os.path.join(p.out, CHECKPOINTS)
     if p.resume_step is not None and cfg.steps <= p.resume_step:
-        say(f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: nothing to do "
-            f"(raise --steps to train further)")
-        return 0
+        return RunResult(NOTHING_TO_DO, p.out, p.resume_step,
+                         checkpoint=os.path.join(checkpoints, str(p.resume_step)),
+                         message=f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: "
+                                 f"nothing to do (raise --steps to train further)", main_process=main)
     rules_spec = cfg.rules or p.rules.name
     meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
             "overrides": parse_overrides(cfg.override), "rules": rules_spec,
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
-    if getattr(p.config, "lora_rank", 0):  # the base the adapters belong to (also stored whole)
+    if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
         base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
-    if is_main_process():  # validated: from here on we write
+    if main:  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)
         tokenizer_dir = os.path.join(p.out, "tokenizer")
         # a resume keeps the run's tokenizer files (checked equal above)
@@ -347,29 +283,30 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str = "") -> int:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
                                                     init_meta.get("family"))
     for note in p.notes:
-        say(note)
-    say(str(p.rules))
+        log(note)
+    log(str(p.rules))
     if p.opt_rules is not None:
-        say(f"optimizer state: {p.opt_rules}")
-    say(p.program.plan(name=_model_name(cfg)).format())
+        log(f"optimizer state: {p.opt_rules}")
+    log(p.program.plan(name=_model_name(cfg)).format())
     trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                       opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
-                      program=p.program)
-    say(trainer.describe())
-    say(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
+                      program=p.program, log=log)
+    log(trainer.describe())
+    log(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
         f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")
     try:
         history = trainer.fit()
     except NonFiniteError as e:
-        if is_main_process():
-            print(f"shardzoo train: error: {e}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT
-    if trainer.stop_signal == signal.SIGINT:
-        if is_main_process():
-            print(f"shardzoo train: interrupted: saved step {trainer.final_step} to {p.out}/{CHECKPOINTS}/"
-                  f"{trainer.last_saved}; run the same command to resume", file=sys.stderr, flush=True)
-        return 130
+        saved = None if e.last_checkpoint is None else os.path.join(checkpoints, str(e.last_checkpoint))
+        return RunResult(NONFINITE, p.out, e.step, checkpoint=saved, message=str(e), main_process=main)
+    saved = os.path.join(checkpoints, str(trainer.last_saved))
     last = next((r for r in reversed(history) if "loss" in r), None)
-    summary = f"; loss {last['loss']:.4f}" if last else ""
-    say(f"stopped at step {trainer.final_step}{summary}; checkpoint {p.out}/{CHECKPOINTS}/{trainer.last_saved}")
-    return 0
+    loss = last["loss"] if last else None
+    if trainer.stop_signal == signal.SIGINT:
+        return RunResult(INTERRUPTED, p.out, trainer.final_step, loss, saved,
+                         f"saved step {trainer.final_step} to {saved}; run the same command to resume",
+                         main_process=main)
+    status = PREEMPTED if trainer.stop_signal == signal.SIGTERM else DONE
+    summary = f"; loss {loss:.4f}" if loss is not None else ""
+    return RunResult(status, p.out, trainer.final_step, loss, saved,
+                     f"stopped at step {trainer.final_step}{summary}; checkpoint {saved}", main_process=main)

@@ -24,11 +24,14 @@ from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, hf
 from shardzoo.models.hf.tensors import _layer_weights, put_leaf
 from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split
-from shardzoo.train.checkpoint import init_params_from, load_model_and_params, read_meta
+from shardzoo.train import model_info
 from shardzoo.train.config import ConfigError
+from shardzoo.train.defaults import mesh_and_rules
 from shardzoo.train.rundir import check_empty_target
+from shardzoo.train.sources import ADAPTER_CONFIG as CONFIG_FILE
+from shardzoo.train.sources import ADAPTER_WEIGHTS as WEIGHTS_FILE
+from shardzoo.train.sources import READS_RUNS, load_model, open_source
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
@@ -37,40 +40,18 @@ class AdapterError(UserError):
 
 
 # ------------------------------------------------------------------------------- the model
-def read_adapter_config(path: str) -> dict:
-    """The adapter_config.json of a PEFT LoRA dir, checked for what shardzoo computes."""
-    where = os.path.join(path, CONFIG_FILE)
-    try:
-        with open(where) as f:
-            conf = json.load(f)
-    except OSError as e:
-        raise AdapterError(f"--lora-from {path}: cannot read {CONFIG_FILE}: {e.strerror}") from None
-    except ValueError as e:
-        raise AdapterError(f"{where}: not JSON: {e}") from None
-    if conf.get("peft_type") != "LORA":
-        raise AdapterError(f"{where}: peft_type {conf.get('peft_type')!r}, shardzoo reads LORA adapters")
-    unsupported = [k for k in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern",
-                               "alpha_pattern", "layers_to_transform", "modules_to_save")
-                   if conf.get(k)]
-    if conf.get("bias", "none") != "none":
-        unsupported.append(f"bias={conf['bias']!r}")
-    if unsupported:
-        raise AdapterError(f"{where}: {', '.join(unsupported)} not supported (plain LoRA only)")
-    return conf
-
-
 def with_lora(cfg, config):
     """The model config a run trains: ``config`` with the run's LoRA settings (from the flags,
     or the adapter dir of ``--lora-from``), and ``--lora-base-dtype`` as the base's dtype."""
     if not cfg.lora_rank and not cfg.lora_from:
         return config
-    if not hasattr(config, "lora_rank"):
+    if not model_info.has_lora(config):
         raise ConfigError(f"--lora-rank: {type(config).__name__} has no LoRA adapters (Transformer models have)")
     rank, alpha, targets = cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets
     if cfg.lora_from:
         if not cfg.init_from:
             raise ConfigError("--lora-from needs --init-from: the base model the adapters were trained on")
-        conf = read_adapter_config(cfg.lora_from)
+        conf = _adapter_source(cfg.lora_from).config
         names = {f"{t}_proj": t for t in TARGETS}
         modules = [m.rsplit(".", 1)[-1] for m in _as_list(conf.get("target_modules"))]
         unknown = [m for m in modules if m not in names]
@@ -91,29 +72,30 @@ def _as_list(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
+def _adapter_source(path: str):
+    return open_source(path, what="--lora-from", accept=("adapter",))
+
+
 def initial_params(cfg, target, config, mesh, rules, family=None):
     """``--init-from``'s params for ``target``: the base from the run or HF dir, and the adapters
     from ``--lora-from`` when given, or from a LoRA run's checkpoint with the same rank and
     targets (else they are left to the program's random init)."""
-    if not getattr(config, "lora_rank", 0) or _same_adapters(cfg, config):
-        return init_params_from(cfg.init_from, target, config, mesh, rules)
+    source = open_source(cfg.init_from, what="--init-from")
+    if not model_info.lora_rank(config) or _same_adapters(cfg, config, source):
+        return source.load_params(target, config)
     adapters, base = split(target, is_adapter)
-    params = init_params_from(cfg.init_from, base, config, mesh, rules)
+    params = source.load_params(base, config)
     if cfg.lora_from:
-        params = join(load_adapters(cfg.lora_from, adapters, config, family), params)
+        params = join(_adapter_source(cfg.lora_from).load_params(adapters, config, family), params)
     return params
 
 
-def _same_adapters(cfg, config) -> bool:
+def _same_adapters(cfg, config, source) -> bool:
     """Whether ``--init-from`` is a LoRA run with the adapters ``config`` asks for (rank and
     targets): then they continue from its checkpoint, with its base."""
-    if cfg.lora_from or hf.is_hf_dir(cfg.init_from):
+    if cfg.lora_from or source.kind == "hf":
         return False
-    from shardzoo.train.hf_io import init_source
-
-    source = init_source(cfg.init_from)[0]
-    return (getattr(source, "lora_rank", 0), getattr(source, "lora_targets", ())) == (
-        config.lora_rank, config.lora_targets)
+    return model_info.lora_adapters(source.config) == model_info.lora_adapters(config)
 
 
 # ------------------------------------------------------------------------- PEFT names
@@ -186,14 +168,15 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
     """Write a LoRA run's adapters as a PEFT adapter dir; returns its adapter_config."""
     from safetensors.numpy import save_file
 
-    from shardzoo.train.hf_io import _locked, _recorded_family
+    from shardzoo.train.hf_io import _locked
 
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
-    _, config, params, _ = load_model_and_params(checkpoint_dir, mesh, rules, step=step)
-    if not getattr(config, "lora_rank", 0):
+    source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
+    _, config, params = load_model(source, *mesh_and_rules(mesh, rules))
+    if not model_info.lora_rank(config):
         raise AdapterError(f"{checkpoint_dir} has no LoRA adapters (a run trained with --lora-rank has)")
-    family = _recorded_family(checkpoint_dir, step)
+    family = source.family  # of the step the params came from (the readers' rule)
     flat = traverse_util.flatten_dict(params)
     tensors, modules = {}, []
     for path_, layers, stacked, t, module in _modules(config, family):
@@ -209,7 +192,7 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
         "lora_alpha": lora_scale(config) * config.lora_rank, "lora_dropout": 0.0,
         "target_modules": sorted(set(modules)), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "base_model_name_or_path": base or _base_of(checkpoint_dir, step),
+        "modules_to_save": None, "base_model_name_or_path": base or source.lora_base,
     }
     with _locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)
@@ -228,12 +211,3 @@ def _host(x):
     from shardzoo.models.hf.tensors import _to_host
 
     return _to_host(x)
-
-
-def _base_of(checkpoint_dir: str, step: int | None):
-    """The base model a LoRA checkpoint names (its --init-from, else its zoo preset)."""
-    from shardzoo.train.checkpoint import checkpoint_steps
-
-    root, steps = checkpoint_steps(checkpoint_dir, step)
-    meta = read_meta(root, steps[0])
-    return (meta.get("lora") or {}).get("base") or meta.get("model")

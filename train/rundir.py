@@ -144,20 +144,40 @@ def _read_holder(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def is_shardzoo_run(path: str) -> bool:
-    """Whether ``path/run.json`` is one that ``shardzoo train`` or ``import-hf`` wrote."""
+def read_run_json(path: str) -> dict | None:
+    """``path/run.json`` parsed (None when there is none); a RunDirError when it does not parse."""
+    where = os.path.join(path, "run.json")
     try:
-        with open(os.path.join(path, "run.json")) as f:
-            run = json.load(f)
-    except (OSError, ValueError):
-        return False
+        with open(where, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise RunDirError(f"{where} cannot be read: {e.strerror}") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        reason = "empty" if not data.strip() else f"not JSON: {str(e).splitlines()[0]}"
+        raise RunDirError(f"{where} is garbled ({reason})") from None
+
+
+def is_shardzoo_run(path: str) -> bool:
+    """Whether ``path/run.json`` is one that ``shardzoo train`` or ``import-hf`` wrote (a
+    RunDirError when it is garbled)."""
+    run = read_run_json(path)
     return isinstance(run, dict) and "model" in run and ("settings" in run or run.get("command") == "import-hf")
 
 
 def check_run_dir(path: str, what: str = "--out") -> None:
     """Refuse a directory holding files that ``train`` would write but that are not a run's."""
-    if not os.path.isdir(path) or is_shardzoo_run(path):
+    if not os.path.isdir(path):
         return
+    try:
+        if is_shardzoo_run(path):
+            return
+    except RunDirError as e:
+        raise RunDirError(f"{what} {path}: {e}, so it cannot be told from a directory of someone "
+                          f"else's files: restore run.json or choose another {what}") from None
     foreign = [n for n in RUN_FILES if os.path.lexists(os.path.join(path, n))]
     if foreign:
         raise RunDirError(

@@ -92,11 +92,12 @@ class Trainer:
     overrides, tokenizer, rules and mesh specs) is stored in every checkpoint; ``init_params``
     (target -> params) replaces the random init of a fresh run (``--init-from``). ``hooks``:
     ``Hook`` objects called around every step. The step itself is ``program``'s (default: the
-    ``run_program`` of these settings).
+    ``run_program`` of these settings). ``log``: where progress lines go (default: stdout, from
+    process 0).
     """
 
     def __init__(self, module, model_config, cfg, mesh, rules, train_data, eval_data=None, *,
-                 opt_rules=None, meta=None, init_params=None, hooks=(), program=None):
+                 opt_rules=None, meta=None, init_params=None, hooks=(), program=None, log=None):
         self.module, self.model_config, self.cfg = module, model_config, cfg
         self.mesh, self.rules, self.opt_rules = mesh, rules, opt_rules
         self.train_data, self.eval_data = train_data, eval_data
@@ -107,6 +108,7 @@ class Trainer:
         self.init_params = init_params
         self.hooks = tuple(hooks)
         self.program = program
+        self.log = log or say
         self.history: list[dict] = []
         self.nonfinite_skipped = 0
         self._stop = threading.Event()
@@ -149,7 +151,7 @@ class Trainer:
         self.rng = jax.device_put(np.asarray(data["rng"], np.uint32), replicated(self.mesh))
         self.nonfinite_skipped = int(data.get("nonfinite_skipped", 0))
         self.start_step = step
-        say(f"resumed from {os.path.join(self.checkpointer.root, str(step))}")
+        self.log(f"resumed from {os.path.join(self.checkpointer.root, str(step))}")
 
     def _init(self, target) -> None:
         key, init_key = np.asarray(jax.random.split(jax.random.PRNGKey(self.cfg.seed)), np.uint32)
@@ -251,7 +253,7 @@ class Trainer:
             try:
                 batch = next(self.train_data)
             except StopIteration:
-                say(f"the training data ran out after step {step}")
+                self.log(f"the training data ran out after step {step}")
                 break
             for hook in self.hooks:
                 batch = hook.before_step(self, step + 1, batch)
@@ -288,7 +290,7 @@ class Trainer:
         if pending is not None:
             self._check_finite(*pending)
         if self._stop.is_set():
-            say(f"{signal.Signals(self.stop_signal).name}: saving a checkpoint at step {step} and stopping")
+            self.log(f"{signal.Signals(self.stop_signal).name}: saving a checkpoint at step {step} and stopping")
         if self.last_saved != step:
             self.save(step)
         self.final_step = step

@@ -165,7 +165,7 @@ def test_train_settings_rebuild_the_hf_model(llama, tmp_path):
     the user's overrides on top, and the tokenizer; no zoo preset is claimed."""
     from shardzoo.models.hf import load_hf_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.hf_io import with_init_model
+    from shardzoo.train.launch import with_init_model
 
     hf_dir = llama[0]
     cfg, config, meta = with_init_model(TrainConfig(out=str(tmp_path), init_from=hf_dir,

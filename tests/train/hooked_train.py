@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from shardzoo.cli import build_parser
+from shardzoo.cli import build_parser, report_train
 from shardzoo.errors import UserError
 from shardzoo.train.config import config_from_args
 from shardzoo.train.launch import run
@@ -54,7 +54,8 @@ def main(argv):
     hooks = ([BatchHash()] if opts.hash else []) + ([Delay(opts.delay)] if opts.delay else [])
     hooks += [NanAt(opts.nan_at)] if opts.nan_at is not None else []
     try:
-        return run(config_from_args(build_parser().parse_args(["train", *argv[split + 1:]])), hooks=hooks)
+        cfg = config_from_args(build_parser().parse_args(["train", *argv[split + 1:]]))
+        return report_train(run(cfg, hooks=hooks))
     except UserError as e:
         print(f"shardzoo train: error: {e}", file=sys.stderr)
         return 2

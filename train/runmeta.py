@@ -1,0 +1,109 @@
+"""What a checkpoint records of its run and model, and how the model config is rebuilt from it.
+
+Every step's ``meta`` (JSON, beside the arrays) holds ``model`` (the zoo preset the run started
+from, or None), ``family`` (the Hugging Face family whose config class rebuilds the config),
+``config`` (the whole model config), and the run's ``rules``, ``mesh``, ``tokenizer``,
+``optimizer``, ``seq_len``, ``batch_size`` (and ``lora`` for a LoRA run). The functions here are
+the only ones that turn a model config into that record and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from shardzoo.models import apply_overrides, get_config
+from shardzoo.train.checkpoint import CheckpointError, jsonable
+
+
+def hf_module():
+    """``shardzoo.models.hf`` (None when this shardzoo has no Hugging Face families)."""
+    try:
+        from shardzoo.models import hf
+    except ImportError:
+        return None
+    return hf if hasattr(hf, "is_hf_dir") else None
+
+
+def config_to_dict(config) -> dict:
+    return jsonable(dataclasses.asdict(config))
+
+
+def model_meta(config, model: str | None = None, family: str | None = None) -> dict:
+    """What a checkpoint records of its model: ``model``, the zoo preset the run started from
+    (None when it started from an HF dir or a run that had none), ``family``, the Hugging Face
+    family whose config class rebuilds it (default: the first that expresses ``config``; None
+    if none does), and the whole ``config``."""
+    hf = hf_module()
+    if family is None and hf is not None:
+        try:
+            family = hf.family_of_config(config).name
+        except hf.HFError:
+            family = None
+    return {"model": model, "family": family, "config": config_to_dict(config)}
+
+
+def _tuples(value):
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def config_from_meta(meta: dict, where: str = "the checkpoint"):
+    """The model config a checkpoint was written with: its family's config class built from the
+    whole stored config; for a checkpoint without a family (older, or a model no HF family
+    expresses), its preset ``model`` with the stored fields applied."""
+    stored = {k: _tuples(v) for k, v in (meta.get("config") or {}).items()}
+    name = meta.get("family")
+    if name is not None:
+        hf = hf_module()
+        family = hf.family_named(name) if hf is not None else None
+        if family is None:
+            raise CheckpointError(f"{where} records model family {name!r}, which this shardzoo "
+                                  f"does not know")
+        known = {f.name for f in dataclasses.fields(family.config_class)}
+        unknown = sorted(set(stored) - known)
+        if unknown:
+            raise CheckpointError(f"{where}: its {name} config has unknown field(s) "
+                                  f"{', '.join(unknown)}")
+        return family.config_class(**stored)
+    if meta.get("model") is None:
+        raise CheckpointError(f"{where} records neither a model family nor a zoo preset")
+    return apply_overrides(get_config(meta["model"]), stored,
+                           where=f"{where}: model {meta['model']!r}")
+
+
+def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str, where: str) -> None:
+    """A resumed run must ask for the model config and optimizer its checkpoint holds."""
+    saved_model = meta.get("model")
+    if model is not None and saved_model is not None and saved_model != model:
+        raise CheckpointError(
+            f"{where} holds model {saved_model!r}, not {model!r}: use another --out or --model {saved_model}"
+        )
+    saved, new = meta.get("config") or {}, jsonable(config)
+    diff = [k for k in sorted(set(saved) | set(new)) if saved.get(k) != new.get(k)]
+    if diff:
+        had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+        asked = ", ".join(f"{k}={new.get(k)!r}" for k in diff)
+        if saved_model is not None:
+            holds, flags = f"model {saved_model!r}", "the checkpoint's --override values"
+        else:
+            holds, flags = f"a model of family {meta.get('family')!r}", "the --init-from and --override it started with"
+        raise CheckpointError(f"{where} holds {holds} with {had}, this run asks for {asked}: "
+                              f"use another --out or {flags}")
+    if meta.get("optimizer") not in (None, optimizer):
+        raise CheckpointError(
+            f"{where} was trained with --optimizer {meta['optimizer']}, not {optimizer}: its state cannot be resumed"
+        )
+
+
+def tokenizer_spec(meta: dict, run_dir: str) -> str | None:
+    """The tokenizer a run was trained with: its saved ``RUN/tokenizer`` when it has one, else
+    the spec it recorded (None when it recorded none)."""
+    saved = os.path.join(run_dir, "tokenizer")
+    return saved if meta.get("tokenizer_saved") and os.path.isdir(saved) else meta.get("tokenizer")
+
+
+def lora_base(meta: dict) -> str | None:
+    """The base model a LoRA run's adapters belong to: its ``--init-from`` dir, else its preset."""
+    return (meta.get("lora") or {}).get("base") or meta.get("model")
