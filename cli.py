@@ -107,8 +107,9 @@ def cmd_generate(args) -> int:
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
-    loaded = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype, step=args.step)
-    print(hf_io.generate_text(*loaded, args.prompt, mesh, rules, args.max_new_tokens,
+    _, config, params, tokenizer = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype,
+                                                           step=args.step)
+    print(hf_io.generate_text(config, params, tokenizer, args.prompt, mesh, rules, args.max_new_tokens,
                               args.temperature, args.top_k, args.top_p, args.seed))
     return 0
 

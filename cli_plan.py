@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
         try:
-            program = run_program(settings, config, rules, mesh, opt_rules=opt_rules, module=module,
+            program = run_program(settings, config, rules, mesh, opt_rules=opt_rules,
                                   strict=not args.non_strict)
         except ShardingValidationError as e:
             raise UserError(e.summary(hint="--non-strict makes these warnings")) from None

@@ -1,15 +1,17 @@
-"""The model zoo: ``get_model(name, **overrides) -> (module, config)`` and ``list_models()``."""
+"""The model zoo: ``get_model(name, **overrides) -> (module, config)`` and ``list_models()``.
+
+A config pairs an architecture record with an execution record (``models/config.py``); presets
+are registered by the family modules (``models/mlp.py``, ``models/hf/*.py``).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import typing
 
 from shardzoo.errors import UserError
 from shardzoo.values import coerce
 
-_FAMILY_MODULES = ("shardzoo.models.mlp", "shardzoo.models.transformer", "shardzoo.models.moe")
+_FAMILY_MODULES = ("shardzoo.models.mlp", "shardzoo.models.hf.registry")
 _REGISTRY: dict = {}
 
 
@@ -35,7 +37,9 @@ def check_fields(config, choices: dict, positive=(), error=ModelError) -> None:
 
 
 def register(name: str, config) -> None:
-    """Register a named preset: a frozen config dataclass whose ``build()`` returns the module."""
+    """Register a named preset: a config (``models/config.py``) whose ``build()`` returns the module."""
+    if name in _REGISTRY and _REGISTRY[name] != config:
+        raise ImportError(f"two model presets are named {name!r}")
     _REGISTRY[name] = config
 
 
@@ -69,18 +73,18 @@ def get_model(name: str, **overrides):
 
 
 def apply_overrides(config, overrides: dict, where: str = "config"):
-    """``dataclasses.replace`` with unknown keys reported and string values parsed."""
+    """``config.replace`` of fields of either record by name, unknown keys reported and string
+    values parsed to the field's type."""
     if not overrides:
         return config
-    hints = typing.get_type_hints(type(config))
-    fields = {f.name for f in dataclasses.fields(config)}
-    unknown = sorted(set(overrides) - fields)
+    types = config.field_types()
+    unknown = sorted(set(overrides) - set(types))
     if unknown:
-        raise ModelError(f"{where}: unknown override {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
-    values = {k: coerce(v, hints[k], f"{where}: override {k}", ModelError) for k, v in overrides.items()}
+        raise ModelError(f"{where}: unknown override {', '.join(unknown)}; fields: {', '.join(sorted(types))}")
+    values = {k: coerce(v, types[k][1], f"{where}: override {k}", ModelError) for k, v in overrides.items()}
     try:
-        return dataclasses.replace(config, **values)
-    except (TypeError, ValueError) as e:
+        return config.replace(**values)
+    except ModelError as e:
         raise ModelError(f"{where}: {e}") from None
 
 

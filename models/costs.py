@@ -128,48 +128,94 @@ def _saved(terms: dict, policy: str) -> int:
     return sum(v for n, v in terms.items() if n in keep)
 
 
+def _layer_matmul_params(a, moe: bool, active: bool) -> int:
+    d, hd = a.hidden_size, a.head_size
+    attn = d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+    if not moe:
+        return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
+    experts = a.num_experts_per_tok if active else a.num_local_experts
+    return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size
+
+
+def transformer_params(a, active: bool = False) -> int:
+    """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
+    MoE layers); equal to transformers' count of the same config (tests/hf)."""
+    d, hd = a.hidden_size, a.head_size
+    total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
+    if a.position_embedding == "learned":
+        total += a.max_position_embeddings * d
+    norm = d * (2 if a.norm_type == "layernorm" else 1)
+    total += norm  # final norm
+    norms = 4 if a.norm_position == "both" else 2
+    for spec in a.layer_specs():
+        moe = spec.mlp == "moe"
+        total += _layer_matmul_params(a, moe, active) + norms * norm
+        if a.qk_norm != "none":
+            total += hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
+        if a.attention_bias:
+            total += hd * (a.num_attention_heads + 2 * a.kv_heads)
+        if a.attention_out_bias:
+            total += d
+        if a.mlp_bias and not moe:
+            total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
+    return total
+
+
+def transformer_flops(a, seq_len: int) -> float:
+    """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention, each
+    layer with its own window."""
+    specs = a.layer_specs()
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs)
+    matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
+    keys = 0.0  # keys a query sees on average, summed over layers
+    for s in specs:
+        w = s.window
+        keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
+    return 6 * matmul + 12 * a.num_attention_heads * a.head_size * keys
+
+
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    k = cfg.num_key_value_heads or h
-    dh = cfg.head_dim or d // h
-    nb = jnp.dtype(cfg.dtype).itemsize
+    a, e = cfg.arch, cfg.execution
+    d, f, h = a.hidden_size, a.intermediate_size, a.num_attention_heads
+    k, dh = a.kv_heads, a.head_size
+    nb = jnp.dtype(e.dtype).itemsize
     tok = batch_size * seq_len
-    gated = cfg.mlp_type == "gated"
-    flash = cfg.attention_impl == "cudnn" and not cfg.attn_logit_softcapping
+    gated = a.mlp_type == "gated"
+    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping
 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
 
     ring = getattr(shards, "ring", 1)  # context-parallel ring attention over this many devices
     scores, probs = (0, 0) if flash else (t(h * seq_len, BHL), t(h * seq_len, BHL, 4))
-    gathered = ring > 1 and cfg.context_attention == "all_gather"
+    gathered = ring > 1 and e.context_attention == "all_gather"
     if ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
         scores, probs = 0, probs if gathered else int(probs * (ring + 1) / (2 * ring))
     layer = {
         "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
         "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
-        "kv_proj": t(k * dh, BLKD) if cfg.fuse_projections else 0,
+        "kv_proj": t(k * dh, BLKD) if e.fuse_projections else 0,
         "scores": scores, "probs": probs,
         "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
-    if cfg.attn_logit_softcapping:
+    if a.attn_logit_softcapping:
         layer["softcap"] = t(2 * h * seq_len, BHL)
-    if cfg.norm_position == "both":
+    if a.norm_position == "both":
         layer.update(post_attn_norm=t(3 * d, BLE, 4), post_mlp_norm=t(3 * d, BLE, 4))
     dense = dict(layer, mlp_up=t(f, BLF), mlp_hidden=t(f, BLF))
     if gated:
-        dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if cfg.fuse_projections else 0)
-        if cfg.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
+        dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if e.fuse_projections else 0)
+        if a.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
             dense["mlp_act"] = t(f, BLF)
-    experts = cfg.num_local_experts
+    experts = a.num_local_experts
     moe_layer = None
     if experts:
         slots = experts * cfg.moe_config().capacity(seq_len)  # E*C per row, per token: / L
-        fe = cfg.moe_intermediate_size or f
+        fe = a.expert_size
         # one-hot [batch, length, expert, capacity] masks for the einsum dispatches; the
         # indexed one keeps int32 slot indices instead (a few per token: not counted)
-        masks = t(2 * slots, BLEC) if cfg.moe_dispatch in ("capacity", "shard_map") else 0
+        masks = t(2 * slots, BLEC) if e.moe_dispatch in ("capacity", "shard_map") else 0
         moe_layer = dict(
             layer, router_logits=t(experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
             router=t(2 * experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
@@ -177,19 +223,19 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * fe / seq_len, ECF),
             expert_hidden=t(4 * slots * fe / seq_len, ECF),
         )
-    n_moe = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
-    n_dense = cfg.num_hidden_layers - n_moe
-    policy = cfg.remat_policy
+    n_moe = sum(s.mlp == "moe" for s in a.layer_specs())
+    n_dense = a.num_hidden_layers - n_moe
+    policy = e.remat_policy
     largest = max(_saved(dense, "none") if n_dense else 0, _saved(moe_layer, "none") if n_moe else 0)
     layers = n_dense * _saved(dense, policy) + (n_moe * _saved(moe_layer, policy) if n_moe else 0)
     recompute = largest if policy != "none" else 0
-    logits = t(cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
+    logits = t(a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
     others = {
         "batch": t(5, BL, 4),
         "mask": 0 if flash or ring > 1 else t(h * seq_len, BHL, 1),
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits
-        + (t(2 * cfg.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB)) if cfg.final_logit_softcapping else 0),
+        + (t(2 * a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB)) if a.final_logit_softcapping else 0),
     }
     if ring > 1 and not gathered:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
         others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring

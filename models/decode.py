@@ -1,66 +1,32 @@
-"""Autoregressive decoding with a KV cache: cache setup, a sampler over a callable, ``generate``.
+"""Autoregressive decoding with a KV cache: the pieces, pure; ``train.Program`` compiles them.
 
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
 leaf has a leading layers axis. The arrays carry logical axes (``ax.BATCH``,
-``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``) so they shard under the same rules as
-the model when built inside ``sharding.partition.activate(mesh, rules)``.
+``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``), so the Program shards them under the
+same rules as everything else (``Program.generate``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
-
-from shardzoo.models.layers import constrain
 
 
-def _value(x):
-    return x.value if isinstance(x, nn.Partitioned) else x
+def cache_init_fn(module, batch_size: int, max_length: int):
+    """``params -> cache``: the decoding call that creates the cache for ``max_length``
+    positions (zeros, index 0); traced abstractly it gives the cache's boxed shapes."""
+    tokens = jnp.zeros((batch_size, max_length), jnp.int32)
 
-
-def _is_box(x):
-    return isinstance(x, nn.Partitioned)
-
-
-def abstract_cache(module, params, batch_size: int, max_length: int):
-    """The cache's shapes (boxed, with logical axes) for ``max_length`` positions, no allocation.
-
-    Traced from a decoding call on ``params`` (arrays or ShapeDtypeStructs), which creates the
-    cache the way decoding will use it; the params themselves come from the program's one init.
-    """
-    tokens = jax.ShapeDtypeStruct((batch_size, max_length), jnp.int32)
-
-    def first_call(params, tokens):
+    def first_call(params):
         _, variables = module.apply({"params": params}, tokens, positions=tokens, decode=True,
                                     mutable=["cache"])
-        return variables["cache"]
+        return jax.tree.map(jnp.zeros_like, variables["cache"])  # boxed: logical axes kept
 
-    return jax.eval_shape(first_call, params, tokens)
-
-
-def cache_logical_specs(module, params, batch_size: int, max_length: int):
-    """Logical PartitionSpecs of every cache leaf (e.g. for ``partition.logical_shardings``)."""
-    return nn.get_partition_spec(abstract_cache(module, params, batch_size, max_length))
-
-
-def init_cache(module, params, batch_size: int, max_length: int):
-    """An empty cache (zeros, index 0); constrained by its logical axes under an active mesh."""
-    boxed = abstract_cache(module, params, batch_size, max_length)
-    specs = nn.get_partition_spec(boxed)
-    shapes = jax.tree.map(_value, boxed, is_leaf=_is_box)
-
-    def make():
-        return jax.tree.map(
-            lambda s, spec: constrain(jnp.zeros(s.shape, s.dtype), tuple(spec)), shapes, specs
-        )
-
-    return jax.jit(make)()
+    return first_call
 
 
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):
@@ -137,15 +103,18 @@ def sample_loop(
 
 
 # ----------------------------------------------------------------------------------- generate
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 8, 9))
-def _generate(module, params, prompt, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
-              eos_ids, pad_id, key):
+def generate_tokens(module, params, cache, prompt, prompt_lengths, key, *, max_new_tokens: int,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    eos_ids: Sequence[int] = (), pad_id: int = 0):
+    """Prefill ``prompt`` int32 [batch, prompt_len] (left-padded: row r's last
+    ``prompt_lengths[r]`` slots) into the empty ``cache``, then sample ``max_new_tokens``;
+    returns int32 [batch, prompt_len + max_new_tokens]. Pure: the Program jits it with the
+    params', cache's and batch's shardings."""
     batch, prompt_len = prompt.shape
     start = prompt_len - prompt_lengths  # left padding of each row
     slots = jnp.arange(prompt_len)[None, :]
     segment_ids = (slots >= start[:, None]).astype(jnp.int32)  # 0 on padding
     positions = jnp.maximum(slots - start[:, None], 0)
-    cache = init_cache(module, params, batch, prompt_len + max_new_tokens)
     logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids)
 
     def tokens_to_logits(token, state):
@@ -160,41 +129,3 @@ def _generate(module, params, prompt, prompt_lengths, max_new_tokens, temperatur
         temperature, top_k, top_p, eos_ids, pad_id,
     )
     return jnp.concatenate([prompt, new], axis=1)
-
-
-def generate(
-    module,
-    params,
-    prompt_tokens,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    eos_token_id: int | Sequence[int] | None = None,
-    pad_token_id: int | None = None,
-    prompt_lengths=None,
-):
-    """Continue ``prompt_tokens`` int32 [batch, prompt_len]; returns int32 [batch, prompt_len + new].
-
-    Greedy when ``temperature`` is 0; otherwise sampled with optional ``top_k`` / ``top_p``.
-    Rows stop at ``eos_token_id`` (an id or several); the slots after it hold ``pad_token_id``
-    (default: the first eos id, else 0). Prompts of different lengths are left-padded, with
-    ``prompt_lengths`` int32 [batch] giving each row's real length (default: all of it).
-    Runs under the caller's mesh and rules, if any (``sharding.partition.activate``).
-    """
-    prompt = jnp.asarray(prompt_tokens, jnp.int32)
-    if prompt.ndim != 2:
-        raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape {prompt.shape}")
-    if isinstance(eos_token_id, int):
-        eos_token_id = (eos_token_id,)
-    eos_ids = tuple(int(e) for e in eos_token_id or ())
-    if pad_token_id is None:
-        pad_token_id = eos_ids[0] if eos_ids else 0
-    if prompt_lengths is None:
-        prompt_lengths = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
-    return _generate(
-        module, params, prompt, jnp.asarray(prompt_lengths, jnp.int32), int(max_new_tokens),
-        float(temperature), int(top_k), float(top_p), eos_ids, int(pad_token_id),
-        jax.random.key(seed),
-    )

@@ -1,8 +1,10 @@
-"""Pieces the model families share: norms, embeddings, rotary positions, attention, MLPs.
+"""Pieces the model families share: the activation constraint, norms, linears, embeddings, MLPs.
 
-Modules take the family's config (fields named as ``TransformerConfig``'s, i.e. Hugging Face's).
-Every parameter names every dimension with the logical vocabulary of ``sharding.axes``; the
-modules never name a mesh axis.
+Modules take the model's config (``TransformerConfig``: ``config.arch`` what it is,
+``config.execution`` how it runs) and, where they constrain activations, its ``placement``
+(``sharding.partition.Placement``, None on one device). Every parameter names every dimension
+with the logical vocabulary of ``sharding.axes``; the modules never name a mesh axis.
+Attention is in ``models/attention.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models.lora import linear_lora
-from shardzoo.models.ring_attention import ring_attention, ring_axes
 from shardzoo.sharding import axes as ax
 
 
@@ -66,8 +66,8 @@ def _module_path() -> str:
     return path or type(top).__name__
 
 
-def constrain(x, axes):
-    """Constrain an activation's sharding by logical names (a no-op outside a mesh).
+def constrain(x, axes, placement):
+    """Constrain an activation's sharding by logical names under ``placement`` (None: a no-op).
 
     The one place every activation constraint of the zoo goes through.
     """
@@ -79,13 +79,9 @@ def constrain(x, axes):
         if key not in seen:
             seen.append(key)
         named = [n for n in axes if isinstance(n, str)]
-        if not apply or len(set(named)) < len(named):  # a name twice: report, don't raise in flax
+        if not apply or len(set(named)) < len(named):  # a name twice: reported, not applied
             return x
-    return nn.with_logical_constraint(x, axes)
-
-
-def _normal(config):
-    return nn.initializers.normal(stddev=config.initializer_range)
+    return x if placement is None else placement.constrain(x, axes)
 
 
 # ---------------------------------------------------------------------------------------- norms
@@ -136,12 +132,20 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(config, name: str) -> nn.Module:
-    """The config's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one" or "layernorm") as a
-    named submodule."""
-    if config.norm_type == "layernorm":
-        return LayerNorm(config.rms_norm_eps, config.dtype, config.param_dtype, name=name)
-    return RMSNorm(config.rms_norm_eps, config.dtype, config.param_dtype,
-                   plus_one=config.norm_type == "rmsnorm_plus_one", name=name)
+    """The architecture's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one" or "layernorm")
+    as a named submodule."""
+    a, e = config.arch, config.execution
+    if a.norm_type == "layernorm":
+        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, name=name)
+    return RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, plus_one=a.norm_type == "rmsnorm_plus_one",
+                   name=name)
+
+
+def linear_kw(config) -> dict:
+    """What every projection of a Transformer takes from its config."""
+    e = config.execution
+    return dict(dtype=e.dtype, param_dtype=e.param_dtype, init_std=config.arch.initializer_range,
+                lora=linear_lora(e))
 
 
 # ------------------------------------------------------------------------------- linear, embed
@@ -254,206 +258,6 @@ class Embed(nn.Module):
         return jnp.einsum("ble,ve->blv", x.astype(dt), self.embedding.astype(dt))
 
 
-# ----------------------------------------------------------------------------------- rotary
-# rope_scaling types rope_inv_freq computes, with the keys each needs.
-ROPE_SCALING = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def rope_inv_freq(config, local: bool = False) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
-
-    Handles ``partial_rotary_factor`` and ``rope_scaling`` types default, linear and llama3
-    (the latter exactly as ``transformers.modeling_rope_utils._compute_llama3_parameters``).
-    A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
-    """
-    dim = int(config.head_size * config.partial_rotary_factor)
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    local_base = config.rope_local_base_freq if local else None
-    theta = local_base or config.rope_theta
-    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
-    scaling = {} if local_base else config.rope_scaling_dict
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING)})")
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = np.float32(2 * math.pi) / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
-    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
-    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x, positions, inv_freq):
-    """Rotate the first ``2 * len(inv_freq)`` features of ``x`` (rotate-half, as HF Llama).
-
-    x: [batch, length, heads, head_dim]; positions: [batch, length].
-    """
-    rot = 2 * inv_freq.shape[0]
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, length, rot/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_rot * cos + rotated * sin
-    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
-
-
-# -------------------------------------------------------------------------------- attention
-def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window):
-    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window.
-
-    Slots are each token's index in its row (cache slot when decoding); a query at i sees a
-    key at j when j <= i, i - j < sliding_window, and their segment ids are equal.
-    """
-    i, j = q_slots[:, None, :, None], k_slots[:, None, None, :]
-    mask = j <= i
-    if sliding_window:
-        mask &= i - j < sliding_window
-    if q_segments is not None:
-        mask &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
-    return mask
-
-
-def _implementation(config, dtype):
-    if config.attention_impl != "auto":
-        return config.attention_impl
-    on_gpu = jax.default_backend() == "gpu"
-    fits = config.head_size % 8 == 0 and config.head_size <= 256  # cuDNN flash attention's limits
-    return "cudnn" if on_gpu and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
-
-
-def softcap(x, cap):
-    """``cap * tanh(x / cap)``: values squashed smoothly into (-cap, cap) (Gemma 2)."""
-    return cap * jnp.tanh(x / cap)
-
-
-def xla_attention(q, k, v, mask, scale, logit_cap=None):
-    """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
-    (soft-capped logits): scores scaled, capped, masked, softmax in float32 (as HF's eager).
-
-    q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
-    mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
-    """
-    batch, length, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
-    # [batch, kv_heads, group, q_len, k_len]
-    if logit_cap:
-        scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
-    scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
-    return ctx.reshape(batch, length, heads, dim)  # [batch, length, heads, head_dim]
-
-
-class Attention(nn.Module):
-    """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
-
-    ``local``: a layer of the config's local kind (its ``sliding_window`` and local rotary
-    base); with a layer pattern (``sliding_window_pattern``) the global layers see everything.
-    """
-
-    config: object
-    local: bool = True
-
-    def _cached(self, name, shape, axes, dtype):
-        return self.variable(
-            "cache", name, nn.with_logical_partitioning(jnp.zeros, axes), shape, dtype
-        )
-
-    @nn.compact
-    def __call__(self, x, positions, segment_ids=None, decode: bool = False):
-        cfg = self.config
-        dt = dtype_of(cfg.dtype)
-        nh, nkv, hd = cfg.num_attention_heads, cfg.kv_heads, cfg.head_size
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range,
-                  lora=linear_lora(cfg))
-        q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), cfg.attention_bias, name="q", **kw)(x)
-        kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), cfg.attention_bias, name=n, **kw)
-              for n in ("k", "v")]
-        k, v = fused(kv, x) if cfg.fuse_projections else (kv[0](x), kv[1](x))
-        if cfg.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
-            q_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
-            k_axes = (ax.HEAD_DIM,) if cfg.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
-            norm = dict(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                        plus_one=cfg.norm_type == "rmsnorm_plus_one")  # Gemma 3: (1 + w)
-            q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
-            k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
-        if cfg.position_embedding == "rope":
-            inv_freq = rope_inv_freq(cfg, self.local)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)), "query")
-        k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)), "key")
-        v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)), "value")
-        # [batch, length, heads|kv_heads, head_dim]
-
-        batch, length = x.shape[:2]
-        window = cfg.sliding_window if self.local else None
-        scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
-        if decode:
-            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window)
-        elif cfg.attn_logit_softcapping:
-            # causality by position (restarting per packed segment, which the segment mask
-            # separates): right in any token order, also the ring's zig-zag one under cp
-            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
-        if cfg.attn_logit_softcapping:  # jax.nn.dot_product_attention cannot cap the logits
-            ctx = xla_attention(q, k, v, mask, scale, cfg.attn_logit_softcapping)
-        elif decode:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
-        elif (ring := ring_axes()) and not self.is_initializing():  # context parallelism
-            ctx = ring_attention(q, k, v, segment_ids, ring, sliding_window=window, scale=scale,
-                                 strategy=cfg.context_attention)
-        else:
-            mask = None
-            if segment_ids is not None:
-                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-            ctx = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=scale, is_causal=True,
-                local_window_size=(window - 1, 0) if window else None,
-                implementation=_implementation(cfg, dt),
-            )
-        ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear(
-            (cfg.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), cfg.attention_out_bias, name="o", **kw
-        )(ctx)
-        return checkpoint_name(out, "attn_out")  # [batch, length, embed]
-
-    def _update_cache(self, k, v, segment_ids, batch, length, window):
-        """Write this chunk's keys/values at the cache index; mask over the whole cache."""
-        cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
-        # The cache is created by an init call whose length is the cache length.
-        ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
-        cv = self._cached("cached_value", v.shape, cache_axes, v.dtype)
-        cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
-        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
-        i = index.value
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
-        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
-        index.value = i + length
-        cache_len = ck.value.shape[1]
-        q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
-        k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
-        # Causality also hides the slots not yet written (j >= i + length).
-        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window)
-        return ck.value, cv.value, mask
-
-
 # ------------------------------------------------------------------------------------- mlps
 # HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu.
 ACTIVATIONS = {
@@ -492,22 +296,22 @@ class MLP(nn.Module):
     """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
 
     config: object
+    placement: object = None
 
     @nn.compact
     def __call__(self, x):
-        cfg = self.config
-        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.initializer_range,
-                  lora=linear_lora(cfg))
-        act = activation(cfg.hidden_act)
-        def linear(name):
-            return Linear((cfg.intermediate_size,), (ax.EMBED, ax.MLP), cfg.mlp_bias, name=name, **kw)
+        a, kw = self.config.arch, linear_kw(self.config)
+        act = activation(a.hidden_act)
 
-        if cfg.mlp_type == "gated":
+        def linear(name):
+            return Linear((a.intermediate_size,), (ax.EMBED, ax.MLP), a.mlp_bias, name=name, **kw)
+
+        if a.mlp_type == "gated":
             up, gate = linear("up"), linear("gate")
-            up, gate = fused([up, gate], x) if cfg.fuse_projections else (up(x), gate(x))
-            h = swiglu(gate, up) if cfg.hidden_act in ("silu", "swish") else act(gate) * up
+            up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))
+            h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:
             h = act(linear("up")(x))
-        h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP)), "mlp_hidden")
-        out = Linear((cfg.hidden_size,), (ax.MLP, ax.EMBED), cfg.mlp_bias, name="down", **kw)(h)
+        h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP), self.placement), "mlp_hidden")
+        out = Linear((a.hidden_size,), (ax.MLP, ax.EMBED), a.mlp_bias, name="down", **kw)(h)
         return checkpoint_name(out, "mlp_out")  # [batch, length, embed]

@@ -13,7 +13,7 @@ merge of adapters into their kernels for export.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,9 @@ def check_lora(config) -> None:
     rank, alpha, targets = config.lora_rank, config.lora_alpha, config.lora_targets
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise ModelError(f"lora_rank={rank!r} must be an integer >= 0 (0: no adapters)")
-    if alpha is not None and not alpha > 0:
-        raise ModelError(f"lora_alpha={alpha!r} must be > 0")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not math.isfinite(alpha) or not alpha > 0):
+        raise ModelError(f"lora_alpha={alpha!r} must be a finite number > 0")
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise ModelError(f"lora_targets={','.join(targets)!r}: choose among {','.join(TARGETS)}")
@@ -98,4 +99,4 @@ def merge_lora(config, params):
             delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(leaf.shape)
             leaf = (leaf.astype(jnp.float32) + scale * delta).astype(leaf.dtype)
         out[path] = leaf
-    return dataclasses.replace(config, lora_rank=0), traverse_util.unflatten_dict(out)
+    return config.replace(lora_rank=0), traverse_util.unflatten_dict(out)

@@ -15,7 +15,7 @@ router's probabilities. Four ways to send tokens to experts, chosen by ``MoeConf
 - ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped. The
   GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
 - ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
-  the mesh axes that the active rules give ``expert`` (asked from ``sharding.partition``).
+  the mesh axes that the layer's placement gives ``expert``.
 
 Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
 Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
@@ -48,7 +48,6 @@ from jax.sharding import PartitionSpec as P
 from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.partition import mesh_axes_of
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
 ACTIVATIONS = {
@@ -66,7 +65,7 @@ class MoeError(ModelError):
 
 
 class ExpertAxisError(MoeError):
-    """``dispatch="shard_map"`` but the active rules put ``expert`` on no mesh axis of size > 1."""
+    """``dispatch="shard_map"`` but the placement puts ``expert`` on no mesh axis of size > 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,27 +166,26 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
     return dispatch, combine, dropped
 
 
-def expert_ffn(xe, wi_gate, wi_up, wo, act, constrained: bool = True):
+def expert_ffn(xe, wi_gate, wi_up, wo, act, placement=None):
     """Every expert's gated MLP on its own buffer: xe [expert, batch, capacity, embed].
 
-    ``constrained=False`` inside shard_map, where the mesh axes are manual.
+    ``placement`` None inside shard_map, where the mesh axes are manual.
     """
     h = act(jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)) * jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
-    if constrained:
-        h = constrain(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP))
+    h = constrain(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP), placement)
     return jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
 
 
-def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
+def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement):
     """GShard einsum dispatch; sharding of the expert axis comes from the rules (XLA all-to-all)."""
     # Buffers are filled where the tokens live (expert dim unsharded: None), then moved to their
     # experts' owners: a change of sharding from batch to expert, which XLA does by all-to-all.
     local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
     xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, batch, capacity, embed]
-    xe = constrain(constrain(xe, local), buffers)
-    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
-    ye = constrain(ye, local)
+    xe = constrain(constrain(xe, local, placement), buffers, placement)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement), buffers, placement)
+    ye = constrain(ye, local, placement)
     return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
 
 
@@ -221,7 +219,7 @@ def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
     return source, einops.rearrange(slot, "b (k l) -> b l k", k=k), dropped
 
 
-def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act):
+def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement):
     """Gather tokens into the capacity buffers, run the experts, gather back and weight.
 
     The buffers and their sharding are ``capacity_dispatch``'s: the rules' ``expert`` axis
@@ -233,9 +231,9 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act):
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
     xe = gather(x, source[..., None])  # [batch, expert*capacity, embed]; empty slots 0
     xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
-    xe = constrain(constrain(xe, local), buffers)
-    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act), buffers)
-    ye = einops.rearrange(constrain(ye, local), "e b c d -> b (e c) d")
+    xe = constrain(constrain(xe, local, placement), buffers, placement)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement), buffers, placement)
+    ye = einops.rearrange(constrain(ye, local, placement), "e b c d -> b (e c) d")
     yk = gather(ye, einops.rearrange(slot, "b l k -> b (l k)")[..., None])  # dropped: 0
     yk = einops.rearrange(yk, "b (l k) d -> b l k d", k=slot.shape[-1])
     return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
@@ -255,33 +253,24 @@ def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
 
 
-def _context_mesh():
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh if mesh is not None and mesh.axis_names else None
-
-
-def _axes_tuple(assigned) -> tuple[str, ...]:
-    return () if assigned is None else ((assigned,) if isinstance(assigned, str) else tuple(assigned))
-
-
-def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
+def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement):
     """Explicit expert parallelism: shard_map over the mesh, all_to_all over the expert axes.
 
     Rows of the batch are split over the batch's mesh axes plus the expert axes; each device
     fills its rows' buffers for every expert, sends each expert's buffers to its owner, runs its
     local experts on the buffers of all peers and sends the results back.
     """
-    rules, mesh = nn.get_logical_axis_rules(), _context_mesh()
-    ep_axes = mesh_axes_of(ax.EXPERT, rules, mesh) if rules and mesh is not None else ()
+    ep_axes = placement.mesh_axes(ax.EXPERT) if placement is not None else ()
     if not ep_axes:
-        (assigned,) = nn.logical_to_mesh_axes((ax.EXPERT,), rules) if rules else (None,)
-        shown = "no mesh" if mesh is None else ",".join(f"{n}={s}" for n, s in mesh.shape.items())
+        assigned = placement.spec((ax.EXPERT,))[0] if placement is not None else None
+        shown = "no mesh" if placement is None else ",".join(f"{n}={s}" for n, s in placement.sizes.items())
         raise ExpertAxisError(
             f"MoE dispatch 'shard_map' needs the rules to put logical axis '{ax.EXPERT}' on a mesh "
-            f"axis of size > 1; the active rules put it on {assigned or 'no mesh axis'} ({shown}). "
+            f"axis of size > 1; the rules put it on {assigned or 'no mesh axis'} ({shown}). "
             "Use rules 'ep' with an 'expert=N' mesh, or dispatch 'capacity'."
         )
-    sizes = dict(mesh.shape)
+    mesh = placement.mesh
+    sizes = placement.sizes
     ep = math.prod(sizes[a] for a in ep_axes)
     num_experts = wi_gate.shape[0]
     if num_experts % ep:
@@ -289,8 +278,7 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
             f"num_experts={num_experts} is not divisible by the expert-parallel size {ep} "
             f"(mesh axes {', '.join(f'{a}={sizes[a]}' for a in ep_axes)})"
         )
-    (batch_axes,) = nn.logical_to_mesh_axes((ax.BATCH,), rules)
-    row_axes = tuple(a for a in _axes_tuple(batch_axes) if sizes[a] > 1 and a not in ep_axes)
+    row_axes = tuple(a for a in placement.mesh_axes(ax.BATCH) if a not in ep_axes)
     row_axes += ep_axes
     shards = math.prod(sizes[a] for a in row_axes)
     if x.shape[0] % shards:
@@ -303,7 +291,7 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act):
         # x [rows, length, embed]; dispatch, combine [rows, length, expert, capacity]
         xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, rows, capacity, embed]
         xe = jax.lax.all_to_all(xe, ep_axes, 0, 1, tiled=True)  # [local_expert, ep*rows, capacity, embed]
-        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, constrained=False)
+        ye = expert_ffn(xe, wi_gate, wi_up, wo, act)
         ye = jax.lax.all_to_all(ye, ep_axes, 1, 0, tiled=True)  # [expert, rows, capacity, embed]
         return jnp.einsum("blec,ebcd->bld", combine, ye)  # [rows, length, embed]
 
@@ -320,6 +308,7 @@ class MoeMLP(nn.Module):
     """Top-k routed gated-MLP experts: x [batch, length, embed] -> [batch, length, embed]."""
 
     config: MoeConfig
+    placement: object = None  # sharding.partition.Placement (None: one device)
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True, token_mask=None):
@@ -365,7 +354,7 @@ class MoeMLP(nn.Module):
             dropped = jnp.zeros((), jnp.float32)
         elif cfg.dispatch == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
-            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act)
+            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement)
         else:
             dispatch, combine, dropped = capacity_masks(
                 top_idx, top_p, num_experts, cfg.capacity(length), token_mask)
@@ -374,11 +363,11 @@ class MoeMLP(nn.Module):
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).
             explicit = cfg.dispatch == "shard_map" and not self.is_initializing()
             route = shard_map_dispatch if explicit else capacity_dispatch
-            y = route(x, dispatch, combine, wi_gate, wi_up, wo, act)
+            y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement)
 
         aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
         self.sow("losses", "moe_aux_loss", aux)
         self.sow("metrics", "load_balance_loss", load_balance)
         self.sow("metrics", "router_z_loss", z_loss)
         self.sow("metrics", "dropped_fraction", dropped)
-        return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED))
+        return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED), self.placement)

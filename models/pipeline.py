@@ -1,8 +1,8 @@
 """Pipeline parallelism: the scanned layer stack split into stages, microbatches on a circular
 schedule (after MaxText's circular pipeline; written for the zoo's stacked ``[layers, ...]`` tree).
 
-The pipeline runs when the active rules put the logical axis ``layers`` on mesh axes of total
-size S > 1 (preset ``pp``: ``[layers, stage]``). The parameters keep the scanned model's tree and
+The pipeline runs when the model's placement puts the logical axis ``layers`` on mesh axes of
+total size S > 1 (preset ``pp``: ``[layers, stage]``). The parameters keep the scanned model's tree and
 layer order (``[layers, ...]``, contiguous blocks of layers per device), so checkpoints, Hugging
 Face import/export and the other rule tables see the same model. Inside the step each stacked
 parameter is viewed as ``[repeats, stages, layers_per_stage, ...]``: layer
@@ -28,13 +28,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import ModelError
-from shardzoo.models.layers import constrain
+from shardzoo.models.layers import constrain as _constrain
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.partition import mesh_axes_of
 
 SBLE = (ax.LAYERS, ax.BATCH, ax.LENGTH, ax.EMBED)  # one microbatch per stage
 
@@ -101,18 +100,16 @@ def make_schedule(num_layers: int, batch_size: int, *, stages: int, microbatches
     return PipelineSchedule(stages, repeats, m, num_layers // (stages * repeats), tuple(axes))
 
 
-def active_schedule(num_layers: int, batch_size: int, *, microbatches: int, repeats: int):
-    """The schedule the active mesh and rules ask for, or None when they put ``layers`` on no
-    mesh axis of size > 1 (no pipeline)."""
-    rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-    if not rules or mesh is None or not mesh.axis_names:
+def placement_schedule(placement, num_layers: int, batch_size: int, *, microbatches: int, repeats: int):
+    """The schedule ``placement`` asks for, or None when it puts ``layers`` on no mesh axis of
+    size > 1 (no pipeline)."""
+    if placement is None:
         return None
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    axes = mesh_axes_of(ax.LAYERS, rules, mesh)
-    stages = math.prod(sizes[a] for a in axes)
+    axes = placement.mesh_axes(ax.LAYERS)
+    stages = placement.size(axes)
     if stages == 1:
         return None
-    batch_shards = math.prod(sizes[a] for a in mesh_axes_of(ax.BATCH, rules, mesh) if a not in axes)
+    batch_shards = math.prod(placement.sizes[a] for a in placement.mesh_axes(ax.BATCH) if a not in axes)
     return make_schedule(num_layers, batch_size, stages=stages, microbatches=microbatches,
                          repeats=repeats, batch_shards=batch_shards, axes=axes)
 
@@ -123,22 +120,27 @@ def _split(a, m: int):
     return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
 
 
-def _by_stage(w, sched: PipelineSchedule):
+def _by_stage(w, sched: PipelineSchedule, mesh):
     """A stacked parameter ``[layers, ...]`` viewed as ``[repeats, stages, layers_per_stage, ...]``,
     the stage dimension on the stage axes (the other dimensions keep their sharding)."""
     w = w.reshape(sched.repeats, sched.stages, sched.layers_per_stage, *w.shape[1:])
     spec = P(None, sched.axes, None, *([P.UNCONSTRAINED] * (w.ndim - 3)))
-    return jax.lax.with_sharding_constraint(w, spec)
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
 
 
-def pipeline(sched: PipelineSchedule, layer_fn, params, x, positions, segment_ids):
+def pipeline(sched: PipelineSchedule, placement, layer_fn, params, x, positions, segment_ids):
     """Run ``layer_fn(layer_params, x, positions, segment_ids) -> x`` for every layer of the
-    stacked ``params`` (leaves ``[layers, ...]``) on ``x`` [batch, length, embed], pipelined."""
+    stacked ``params`` (leaves ``[layers, ...]``) on ``x`` [batch, length, embed], pipelined
+    over the stages ``placement`` gives the layer stack."""
     s_, r_, m_ = sched.stages, sched.repeats, sched.microbatches
+
+    def constrain(x, names):
+        return _constrain(x, names, placement)
+
     inputs = constrain(_split(x, m_), (None,) + SBLE[1:])  # [microbatch, batch/M, length, embed]
     pos = _split(positions, m_)
     seg = None if segment_ids is None else _split(segment_ids, m_)
-    weights = jax.tree.map(lambda w: _by_stage(w, sched), params)  # [repeats, stages, layers, ...]
+    weights = jax.tree.map(lambda w: _by_stage(w, sched, placement.mesh), params)  # [repeats, stages, layers, ...]
     stage_ids = jnp.arange(s_)
 
     def stage(w, h, s, t):  # one stage's layers on its item: w [repeats, layers, ...], h [batch/M, ...]

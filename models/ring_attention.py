@@ -1,7 +1,7 @@
 """Context parallelism: ring attention over the mesh axes that hold the activations' length.
 
-When the active rules put ``length`` on a context axis of size > 1 (``sharding.partition.
-context_axes``; presets ``cp`` and ``cp_fsdp``), each of the N devices of the ring holds a slice
+When the model's placement puts ``length`` on a context axis of size > 1 (``Placement.ring_axes``;
+presets ``cp`` and ``cp_fsdp``), each of the N devices of the ring holds a slice
 of every row. Attention then runs inside a ``jax.shard_map``: every device keeps its queries and
 passes its key/value block to the next device N - 1 times with ``jax.lax.ppermute``, combining
 the blocks it sees with an online (log-sum-exp) softmax in float32. No device ever holds the
@@ -26,12 +26,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import ModelError
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding.partition import context_axes, mesh_axes_of
 
 # A large finite negative score for masked keys: no inf - inf in the online softmax.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -41,60 +39,40 @@ class ContextLengthError(ModelError):
     """The sequence length does not split into 2 x (context-parallel size) equal chunks."""
 
 
-def _mesh():
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh if mesh is not None and mesh.axis_names else None
-
-
-def ring_axes(decode: bool = False) -> tuple[str, ...]:
-    """The mesh axes of the context-parallel ring under the active rules and mesh (empty: none,
-    or decoding, whose cache is not split by length)."""
-    rules, mesh = nn.get_logical_axis_rules(), _mesh()
-    if decode or not rules or mesh is None:
-        return ()
-    return context_axes(rules, mesh)
-
-
-def _ring_size(axes) -> int:
-    sizes = dict(_mesh().shape)
-    return math.prod(sizes[a] for a in axes)
-
-
-def check_length(length: int, axes) -> None:
-    """A one-line error unless ``length`` splits into 2N equal chunks over the ring ``axes``."""
-    n = _ring_size(axes)
+def check_length(length: int, placement) -> None:
+    """A one-line error unless ``length`` splits into 2N equal chunks over the placement's ring."""
+    axes = placement.ring_axes
+    n = placement.size(axes)
     if length % (2 * n):
-        sizes = dict(_mesh().shape)
-        shown = ",".join(f"{a}={sizes[a]}" for a in axes)
+        shown = ",".join(f"{a}={placement.sizes[a]}" for a in axes)
         raise ContextLengthError(
             f"sequence length {length} is not divisible by {2 * n}: context parallelism over mesh "
             f"axis {shown} cuts each row into 2 x {n} equal chunks; use a multiple of {2 * n}"
         )
 
 
-def enter_ring(module, decode: bool, *rows):
-    """``(ring axes, rows)``: under context parallelism the ``[batch, length]`` rows (inputs,
+def enter_ring(placement, decode: bool, initializing: bool, *rows):
+    """``(in ring, rows)``: under context parallelism the ``[batch, length]`` rows (inputs,
     positions, segment ids; None stays None) in the ring's order, else as given.
 
     The length is checked at init too (the error comes when the program is built); init itself
-    runs the plain path (same parameters), so it needs no mesh.
+    runs the plain path (same parameters). Decoding never rings (its cache is not split by length).
     """
-    ring = ring_axes(decode)
-    if ring:
-        check_length(rows[0].shape[1], ring)
-    if not ring or module.is_initializing():
-        return (), rows
+    if placement is None or decode or not placement.ring_axes:
+        return False, rows
+    check_length(rows[0].shape[1], placement)
+    if initializing:
+        return False, rows
     given = [r for r in rows if r is not None]
-    moved = iter(jnp.unstack(zigzag(jnp.stack(given, axis=-1), ring), axis=-1))  # one reorder
-    return ring, tuple(None if r is None else next(moved).astype(r.dtype) for r in rows)
+    moved = iter(jnp.unstack(zigzag(jnp.stack(given, axis=-1), placement), axis=-1))  # one reorder
+    return True, tuple(None if r is None else next(moved).astype(r.dtype) for r in rows)
 
 
-def _other_axes(names, dims: tuple[int, ...], exclude) -> tuple[str, ...]:
+def _other_axes(placement, names, dims: tuple[int, ...], exclude) -> tuple[str, ...]:
     """The mesh axes (size > 1, not in ``exclude``) the rules give a logical name, when they
     divide every one of ``dims``; else () (replicated inside the shard_map)."""
-    rules, mesh = nn.get_logical_axis_rules(), _mesh()
-    found = tuple(a for a in mesh_axes_of(names, rules, mesh) if a not in exclude)
-    size = math.prod(dict(mesh.shape)[a] for a in found)
+    found = tuple(a for a in placement.mesh_axes(names) if a not in exclude)
+    size = placement.size(found)
     return found if all(d % size == 0 for d in dims) else ()
 
 
@@ -125,22 +103,23 @@ def _move(x, axes, n, src_home, dst_home):
     return jnp.concatenate(out, axis=1)
 
 
-def _reorder(x, axes, src_home, dst_home):
-    n = _ring_size(axes)
-    batch = _other_axes(ax.BATCH, (x.shape[0],), axes)
+def _reorder(x, placement, src_home, dst_home):
+    axes = placement.ring_axes
+    n = placement.size(axes)
+    batch = _other_axes(placement, ax.BATCH, (x.shape[0],), axes)
     spec = _spec(batch, axes, *([None] * (x.ndim - 2)))
     fn = lambda y: _move(y, axes, n, src_home, dst_home)  # noqa: E731
-    return jax.shard_map(fn, mesh=_mesh(), in_specs=spec, out_specs=spec)(x)
+    return jax.shard_map(fn, mesh=placement.mesh, in_specs=spec, out_specs=spec)(x)
 
 
-def zigzag(x, axes):
+def zigzag(x, placement):
     """``[batch, length, ...]`` from the natural order to the ring's (device d: chunks d, 2N-1-d)."""
-    return _reorder(x, axes, _natural_home, _zigzag_home)
+    return _reorder(x, placement, _natural_home, _zigzag_home)
 
 
-def unzigzag(x, axes):
+def unzigzag(x, placement):
     """The inverse of ``zigzag``."""
-    return _reorder(x, axes, _zigzag_home, _natural_home)
+    return _reorder(x, placement, _zigzag_home, _natural_home)
 
 
 # ------------------------------------------------------------------------- ring attention
@@ -257,24 +236,25 @@ def _ring_local(q, k, v, seg, *, axes, n, window, scale):
 STRATEGIES = ("ring", "all_gather")
 
 
-def ring_attention(q, k, v, segment_ids, axes, *, sliding_window=None, scale=None, strategy="ring"):
+def ring_attention(q, k, v, segment_ids, placement, *, sliding_window=None, scale=None, strategy="ring"):
     """Causal attention of length-sharded, zig-zag ordered ``q`` [batch, length, heads, head_dim]
-    and ``k``, ``v`` [batch, length, kv_heads, head_dim] over the ring ``axes``.
+    and ``k``, ``v`` [batch, length, kv_heads, head_dim] over the placement's ring.
 
     ``strategy``: "ring" passes K/V blocks around the ring; "all_gather" gathers the whole row's
     K/V on every device first (fewer, larger transfers; memory of a whole row's scores)."""
-    n = _ring_size(axes)
+    axes = placement.ring_axes
+    n = placement.size(axes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    batch = _other_axes(ax.BATCH, (q.shape[0],), axes)
-    heads = _other_axes(ax.HEADS, (q.shape[2], k.shape[2]), axes + batch)
-    if heads != _other_axes(ax.KV_HEADS, (q.shape[2], k.shape[2]), axes + batch):
+    batch = _other_axes(placement, ax.BATCH, (q.shape[0],), axes)
+    heads = _other_axes(placement, ax.HEADS, (q.shape[2], k.shape[2]), axes + batch)
+    if heads != _other_axes(placement, ax.KV_HEADS, (q.shape[2], k.shape[2]), axes + batch):
         heads = ()  # query and kv heads split alike, or neither
     qkv = _spec(batch, axes, heads, None)
     local = _ring_local if strategy == "ring" else _gathered_local
     fn = lambda q, k, v, seg: local(  # noqa: E731
         q, k, v, seg, axes=axes, n=n, window=sliding_window, scale=scale)
     if segment_ids is None:
-        return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=_mesh(),
+        return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=placement.mesh,
                              in_specs=(qkv, qkv, qkv), out_specs=qkv)(q, k, v)
-    return jax.shard_map(fn, mesh=_mesh(), in_specs=(qkv, qkv, qkv, _spec(batch, axes)),
+    return jax.shard_map(fn, mesh=placement.mesh, in_specs=(qkv, qkv, qkv, _spec(batch, axes)),
                          out_specs=qkv)(q, k, v, segment_ids)

@@ -237,10 +237,10 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         "optimizer": int(optimizer_bytes),
     }
     est = None
-    if model_config is not None and hasattr(model_config, "activation_estimate"):
+    if model_config is not None:
         est = model_config.activation_estimate(micro_batch, seq_len, Shards(report.rules, mesh))
     pipeline = None
-    if model_config is not None and hasattr(model_config, "pipeline_plan"):
+    if model_config is not None:
         pipeline = model_config.pipeline_plan(micro_batch, Shards(report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]

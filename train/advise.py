@@ -20,7 +20,6 @@ A ``--override remat_policy=...`` keeps that one policy.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -44,10 +43,8 @@ def default_tables() -> list[str]:
 
 def variants(config, seq_len, pinned: bool) -> list[Variant]:
     """The model's remat policies with the FLOPs each recomputes (module docstring)."""
-    if not hasattr(config, "remat_policy"):
+    if not config.remat_policies:
         return [Variant("-", config, 0.0)]
-    from shardzoo.models.transformer import REMAT_POLICIES
-
     flops = config.flops_per_token(seq_len)
     attention = max(flops - config.flops_per_token(1), 0.0)
     recompute = {
@@ -55,8 +52,8 @@ def variants(config, seq_len, pinned: bool) -> list[Variant]:
         "save_attn_mlp": attention / 3 + _SAVE_ATTN_MLP_SHARE * (flops - attention) / 3,
         "full": flops / 3,
     }
-    policies = [config.remat_policy] if pinned else list(REMAT_POLICIES)
-    return [Variant(p, dataclasses.replace(config, remat_policy=p), recompute.get(p, flops / 3))
+    policies = [config.execution.remat_policy] if pinned else list(config.remat_policies)
+    return [Variant(p, config.replace(remat_policy=p), recompute.get(p, flops / 3))
             for p in policies]
 
 
@@ -86,7 +83,7 @@ def advise_model(config, *, name: str, num_devices: int, device_memory: str,
         program.boxed_params, program.boxed_opt_state, program.activation_sites,
         variants(config, seq_len, pinned_remat), tables=tables, num_devices=num_devices,
         device=device, batch_size=batch, seq_len=seq_len if lm else None, flops_per_token=flops,
-        headroom=headroom, fused=bool(getattr(config, "fuse_projections", False)), name=name,
+        headroom=headroom, fused=bool(getattr(config.execution, "fuse_projections", False)), name=name,
     )
 
 
@@ -181,8 +178,8 @@ def verify(advice: Advice, config, top: int, *, optimizer_name: str = "adamw") -
             out.append(entry)
             continue
         variant = config
-        if hasattr(config, "remat_policy") and c.variant != "-":
-            variant = dataclasses.replace(config, remat_policy=c.variant)
+        if config.remat_policies and c.variant != "-":
+            variant = config.replace(remat_policy=c.variant)
         settings = TrainConfig(batch_size=advice.batch_size, seq_len=advice.seq_len or 1,
                                grad_accum=c.grad_accum, optimizer=optimizer_name)
         program = run_program(settings, variant, advice.tables[c.rules], make_mesh(c.mesh))

@@ -20,20 +20,17 @@ the Program lays out params and batch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from shardzoo.data import DataConfig
 from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh
-from shardzoo.sharding.partition import activate, replicated
 from shardzoo.train import model_info
 from shardzoo.train.defaults import (
     DEFAULT_SEQ_LEN,
@@ -43,7 +40,7 @@ from shardzoo.train.defaults import (
     mesh_and_rules,
 )
 from shardzoo.train.program import Program
-from shardzoo.train.tasks import forward, summarize_eval
+from shardzoo.train.tasks import summarize_eval
 
 TASKS = ("lm", "multiple-choice")
 MC_COLUMNS = ("context", "choices", "label")
@@ -140,17 +137,6 @@ def encode_pair(tokenizer, context: str, choice: str, add_bos: bool) -> tuple[li
     return head, whole[len(head):]
 
 
-def choice_logprobs(params, batch, *, module, task):
-    """Per row of ``batch``: the summed log-probability of its weighted targets, and whether
-    each of them is the model's greedy guess."""
-    logits, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [batch, length, vocab]
-    picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-    weights = batch["weights"].astype(jnp.float32)
-    greedy = (jnp.argmax(logp, axis=-1) == batch["targets"]) | (weights == 0)
-    return {"logprob": jnp.sum(picked * weights, axis=-1), "greedy": jnp.all(greedy, axis=-1)}
-
-
 def _sequences(rows, tokenizer, add_bos: bool):
     """``(row, choice, ids, first target index)`` of every choice of every row."""
     out = []
@@ -189,11 +175,7 @@ def score_choices(program: Program, params, rows, tokenizer, add_bos: bool = Fal
         if len(ids) - start > program.seq_len:
             raise UserError(f"row {i + 1}: choice {j} is {len(ids) - start} tokens, more than "
                             f"--seq-len {program.seq_len}")
-    fn = jax.jit(functools.partial(choice_logprobs, module=program.module, task=program.task),
-                 in_shardings=(program.shardings.params, program.batch_shardings),
-                 out_shardings=replicated(program.mesh))
-    with activate(program.mesh, program.rules):
-        score = fn.lower(program.abstract.params, program.abstract_batch).compile()
+    score = program.compiled_score_step()
     b = program.batch_size
     logprobs = [np.zeros(len(r["choices"])) for r in rows]
     greedy = [np.zeros(len(r["choices"]), bool) for r in rows]
@@ -294,7 +276,7 @@ def run(s: EvalSettings) -> dict:
         seq_len = s.seq_len or mc_seq_len(rows, tokenizer, add_bos, max_len)
     else:
         seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
-    program = Program(config, rules, mesh, module=module, batch_size=batch_size, seq_len=seq_len)
+    program = Program(config, rules, mesh, batch_size=batch_size, seq_len=seq_len)
     params = jax.device_put(params, program.shardings.params)
     if rows is not None:
         metrics = score_choices(program, params, rows, tokenizer, add_bos)

@@ -18,9 +18,7 @@ import numpy as np
 
 from shardzoo.errors import UserError
 from shardzoo.models import hf, lora
-from shardzoo.models.decode import generate
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
@@ -160,26 +158,28 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return inner.encode(text).ids if inner is not None else tokenizer.encode(text)
 
 
-def generate_text(module, config, params, tokenizer, prompt: str, mesh, rules,
+def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                   top_p: float = 1.0, seed: int = 0) -> str:
-    """The prompt and its continuation, decoded; stops at the config's eos token(s), if any."""
+    """The prompt and its continuation, decoded by the model's Program on ``mesh`` under
+    ``rules`` (``params`` placed as that program lays them out); stops at the config's eos
+    token(s), if any."""
     ids = encode_prompt(tokenizer, prompt)
     if not ids:
         raise UserError("--prompt encodes to no tokens")
     if max(ids) >= config.vocab_size:
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")
-    positions = config.max_position_embeddings
+    positions = config.max_positions
     if len(ids) + max_new_tokens > positions:  # past them, rotary models too only produce noise
         raise UserError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
                         f"model's {positions} positions: use --max-new-tokens {max(positions - len(ids), 0)} "
                         f"or less")
-    eos = config.eos_token_id
+    eos = config.arch.eos_token_id
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    with activate(mesh, rules):
-        out = generate(module, params, np.asarray([ids], np.int32), max_new_tokens, temperature,
-                       top_k, top_p, seed, eos_ids or None)
+    program = Program(config, rules, mesh)
+    out = program.generate(params, np.asarray([ids], np.int32), max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_ids=eos_ids)
     new = [int(t) for t in np.asarray(out)[0, len(ids):]]
     ends = [i for i, t in enumerate(new) if t in eos_ids]
     new = new[: ends[0]] if ends else new

@@ -107,7 +107,6 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = with_lora(cfg, config)  # --lora-*: the adapted model
-    module = config.build()
     labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
@@ -120,7 +119,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
     mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
-    program = _program(cfg, config, module, rules, opt_rules, mesh)
+    program = _program(cfg, config, rules, opt_rules, mesh)
+    module = program.module
 
     tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
@@ -166,12 +166,12 @@ def _model_name(cfg) -> str:
     return cfg.model or os.path.basename(os.path.normpath(cfg.init_from))
 
 
-def _program(cfg, config, module, rules, opt_rules, mesh):
+def _program(cfg, config, rules, opt_rules, mesh):
     """The run's one program, validated strictly: a rule that cannot apply is an error."""
     from shardzoo.sharding.validate import ShardingValidationError
 
     try:
-        return run_program(cfg, config, rules, mesh, opt_rules=opt_rules, module=module)
+        return run_program(cfg, config, rules, mesh, opt_rules=opt_rules)
     except ShardingValidationError as e:
         raise ConfigError(e.summary(f"rules {rules.name!r} on mesh {describe_mesh(mesh)}: ")) from None
 

@@ -11,7 +11,6 @@ q_proj`` for Llama's ``attn/q/kernel``), so every family whose projections are s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -103,7 +102,7 @@ def _modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, st
     """``(leaf path without its last name, model layers, stacked, target, HF module)`` of each
     adapted projection, from the family's weight map and the config's ``param_layout`` (a
     stacked leaf holds its layers on a leading axis in that order)."""
-    fam = hf.family_of_config(dataclasses.replace(config, lora_rank=0), family)
+    fam = hf.family_of_config(config.replace(lora_rank=0), family)
     _, groups = _layer_weights(config, fam)
     out = []
     for prefix, layers, stacked, weights in groups:

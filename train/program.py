@@ -10,9 +10,18 @@ opt_rules=zero1``: one transform, nothing else). It owns the one train step and 
 A model with LoRA adapters trains only them: the optimizer is built for, and its state holds,
 the adapters alone, and the step differentiates only them (``trains``); the base passes through.
 
-The Trainer, ``shardzoo plan`` (and ``plan --compile``), the benchmarks, checkpoint loading,
-Hugging Face import and export, and decoding all build a Program; nothing else traces ``init``
-or writes a step. A program on an ``AbstractMesh`` (devices you don't have) plans but does not
+The model is built with the program's ``Placement`` (mesh and rules, ``sharding.partition``):
+its activation constraints and explicit ``shard_map`` paths read them from there, never from a
+context. The activation constraints the validator checks are recorded from an abstract trace of
+the step itself (the train step, or the eval step of a params-only program), so they are those
+of the program that compiles: the pipeline's, the ring's and the MoE dispatch's included.
+
+The Program is the one jit site: the train step, the eval step, multiple-choice scoring
+(``score_step``) and decoding (``generate``: prefill and the sampling loop, the KV cache
+sharded by its logical axes like every other array). The Trainer, ``shardzoo plan`` (and
+``plan --compile``), advise, the benchmarks, checkpoint loading, Hugging Face import and export,
+eval and generation all use a Program; nothing else traces ``init``, jits a step or resolves a
+logical name. A program on an ``AbstractMesh`` (devices you don't have) plans but does not
 compile or run.
 """
 
@@ -29,16 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import struct, traverse_util
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
+from shardzoo.models.decode import cache_init_fn, generate_tokens
 from shardzoo.models.layers import recording_constraints
-from shardzoo.models.lora import join, split, trainable_filter
+from shardzoo.models.lora import join, split
 from shardzoo.sharding.mesh import describe_mesh
-from shardzoo.sharding.partition import activate, replicated, spec_to_sharding
+from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
-from shardzoo.sharding.validate import Activation, check, rule_problems, usable_rules
-from shardzoo.train.step import eval_step, train_step
+from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
+from shardzoo.train.step import eval_step, score_step, train_step
 from shardzoo.train.tasks import get_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -115,20 +125,21 @@ class Program:
 
     def __init__(self, config, rules, mesh, *, optimizer=None, opt_rules=None, task=None,
                  batch_size: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
-                 skip_nonfinite: bool = False, strict: bool = True, module=None):
+                 skip_nonfinite: bool = False, strict: bool = True):
         self.config, self.mesh = config, mesh
-        self.module = module if module is not None else config.build()
         self.task = task if task is not None else get_task(config)
         self.batch_size = batch_size or mesh.size
         self.seq_len = seq_len if seq_len is not None else 8
         self.grad_accum, self.skip_nonfinite = grad_accum, skip_nonfinite
         self.tx = self.schedule = None
         self._optimizer = optimizer
-        self.trains = trainable_filter(config)  # None: every param trains
+        self.trains = config.trains  # None: every param trains
         if self.batch_size % grad_accum:
             raise UserError(f"batch size {self.batch_size} is not divisible by grad_accum {grad_accum}")
         self.micro_batch = self.batch_size // grad_accum
         trace_rules = usable_rules(rules, mesh) if rule_problems(rules, mesh) else rules
+        self.placement = Placement(mesh, trace_rules)
+        self.module = config.build(self.placement)
         self.fields = self.task.fields(config, self.batch_size, self.seq_len)
         self.batch_shardings = {k: spec_to_sharding(f.names, mesh, trace_rules) for k, f in self.fields.items()}
         self.abstract_batch = {
@@ -137,9 +148,12 @@ class Program:
         }
         self._check_microbatch(trace_rules)  # before the trace: its one-line error beats the report's
 
-        # ONE trace of the whole train state under the rules; constraints recorded, not applied.
-        with activate(mesh, trace_rules), recording_constraints(apply=False) as sites:
+        # ONE trace of the whole train state, then one of the step itself for its constraints.
+        with activate(mesh):
             boxed = jax.eval_shape(self._init_state, jax.random.key(0))
+            self.boxed_params, self.boxed_opt_state = boxed.params, boxed.opt_state
+            with recording_constraints(apply=False) as sites:
+                self._trace_step(nn.meta.unbox(boxed))
         self.activation_sites = tuple(
             Activation(f"activations/{path}", names, shape, dtype) for path, names, shape, dtype in sites
         )
@@ -153,12 +167,12 @@ class Program:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt_report = check(boxed.opt_state, self.rules, mesh, strict=False)
-        self.boxed_params, self.boxed_opt_state = boxed.params, boxed.opt_state
         abstract = nn.meta.unbox(boxed)
         self.shardings = TrainState(step=replicated(mesh), params=self.report.shardings(mesh)["params"],
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
-        self._train_step = self._eval_step = None
+        self._train_step = self._eval_step = self._score_step = None
+        self._decoders: dict = {}
 
     # ------------------------------------------------------------------ the one init
     def _sample_inputs(self):
@@ -179,11 +193,21 @@ class Program:
         opt_state = _keep_matching_boxes(self.tx.init(trained)) if self.tx is not None else None
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
+    def _trace_step(self, abstract_state) -> None:
+        """An abstract trace of the step this program compiles (the train step, or the eval
+        step without an optimizer): every activation constraint it makes is recorded."""
+        rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        if self.tx is not None:
+            jax.eval_shape(self._train_fn(), abstract_state, self.abstract_batch, rng)
+        else:
+            jax.eval_shape(functools.partial(eval_step, module=self.module, task=self.task),
+                           abstract_state.params, self.abstract_batch)
+
     def init(self, rng, params=None) -> TrainState:
         """A TrainState at step 0, created sharded by one jit; ``params`` (placed like
         ``params_target()``) replaces the random init; when it lacks leaves (LoRA adapters over
         an imported base), those come from the random init."""
-        with activate(self.mesh, self.rules):
+        with activate(self.mesh):
             given = set(traverse_util.flatten_dict(params)) if params is not None else set()
             wanted = traverse_util.flatten_dict(self.shardings.params)
             if params is not None and given != set(wanted):
@@ -219,20 +243,22 @@ class Program:
     def _rng_struct(self):
         return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh))
 
+    def _train_fn(self):
+        return functools.partial(train_step, module=self.module, task=self.task, tx=self.tx,
+                                 schedule=self.schedule, grad_accum=self.grad_accum,
+                                 skip_nonfinite=self.skip_nonfinite, trains=self.trains)
+
     def jitted_train_step(self):
         """The train step, jitted with the state's and batch's shardings, state donated."""
         if self.tx is None:
             raise ValueError("a params-only Program (no optimizer) has no train step")
-        step = functools.partial(train_step, module=self.module, task=self.task, tx=self.tx,
-                                 schedule=self.schedule, grad_accum=self.grad_accum,
-                                 skip_nonfinite=self.skip_nonfinite, trains=self.trains)
         scalar = replicated(self.mesh)
-        return jax.jit(step, in_shardings=(self.shardings, self.batch_shardings, scalar),
+        return jax.jit(self._train_fn(), in_shardings=(self.shardings, self.batch_shardings, scalar),
                        out_shardings=(self.shardings, scalar), donate_argnums=0)
 
     def lower(self):
         """The train step lowered for this program's abstract state and batch."""
-        with activate(self.mesh, self.rules):
+        with activate(self.mesh):
             return self.jitted_train_step().lower(self.abstract, self.abstract_batch, self._rng_struct())
 
     def compiled_train_step(self):
@@ -248,9 +274,92 @@ class Program:
             fn = jax.jit(functools.partial(eval_step, module=self.module, task=self.task),
                          in_shardings=(self.shardings.params, self.batch_shardings),
                          out_shardings=replicated(self.mesh))
-            with activate(self.mesh, self.rules):
+            with activate(self.mesh):
                 self._eval_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
         return self._eval_step
+
+    def compiled_score_step(self):
+        """The compiled scoring step: ``(params, batch) -> {logprob, greedy}`` per row: each
+        row's summed log-probability of its weighted targets, and whether every one of them is
+        the greedy guess (multiple choice, ``train/evaluate.py``)."""
+        if self._score_step is None:
+            fn = jax.jit(functools.partial(score_step, module=self.module, task=self.task),
+                         in_shardings=(self.shardings.params, self.batch_shardings),
+                         out_shardings=replicated(self.mesh))
+            with activate(self.mesh):
+                self._score_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
+        return self._score_step
+
+    # ------------------------------------------------------------------ decoding
+    def cache_shardings(self, batch_size: int, max_length: int):
+        """``(abstract cache, shardings)`` of the decoding cache for ``batch_size`` rows of
+        ``max_length`` positions: its arrays' logical axes under the rules, like every array."""
+        with activate(self.mesh):
+            boxed = jax.eval_shape(cache_init_fn(self.module, batch_size, max_length), self.abstract.params)
+        report = check(boxed, self.rules, self.mesh, strict=False)
+        return nn.meta.unbox(boxed), report.shardings(self.mesh)
+
+    def new_cache(self, batch_size: int, max_length: int):
+        """An empty decoding cache (zeros, index 0), each array created sharded as its logical
+        axes say (``cache_shardings``)."""
+        shapes, shardings = self.cache_shardings(batch_size, max_length)
+        make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                       out_shardings=shardings)
+        with activate(self.mesh):
+            return make()
+
+    def generate(self, params, prompt, prompt_lengths=None, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=(), pad_id: int | None = None):
+        """Continue ``prompt`` int32 [batch, prompt_len] (left-padded; ``prompt_lengths`` each
+        row's real length, default all) by ``max_new_tokens``: prefill and the sampling loop in
+        one compiled program, params, prompt and cache sharded under the rules (compiled once per
+        shape and sampling settings). Greedy at temperature 0. Returns int32 [batch, prompt_len +
+        max_new_tokens] on the host; rows end at an eos id, padded with ``pad_id`` (default the
+        first eos id, else 0)."""
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 2:
+            raise UserError(f"a prompt must be [batch, prompt_len] tokens, got shape {prompt.shape}")
+        vocab = self.config.arch.vocab_size
+        if top_k < 0 or top_k > vocab:
+            raise UserError(f"top-k {top_k} must be between 0 (off) and the model's vocab_size {vocab}")
+        eos_ids = tuple(int(e) for e in eos_ids)
+        pad_id = (eos_ids[0] if eos_ids else 0) if pad_id is None else int(pad_id)
+        lengths = np.full(prompt.shape[:1], prompt.shape[1], np.int32) if prompt_lengths is None \
+            else np.asarray(prompt_lengths, np.int32)
+        key = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
+        if key not in self._decoders:
+            self._decoders[key] = self._compile_generate(prompt.shape, *key[1:])
+        fn, (prompt_sharding, rows_sharding) = self._decoders[key]
+        args = (jax.device_put(prompt, prompt_sharding), jax.device_put(lengths, rows_sharding),
+                jax.random.key_data(jax.random.key(seed)))
+        return np.asarray(jax.device_get(fn(params, *args)))
+
+    def _divisible_sharding(self, shape, names):
+        resolved, _ = resolve_array("decode", shape, "int32", names, self.rules, self.mesh, param=False)
+        return NamedSharding(self.mesh, resolved.spec)
+
+    def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
+        batch, prompt_len = shape
+        shapes, cache_shardings = self.cache_shardings(batch, prompt_len + max_new_tokens)
+        # rows split as the rules say when they divide (a batch of one prompt: replicated)
+        tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))
+        rows = self._divisible_sharding((batch,), ("batch",))
+
+        def run(params, prompt, lengths, key_data):
+            cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
+                                 shapes, cache_shardings)
+            return generate_tokens(self.module, params, cache, prompt, lengths, jax.random.wrap_key_data(key_data),
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)
+
+        prompt = self._divisible_sharding(shape, ("batch", None))
+        fn = jax.jit(run, in_shardings=(self.shardings.params, prompt, rows, replicated(self.mesh)),
+                     out_shardings=tokens)
+        args = (self.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
+                jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh)))
+        with activate(self.mesh):
+            return fn.lower(*args).compile(), (prompt, rows)
 
     def place(self, batch) -> dict:
         """The batch's arrays as global jax.Arrays with the batch shardings (host data is this
@@ -292,12 +401,12 @@ class Program:
 
 
 
-def run_program(cfg, config, rules, mesh, *, opt_rules=None, module=None, strict=True) -> Program:
+def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Program:
     """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
     ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
     from shardzoo.train.optim import make_optimizer
 
-    return Program(config, rules, mesh, module=module, optimizer=functools.partial(make_optimizer, cfg),
+    return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict)
 

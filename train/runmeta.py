@@ -9,10 +9,10 @@ the only ones that turn a model config into that record and back.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
-from shardzoo.models import apply_overrides, get_config
+from shardzoo.errors import UserError
+from shardzoo.models import ModelError, get_config
 from shardzoo.train.checkpoint import CheckpointError, jsonable
 
 
@@ -26,7 +26,10 @@ def hf_module():
 
 
 def config_to_dict(config) -> dict:
-    return jsonable(dataclasses.asdict(config))
+    """What a checkpoint records of a model config: its two records (``{"arch", "execution"}``),
+    the scan layout resolved, so a later version that chooses layouts otherwise still loads the
+    params as written."""
+    return jsonable(config.resolved().to_dict())
 
 
 def model_meta(config, model: str | None = None, family: str | None = None) -> dict:
@@ -43,34 +46,41 @@ def model_meta(config, model: str | None = None, family: str | None = None) -> d
     return {"model": model, "family": family, "config": config_to_dict(config)}
 
 
-def _tuples(value):
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
-
-
 def config_from_meta(meta: dict, where: str = "the checkpoint"):
-    """The model config a checkpoint was written with: its family's config class built from the
-    whole stored config; for a checkpoint without a family (older, or a model no HF family
-    expresses), its preset ``model`` with the stored fields applied."""
-    stored = {k: _tuples(v) for k, v in (meta.get("config") or {}).items()}
+    """The model config a checkpoint was written with: a Transformer's for a checkpoint that
+    records a Hugging Face family, else the config class of its zoo preset ``model``; from the
+    stored records, or from the flat dict of a checkpoint written before the records split
+    (``ModelConfig.from_dict`` upgrades it)."""
+    from shardzoo.models.transformer import TransformerConfig
+
+    stored = dict(meta.get("config") or {})
     name = meta.get("family")
     if name is not None:
         hf = hf_module()
-        family = hf.family_named(name) if hf is not None else None
-        if family is None:
+        if hf is None or hf.family_named(name) is None:
             raise CheckpointError(f"{where} records model family {name!r}, which this shardzoo "
                                   f"does not know")
-        known = {f.name for f in dataclasses.fields(family.config_class)}
-        unknown = sorted(set(stored) - known)
-        if unknown:
-            raise CheckpointError(f"{where}: its {name} config has unknown field(s) "
-                                  f"{', '.join(unknown)}")
-        return family.config_class(**stored)
-    if meta.get("model") is None:
+        kind, what = TransformerConfig, f"its {name} config"
+    elif meta.get("model") is None:
         raise CheckpointError(f"{where} records neither a model family nor a zoo preset")
-    return apply_overrides(get_config(meta["model"]), stored,
-                           where=f"{where}: model {meta['model']!r}")
+    else:
+        kind, what = type(get_config(meta["model"])), f"model {meta['model']!r}"
+    try:
+        return kind.from_dict(stored)
+    except ModelError as e:
+        raise CheckpointError(f"{where}: {what}: {e}") from None
+
+
+def _resolved_dict(meta: dict) -> dict:
+    """The stored config as ``config_to_dict`` writes it today (older flat dicts upgraded)."""
+    try:
+        return config_to_dict(config_from_meta(meta))
+    except UserError:
+        return meta.get("config") or {}
+
+
+def _flat(records: dict) -> dict:
+    return {**records.get("arch", {}), **records.get("execution", {})} if "arch" in records else records
 
 
 def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str, where: str) -> None:
@@ -80,7 +90,7 @@ def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str
         raise CheckpointError(
             f"{where} holds model {saved_model!r}, not {model!r}: use another --out or --model {saved_model}"
         )
-    saved, new = meta.get("config") or {}, jsonable(config)
+    saved, new = _flat(_resolved_dict(meta)), _flat(jsonable(config))
     diff = [k for k in sorted(set(saved) | set(new)) if saved.get(k) != new.get(k)]
     if diff:
         had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)

@@ -322,11 +322,11 @@ def load_model(source: Source, mesh, rules, dtype: str | None = None):
         program = Program(config, rules, mesh)
         return program.module, config, source.load_params(program.params_target(), config)
     config = source.config
-    module = config.build()
-    params = source.load_params(Program(config, rules, mesh, module=module).params_target())
+    program = Program(config, rules, mesh)
+    module, params = program.module, source.load_params(program.params_target())
     if dtype is not None and dtype != model_info.param_dtype(config):
         config = model_info.with_dtype(config, dtype)
-        module, params = config.build(), jax.tree.map(lambda x: x.astype(dtype), params)
+        module, params = Program(config, rules, mesh).module, jax.tree.map(lambda x: x.astype(dtype), params)
     return module, config, params
 
 

@@ -97,3 +97,14 @@ def eval_step(params, batch, *, module, task):
     """The task's sums over the batch (weighted loss, weight, correct guesses)."""
     outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
     return task.sums(outputs, batch)
+
+
+def score_step(params, batch, *, module, task):
+    """Per row of ``batch``: the summed log-probability of its weighted targets, and whether
+    each of them is the model's greedy guess (multiple choice, ``train/evaluate.py``)."""
+    logits, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [batch, length, vocab]
+    picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    weights = batch["weights"].astype(jnp.float32)
+    greedy = (jnp.argmax(logp, axis=-1) == batch["targets"]) | (weights == 0)
+    return {"logprob": jnp.sum(picked * weights, axis=-1), "greedy": jnp.all(greedy, axis=-1)}

@@ -120,7 +120,7 @@ class Trainer:
         cfg = self.cfg
         if self.program is None:
             self.program = run_program(cfg, self.model_config, self.rules, self.mesh,
-                                       opt_rules=self.opt_rules, module=self.module)
+                                       opt_rules=self.opt_rules)
         self.shardings, self.tx, self.schedule = self.program.shardings, self.program.tx, self.program.schedule
         self.checkpointer = Checkpointer(cfg.out, cfg.keep)
         target = self.program.abstract

@@ -1,5 +1,12 @@
-"""What every Hugging Face family module uses: the ``Family`` and ``Weight`` records, reading
-``config.json``, and the config.json fields several families share (rope, window, special ids).
+"""What every Hugging Face family module uses: the ``Family`` and ``Weight`` records, the
+``HFConfig`` reader of config.json, and the fields several families read alike.
+
+A family declares its config.json ``schema``: every field transformers' config class has for
+it, with transformers' default. Its ``from_hf`` reads fields through ``HFConfig``, which gives
+the schema's default for a missing one and remembers what was read. The one generic check
+(``HFConfig.finish``): a schema field that ``from_hf`` did not read must hold its default, else
+the import is refused naming it; a field it reads with a value it cannot express is refused by
+the reader, naming it too. Fields outside the schema are ones transformers ignores too.
 """
 
 from __future__ import annotations
@@ -7,11 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shardzoo.errors import UserError
-
-ROPE_TYPES = ("default", "linear", "llama3")  # those models/layers.py's rope_inv_freq computes
 
 
 class HFError(UserError):
@@ -27,7 +32,8 @@ class Weight:
     ``part`` (j, n): the leaf is the j-th of n column blocks of a fused tensor (GPT-2's c_attn,
     Phi-3's qkv_proj and gate_up_proj); ``widths``: the n blocks' relative widths where they
     differ (Phi-3's q|k|v under GQA: heads, kv_heads, kv_heads), else equal.
-    ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis.
+    ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis; with
+    ``stacked_experts`` the HF tensor already holds every expert (``[expert, ...]``, no ``{e}``).
     Names hold ``{i}`` for the layer.
     """
 
@@ -38,6 +44,7 @@ class Weight:
     part: tuple[int, int] = (0, 1)
     widths: tuple[int, ...] = ()
     experts: int = 0
+    stacked_experts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,32 +52,74 @@ class Family:
     """One Hugging Face model family, declared whole in its own module.
 
     ``name`` is what a checkpoint records; ``model_types`` the config.json values it reads.
-    ``from_hf(hf, where)``: config.json (a dict) -> fields of ``config_class``.
-    ``to_hf(config)``: the family's own config.json keys (the registry adds the shared ones).
-    ``obstacles(config)``: what in ``config`` this family cannot express (empty: it can).
-    ``weights(config)``: (global weights, weights of a dense layer, weights of a MoE layer).
+    ``schema``: config.json field -> transformers' default, every field of the family's config
+    class. ``features``: the architecture features it expresses (``models/features.py``).
+    ``from_hf(hf: HFConfig) -> dict`` of architecture fields; ``to_hf(arch) -> dict`` of the
+    family's config.json keys (the registry adds the shared ones). ``global_weights(arch)`` and
+    ``layer_weights(arch, spec)``: the tensors of the model and of one layer (its
+    ``LayerSpec``). ``execution``: execution fields an import sets so that the model computes
+    as transformers does (its MoE drops no token). ``presets``: zoo models of this family,
+    name -> architecture fields (and execution fields).
     """
 
     name: str
     model_types: tuple[str, ...]
     architecture: str
-    config_class: type
-    from_hf: Callable[[dict, str], dict]
-    to_hf: Callable[[object], dict]
-    obstacles: Callable[[object], list[str]]
-    weights: Callable[[object], tuple[list[Weight], list[Weight], list[Weight]]]
+    schema: Mapping[str, object]
+    features: frozenset
+    from_hf: Callable
+    to_hf: Callable
+    global_weights: Callable
+    layer_weights: Callable
+    execution: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    presets: Mapping[str, dict] = dataclasses.field(default_factory=dict)
 
 
-# TransformerConfig fields only the Gemma families (gemma.py) express, at their off values:
-# what every other family needs.
-GEMMA_ONLY_OFF = dict(scale_embeddings=False, query_pre_attn_scalar=None,
-                      attn_logit_softcapping=None, final_logit_softcapping=None,
-                      sliding_window_pattern=None, rope_local_base_freq=None)
+_MISSING = object()
 
 
-def mismatches(config, need: dict) -> list[str]:
-    """``field=value`` for each field of ``config`` that differs from ``need``."""
-    return [f"{k}={getattr(config, k)!r}" for k, v in need.items() if getattr(config, k) != v]
+class HFConfig:
+    """A family's view of one config.json: ``get`` gives a field or its schema default and
+    records it as read; ``finish`` refuses what was not read and is not at its default."""
+
+    def __init__(self, raw: dict, family: Family, where: str):
+        self.raw, self.family, self.where = raw, family, where
+        self.read: set[str] = set()
+
+    def __contains__(self, key) -> bool:
+        return self.raw.get(key) is not None
+
+    def get(self, key: str, default=_MISSING):
+        """The field's value (an explicit null too), else ``default``, else the schema's default."""
+        if key not in self.family.schema and default is _MISSING:
+            raise KeyError(f"{self.family.name}: {key!r} is not in its schema")
+        self.read.add(key)
+        if key in self.raw:
+            return self.raw[key]
+        return self.family.schema.get(key) if default is _MISSING else default
+
+    def require(self, *keys: str) -> None:
+        """Fields without which the config says nothing (no default makes sense)."""
+        missing = [k for k in keys if self.raw.get(k) is None]
+        if missing:
+            raise HFError(f"{self.where}: no {', '.join(missing)}")
+
+    def ignore(self, *keys: str) -> None:
+        """Fields the family reads and that do not change the model's numbers."""
+        self.read.update(keys)
+
+    def refuse(self, key: str, why: str) -> HFError:
+        return HFError(f"{self.where}: {key}={self.raw.get(key)!r}: {why}")
+
+    def finish(self) -> None:
+        """The generic check: a schema field not read must hold transformers' default."""
+        for key, default in self.family.schema.items():
+            if key in self.read or key not in self.raw:
+                continue
+            value = self.raw[key]
+            if value != default and not (value in (None, False, 0) and default in (None, False, 0)):
+                raise HFError(f"{self.where}: {key}={value!r} changes the model and shardzoo's "
+                              f"{self.family.name} does not implement it (only {key}={default!r})")
 
 
 # ------------------------------------------------------------------------------- config.json
@@ -98,47 +147,80 @@ def is_hf_dir(path) -> bool:
     return has_type and any(n.endswith(".safetensors") for n in os.listdir(path))
 
 
-def special_tokens(hf: dict) -> dict:
+# ------------------------------------------------------------- fields several families share
+ROPE_TYPES = ("default", "linear", "llama3")  # those models/attention.py's rope_inv_freq computes
+ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
+# Fields of the decoder families' config classes that do not change the model's numbers; and
+# dropout rates, which shardzoo does not apply (it trains without dropout, README says so).
+INERT = ("use_cache", "pad_token_id", "pretraining_tp", "output_router_logits", "attention_dropout",
+         "attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout", "hidden_dropout",
+         "summary_activation", "summary_proj_to_labels", "summary_type", "summary_use_proj")
+
+
+def special_tokens(hf: HFConfig) -> dict:
     """bos_token_id and eos_token_id (a list of eos ids becomes a tuple)."""
-    special = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id")}
-    if isinstance(special["eos_token_id"], list):
-        special["eos_token_id"] = tuple(special["eos_token_id"])
-    return special
+    eos = hf.get("eos_token_id")
+    return {"bos_token_id": hf.get("bos_token_id"),
+            "eos_token_id": tuple(eos) if isinstance(eos, list) else eos}
 
 
-def rope(hf: dict, where: str) -> tuple[float, dict | None]:
-    """rope_theta and rope_scaling from either transformers 5's ``rope_parameters`` or the
-    older top-level ``rope_theta`` + ``rope_scaling``; ``None`` for plain rotary embeddings."""
-    params = dict(hf.get("rope_parameters") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = dict(hf.get("rope_scaling") or params)
-    scaling.pop("rope_theta", None)
-    scaling.pop("partial_rotary_factor", None)  # not a scaling: see partial_rotary_factor()
+def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0) -> dict:
+    """``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor`` from transformers 5's
+    ``rope_parameters`` or the older top-level keys (``params``: a sub-dict of
+    ``rope_parameters`` to read instead, e.g. Gemma 3's per layer kind; ``theta``: the family's
+    default base)."""
+    if params is None:
+        params = dict(hf.get("rope_parameters", None) or {})
+    else:
+        params = dict(params)
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta", None) or theta
+    factor = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", None) or 1.0
+    scaling = dict(hf.get("rope_scaling", None) or params)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        scaling.pop(key, None)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return float(theta), None
     if kind not in ROPE_TYPES:
-        raise HFError(f"{where}: rope_scaling type {kind!r} is not supported; "
+        raise HFError(f"{hf.where}: rope_scaling type {kind!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
-    return float(theta), scaling
+    return dict(rope_theta=float(theta), rope_scaling=None if kind == "default" else scaling,
+                partial_rotary_factor=float(factor))
 
 
-def partial_rotary_factor(hf: dict) -> float:
-    """The rotated fraction of each head: top-level, or inside transformers 5's ``rope_parameters``."""
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+def rope_to_hf(arch) -> dict:
+    """The legacy rope keys (transformers 4 and 5 read them)."""
+    out = dict(rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling_dict or None)
+    if arch.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = arch.partial_rotary_factor
+    return out
 
 
-def sliding_window(hf: dict, where: str, enabled: bool = True) -> int | None:
-    """The attention window of every layer (None: full attention); ``enabled`` False for a
-    family whose flag turned the window off (Qwen2's ``use_sliding_window``)."""
-    window = hf.get("sliding_window") if enabled else None
-    kinds = set(hf.get("layer_types") or ())
-    if window and kinds == {"full_attention"}:
-        window = None
-    if window and len(kinds) > 1:
-        raise HFError(f"{where}: layer_types mixes sliding and full attention; "
-                      "shardzoo has one window for all layers")
-    return window
+def sizes(hf: HFConfig) -> dict:
+    """The sizes every rotary decoder family spells alike."""
+    hf.require("hidden_size", "num_hidden_layers", "num_attention_heads")
+    heads = hf.get("num_attention_heads")
+    return dict(vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"),
+                intermediate_size=hf.get("intermediate_size"), num_hidden_layers=hf.get("num_hidden_layers"),
+                num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
+                head_dim=hf.get("head_dim", None), max_position_embeddings=hf.get("max_position_embeddings"),
+                rms_norm_eps=hf.get("rms_norm_eps"), initializer_range=hf.get("initializer_range"),
+                hidden_act=hf.get("hidden_act") if "hidden_act" in hf.family.schema else None,
+                tie_word_embeddings=hf.get("tie_word_embeddings"),
+                **special_tokens(hf))
+
+
+def sizes_to_hf(arch) -> dict:
+    return dict(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+                num_key_value_heads=arch.kv_heads, head_dim=arch.head_size,
+                max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.rms_norm_eps,
+                hidden_act=arch.hidden_act)
+
+
+def layer_types(arch) -> list[str]:
+    """HF's ``layer_types`` of an architecture: every layer's attention kind."""
+    from shardzoo.models.arch import FULL, SLIDING
+
+    kind = SLIDING if arch.sliding_window else FULL
+    return list(arch.layer_types or (kind,) * arch.num_hidden_layers)

@@ -1,176 +1,206 @@
-"""Llama (2, 3, 3.1, 3.2; rope_scaling llama3), Mistral and Qwen2 (2.5): one layout, three flags.
+"""Llama (2, 3, 3.1, 3.2; rope_scaling llama3), Mistral and Qwen2 (2.5): one layout, three configs.
 
 The three families share their tensors (``model.layers.{i}.self_attn.q_proj`` ...) and most of
 config.json; they differ in biases (Llama: one flag for q/k/v/o, and ``mlp_bias``; Qwen2: q/k/v
-only; Mistral: none) and in the sliding window (Mistral; Qwen2 behind ``use_sliding_window``).
-``mixtral.py`` builds on the helpers here.
+only; Mistral: none) and in the window (Mistral: every layer; Qwen2: the layers from
+``max_window_layers`` on, behind ``use_sliding_window``, or its ``layer_types``). The other
+rotary families build on the helpers here.
 """
 
 from __future__ import annotations
 
+from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.hf.base import (
-    GEMMA_ONLY_OFF,
+    INERT,
     Family,
-    HFError,
+    HFConfig,
     Weight,
-    mismatches,
-    partial_rotary_factor,
+    layer_types,
     rope,
-    sliding_window,
-    special_tokens,
+    rope_to_hf,
+    sizes,
+    sizes_to_hf,
 )
-from shardzoo.models.transformer import TransformerConfig
 
-NO_BIAS = dict(attention_bias=False, attention_out_bias=False, mlp_bias=False)
+# config.json fields and transformers' defaults (LlamaConfig; the others add or drop some).
+SCHEMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+              num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+              max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+              pad_token_id=None, bos_token_id=1, eos_token_id=2, pretraining_tp=1,
+              tie_word_embeddings=False, rope_parameters=None, attention_bias=False,
+              attention_dropout=0.0, mlp_bias=False)
+# What every family of rotary embeddings, RMSNorm before attention and MLP, and gated MLPs uses.
+ROTARY = frozenset({"rope", "rope_scaling:linear", "rope_scaling:llama3", "rmsnorm", "pre_norms",
+                    "gated_mlp"})
+LLAMA_FEATURES = ROTARY | {"attention_bias", "attention_out_bias", "mlp_bias"}
 
 
 # ------------------------------------------------------------------------------ config.json
-def rotary_fields(hf: dict, where: str, window: bool = True) -> dict:
-    """TransformerConfig fields every rotary family reads the same way (no biases)."""
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in hf]
-    if missing:
-        raise HFError(f"{where}: no {', '.join(missing)}")
-    theta, scaling = rope(hf, where)
-    heads, kv_heads, head_dim = (hf["num_attention_heads"], hf.get("num_key_value_heads"),
-                                 hf.get("head_dim"))
-    # Defaults that transformers spells out are read as defaults: one config, one spelling.
-    kv_heads = None if kv_heads == heads else kv_heads
-    head_dim = None if head_dim == hf["hidden_size"] // heads else head_dim
-    return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048), rope_theta=theta,
-        rope_scaling=scaling, partial_rotary_factor=partial_rotary_factor(hf),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        sliding_window=sliding_window(hf, where, window),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        hidden_act=hf.get("hidden_act", "silu"),
-        initializer_range=hf.get("initializer_range", 0.02), **NO_BIAS, **special_tokens(hf),
-    )
-
-
-def rotary_to_hf(c) -> dict:
-    """The config.json keys every rotary family writes the same way (legacy rope keys:
-    transformers 4 and 5 read them)."""
-    out = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-               num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-               num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-               max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
-               rope_scaling=c.rope_scaling_dict or None, rms_norm_eps=c.rms_norm_eps,
-               hidden_act=c.hidden_act, sliding_window=c.sliding_window)
-    if c.partial_rotary_factor != 1.0:
-        out["partial_rotary_factor"] = c.partial_rotary_factor
+def rotary_fields(hf: HFConfig, theta: float = 10000.0) -> dict:
+    """Architecture fields every rotary family reads the same way (no biases, no window);
+    ``theta``: the family's default rotary base."""
+    hf.ignore(*INERT)
+    out = sizes(hf) | rope(hf, theta=theta)
+    out.pop("partial_rotary_factor")  # only the families that rotate part of each head read it
     return out
 
 
-def rotary_obstacles(c, experts: bool = False, **features) -> list[str]:
-    """Rotary positions, RMSNorm, gated MLPs, and experts only where the family has them;
-    ``features`` the family's norm placement and qk-norm (default: pre-norms, no qk-norm)."""
-    need = dict(position_embedding="rope", norm_type="rmsnorm", mlp_type="gated",
-                norm_position="pre", qk_norm="none", **GEMMA_ONLY_OFF)
-    bad = mismatches(c, need | features)
-    if bool(c.num_local_experts) != experts:
-        bad.append(f"num_local_experts={c.num_local_experts}")
-    return bad
+def rotary_to_hf(a) -> dict:
+    """The config.json keys every rotary family writes the same way."""
+    out = sizes_to_hf(a) | rope_to_hf(a)
+    out.pop("partial_rotary_factor", None)
+    return out
+
+
+def window_fields(hf: HFConfig, window: int | None) -> dict:
+    """``sliding_window`` and ``layer_types``: HF's ``layer_types`` where it has one, else every
+    layer sliding when ``window`` is set."""
+    types = hf.get("layer_types", None)
+    if window is None or (types is not None and SLIDING not in types):
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=window, layer_types=tuple(types) if types else None)
+
+
+def llama_from_hf(hf: HFConfig) -> dict:
+    bias = hf.get("attention_bias")  # one flag for q/k/v and o biases
+    return rotary_fields(hf) | dict(attention_bias=bias, attention_out_bias=bias, mlp_bias=hf.get("mlp_bias"))
+
+
+def llama_to_hf(a) -> dict:
+    return rotary_to_hf(a) | dict(attention_bias=a.attention_bias, mlp_bias=a.mlp_bias)
+
+
+def mistral_from_hf(hf: HFConfig) -> dict:
+    return rotary_fields(hf) | dict(sliding_window=hf.get("sliding_window"))
+
+
+def mistral_to_hf(a) -> dict:
+    return rotary_to_hf(a) | dict(sliding_window=a.sliding_window)
+
+
+def qwen2_window(hf: HFConfig) -> dict:
+    """Qwen2/Qwen3's window: ``sliding_window`` only with ``use_sliding_window``, on the layers
+    ``layer_types`` names, else on the layers from ``max_window_layers`` on (transformers 5)."""
+    window, use, start = hf.get("sliding_window"), hf.get("use_sliding_window"), hf.get("max_window_layers")
+    window = window if use else None  # transformers drops the window when it is off
+    if window is not None and hf.get("layer_types", None) is None:
+        n = hf.get("num_hidden_layers")
+        types = tuple(SLIDING if i >= start else FULL for i in range(n))
+        return dict(sliding_window=window, layer_types=types if SLIDING in types else None)
+    return window_fields(hf, window)
+
+
+def qwen2_window_to_hf(a) -> dict:
+    types = layer_types(a)
+    sliding = [i for i, t in enumerate(types) if t == SLIDING]
+    return dict(use_sliding_window=bool(sliding), sliding_window=a.sliding_window,
+                max_window_layers=sliding[0] if sliding else a.num_hidden_layers, layer_types=types)
+
+
+def qwen2_from_hf(hf: HFConfig) -> dict:
+    return rotary_fields(hf) | qwen2_window(hf) | dict(attention_bias=True)  # q/k/v biases, no o bias
+
+
+def qwen2_to_hf(a) -> dict:
+    return rotary_to_hf(a) | qwen2_window_to_hf(a)
 
 
 # --------------------------------------------------------------------------------- weights
 LAYER = "model.layers.{i}."
 
 
-def global_weights(c) -> list[Weight]:
+def global_weights(a) -> list[Weight]:
     out = [Weight(("embed", "embedding"), "model.embed_tokens.weight"),
            Weight(("final_norm", "scale"), "model.norm.weight")]
-    if not c.tie_word_embeddings:
+    if not a.tie_word_embeddings:
         out.append(Weight(("lm_head", "kernel"), "lm_head.weight", "linear"))
     return out
 
 
-def attention_weights(c) -> list[Weight]:
+def attention_weights(a) -> list[Weight]:
     """The two norms and the attention of a layer (biases, norm placement and qk-norm as the
-    config has them: OLMo 2's post-norms, Qwen3's and OLMo 2's q_norm and k_norm)."""
+    architecture has them: OLMo 2's post-norms, Qwen3's and OLMo 2's q_norm and k_norm)."""
     h = LAYER
-    if c.norm_position == "pre":
+    if a.norm_position == "pre":
         norms = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
     else:
         norms = (("post_attn_norm", "post_attention_layernorm"),
                  ("post_mlp_norm", "post_feedforward_layernorm"))
     out = [Weight((norm, "scale"), h + f"{name}.weight") for norm, name in norms]
-    if c.qk_norm != "none":  # flat in HF; (heads, head_dim) here for a whole-projection norm
+    if a.qk_norm != "none":  # flat in HF; (heads, head_dim) here for a whole-projection norm
         out += [Weight(("attn", f"{n}_norm", "scale"), h + f"self_attn.{n}_norm.weight", "vec")
                 for n in "qk"]
     out.append(Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2))
     for n in "qkv":
         out.append(Weight(("attn", n, "kernel"), h + f"self_attn.{n}_proj.weight", "linear"))
-        if c.attention_bias:
+        if a.attention_bias:
             out.append(Weight(("attn", n, "bias"), h + f"self_attn.{n}_proj.bias", "vec"))
-    if c.attention_out_bias:
+    if a.attention_out_bias:
         out.append(Weight(("attn", "o", "bias"), h + "self_attn.o_proj.bias", "vec"))
     return out
 
 
-def weights(c):
-    """(global, dense layer, MoE layer) weights of the three dense families."""
-    layer = attention_weights(c)
+def mlp_weights(a, prefix: str = "mlp.") -> list[Weight]:
+    out = []
     for n in ("gate", "up", "down"):
-        layer.append(Weight(("mlp", n, "kernel"), LAYER + f"mlp.{n}_proj.weight", "linear"))
-        if c.mlp_bias:
-            layer.append(Weight(("mlp", n, "bias"), LAYER + f"mlp.{n}_proj.bias", "vec"))
-    return global_weights(c), layer, []
+        out.append(Weight(("mlp", n, "kernel"), LAYER + f"{prefix}{n}_proj.weight", "linear"))
+        if a.mlp_bias:
+            out.append(Weight(("mlp", n, "bias"), LAYER + f"{prefix}{n}_proj.bias", "vec"))
+    return out
 
 
-# -------------------------------------------------------------------------------- families
-def llama_from_hf(hf: dict, where: str) -> dict:
-    bias = hf.get("attention_bias", False)  # one flag for q/k/v and o biases
-    return rotary_fields(hf, where) | dict(attention_bias=bias, attention_out_bias=bias,
-                                           mlp_bias=hf.get("mlp_bias", False))
+def layer_weights(a, spec) -> list[Weight]:
+    """A dense layer of the Llama layout."""
+    return attention_weights(a) + mlp_weights(a)
 
 
-def llama_to_hf(c) -> dict:
-    return rotary_to_hf(c) | dict(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+# --------------------------------------------------------------------------------- presets
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None)  # vocab 512 fits the byte tokenizer's 259 ids
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000,
+               eos_token_id=128001, num_key_value_heads=8)
+_LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+_QWEN2 = dict(attention_bias=True, tie_word_embeddings=True, rope_theta=1000000.0,
+              bos_token_id=151643, eos_token_id=151643)
 
-
-def one_attention_bias(c) -> list[str]:
-    """HF's ``attention_bias`` covers q, k, v and o alike: shardzoo's two flags must agree."""
-    if c.attention_out_bias == c.attention_bias:
-        return []
-    return [f"attention_out_bias={c.attention_out_bias!r} with attention_bias={c.attention_bias!r}"]
-
-
-def llama_obstacles(c) -> list[str]:
-    return rotary_obstacles(c) + mismatches(c, dict(sliding_window=None)) + one_attention_bias(c)
-
-
-def mistral_from_hf(hf: dict, where: str) -> dict:
-    return rotary_fields(hf, where)
-
-
-def mistral_to_hf(c) -> dict:
-    return rotary_to_hf(c)
-
-
-def mistral_obstacles(c) -> list[str]:
-    return rotary_obstacles(c) + mismatches(c, NO_BIAS)
-
-
-def qwen2_from_hf(hf: dict, where: str) -> dict:
-    fields = rotary_fields(hf, where, window=hf.get("use_sliding_window", False))
-    return fields | dict(attention_bias=True)  # q/k/v biases, no o bias
-
-
-def qwen2_to_hf(c) -> dict:
-    return rotary_to_hf(c) | dict(use_sliding_window=bool(c.sliding_window), max_window_layers=0)
-
-
-def qwen2_obstacles(c) -> list[str]:
-    return rotary_obstacles(c) + mismatches(c, NO_BIAS | dict(attention_bias=True))
-
-
-LLAMA = Family("llama", ("llama",), "LlamaForCausalLM", TransformerConfig,
-               llama_from_hf, llama_to_hf, llama_obstacles, weights)
-MISTRAL = Family("mistral", ("mistral",), "MistralForCausalLM", TransformerConfig,
-                 mistral_from_hf, mistral_to_hf, mistral_obstacles, weights)
-QWEN2 = Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", TransformerConfig,
-               qwen2_from_hf, qwen2_to_hf, qwen2_obstacles, weights)
+LLAMA = Family(
+    "llama", ("llama",), "LlamaForCausalLM", SCHEMA, LLAMA_FEATURES, llama_from_hf, llama_to_hf,
+    global_weights, layer_weights,
+    presets={
+        "llama2-7b": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
+        "llama3-8b": dict(intermediate_size=14336, max_position_embeddings=8192, **_LLAMA3),
+        "llama3.1-8b": dict(intermediate_size=14336, max_position_embeddings=131072, **_LLAMA3,
+                            rope_scaling=_LLAMA31_ROPE),
+        "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                            max_position_embeddings=131072, tie_word_embeddings=True, **_LLAMA3,
+                            rope_scaling=dict(_LLAMA31_ROPE, factor=32.0)),
+        "llama-tiny": TINY,
+    })
+MISTRAL = Family(
+    "mistral", ("mistral",), "MistralForCausalLM",
+    {k: v for k, v in SCHEMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+    | dict(vocab_size=32000, intermediate_size=14336, max_position_embeddings=131072,
+           num_key_value_heads=8, sliding_window=4096),
+    ROTARY | {"sliding_window"}, mistral_from_hf, mistral_to_hf, global_weights, layer_weights,
+    presets={
+        "mistral-7b": dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=32768,
+                           rms_norm_eps=1e-5, sliding_window=4096),
+        "mistral-tiny": TINY | dict(sliding_window=8),
+    })
+QWEN2_SCHEMA = ({k: v for k, v in SCHEMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp",
+                                                                "head_dim")}
+                | dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
+                       bos_token_id=None, eos_token_id=None, use_sliding_window=False, sliding_window=4096,
+                       max_window_layers=28, layer_types=None))
+QWEN2 = Family(
+    "qwen2", ("qwen2",), "Qwen2ForCausalLM", QWEN2_SCHEMA,
+    ROTARY | {"attention_bias", "sliding_window", "layer_pattern"}, qwen2_from_hf, qwen2_to_hf,
+    global_weights, layer_weights,
+    presets={
+        "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                             **_QWEN2),
+        "qwen2-tiny": TINY | _QWEN2 | dict(num_key_value_heads=1, bos_token_id=None, eos_token_id=None),  # MQA
+    })

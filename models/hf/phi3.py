@@ -4,37 +4,37 @@ unequal under GQA) and ``mlp.gate_up_proj`` (gate | up), split on import and joi
 
 from __future__ import annotations
 
-from shardzoo.models.hf.base import Family, Weight, mismatches
-from shardzoo.models.hf.llama import (
-    LAYER,
-    NO_BIAS,
-    global_weights,
-    rotary_fields,
-    rotary_obstacles,
-    rotary_to_hf,
-)
-from shardzoo.models.transformer import TransformerConfig
+from shardzoo.models.hf import llama
+from shardzoo.models.hf.base import Family, HFConfig, Weight, rope
+
+SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp",
+                                                                "head_dim")}
+          | dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, rms_norm_eps=1e-5, eos_token_id=32000,
+                 pad_token_id=32000, sliding_window=None, embd_pdrop=0.0, resid_pdrop=0.0))
+FEATURES = llama.ROTARY | {"sliding_window", "partial_rotary"}
 
 
-def from_hf(hf: dict, where: str) -> dict:
-    return rotary_fields(hf, where)
+def from_hf(hf: HFConfig) -> dict:
+    hf.ignore("original_max_position_embeddings")  # read by longrope only
+    return llama.rotary_fields(hf) | dict(sliding_window=hf.get("sliding_window"),
+                                          partial_rotary_factor=rope(hf)["partial_rotary_factor"])
 
 
-def to_hf(c) -> dict:
+def to_hf(a) -> dict:
     # Phi-3 pads with its end-of-text token (32000 both, published); transformers' default pad
     # id 32000 would not fit a smaller vocabulary.
-    eos = c.eos_token_id[0] if isinstance(c.eos_token_id, tuple) else c.eos_token_id
-    return rotary_to_hf(c) | dict(original_max_position_embeddings=c.max_position_embeddings,
-                                  pad_token_id=eos)
+    eos = a.eos_token_id[0] if isinstance(a.eos_token_id, tuple) else a.eos_token_id
+    out = llama.rotary_to_hf(a) | dict(original_max_position_embeddings=a.max_position_embeddings,
+                                       pad_token_id=eos, sliding_window=a.sliding_window)
+    if a.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = a.partial_rotary_factor
+    return out
 
 
-def obstacles(c) -> list[str]:
-    return rotary_obstacles(c) + mismatches(c, NO_BIAS)
-
-
-def weights(c):
-    """(global, dense layer, MoE layer); q, k, v and gate, up are column blocks of fused tensors."""
-    h, heads = LAYER, (c.num_attention_heads, c.kv_heads, c.kv_heads)
+def layer_weights(a, spec) -> list[Weight]:
+    """q, k, v and gate, up are column blocks of fused tensors."""
+    h, heads = llama.LAYER, (a.num_attention_heads, a.kv_heads, a.kv_heads)
     layer = [Weight(("attn_norm", "scale"), h + "input_layernorm.weight"),
              Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight"),
              Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2),
@@ -43,8 +43,13 @@ def weights(c):
                      part=(j, 3), widths=heads) for j, n in enumerate("qkv")]
     layer += [Weight(("mlp", n, "kernel"), h + "mlp.gate_up_proj.weight", "linear", part=(j, 2))
               for j, n in enumerate(("gate", "up"))]
-    return global_weights(c), layer, []
+    return layer
 
 
-PHI3 = Family("phi3", ("phi3",), "Phi3ForCausalLM", TransformerConfig,
-              from_hf, to_hf, obstacles, weights)
+# Phi-3 mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): Mistral's model, fused tensors in HF.
+BASE = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
+            rms_norm_eps=1e-5, sliding_window=2047, bos_token_id=1, eos_token_id=32000)
+PHI3 = Family(
+    "phi3", ("phi3",), "Phi3ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
+    llama.global_weights, layer_weights,
+    presets={"phi-3-mini-4k": BASE, "phi3-tiny": BASE | llama.TINY | dict(sliding_window=8)})

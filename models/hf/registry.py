@@ -1,12 +1,23 @@
-"""The Hugging Face families shardzoo reads and writes, and the config.json <-> config mapping
-that dispatches to them. A new family is a module like ``llama.py`` and one line in FAMILIES."""
+"""The Hugging Face families shardzoo reads and writes, the config.json <-> config mapping that
+dispatches to them, and the families' presets in the zoo. A new family is a module like
+``llama.py`` and one line in FAMILIES.
+
+Import reads config.json through the family's ``from_hf`` and the generic check of
+``base.HFConfig``. Export refuses, naming the fields, a config that uses a feature the family
+does not declare, or whose config.json would not read back to the same architecture (the
+family cannot express a value, e.g. Llama's single bias flag for q/k/v and o).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+from shardzoo.models import apply_overrides, register
+from shardzoo.models.features import used_features
 from shardzoo.models.hf import gemma, gpt2, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
-from shardzoo.models.hf.base import Family, HFError, read_hf_config
+from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
+from shardzoo.models.transformer import TransformerConfig
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
 FAMILIES: tuple[Family, ...] = (
@@ -45,54 +56,88 @@ def family_named(name: str) -> Family | None:
     return BY_NAME.get(name)
 
 
+def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
+    """The architecture record of ``hf`` (a config.json dict) read by ``family``."""
+    view = HFConfig(hf, family, where)
+    fields = family.from_hf(view)
+    view.finish()
+    return TransformerConfig.ARCH(**fields)
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> dict:
+    """The architecture fields (a dict) of an HF ``config.json``, by its family's mapping."""
+    family = family_of_model_type(hf.get("model_type"), where)
+    return dataclasses.asdict(arch_from_hf(family, hf, where))
+
+
+def obstacles(family: Family, arch) -> list[str]:
+    """What of ``arch`` the family cannot express: features it does not declare, then fields
+    its config.json would not read back the same."""
+    used = used_features(arch)
+    missing = [f"{name} ({', '.join(fields)})" for name, fields in used.items() if name not in family.features]
+    if missing:
+        return [f"feature {m}" for m in missing]
+    try:
+        back = arch_from_hf(family, _shared_to_hf(family, arch) | family.to_hf(arch))
+    except HFError as e:
+        return [str(e)]
+    return [f"{f.name}={getattr(arch, f.name)!r} (reads back as {getattr(back, f.name)!r})"
+            for f in dataclasses.fields(arch) if getattr(arch, f.name) != getattr(back, f.name)]
+
+
 def family_of_config(config, name: str | None = None) -> Family:
-    """The first family that expresses ``config`` exactly (or family ``name``, e.g. the one a
-    checkpoint recorded: Phi-3's config is also Llama's); an HFError naming what stops the
-    closest ones if none does."""
+    """The first family that expresses ``config``'s architecture exactly (or family ``name``,
+    e.g. the one a checkpoint recorded: Phi-3's config is also Mistral's); an HFError naming
+    what stops the closest ones if none does."""
+    arch = getattr(config, "arch", config)
+    if not isinstance(arch, TransformerConfig.ARCH):
+        raise HFError(f"no Hugging Face family exports a {type(config).__name__}")
     problems = {}
     for family in FAMILIES if name is None else [BY_NAME.get(name)]:
         if family is None:
             raise HFError(f"unknown Hugging Face family {name!r}; known: {', '.join(BY_NAME)}")
-        if isinstance(config, family.config_class):
-            problems[family.name] = family.obstacles(config)
-            if not problems[family.name]:
-                return family
-    if not problems:
-        raise HFError(f"no Hugging Face family exports a {type(config).__name__}")
+        problems[family.name] = obstacles(family, arch)
+        if not problems[family.name]:
+            return family
     fewest = min(len(p) for p in problems.values())
-    closest = "; ".join(f"{n} cannot express {', '.join(p)}"
-                        for n, p in problems.items() if len(p) == fewest)
+    closest = "; ".join(f"{n} cannot express {', '.join(p)}" for n, p in problems.items() if len(p) == fewest)
     raise HFError(f"no Hugging Face family expresses this config: {closest}")
 
 
-def config_from_hf(hf: dict, where: str = "config.json") -> dict:
-    """The config fields (a dict) of an HF ``config.json``, by its family's mapping."""
-    return family_of_model_type(hf.get("model_type"), where).from_hf(hf, where)
+def _shared_to_hf(family: Family, a) -> dict:
+    eos = list(a.eos_token_id) if isinstance(a.eos_token_id, tuple) else a.eos_token_id
+    return dict(architectures=[family.architecture], model_type=family.model_types[0],
+                vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
+                tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
 
 
 def config_to_hf(config, dtype: str | None = None, family: str | None = None) -> dict:
     """An HF ``config.json`` dict for ``config``, in ``family`` or the first that expresses it."""
-    family, c = family_of_config(config, family), config
-    eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
-    shared = dict(architectures=[family.architecture], model_type=family.model_types[0],
-                  vocab_size=c.vocab_size, bos_token_id=c.bos_token_id, eos_token_id=eos,
-                  tie_word_embeddings=c.tie_word_embeddings,
-                  initializer_range=c.initializer_range, torch_dtype=dtype or c.param_dtype)
-    return shared | family.to_hf(config)
+    chosen = family_of_config(config, family)
+    arch = getattr(config, "arch", config)
+    dtype = dtype or getattr(getattr(config, "execution", None), "param_dtype", "float32")
+    return _shared_to_hf(chosen, arch) | {"torch_dtype": dtype} | chosen.to_hf(arch)
 
 
-def load_hf_config(hf_dir: str, dtype=None, scan_layers: bool = True, overrides=None):
-    """The config of an HF model directory, built by its family's config class.
+def load_hf_config(hf_dir: str, dtype=None, scan_layers: bool = True, overrides=None) -> TransformerConfig:
+    """The config of an HF model directory: its family's architecture, and the execution that
+    computes as transformers does (the family's ``execution``).
 
     ``dtype`` ("float32" | "bfloat16") sets both the parameter and the compute dtype (default
-    float32); ``overrides`` are further config fields (e.g. ``moe_dispatch``).
+    float32); ``overrides`` are further fields of either record (e.g. ``moe_dispatch``).
     """
-    from shardzoo.models import apply_overrides
-
     where = os.path.join(hf_dir, "config.json")
     hf = read_hf_config(hf_dir)
     family = family_of_model_type(hf.get("model_type"), where)
-    fields = family.from_hf(hf, where) | dict(scan_layers=scan_layers)
+    execution = dict(family.execution, scan_layers=scan_layers)
     if dtype is not None:
-        fields.update(dtype=str(dtype), param_dtype=str(dtype))
-    return apply_overrides(family.config_class(**fields), dict(overrides or {}), where=hf_dir)
+        execution.update(dtype=str(dtype), param_dtype=str(dtype))
+    config = TransformerConfig(arch_from_hf(family, hf, where), TransformerConfig.EXECUTION(**execution))
+    return apply_overrides(config, dict(overrides or {}), where=hf_dir)
+
+
+# every family's zoo presets: name -> config
+PRESETS = {name: TransformerConfig.from_fields(**fields) for family in FAMILIES
+           for name, fields in family.presets.items()}
+for _name, _config in PRESETS.items():
+    register(_name, _config)

@@ -33,7 +33,9 @@ SINGLE_FILE = "model.safetensors"
 # ------------------------------------------------------------------------------ weight names
 def _names(w: Weight, i: int | None) -> list[str]:
     name = w.name.replace("{i}", str(i)) if i is not None else w.name
-    return [name.replace("{e}", str(e)) for e in range(w.experts)] if w.experts else [name]
+    if w.experts and not w.stacked_experts:
+        return [name.replace("{e}", str(e)) for e in range(w.experts)]
+    return [name]
 
 
 def _widths(w: Weight) -> tuple[int, ...]:
@@ -48,38 +50,43 @@ def _block(w: Weight, columns: int) -> slice:
 
 
 def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
-    """The HF tensor's shape for a per-layer leaf shape (per expert when stacked)."""
+    """The HF tensor's shape for a per-layer leaf shape (per expert, or with the experts in
+    front when HF stacks them)."""
     shape = tuple(leaf_shape[1:] if w.experts else leaf_shape)
+    lead = (w.experts,) if w.stacked_experts else ()
     widths = _widths(w)
     if w.op == "copy":
-        return shape
+        return lead + shape
     if w.op == "vec":
-        return (math.prod(shape) * sum(widths) // widths[w.part[0]],)
+        return lead + (math.prod(shape) * sum(widths) // widths[w.part[0]],)
     fan_in = math.prod(shape[: w.n_in])
     fan_out = math.prod(shape[w.n_in:]) * sum(widths) // widths[w.part[0]]
-    return (fan_out, fan_in) if w.op == "linear" else (fan_in, fan_out)
+    return lead + ((fan_out, fan_in) if w.op == "linear" else (fan_in, fan_out))
 
 
 def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     """HF tensor(s) -> one per-layer shardzoo leaf (transposed, split, stacked, reshaped)."""
     out = []
     for t in tensors:
-        t = t.T if w.op == "linear" else t
+        t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
         if w.part[1] > 1:
             t = t[..., _block(w, t.shape[-1])]
         out.append(t)
-    arr = np.stack(out) if w.experts else out[0]
+    arr = np.stack(out) if w.experts and not w.stacked_experts else out[0]
     return arr.reshape(leaf_shape)
 
 
 def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
     """The inverse of ``hf_to_leaf`` (before joining ``part`` blocks): HF tensor(s) of a leaf."""
     out = []
-    for a in (list(leaf) if w.experts else [leaf]):
+    stacked = w.experts and w.stacked_experts
+    for a in (list(leaf) if w.experts and not stacked else [leaf]):
+        lead = a.shape[:1] if stacked else ()
+        body = a.shape[len(lead):]
         if w.op == "vec":
-            a = a.reshape(-1)
+            a = a.reshape(lead + (-1,))
         elif w.op in ("linear", "conv1d"):
-            a = a.reshape(math.prod(a.shape[: w.n_in]), -1)
+            a = a.reshape(lead + (math.prod(body[: w.n_in]), -1))
         out.append(a)
     return out
 
@@ -205,13 +212,12 @@ def _read_stacked(reader, w: Weight, shape, layers, k: int) -> np.ndarray:
 
 def _layer_weights(config, family):
     """(global weights, [(path prefix, model layers, stacked, weights)]) by the config's
-    ``param_layout`` (one stack; a stack per position in a layer pattern; unrolled layers)."""
-    glob, dense, moe = family.weights(config)
-    groups = []
-    for prefix, layers, stacked in config.param_layout():
-        use_moe = config.num_local_experts > 0 if stacked else config.is_moe_layer(layers[0])
-        groups.append((prefix, layers, stacked, moe if use_moe else dense))
-    return glob, groups
+    ``param_layout`` (a stack, a stack per position of a scanned period, unrolled layers); the
+    layers of one group are alike, so the first one's ``LayerSpec`` gives the group's tensors."""
+    specs = config.layer_specs()
+    groups = [(prefix, layers, stacked, family.layer_weights(config.arch, specs[layers[0]]))
+              for prefix, layers, stacked in config.param_layout()]
+    return family.global_weights(config.arch), groups
 
 
 def _check(plan, shapes, reader, hf_dir) -> None:
@@ -274,7 +280,7 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             if len(parts) < w.part[1]:
                 continue
             arr = np.concatenate([parts[k] for k in range(w.part[1])], axis=-1)
-            arr = np.ascontiguousarray((arr.T if w.op == "linear" else arr).astype(out_dtype))
+            arr = np.ascontiguousarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype))
             del pending[name]
             if current and sum(a.nbytes for a in current.values()) + arr.nbytes > max_shard_bytes:
                 flush()

@@ -1,11 +1,11 @@
 """The command line: import-hf (sharded safetensors), generate (--checkpoint and --hf), export-hf
 with the tokenizer carried over, and clear exit-2 errors for unsupported or incomplete inputs."""
 
-import dataclasses
 import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -14,9 +14,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from shardzoo import cli
-from shardzoo.models import decode as dec
 from shardzoo.models.hf import is_hf_dir
+from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
 
 TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
 PROMPT = "the lazy fox"
@@ -103,9 +104,11 @@ def test_sampling_is_seeded(llama, capsys):
 
     # With top_k=3 at a high temperature, each new token is among the 3 most likely of the
     # logits a full forward pass gives at its step (ranks within 1e-4, the cache's rounding).
-    module, _, params = load_hf(llama[1])
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    module, config, params = load_hf(llama[1], mesh=mesh, rules=rules)
     prompt = np.random.default_rng(0).integers(3, 128, (8, 4))
-    out = np.asarray(dec.generate(module, params, prompt, 12, temperature=5.0, top_k=3, seed=0))
+    out = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=12, temperature=5.0,
+                                                top_k=3, seed=0)
     logits = np.asarray(module.apply({"params": params}, out))[:, 3:-1]  # [batch, new, vocab]
     rank = (logits > np.take_along_axis(logits, out[:, 4:, None], -1) + 1e-4).sum(-1)
     assert rank.max() <= 2 and (rank > 0).mean() > 0.3  # not greedy either
@@ -171,7 +174,7 @@ def test_train_settings_rebuild_the_hf_model(llama, tmp_path):
     cfg, config, meta = with_init_model(TrainConfig(out=str(tmp_path), init_from=hf_dir,
                                                     override=("remat_policy=full",)))
     assert cfg.tokenizer == hf_dir and not cfg.add_bos  # this BPE has no bos post-processor
-    assert config == dataclasses.replace(load_hf_config(hf_dir), remat_policy="full")
+    assert config == load_hf_config(hf_dir).replace(remat_policy="full")
     assert meta == {"model": None, "family": "llama"} and cfg.model is None
     plain = TrainConfig(out=str(tmp_path))
     assert with_init_model(plain) == (plain, None, {})  # no --init-from: --model builds it

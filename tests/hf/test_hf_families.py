@@ -39,7 +39,8 @@ from shardzoo.models.hf import (
     family_of_config,
     load_hf_config,
 )
-from shardzoo.models.transformer import PRESETS, TransformerConfig
+from shardzoo.models.hf.registry import PRESETS
+from shardzoo.models.transformer import TransformerConfig
 from shardzoo.train.checkpoint import (
     CheckpointError,
     config_from_meta,
@@ -85,19 +86,23 @@ def save_tiny(hf_config, path) -> str:
 
 
 def test_each_model_type_is_read_by_exactly_one_family_module():
+    """A family is one ``Family`` value declared in one module (its mapping functions may be
+    shared helpers of other family modules, e.g. Llama's weight map), and every one is registered."""
     assert set(SUPPORTED) == set(TINY)
+    family_modules = {f"shardzoo.models.hf.{m}" for m in FAMILY_MODULES}
+    homes = {}
+    for m in family_modules:
+        for v in vars(importlib.import_module(m)).values():
+            if isinstance(v, Family):
+                homes.setdefault(id(v), set()).add(m)
     for model_type in SUPPORTED:
         owners = [f for f in FAMILIES if model_type in f.model_types]
         assert len(owners) == 1, model_type
         family = owners[0]
-        modules = {fn.__module__ for fn in (family.from_hf, family.to_hf, family.obstacles,
-                                            family.weights)}
-        assert len(modules) == 1, (model_type, modules)  # declared whole, in one place
-        assert modules.pop() in {f"shardzoo.models.hf.{m}" for m in FAMILY_MODULES}
-    declared = [v for m in FAMILY_MODULES
-                for v in vars(importlib.import_module(f"shardzoo.models.hf.{m}")).values()
-                if isinstance(v, Family)]
-    assert sorted(f.name for f in declared) == sorted(f.name for f in FAMILIES)  # all registered
+        assert len(homes[id(family)]) == 1, (model_type, homes[id(family)])  # declared in one place
+        for fn in (family.from_hf, family.to_hf, family.global_weights, family.layer_weights):
+            assert fn.__module__ in family_modules, (model_type, fn)
+    assert len(homes) == len(FAMILIES)  # all registered
 
 
 @pytest.mark.parametrize("model_type", list(TINY))
@@ -109,8 +114,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     assert family_of_config(config).name == {"phi3": "mistral"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
-    fields = config_from_hf(written) | dict(scan_layers=config.scan_layers)
-    assert TransformerConfig(**fields) == config
+    assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
 
     # transformers reads the written config.json as the original, key by key.
     want = AutoConfig.from_pretrained(hf_dir).to_dict()
@@ -152,27 +156,31 @@ def test_import_records_family_and_whole_config_and_init_from_restores_it(tmp_pa
     meta = read_meta(*resolve_checkpoint(imported))
     assert meta["family"] == "llama" and meta["model"] is None  # no zoo preset claimed
     assert meta["config"] == config_to_dict(want)
-    assert set(meta["config"]) == {f.name for f in dataclasses.fields(TransformerConfig)}
-    assert config_from_meta(meta) == want
+    assert set(meta["config"]) == {"arch", "execution"}
+    assert set(meta["config"]["arch"]) == {f.name for f in dataclasses.fields(TransformerConfig.ARCH)}
+    assert set(meta["config"]["execution"]) == {f.name for f in dataclasses.fields(TransformerConfig.EXECUTION)}
+    assert config_from_meta(meta) == want.resolved()  # the scan layout written out
 
     assert cli.main(["train", "--init-from", imported, "--out", run, "--steps", "1",
                      "--batch-size", "8", "--seq-len", "16", "--save-every", "0",
                      "--eval-every", "0", "--eval-steps", "1"]) == 0
     trained = read_meta(*resolve_checkpoint(run))
     assert trained["family"] == "llama" and trained["model"] is None
-    assert config_from_meta(trained) == want
+    assert config_from_meta(trained) == want.resolved()
     with open(os.path.join(run, "run.json")) as f:
         assert json.load(f)["config"] == config_to_dict(want)
 
 
 def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused():
-    config = dataclasses.replace(get_config("llama3.2-1b"), num_hidden_layers=2)
+    config = get_config("llama3.2-1b").replace(num_hidden_layers=2)
     old = {"model": "llama2-7b", "config": json.loads(json.dumps(config_to_dict(config)))}
-    assert config_from_meta(old) == config
+    assert config_from_meta(old) == config.resolved()
+    flat = {**old["config"]["arch"], **old["config"]["execution"]}  # before the records split
+    assert config_from_meta({"model": "llama2-7b", "config": flat}) == config.resolved()
     with pytest.raises(CheckpointError, match="family 'gpt_neox'"):
         config_from_meta({"family": "gpt_neox", "config": old["config"]})
     with pytest.raises(CheckpointError, match="unknown field"):
-        config_from_meta({"family": "llama", "config": {**old["config"], "rope_kind": 1}})
+        config_from_meta({"family": "llama", "config": {**flat, "rope_kind": 1}})
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -17,13 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
 from shardzoo import cli
-from shardzoo.models.decode import generate
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import read_meta, resolve_checkpoint
 from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
 
 # head_dim 16, not hidden / heads = 8; vocab above the byte tokenizer's 259 ids (train)
 DIMS = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -40,6 +40,13 @@ CONFIGS = {
 }
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
+
+
+def greedy(hf_dir, prompt, new_tokens: int) -> np.ndarray:
+    """Greedy tokens from the Program's compiled decoding on one device."""
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(hf_dir, mesh=mesh, rules=rules)
+    return Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new_tokens)
 
 
 def randomize(model) -> None:
@@ -69,7 +76,7 @@ def built(request, tmp_path_factory):
 
 
 def _apply(module, params, mesh, rules):
-    with activate(mesh, rules):
+    with activate(mesh):
         return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
 
 
@@ -82,7 +89,8 @@ def test_config_reads_every_feature(built):
     kind = model.config.model_type
     assert config.norm_position == ("pre" if kind == "gemma" else "both")
     assert config.qk_norm == ("head" if kind == "gemma3_text" else "none")
-    assert config.sliding_window_pattern == {"gemma": None, "gemma2": 2, "gemma3_text": 6}[kind]
+    # the per-layer pattern as transformers derives it (Gemma 2 alternates, Gemma 3 has every 6th global)
+    assert config.layer_types == (None if kind == "gemma" else tuple(model.config.layer_types))
     assert config.rope_local_base_freq == (100.0 if kind == "gemma3_text" else None)
 
 
@@ -115,7 +123,7 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     path, _, ref = built
     mesh, rules = make_mesh("data=2,fsdp=2,tensor=2"), get_rules("fsdp_tp")
     module, config, params = load_hf(path, mesh=mesh, rules=rules)
-    stack = params["layers"]["sub_0"] if config.sliding_window_pattern else params["layers"]
+    stack = params["layers"]["sub_0"] if "sub_0" in params["layers"] else params["layers"]
     assert stack["attn"]["q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
         None, "fsdp", "tensor", None)
     np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
@@ -129,8 +137,7 @@ def test_greedy_generate_matches_transformers(built):
         want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16,
                               do_sample=False, eos_token_id=None, pad_token_id=0,
                               min_new_tokens=16).numpy()
-    module, _, params = load_hf(path)
-    got = np.asarray(generate(module, params, prompt, 16))
+    got = greedy(path, prompt, 16)
     assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
     np.testing.assert_array_equal(got, want)
 
@@ -174,9 +181,19 @@ def test_multimodal_gemma3_is_one_line_naming_it(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_an_irregular_layer_pattern_is_one_line_naming_it(tmp_path):
-    hf = CONFIGS["gemma2"]().to_dict() | {"layer_types": ["sliding_attention", "full_attention",
-                                                          "full_attention", "sliding_attention"]}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(HFError, match="layer_types .* is not a pattern shardzoo expresses"):
-        load_hf_config(str(tmp_path))
+def test_an_irregular_layer_pattern_imports_scanned_and_matches_transformers(tmp_path):
+    """A layer_types list no period describes (sliding, full, full, sliding) is a valid HF
+    config: it imports with scanning on (an unrolled prefix or rest around the scanned run) and
+    gives transformers' logits, scanned and unrolled alike."""
+    hf_config = CONFIGS["gemma2"]()
+    hf_config.layer_types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    randomize(model)
+    model.save_pretrained(tmp_path)
+    ref = hf_logits(model, TOKENS)
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    for scan in (True, False):
+        module, config, params = load_hf(str(tmp_path), mesh=mesh, rules=rules, scan_layers=scan)
+        assert config.layer_types == tuple(hf_config.layer_types)
+        np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)

@@ -25,12 +25,12 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from shardzoo.models.decode import generate
 from shardzoo.models.hf import export_hf, put_leaf
 from shardzoo.sharding import make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -62,6 +62,13 @@ TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32
 TOL = 1e-4
 
 
+def greedy(hf_dir, prompt, new_tokens: int) -> np.ndarray:
+    """Greedy tokens from the Program's compiled decoding on one device."""
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(hf_dir, mesh=mesh, rules=rules)
+    return Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new_tokens)
+
+
 def randomize(model) -> None:
     """Every weight random (norm scales near 1), so zero-initialized biases are tested too."""
     with torch.no_grad():
@@ -89,7 +96,7 @@ def built(request, tmp_path_factory):
 
 
 def _apply(module, params, mesh, rules):
-    with activate(mesh, rules):
+    with activate(mesh):
         return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
 
 
@@ -134,8 +141,7 @@ def test_greedy_generate_matches_transformers(built):
     with torch.no_grad():
         want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
                               eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    module, _, params = load_hf(path)
-    got = np.asarray(generate(module, params, prompt, 16))
+    got = greedy(path, prompt, 16)
     assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
     np.testing.assert_array_equal(got, want)
 

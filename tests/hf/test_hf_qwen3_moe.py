@@ -5,17 +5,20 @@ Every-layer-MoE Qwen3-MoE (scanned) runs the families' tests in test_hf_models.p
 fsdp_tp, greedy generate, export). Tolerance: 1e-4 on float32 logits, as there.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from shardzoo.models import ModelError
+from shardzoo import cli
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
 
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
@@ -50,25 +53,90 @@ def _apply(module, params, mesh=None, rules=None, collections=()):
     fn = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
     if mesh is None:
         return fn(params, TOKENS)
-    with activate(mesh, rules):
+    with activate(mesh):
         return fn(params, TOKENS)
 
 
 def test_moe_layers_are_those_hf_builds(tmp_path):
-    """decoder_sparse_step and mlp_only_layers pick the MoE layers as Qwen3MoeDecoderLayer does."""
+    """decoder_sparse_step and mlp_only_layers pick the MoE layers as Qwen3MoeDecoderLayer does,
+    and the pattern imports with scanning on (no pattern is refused)."""
     hf_config = Qwen3MoeConfig(**(HF_CONFIG | dict(num_hidden_layers=7, decoder_sparse_step=2,
                                                    mlp_only_layers=[3, 4])))
     hf_config.save_pretrained(tmp_path)
-    config = load_hf_config(str(tmp_path), scan_layers=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     want = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in model.model.layers]
     assert want == [False, True, False, False, False, True, False]
-    assert [config.is_moe_layer(i) for i in range(7)] == want
-    assert config.num_params() == sum(p.numel() for p in model.parameters())
-    with pytest.raises(ModelError, match=r"moe_layer_freq=2 and mlp_only_layers=\[3, 4\] mixes dense "
-                                         "and MoE layers: set scan_layers=false"):
-        load_hf_config(str(tmp_path))
+    for scan in (False, True):
+        config = load_hf_config(str(tmp_path), scan_layers=scan)
+        assert [s.mlp == "moe" for s in config.arch.layer_specs()] == want
+        assert config.num_params() == sum(p.numel() for p in model.parameters())
+    assert config.scan_layers and config.layout().repeats >= 2  # scanned, not unrolled whole
+
+
+# 9 layers: mlp_only_layers [0, 1] and MoE every second layer: D D D M D M D M D. Scanned as an
+# unrolled prefix (layers 0, 1), three periods of (D, M) and an unrolled rest (layer 8).
+PATTERN = dict(HF_CONFIG, vocab_size=320, num_hidden_layers=9, decoder_sparse_step=2, mlp_only_layers=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def pattern(tmp_path_factory):
+    torch.manual_seed(3)  # a seed whose greedy continuation varies (deep random models repeat)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**PATTERN), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("qwen3_moe_pattern"))
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_a_pattern_with_prefix_and_rest_scans_and_equals_transformers_and_unrolled(pattern):
+    path, model = pattern
+    ref = hf_logits(model, TOKENS)
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    module, config, params = load_hf(path, mesh=mesh, rules=rules)
+    assert config.layout().as_tuple() == (2, 2, 3)  # prefix 2, period 2, 3 repeats, layer 8 unrolled
+    assert set(params) >= {"layers_0", "layers_1", "layers_8", "layers"}
+    assert set(params["layers"]) == {"sub_0", "sub_1"} and "moe" in params["layers"]["sub_1"]
+    logits, _ = _apply(module, params, mesh)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
+
+    # unrolled: the same logits (gradients of this pattern, scanned against unrolled:
+    # tests/models/test_tf_patterns.py)
+    flat_module, _, flat = load_hf(path, mesh=mesh, rules=rules, scan_layers=False)
+    assert "layers" not in flat
+    flat_logits, _ = _apply(flat_module, flat, mesh)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(flat_logits), atol=1e-5, rtol=0)
+
+
+def test_a_pattern_with_prefix_and_rest_generates_as_transformers(pattern):
+    path, model = pattern
+    prompt = TOKENS[:1, :8]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
+    assert len(set(want[0, 8:].tolist())) > 3
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_pattern_with_prefix_and_rest_trains_scanned(pattern, tmp_path):
+    path, _ = pattern
+    imported, run = str(tmp_path / "imported"), str(tmp_path / "run")
+    assert cli.main(["import-hf", path, imported]) == 0  # no tokenizer in the HF dir: byte
+    assert cli.main(["train", "--init-from", imported, "--out", run, "--steps", "12", "--batch-size", "8",
+                     "--seq-len", "16", "--lr", "3e-3", "--save-every", "12", "--eval-every", "0",
+                     "--log-every", "1"]) == 0
+    from shardzoo.train.metrics import read_metrics
+    from shardzoo.train.sources import open_source
+
+    losses = [r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "loss" in r]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2
+    source = open_source(run)
+    assert source.config.scan_layers and source.config.layout().as_tuple() == (2, 2, 3)
 
 
 def test_mixed_layers_import_unrolled_with_the_dense_and_moe_layers_hf_has(built):

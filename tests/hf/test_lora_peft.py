@@ -106,16 +106,18 @@ def test_lora_run_exports_merged_and_peft_and_imports_back(base, tmp_path, capsy
 def test_peft_module_names_follow_a_layer_pattern_layout():
     """Gemma 3's period stacks (layers/sub_j) and unrolled remainder (layers_6, layers_7): each
     model layer's adapters get exactly one PEFT module name, with its own layer number."""
-    import dataclasses
-
     from shardzoo.models import get_config
     from shardzoo.train.lora_io import _modules
 
-    config = dataclasses.replace(get_config("gemma3-tiny"), lora_rank=4, lora_targets=("q", "down"))
-    mods = _modules(config, "gemma3_text")
-    for target, hf_name in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
-        found = sorted(j for _, layers, _, t, name in mods if t == target for j in layers)
-        assert found == list(range(config.num_hidden_layers))
-        assert all(name == f"model.layers.{{i}}.{hf_name}" for _, _, _, t, name in mods if t == target)
-    assert {(path[0], stacked) for path, _, stacked, _, _ in mods} == (
-        {("layers", True), ("layers_6", False), ("layers_7", False)})
+    for layout, want in ((None, {("layers", True), ("layers_5", False), ("layers_6", False), ("layers_7", False)}),
+                         ((0, 6, 1), {("layers", True), ("layers_6", False), ("layers_7", False)})):
+        # auto: layers 0-4 (local) scanned, 5 (global), 6, 7 unrolled; or one period of 6 (sub_j)
+        config = get_config("gemma3-tiny").replace(lora_rank=4, lora_targets=("q", "down"), scan_layout=layout)
+        mods = _modules(config, "gemma3_text")
+        for target, hf_name in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+            found = sorted(j for _, layers, _, t, name in mods if t == target for j in layers)
+            assert found == list(range(config.num_hidden_layers))
+            assert all(name == f"model.layers.{{i}}.{hf_name}" for _, _, _, t, name in mods if t == target)
+        assert {(path[0], stacked) for path, _, stacked, _, _ in mods} == want
+        subs = {path[1] for path, _, stacked, _, _ in mods if stacked}
+        assert subs == ({"attn", "mlp"} if layout is None else {f"sub_{j}" for j in range(6)})

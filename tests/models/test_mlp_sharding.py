@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate, logical_shardings
 from shardzoo.train.program import Program, plan
 
 B, IN, WIDTH, OUT = 16, 16, 32, 8
@@ -87,9 +87,9 @@ def test_param_specs_match_the_hand_written_table(setup, preset):
     module, config, *_ = setup
     mesh = make_mesh(MESHES[preset])
     rules = get_rules(preset)
-    with activate(mesh, rules):
-        abstract = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((B, IN)))
-    flax_shardings = logical_shardings(abstract, mesh, rules)["params"]
+    abstract = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((B, IN)))
+    # flax's own resolver, as an independent check of shardzoo's (sharding/partition.py)
+    flax_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, tuple(rules))["params"]
     ours = {r.array.path: r.array.spec for r in plan(config, rules, mesh, batch_size=B).params}
     for key, expected in SPECS[preset].items():
         assert _padded(_leaf(flax_shardings, key).spec, len(expected)) == expected, (preset, key)

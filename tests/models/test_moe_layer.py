@@ -13,7 +13,7 @@ from shardzoo.errors import UserError
 from shardzoo.models.moe import ExpertAxisError, MoeConfig, MoeError, MoeMLP
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding.partition import Placement, activate
 
 E, D, M = 8, 16, 32
 # LLVM at -O0 halves the CPU compile time of these tiny programs (same HLO, same numbers).
@@ -80,8 +80,8 @@ def assert_trees_close(a, b, atol):
         np.testing.assert_allclose(u, v, atol=atol, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
-def moe_fn(cfg):
-    return lambda p, x: MoeMLP(cfg).apply({"params": p}, x)
+def moe_fn(cfg, placement=None):
+    return lambda p, x: MoeMLP(cfg, placement).apply({"params": p}, x)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +102,9 @@ def test_dispatch_matches_dense_reference(problem, dispatch):
 @pytest.mark.parametrize("dispatch", ["capacity", "shard_map"])
 def test_expert_parallel_matches_dense_reference(problem, dispatch):
     params, x, (y_ref, g_ref) = problem
-    fn = moe_fn(dataclasses.replace(CFG, dispatch=dispatch))
-    with activate(make_mesh("expert=4,data=2"), get_rules("ep")):
+    mesh = make_mesh("expert=4,data=2")
+    fn = moe_fn(dataclasses.replace(CFG, dispatch=dispatch), Placement(mesh, get_rules("ep")))
+    with activate(mesh):
         y, g = output_and_grads(fn)(params, x)
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
     assert_trees_close(g, g_ref, atol=1e-5)
@@ -132,8 +133,9 @@ def test_capacity_drops_hand_worked_example(dispatch):
     x[:, :, :4] = HAND_LOGITS
     params = make_params(num_experts=4)
     params["router"]["kernel"] = np.eye(D, 4, dtype=np.float32)
-    module = MoeMLP(cfg)
-    with activate(make_mesh("expert=4,data=2"), get_rules("ep")):
+    mesh = make_mesh("expert=4,data=2")
+    module = MoeMLP(cfg, Placement(mesh, get_rules("ep")))
+    with activate(mesh):
         y, state = jit(lambda p, x: module.apply({"params": p}, x, mutable=["metrics"]))(params, x)
 
     xn, p = np.asarray(x, np.float64), jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -263,9 +265,10 @@ def test_shard_map_without_expert_mesh_axis_is_a_user_error():
     cfg = dataclasses.replace(CFG, dispatch="shard_map")
     x = np.ones((8, 4, D), np.float32)
     params = make_params()
-    with activate(make_mesh("data=2,fsdp=4"), get_rules("fsdp")):
+    mesh = make_mesh("data=2,fsdp=4")
+    with activate(mesh):
         with pytest.raises(ExpertAxisError, match="'expert' on a mesh axis"):
-            jit(moe_fn(cfg))(params, x)
+            jit(moe_fn(cfg, Placement(mesh, get_rules("fsdp"))))(params, x)
     with pytest.raises(ExpertAxisError, match="no mesh"):
         jit(moe_fn(cfg))(params, x)
     assert issubclass(ExpertAxisError, UserError)

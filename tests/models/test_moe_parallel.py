@@ -21,7 +21,7 @@ from shardzoo.models import get_model
 from shardzoo.models.moe import MoeConfig, MoeMLP
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate, logical_shardings, spec_to_sharding
+from shardzoo.sharding.partition import Placement, activate, logical_shardings, spec_to_sharding
 from shardzoo.train.program import plan
 
 E, D, M, B, L = 8, 16, 32, 8, 8
@@ -41,13 +41,16 @@ def all_to_all_count(hlo_text: str) -> int:
     return len(re.findall(r"\ball-to-all(-start)?\(", hlo_text))
 
 
-def train_three_steps(loss_fn, abstract, params, batch, batch_axes, layout):
-    """3 adamw steps of ``loss_fn(params, batch)`` laid out as ``layout``.
+def train_three_steps(make_loss, abstract, params, batch, batch_axes, layout):
+    """3 adamw steps of ``make_loss(placement)(params, batch)`` laid out as ``layout``.
 
     Returns (losses, final params, compiled step text).
     """
     mesh_spec, rules_name, _ = layout
     tx = optax.adamw(3e-2)
+
+    placement = None if mesh_spec is None else Placement(make_mesh(mesh_spec), get_rules(rules_name))
+    loss_fn = make_loss(placement)
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -59,7 +62,7 @@ def train_three_steps(loss_fn, abstract, params, batch, batch_axes, layout):
         param_shardings = batch_shardings = None
     else:
         mesh, rules = make_mesh(mesh_spec), get_rules(rules_name)
-        context, put = activate(mesh, rules), jax.device_put
+        context, put = activate(mesh), jax.device_put
         param_shardings = logical_shardings(abstract, mesh, rules)
         batch_shardings = {k: spec_to_sharding(batch_axes[k], mesh, rules) for k in batch}
     with context:
@@ -85,12 +88,19 @@ class LayerModel:
     cfg: MoeConfig
     task = "regression"
     num_outputs = D
+    trains = None
 
-    def build(self):
-        return MoeMLP(self.cfg)
+    def build(self, placement=None):
+        return MoeMLP(self.cfg, placement)
 
     def sample_inputs(self, batch_size, seq_len):
         return (jax.ShapeDtypeStruct((batch_size, seq_len, D), jnp.float32),)
+
+    def activation_estimate(self, batch_size, seq_len, shards):
+        return None
+
+    def pipeline_plan(self, batch_size, shards):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +116,15 @@ def layer_runs():
                           nn.meta.unbox(abstract))
     runs = {"plan_config": LayerModel(cfg)}
     for name, layout in LAYOUTS.items():
-        module = MoeMLP(dataclasses.replace(cfg, dispatch=layout[2]))
+        def make_loss(placement, cfg=dataclasses.replace(cfg, dispatch=layout[2])):
+            def loss_fn(params, batch):
+                y, state = MoeMLP(cfg, placement).apply({"params": params}, batch["x"],
+                                                        mutable=["losses", "metrics"])
+                return jnp.mean((y - batch["y"]) ** 2) + total_aux(state)
 
-        def loss_fn(params, batch, module=module):
-            y, state = module.apply({"params": params}, batch["x"], mutable=["losses", "metrics"])
-            return jnp.mean((y - batch["y"]) ** 2) + total_aux(state)
+            return loss_fn
 
-        runs[name] = train_three_steps(loss_fn, abstract, params, batch, batch_axes, layout)
+        runs[name] = train_three_steps(make_loss, abstract, params, batch, batch_axes, layout)
     return runs
 
 
@@ -131,16 +143,20 @@ def mixtral_runs():
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: np.ones(a.shape, np.float32) if jax.tree_util.keystr(path).endswith("['scale']")
         else 0.05 * r.normal(size=a.shape).astype(np.float32), nn.meta.unbox(abstract))
-    runs = {"plan_config": dataclasses.replace(model.config, max_position_embeddings=L)}
+    runs = {"plan_config": model.config.replace(max_position_embeddings=L)}
     for name, layout in LAYOUTS.items():
-        module, _ = get_model("mixtral-tiny", **overrides, moe_dispatch=layout[2])
+        _, config = get_model("mixtral-tiny", **overrides, moe_dispatch=layout[2])
 
-        def loss_fn(params, batch, module=module):
-            logits, state = module.apply({"params": params}, batch["inputs"], mutable=["losses", "metrics"])
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-            return ce + total_aux(state)
+        def make_loss(placement, config=config):
+            def loss_fn(params, batch):
+                logits, state = config.build(placement).apply({"params": params}, batch["inputs"],
+                                                              mutable=["losses", "metrics"])
+                ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+                return ce + total_aux(state)
 
-        runs[name] = train_three_steps(loss_fn, abstract, params, batch, batch_axes, layout)
+            return loss_fn
+
+        runs[name] = train_three_steps(make_loss, abstract, params, batch, batch_axes, layout)
     return runs
 
 

@@ -16,7 +16,7 @@ from shardzoo.cli import main
 from shardzoo.errors import UserError
 from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate, logical_shardings
+from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.config import TrainConfig
 from shardzoo.train.program import count_collectives, run_program
 
@@ -63,10 +63,13 @@ def _objective(module):
 def _logits_under_cp_equal_one_device(module, batch) -> str:
     """The forward under ``cp`` (context=4,data=2) gives one device's logits (1e-5); its HLO."""
     params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
-    f = jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
-    one = f(params, batch)
-    with activate(make_mesh(MESHES["cp"]), get_rules("cp")):
-        compiled = f.lower(params, batch).compile()
+    def forward(module):
+        return jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
+
+    one = forward(module)(params, batch)
+    mesh = make_mesh(MESHES["cp"])
+    with activate(mesh):
+        compiled = forward(module.clone(placement=Placement(mesh, get_rules("cp")))).lower(params, batch).compile()
     np.testing.assert_allclose(compiled(params, batch), one, rtol=0, atol=1e-5)
     return compiled.as_text()
 
@@ -86,8 +89,8 @@ def reference(request):
 def test_ring_attention_logits_and_gradients_equal_one_device(reference, preset):
     module, boxed, params, batch, (logits, grads) = reference
     mesh, rules = make_mesh(MESHES[preset]), get_rules(preset)
-    f = _objective(module)
-    with activate(mesh, rules):
+    f = _objective(module.clone(placement=Placement(mesh, rules)))
+    with activate(mesh):
         params = jax.device_put(params, logical_shardings(boxed, mesh, rules))
         compiled = f.lower(params, batch).compile()
     (_, ring_logits), ring_grads = compiled(params, batch)
@@ -116,7 +119,7 @@ def test_three_adamw_steps_of_the_program_give_one_devices_losses():
     batches = [packed_batch(seed) for seed in range(3)]
 
     def losses(rules, mesh):
-        program = run_program(cfg, config, get_rules(rules), mesh, module=module)
+        program = run_program(cfg, config, get_rules(rules), mesh)
         state, step = program.init(jax.random.key(0)), program.compiled_train_step()
         out = []
         for batch in batches:
@@ -149,7 +152,7 @@ def test_sp_shards_the_residual_stream_by_length_and_leaves_attention_to_xla():
     (XLA's attention, no ring), where ``cp``'s ring gathers no length."""
     module, config = get_model("llama-tiny", **TINY)
     cfg = TrainConfig(batch_size=BATCH, seq_len=LENGTH)
-    program = run_program(cfg, config, get_rules("sp"), make_mesh("data=2,sequence=2,tensor=2"), module=module)
+    program = run_program(cfg, config, get_rules("sp"), make_mesh("data=2,sequence=2,tensor=2"))
     sp_hlo = program.lower().compile(compiler_options=FAST).as_text()
     # The norms between blocks (each block's two, the final one) work on [2, 24, 32] slices
     # of the residual stream per device, never on a whole row.
@@ -169,9 +172,9 @@ def test_sp_shards_the_residual_stream_by_length_and_leaves_attention_to_xla():
 def test_gemma_local_global_layers_under_cp_equal_one_device(name):
     """Gemma 2's soft-capped attention (plain XLA, its mask by position: right in the ring's
     token order) and Gemma 3's ring with each layer's own window and query scale."""
-    module, config = get_model(name, **{**TINY, "num_hidden_layers": 2, "sliding_window_pattern": 2,
-                                        "sliding_window": 8})
-    assert [config.is_local_layer(i) for i in range(2)] == [True, False]
+    module, config = get_model(name, **{**TINY, "num_hidden_layers": 2, "sliding_window": 8,
+                                        "layer_types": ("sliding_attention", "full_attention")})
+    assert [s.window for s in config.layer_specs()] == [8, None]
     hlo = _logits_under_cp_equal_one_device(module, packed_batch(seed=7))
     if not config.attn_logit_softcapping:
         assert count_collectives(hlo)["collective-permute"] > 0  # the ring

@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 from shardzoo.models import decode as dec
 from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.program import Program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
@@ -37,7 +36,7 @@ def test_cached_decoding_matches_full_forward(name, overrides):
     params = _params(module, x)
     full = jax.jit(module.apply, compiler_options=FAST)({"params": params}, x)
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
-    cache = dec.init_cache(module, params, B, L)
+    cache = jax.jit(dec.cache_init_fn(module, B, L))(params)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     logits, cache = step(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])
     outs = [logits]
@@ -53,9 +52,10 @@ def test_greedy_generate_is_argmax_of_full_forwards_with_left_padding():
     prompt = x.at[1, :2].set(7)  # row 1: two padding tokens, then a 4-token prompt
     lengths = jnp.array([6, 4])
     params = _params(module, prompt)
-    out = dec.generate(module, params, prompt, max_new_tokens=6, prompt_lengths=lengths)
-    again = dec.generate(module, params, prompt, max_new_tokens=6, prompt_lengths=lengths)
-    assert out.shape == (B, 12) and out.dtype == jnp.int32
+    program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    out = program.generate(params, prompt, lengths, max_new_tokens=6)
+    again = program.generate(params, prompt, lengths, max_new_tokens=6)
+    assert out.shape == (B, 12) and out.dtype == np.int32
     np.testing.assert_array_equal(out, again)
     np.testing.assert_array_equal(out[:, :6], prompt)
     # Full forwards over each row's real tokens (row 1 without its padding, then filler).
@@ -142,14 +142,38 @@ def test_sample_loop_honours_temperature_top_k_and_top_p_at_every_step():
 
 
 def test_cache_carries_logical_axes_and_shards_under_the_rules():
-    module, config = get_model("llama-tiny", **TINY)
-    params = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1])).params_target()
-    specs = dec.cache_logical_specs(module, params, 4, 16)["layers"]["attn"]
+    _, config = get_model("llama-tiny", **TINY)
+    one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    boxed = jax.eval_shape(dec.cache_init_fn(one.module, 4, 16), one.params_target())
+    specs = nn.get_partition_spec(boxed)["layers"]["attn"]
     assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
-    mesh = make_mesh("data=4,tensor=2")
-    with activate(mesh, get_rules("tp")):
-        cache = dec.init_cache(module, params, 4, 16)
+    program = Program(config, get_rules("tp"), make_mesh("data=4,tensor=2"))
+    cache = program.new_cache(4, 16)
     key = cache["layers"]["attn"]["cached_key"]
     assert key.shape == (2, 4, 16, 2, 8)
     assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2
+
+
+def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
+    """The Program's compiled decoding on 8 devices: every cache array sharded as its logical
+    axes say under fsdp_tp (batch over data+fsdp, kv heads over tensor), the same greedy and
+    sampled tokens as one device."""
+    _, config = get_model("llama-tiny", **TINY)
+    one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    params = one.init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
+    prompt = np.asarray(jax.random.randint(jax.random.key(4), (4, 5), 0, config.vocab_size))
+    program = Program(config, get_rules("fsdp_tp"), make_mesh("fsdp=4,tensor=2"))
+    placed = jax.device_put(jax.device_get(params), program.shardings.params)
+    for kw in (dict(), dict(temperature=1.0, top_k=20, seed=7)):
+        want = one.generate(params, prompt, max_new_tokens=7, **kw)
+        got = program.generate(placed, prompt, max_new_tokens=7, **kw)
+        np.testing.assert_array_equal(got, want)
+    _, shardings = program.cache_shardings(4, 12)
+    attn = shardings["layers"]["attn"]
+    assert attn["cached_key"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert attn["cached_segment_ids"].spec == P(None, ("data", "fsdp"), None)
+    cache = program.new_cache(4, 12)
+    for name in ("cached_key", "cached_value", "cached_segment_ids"):
+        assert cache["layers"]["attn"][name].sharding == attn[name], name
+    assert cache["layers"]["attn"]["cached_key"].addressable_shards[0].data.shape == (2, 1, 12, 1, 8)

@@ -12,8 +12,10 @@ import pytest
 from flax import linen as nn
 
 from shardzoo.models import ModelError, get_config, get_model, list_models
-from shardzoo.models.layers import apply_rope, rope_inv_freq, swiglu
-from shardzoo.models.transformer import PRESETS, REMAT_POLICIES
+from shardzoo.models.attention import apply_rope, rope_inv_freq
+from shardzoo.models.execution import REMAT_POLICIES
+from shardzoo.models.hf.registry import PRESETS
+from shardzoo.models.layers import swiglu
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_abstract_mesh
 from shardzoo.sharding.partition import logical_shardings
@@ -219,8 +221,8 @@ def test_llama3_rope_scaling_matches_transformers():
                      head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling_dict,
                      max_position_embeddings=cfg.max_position_embeddings)
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    ours = rope_inv_freq(cfg)
-    plain = rope_inv_freq(get_config("llama3.2-1b", rope_scaling=None))
+    ours = rope_inv_freq(cfg.arch)
+    plain = rope_inv_freq(get_config("llama3.2-1b", rope_scaling=None).arch)
     assert ours.dtype == np.float32 and not np.allclose(ours, plain)  # the scaling acts
     # Two libraries round differently: within 4 float32 ulps (another x86 machine showed 1 ulp on 7 of 32).
     np.testing.assert_array_max_ulp(ours, want.numpy().astype(np.float32), maxulp=4)
@@ -231,7 +233,7 @@ def test_rope_is_hf_rotate_half_and_partial():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     cfg = get_config("llama-tiny", partial_rotary_factor=0.5)
-    inv = rope_inv_freq(cfg)  # 4 frequencies: rotates 8 of the 16 features
+    inv = rope_inv_freq(cfg.arch)  # 4 frequencies: rotates 8 of the 16 features
     q = np.random.default_rng(0).normal(size=(1, 5, 2, 16)).astype(np.float32)
     pos = np.arange(5)[None]
     freqs = pos[..., None] * inv
@@ -290,14 +292,14 @@ def test_llama3_8b_bytes_per_device_on_64_device_fsdp_tp():
     assert per_device("final_norm", "scale") == (4096 // 8) * f32
 
 
-def test_config_errors_and_moe_layer_frequency():
+def test_config_errors_and_moe_layer_pattern():
     with pytest.raises(ModelError, match="num_key_value_heads=3"):
         get_config("llama-tiny", num_key_value_heads=3)
-    with pytest.raises(ModelError, match="scan_layers=false"):
-        get_config("mixtral-tiny", moe_layer_freq=2)
+    with pytest.raises(ModelError, match="mlp_layer_types must name 2 layers"):
+        get_config("mixtral-tiny", mlp_layer_types="dense,moe,moe")
     with pytest.raises(ModelError, match="remat_policy"):
         get_config("llama-tiny", remat_policy="sometimes")
-    module, config = get_model("mixtral-tiny", moe_layer_freq=2, scan_layers=False)
+    module, config = get_model("mixtral-tiny", mlp_layer_types="dense,moe")  # scanned: each alone
     boxed = jax.eval_shape(module.init, jax.random.key(0), *config.sample_inputs(1, 4))["params"]
     assert "mlp" in boxed["layers_0"] and "moe" not in boxed["layers_0"]
     assert "moe" in boxed["layers_1"] and "mlp" not in boxed["layers_1"]
@@ -311,6 +313,8 @@ def test_config_errors_and_moe_layer_frequency():
     ("num_hidden_layers", 0), ("num_attention_heads", 0), ("intermediate_size", -1), ("vocab_size", 0),
     ("num_key_value_heads", 0), ("head_dim", 0), ("rope_scaling", "foo"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), ("rope_scaling", {"rope_type": "linear"}),
+    ("initializer_range", float("nan")), ("rms_norm_eps", -1e-6), ("rope_theta", 0.0),
+    ("lora_alpha", float("inf")), ("scan_layout", (0, 3, 1)),
 ])
 def test_every_bad_config_value_is_a_model_error_naming_its_field(field, value):
     with pytest.raises(ModelError, match=field):
@@ -330,7 +334,7 @@ def test_moe_and_mlp_configs_check_their_fields_when_built():
             MoeConfig(**{field: value})
     for field, value in (("activation", "foo"), ("dtype", "float8"), ("param_dtype", "x"),
                          ("task", "ranking"), ("width", 0)):
-        with pytest.raises(ModelError, match=f"MLPConfig.{field}="):
-            MLPConfig(**{field: value})
+        with pytest.raises(ModelError, match=f"MLP(Arch|Execution).{field}="):
+            MLPConfig.from_fields(**{field: value})
     with pytest.raises(ModelError, match="num_experts_per_tok=3"):  # the MoE layer's check, at build
         get_config("mixtral-tiny", num_local_experts=2, num_experts_per_tok=3)

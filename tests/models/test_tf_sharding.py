@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from shardzoo.models import get_model
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate, logical_shardings, spec_to_sharding
+from shardzoo.sharding.partition import Placement, activate, logical_shardings, spec_to_sharding
 from shardzoo.train.program import Program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
@@ -82,11 +82,12 @@ def test_losses_match_single_device(model, preset):
     module, boxed, params, batch, reference = model
     mesh_spec, q_spec = CASES[preset]
     mesh, rules = make_mesh(mesh_spec), get_rules(preset)
-    with activate(mesh, rules):
+    placed = module.clone(placement=Placement(mesh, rules))
+    with activate(mesh):
         shardings = logical_shardings(boxed, mesh, rules)
         opt_shardings = logical_shardings(jax.eval_shape(TX.init, boxed), mesh, rules)
         batch_sharding = spec_to_sharding((ax.BATCH, None), mesh, rules)
-        losses, trained = _train(module, params, batch, (shardings, opt_shardings, batch_sharding))
+        losses, trained = _train(placed, params, batch, (shardings, opt_shardings, batch_sharding))
     q = (trained["layers"] if "layers" in trained else trained["layers_0"])["attn"]["q"]["kernel"]
     if "layers_0" in trained:
         q_spec = P(*q_spec[1:])
@@ -97,7 +98,7 @@ def test_losses_match_single_device(model, preset):
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
     assert reference[-1] < reference[0]  # the steps train
     if preset == "sp":  # the activations between blocks are split along the length over `sequence`
-        assert _between_blocks(module, boxed, mesh, rules) == ['[{"data"}, {"sequence"}, {}]'] * (
+        assert _between_blocks(placed, boxed, mesh, rules) == ['[{"data"}, {"sequence"}, {}]'] * (
             1 + 2 * _traced_blocks(boxed))
 
 
@@ -113,7 +114,7 @@ def _between_blocks(module, boxed, mesh, rules) -> list[str]:
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           nn.unbox(boxed), shardings)
     tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
-    with activate(mesh, rules):
+    with activate(mesh):
         text = jax.jit(lambda p, t: module.apply({"params": p}, t)).lower(params, tokens).as_text()
     shape = f"{BATCH}x{LENGTH}x{TINY['hidden_size']}xf32"
     return re.findall(rf"sdy\.sharding_constraint %\S+ <@\w+, (\[.*\])> : tensor<{shape}>", text)
@@ -124,7 +125,7 @@ def test_block_constrains_its_outputs_under_fsdp_tp(model):
     data and fsdp, the rest whole: two per block traced (the scanned body once), one for the input."""
     module, boxed, *_ = model
     mesh, rules = make_mesh(CASES["fsdp_tp"][0]), get_rules("fsdp_tp")
-    specs = _between_blocks(module, boxed, mesh, rules)
+    specs = _between_blocks(module.clone(placement=Placement(mesh, rules)), boxed, mesh, rules)
     assert specs == ['[{"data", "fsdp"}, {}, {}]'] * (1 + 2 * _traced_blocks(boxed)), specs
 
 
@@ -134,9 +135,10 @@ def test_fused_projections_add_no_collectives_under_tp():
     x = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
     counts = {}
     for fuse in (True, False):
-        module, config = get_model("llama-tiny", fuse_projections=fuse, **TINY)
-        params = Program(config, rules, mesh, module=module).params_target()  # with shardings
-        with activate(mesh, rules):
+        _, config = get_model("llama-tiny", fuse_projections=fuse, **TINY)
+        program = Program(config, rules, mesh)
+        module, params = program.module, program.params_target()  # with shardings
+        with activate(mesh):
             tokens = jax.ShapeDtypeStruct(x.shape, x.dtype,
                                           sharding=spec_to_sharding((ax.BATCH, None), mesh, rules))
 

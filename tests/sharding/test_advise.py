@@ -1,7 +1,6 @@
 """`shardzoo advise`: the collective-bytes model against compiled HLO, hand-checkable rankings,
 plans that fit, --verify and --json, and one-line errors."""
 
-import dataclasses
 import json
 
 import pytest
@@ -152,7 +151,7 @@ def test_every_ranked_candidate_fits_and_a_fresh_plan_agrees(llama8b_8, llama8b_
     # A fresh Program (its own trace on the candidate's mesh) plans the same total.
     config = get_config("llama3-8b")
     for c in llama8b_256.ranked[:2]:
-        fresh = plan(dataclasses.replace(config, remat_policy=c.variant), c.rules, c.mesh,
+        fresh = plan(config.replace(remat_policy=c.variant), c.rules, c.mesh,
                      batch_size=256, seq_len=2048, grad_accum=c.grad_accum)
         assert fresh.totals["total"] == c.memory["total"]
         assert fresh.totals["total"] <= 16e9 * 0.9

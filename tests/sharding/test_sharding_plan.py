@@ -1,6 +1,5 @@
 """The sharding plan: per-device bytes by hand and against the compiler, abstract meshes, JSON."""
 
-import dataclasses
 import json
 
 import jax
@@ -125,14 +124,14 @@ def test_llama3_8b_on_256_devices():
     # H100; remat full in bfloat16 keeps each layer's input (32 x 0.27 GB), one layer
     # recomputed and its backward (~7.5 GB each) and the head (~3.7 GB), and does.
     assert not p.fits and p.totals["activations"] > 200e9
-    light = dataclasses.replace(config, remat_policy="full", dtype="bfloat16")
+    light = config.replace(remat_policy="full", dtype="bfloat16")
     fitting = plan(light, "fsdp_tp", "fsdp=32,tensor=8", batch_size=256, seq_len=4096,
                    device_memory="h100")
     assert fitting.fits and fitting.totals["activations"] < 30e9
     # Saved activations shrink with rematerialisation, in the documented order.
     mesh, rules = planning_mesh("fsdp=32,tensor=8"), get_rules("fsdp_tp")
     est = {
-        pol: dataclasses.replace(config, remat_policy=pol).activation_estimate(
+        pol: config.replace(remat_policy=pol).activation_estimate(
             256, 4096, lambda names: shards(names, rules, mesh)).bytes
         for pol in ("none", "dots_saveable", "dots_with_no_batch_dims_saveable",
                     "save_attn_mlp", "full")

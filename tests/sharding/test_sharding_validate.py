@@ -19,7 +19,7 @@ from shardzoo.sharding import (
     make_mesh,
     match_dims,
 )
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding.partition import Placement, activate
 from shardzoo.sharding.rules import REPLICATED
 from shardzoo.train.program import plan
 
@@ -180,9 +180,10 @@ def test_non_strict_warns_and_replicates_what_does_not_divide():
 
 
 def test_record_activations_sees_constraints_not_parameters():
-    module, config = get_model("mlp-tiny")
+    _, config = get_model("mlp-tiny")
     mesh = make_mesh("data=8")
-    with activate(mesh, PRESETS["dp"]), recording_constraints() as sites:
+    module = config.build(Placement(mesh, PRESETS["dp"]))
+    with activate(mesh), recording_constraints() as sites:
         jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((8, 16)))
     got = [(path, names, shape) for path, names, shape, _ in sites]
     assert got == [

@@ -68,13 +68,13 @@ def test_whole_split_equals_direct_mean_on_one_device_and_fsdp(tiny_lm, tmp_path
     texts = [f"document {i}: " + "abcdefghij"[: 3 + i % 7] * (1 + i % 3) for i in range(23)]
     data = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
     seq_len, batch_size = 16, 8
-    one = Program(config, get_rules("dp"), make_mesh("", devices=jax.devices()[:1]), module=module,
+    one = Program(config, get_rules("dp"), make_mesh("", devices=jax.devices()[:1]),
                   batch_size=batch_size, seq_len=seq_len)
     params = one.init(jax.random.key(0)).params
     num_rows, want = direct_lm_metrics(module, params, documents(data), seq_len)
     assert num_rows % batch_size  # the last batch is partial
     for rules, mesh in (("dp", one.mesh), ("fsdp", make_mesh("fsdp=8"))):
-        program = one if rules == "dp" else Program(config, get_rules(rules), mesh, module=module,
+        program = one if rules == "dp" else Program(config, get_rules(rules), mesh,
                                                     batch_size=batch_size, seq_len=seq_len)
         batches = make_eval_dataset(DataConfig(data=data), load_tokenizer("byte"), seq_len, batch_size,
                                     mesh=mesh, rules=program.rules)

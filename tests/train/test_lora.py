@@ -2,7 +2,6 @@
 training), the optimizer holds state for them alone, the adapted model starts as the base model,
 and every rule table gives the one-device losses."""
 
-import dataclasses
 import functools
 import os
 import shutil
@@ -49,7 +48,7 @@ def _train(program, steps):
 
 @pytest.fixture(scope="module")
 def lora_config(tiny_lm):
-    return dataclasses.replace(tiny_lm[1], **LORA)
+    return tiny_lm[1].replace(**LORA)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +76,7 @@ def test_only_adapters_train_and_the_adapted_model_starts_as_the_base(lora_confi
     assert program.plan().totals["gradients"] == sum(flat_start[k].nbytes for k in adapters)
 
     # at init B = 0: the adapted model's logits are the base model's (the same params, no adapters)
-    base_config, base_params = dataclasses.replace(lora_config, lora_rank=0), split(start.params, is_adapter)[1]
+    base_config, base_params = lora_config.replace(lora_rank=0), split(start.params, is_adapter)[1]
     ids = _batch(99, rows=2)["inputs"]
     adapted = jax.jit(lambda p: lora_config.build().apply({"params": p}, ids))
     base = jax.jit(lambda p: base_config.build().apply({"params": p}, ids))
@@ -125,7 +124,7 @@ def test_lora_run_resumes_exactly_and_names_its_base(tmp_path):
         assert value.dtype == (np.float32 if is_adapter(key) else jax.numpy.bfloat16), key
         np.testing.assert_array_equal(np.asarray(flat_got[key]), np.asarray(value), err_msg=str(key))
     meta = read_meta(os.path.join(run, "checkpoints"), 4)
-    assert meta["lora"]["base"] == "llama-tiny" and meta["config"]["lora_rank"] == 4
+    assert meta["lora"]["base"] == "llama-tiny" and meta["config"]["execution"]["lora_rank"] == 4
 
     # --init-from a LoRA run with the same adapters continues them (one step at lr 0 keeps them)
     more = str(tmp_path / "more")

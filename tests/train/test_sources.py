@@ -66,3 +66,23 @@ def test_a_wrong_path_is_one_line_naming_the_flag_and_what_it_is(runs, path, kwa
     with pytest.raises(SourceError) as e:
         open_source(runs / path, **kwargs)
     assert expected.format(root=runs) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["llama_run", "lora_run", "gemma3_import", "qwen3_moe_import"])
+def test_runs_written_before_the_family_layer_load_with_their_logits(name, tmp_path):
+    """Checkpoints of the flat 56-field config (commit c2e18f3) load through today's records:
+    the same layout (Gemma 3's period of 6 and its unrolled rest, the unscanned Qwen3-MoE with
+    a dense layer, LoRA adapters) and the logits that version computed (float32, 1e-5)."""
+    shutil.copytree(os.path.join(LEGACY, name), tmp_path / name)
+    if name == "lora_run":  # its base, where the run recorded it, is not needed to load it
+        shutil.copytree(os.path.join(LEGACY, "llama_run"), tmp_path / "llama_run")
+    expected = np.load(os.path.join(LEGACY, "expected_logits.npz"))
+    module, config, params, _ = load_model_and_params(str(tmp_path / name))
+    assert config.arch.vocab_size == 260
+    logits = np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, expected["tokens"]))
+    np.testing.assert_allclose(logits, expected[name], atol=1e-5, rtol=0)
+    if name == "gemma3_import":
+        assert set(params["layers"]) == {f"sub_{j}" for j in range(6)} and "layers_7" in params
+        assert config.layer_types[5] == "full_attention" and config.layer_types.count("full_attention") == 1
+    if name == "qwen3_moe_import":
+        assert config.mlp_layer_types == ("moe", "dense", "moe")

@@ -217,6 +217,6 @@ def test_a_bad_model_field_exits_2_with_one_line(files, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", *_args(out, files / "corpus.jsonl"), "--override", "hidden_act=foo"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["shardzoo train: error: model 'llama-tiny': TransformerConfig.hidden_act='foo' is not "
+    assert lines == ["shardzoo train: error: model 'llama-tiny': TransformerArch.hidden_act='foo' is not "
                      "one of silu, swish, relu, gelu, gelu_new, gelu_pytorch_tanh"]
     assert not out.exists()

@@ -1,7 +1,6 @@
 """Mixed precision: bfloat16 compute with float32 parameters trains, and every array keeps the
 dtype it should (parameters, gradients and optimizer state float32; logits bfloat16)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ def _floats(tree) -> list:
 
 def test_bfloat16_compute_with_float32_params_trains_3_steps(tiny_lm, batches, small, tmp_path):
     _, config = tiny_lm
-    config = dataclasses.replace(config, dtype="bfloat16", param_dtype="float32")
+    config = config.replace(dtype="bfloat16", param_dtype="float32")
     module = config.build()
     cfg = TrainConfig(out=str(tmp_path), **{**small, "steps": 3, "warmup_steps": 1})
     trainer = Trainer(module, config, cfg, make_mesh("fsdp=8"), get_rules("fsdp"), batches(32, 16))

@@ -88,7 +88,7 @@ def test_loss_adds_every_sown_auxiliary_loss_and_logs_model_metrics(batches):
 def test_weight_decay_mask_takes_kernels_and_embeddings_not_norms_or_biases():
     module, config = get_model("gpt2-tiny", num_hidden_layers=1)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    boxed = Program(config, get_rules("dp"), mesh, module=module).boxed_params
+    boxed = Program(config, get_rules("dp"), mesh).boxed_params
     mask = {"/".join(str(getattr(k, "key", k)) for k in path): v
             for path, v in jax.tree_util.tree_flatten_with_path(decay_mask(boxed))[0]}
     decayed = {p for p, v in mask.items() if v}

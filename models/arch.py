@@ -1,0 +1,258 @@
+"""The architecture record of a decoder Transformer: what a checkpoint is, field for field.
+
+``TransformerArch`` mirrors the ``config.json`` of the Hugging Face families (their field names
+and meanings; where families name one thing differently it has one canonical form here, that
+each family maps both ways). It says nothing of how the model runs (dtypes, scan, remat, MoE
+dispatch, LoRA: ``models/execution.py``). Every field that switches a mechanism on belongs to a
+feature (``models/features.py``).
+
+Layer patterns are data: ``layer_types`` gives each layer's attention kind (Hugging Face's
+names), ``mlp_layer_types`` each layer's MLP kind; ``layer_specs()`` turns them into one
+``LayerSpec`` per layer, from which the model builds its blocks and ``models/layout.py`` its scan.
+A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
+uniform pattern None, MoE settings of a dense model their defaults), so two families that read
+the same model agree, and export can compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardzoo.models import ModelError, check_fields
+from shardzoo.models.features import feature
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+DENSE, MOE = "dense", "moe"
+ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+# rope_scaling types models/layers.py computes, with the keys each needs.
+ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer's block: its attention window, rotary embedding and MLP kind."""
+
+    window: int | None = None  # a query at i sees keys j with i - j < window (None: all before)
+    rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
+    mlp: str = DENSE  # "dense" or "moe"
+
+
+def _scaling_feature(value):
+    return None if value is None else f"rope_scaling:{dict(value).get('rope_type')}"
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerArch:
+    """A decoder LM's architecture; names and defaults follow Hugging Face (``LlamaConfig``)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: as many as query heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6  # also LayerNorm's epsilon
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    # positions
+    position_embedding: str = feature("rope", {"rope": "rope", "learned": "learned_positions"})
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = feature(None, _scaling_feature)  # HF's dict, as sorted pairs
+    partial_rotary_factor: float = feature(1.0, "partial_rotary")
+    rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
+    # norms
+    norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
+                                         "layernorm": "layernorm"})
+    norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
+    qk_norm: str = feature("none", {"head": "qk_norm_head", "projection": "qk_norm_projection"})
+    # biases and MLP
+    attention_bias: bool = feature(False, "attention_bias")  # q, k, v
+    attention_out_bias: bool = feature(False, "attention_out_bias")
+    mlp_bias: bool = feature(False, "mlp_bias")
+    mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
+    # attention kinds and scales
+    sliding_window: int | None = feature(None, "sliding_window")
+    layer_types: tuple[str, ...] | None = feature(None, "layer_pattern")  # per layer; None: uniform
+    query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
+    attn_logit_softcapping: float | None = feature(None, "attention_softcap")
+    final_logit_softcapping: float | None = feature(None, "final_softcap")
+    scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
+    # Mixture of Experts
+    num_local_experts: int = feature(0, "moe")  # 0: dense MLPs
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = feature(None, "expert_width")  # None: intermediate_size
+    mlp_layer_types: tuple[str, ...] | None = feature(None, "moe_pattern")  # per layer; None: uniform
+    norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities
+    router_aux_loss_coef: float = 0.01
+    router_jitter_noise: float = feature(0.0, "router_jitter")
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("layer_types", "mlp_layer_types", "eos_token_id"):
+            if isinstance(getattr(self, name), list):
+                set_(name, tuple(getattr(self, name)))
+        self._check()
+        # the canonical spelling of equal math
+        if self.num_key_value_heads == self.num_attention_heads:
+            set_("num_key_value_heads", None)
+        if self.head_dim is not None and self.head_dim * self.num_attention_heads == self.hidden_size:
+            set_("head_dim", None)
+        scaling = _rope_scaling(self.rope_scaling)
+        set_("rope_scaling", scaling)
+        if self.query_pre_attn_scalar == self.head_size:
+            set_("query_pre_attn_scalar", None)
+        types = self.layer_types
+        if types is not None and len(set(types)) == 1:
+            if types[0] == FULL:
+                set_("sliding_window", None)
+            set_("layer_types", None)
+        if not self.has_sliding_layers:
+            set_("sliding_window", None)
+            set_("rope_local_base_freq", None)
+        if self.rope_local_base_freq == self.rope_theta and scaling is None:
+            set_("rope_local_base_freq", None)
+        if self.position_embedding != "rope":
+            for name in ("rope_scaling", "rope_local_base_freq"):
+                set_(name, None)
+        if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
+            for f in dataclasses.fields(self):
+                if f.name in _MOE_FIELDS:
+                    set_(f.name, f.default)
+        if self.moe_intermediate_size == self.intermediate_size:
+            set_("moe_intermediate_size", None)
+        if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
+            set_("mlp_layer_types", None)
+
+    def _check(self) -> None:
+        check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": ("rope", "learned"),
+                            "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm"),
+                            "norm_position": ("pre", "post", "both"),
+                            "qk_norm": ("none", "head", "projection"), "mlp_type": ("gated", "plain")},
+                     ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "max_position_embeddings", "sliding_window", "moe_intermediate_size"))
+        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "partial_rotary_factor"):
+            if not _positive(getattr(self, name)):
+                raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ModelError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                             f"{self.num_attention_heads}; set head_dim")
+        if self.num_attention_heads % self.kv_heads:
+            raise ModelError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.kv_heads}")
+        rotated = int(self.head_size * self.partial_rotary_factor)
+        if self.position_embedding == "rope" and rotated % 2:
+            raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
+                             f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
+        n = self.num_hidden_layers
+        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", (DENSE, MOE))):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != n or any(v not in allowed for v in value):
+                raise ModelError(f"{name} must name {n} layers (num_hidden_layers), each one of "
+                                 f"{', '.join(allowed)}; got {list(value)}")
+        if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
+            raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
+        if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
+            raise ModelError("mlp_layer_types has moe layers but num_local_experts is 0")
+        if self.num_local_experts < 0:
+            raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
+        if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1.."
+                             f"num_local_experts={self.num_local_experts}")
+        if not 0 <= self.router_jitter_noise < 1:
+            raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the attention logits (Gemma's scalar, else 1/sqrt(d))."""
+        return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Each layer's block, from the per-layer patterns."""
+        n = self.num_hidden_layers
+        types = self.layer_types or ((SLIDING if self.sliding_window else FULL),) * n
+        mlps = self.mlp_layer_types or ((MOE if self.num_local_experts else DENSE),) * n
+        out = []
+        for kind, mlp in zip(types, mlps, strict=True):
+            sliding = kind == SLIDING
+            rope = "global"
+            if self.position_embedding != "rope":
+                rope = "none"
+            elif sliding and self.rope_local_base_freq is not None:
+                rope = "local"
+            out.append(LayerSpec(window=self.sliding_window if sliding else None, rope=rope, mlp=mlp))
+        return tuple(out)
+
+
+_MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
+               "router_aux_loss_coef", "router_jitter_noise")
+
+
+def _rope_scaling(value):
+    """``rope_scaling`` checked and canonical: None (plain rotary) or sorted (key, value) pairs."""
+    if value is None:
+        return None
+    try:
+        scaling = None if isinstance(value, str) else dict(value)
+    except (TypeError, ValueError):
+        scaling = None
+    if scaling is None:
+        raise ModelError(f"rope_scaling={value!r} is not a mapping such as "
+                         "{rope_type: linear, factor: 2.0}; use null for none")
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALING:
+        raise ModelError(f"rope_scaling rope_type={kind!r} is not one of default, {', '.join(ROPE_SCALING)}")
+    for key in ROPE_SCALING[kind]:
+        if not _positive(scaling.get(key)):
+            raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
+    return tuple(sorted(scaling.items()))

@@ -1,0 +1,216 @@
+"""Attention: rotary positions, masks, and the ``Attention`` block with its KV cache.
+
+One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
+base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
+biases, qk-norm, Gemma's scales, context parallelism (ring attention, through
+the explicit ``placement``), and decoding from a cache whose arrays carry logical axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from shardzoo.models.arch import ROPE_SCALING
+from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw
+from shardzoo.models.ring_attention import ring_attention
+from shardzoo.sharding import axes as ax
+
+
+# ----------------------------------------------------------------------------------- rotary
+def rope_inv_freq(config, local: bool = False) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
+
+    Handles ``partial_rotary_factor`` and ``rope_scaling`` types default, linear and llama3
+    (the latter exactly as ``transformers.modeling_rope_utils._compute_llama3_parameters``).
+    A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
+    ``config`` is the architecture record.
+    """
+    dim = int(config.head_size * config.partial_rotary_factor)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    local_base = config.rope_local_base_freq if local else None
+    theta = local_base or config.rope_theta
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    scaling = {} if local_base else config.rope_scaling_dict
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind != "llama3":
+        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: default, {', '.join(ROPE_SCALING)})")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate the first ``2 * len(inv_freq)`` features of ``x`` (rotate-half, as HF Llama).
+
+    x: [batch, length, heads, head_dim]; positions: [batch, length].
+    """
+    rot = 2 * inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, length, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_rot * cos + rotated * sin
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+# -------------------------------------------------------------------------------- attention
+def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window):
+    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window.
+
+    Slots are each token's index in its row (cache slot when decoding); a query at i sees a
+    key at j when j <= i, i - j < sliding_window, and their segment ids are equal.
+    """
+    i, j = q_slots[:, None, :, None], k_slots[:, None, None, :]
+    mask = j <= i
+    if sliding_window:
+        mask &= i - j < sliding_window
+    if q_segments is not None:
+        mask &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
+    return mask
+
+
+def _implementation(config, dtype):
+    if config.execution.attention_impl != "auto":
+        return config.execution.attention_impl
+    on_gpu = jax.default_backend() == "gpu"
+    head = config.arch.head_size
+    fits = head % 8 == 0 and head <= 256  # cuDNN flash attention's limits
+    return "cudnn" if on_gpu and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def softcap(x, cap):
+    """``cap * tanh(x / cap)``: values squashed smoothly into (-cap, cap) (Gemma 2)."""
+    return cap * jnp.tanh(x / cap)
+
+
+def xla_attention(q, k, v, mask, scale, logit_cap=None):
+    """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
+    (soft-capped logits): scores scaled, capped, masked, softmax in float32 (as HF's eager).
+
+    q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
+    mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
+    # [batch, kv_heads, group, q_len, k_len]
+    if logit_cap:
+        scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
+    scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
+    return ctx.reshape(batch, length, heads, dim)  # [batch, length, heads, head_dim]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
+
+    ``spec`` is the layer's (``arch.LayerSpec``): its window and which rotary embedding it uses.
+    """
+
+    config: object
+    spec: object
+    placement: object = None
+
+    def _cached(self, name, shape, axes, dtype):
+        return self.variable(
+            "cache", name, nn.with_logical_partitioning(jnp.zeros, axes), shape, dtype
+        )
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids=None, decode: bool = False):
+        a, e, spec, placement = self.config.arch, self.config.execution, self.spec, self.placement
+        dt = dtype_of(e.dtype)
+        nh, nkv, hd = a.num_attention_heads, a.kv_heads, a.head_size
+        kw = linear_kw(self.config)
+        q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="q", **kw)(x)
+        kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
+              for n in ("k", "v")]
+        k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
+        if a.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
+            q_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
+            k_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
+            norm = dict(eps=a.rms_norm_eps, dtype=e.dtype, param_dtype=e.param_dtype,
+                        plus_one=a.norm_type == "rmsnorm_plus_one")  # Gemma 3: (1 + w)
+            q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
+            k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
+        if spec.rope != "none":
+            inv_freq = rope_inv_freq(a, spec.rope == "local")
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
+        k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
+        v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
+        # [batch, length, heads|kv_heads, head_dim]
+
+        batch, length = x.shape[:2]
+        window, scale, cap = spec.window, a.attention_scale, a.attn_logit_softcapping
+        ring = placement.ring_axes if placement is not None and not decode else ()
+        if decode:
+            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window)
+        elif cap:
+            # causality by position (restarting per packed segment, which the segment mask
+            # separates): right in any token order, also the ring's zig-zag one under cp
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
+        if cap:  # jax.nn.dot_product_attention cannot cap the logits
+            ctx = xla_attention(q, k, v, mask, scale, cap)
+        elif decode:
+            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+        elif ring and not self.is_initializing():  # context parallelism
+            ctx = ring_attention(q, k, v, segment_ids, placement, sliding_window=window, scale=scale,
+                                 strategy=e.context_attention)
+        else:
+            mask = None
+            if segment_ids is not None:
+                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+            ctx = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=scale, is_causal=True,
+                local_window_size=(window - 1, 0) if window else None,
+                implementation=_implementation(self.config, dt),
+            )
+        ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
+                     **kw)(ctx)
+        return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _update_cache(self, k, v, segment_ids, batch, length, window):
+        """Write this chunk's keys/values at the cache index; mask over the whole cache."""
+        cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
+        # The cache is created by an init call whose length is the cache length.
+        ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
+        cv = self._cached("cached_value", v.shape, cache_axes, v.dtype)
+        cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
+        index = self._cached("cache_index", (), (), jnp.int32)  # a scalar (a layers axis when scanned)
+        seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
+        i = index.value
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
+        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
+        index.value = i + length
+        cache_len = ck.value.shape[1]
+        q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
+        k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
+        # Causality also hides the slots not yet written (j >= i + length).
+        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window)
+        return ck.value, cv.value, mask
+
+

@@ -1,0 +1,73 @@
+"""The execution record: how a model runs, apart from what it is.
+
+Dtypes, scanning and its layout, rematerialization, the pipeline's microbatches, the attention
+implementation, context-parallel attention, MoE dispatch and capacity, projection fusion and
+LoRA adapters. None of it changes the model's numbers beyond float rounding (LoRA adds
+parameters that start at zero); a Hugging Face config.json records none of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from shardzoo.models import DTYPES, ModelError, check_fields
+from shardzoo.models.lora import TARGETS as LORA_TARGETS
+from shardzoo.models.lora import check_lora
+
+# checkpoint_name labels in layers.py: query, key, value, attn_context, attn_out, mlp_hidden, mlp_out.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
+}
+CONTEXT_STRATEGIES = ("ring", "all_gather")
+MOE_DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How a Transformer runs (see the module docstring)."""
+
+    dtype: str = "float32"  # compute
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    # (prefix, period, repeats): layers [0, prefix) unrolled, then `repeats` scanned steps of
+    # `period` layers, the rest unrolled; None: chosen from the layer pattern (models/layout.py)
+    scan_layout: tuple[int, int, int] | None = None
+    remat_policy: str = "none"
+    pipeline_microbatches: int = 0  # when the rules put layers on a mesh axis (pp); 0: one per stage
+    pipeline_repeats: int = 1  # circular pipeline: passes of each microbatch through all stages
+    attention_impl: str = "auto"  # "auto" (cuDNN on GPU where it can), "xla", "cudnn"
+    context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
+    fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
+    moe_dispatch: str = "indexed"
+    capacity_factor: float = 1.25
+    router_z_loss_coef: float = 0.001
+    lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
+    lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        for name in ("scan_layout", "lora_targets"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_fields(self, {"dtype": DTYPES, "param_dtype": DTYPES, "remat_policy": tuple(REMAT_POLICIES),
+                            "attention_impl": ("auto", "xla", "cudnn"),
+                            "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES},
+                     ("pipeline_repeats",))
+        if self.pipeline_microbatches < 0:
+            raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
+        layout = self.scan_layout
+        if layout is not None and (len(layout) != 3 or any(not isinstance(v, int) or v < 0 for v in layout)):
+            raise ModelError(f"scan_layout={layout!r} must be three integers >= 0: prefix, period, repeats")
+        if not (isinstance(self.capacity_factor, (int, float)) and math.isfinite(self.capacity_factor)
+                and self.capacity_factor > 0):
+            raise ModelError(f"capacity_factor={self.capacity_factor!r} must be a finite number > 0")
+        if not (math.isfinite(self.router_z_loss_coef) and self.router_z_loss_coef >= 0):
+            raise ModelError(f"router_z_loss_coef={self.router_z_loss_coef!r} must be a finite number >= 0")
+        check_lora(self)

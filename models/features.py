@@ -1,0 +1,68 @@
+"""Features: the named mechanisms an architecture uses, read off its record's fields.
+
+Each field of an architecture record may belong to a feature (``feature(default, name)``):
+``name`` is a string (the feature is used when the field differs from its default), a dict
+from values to feature names (an enumeration whose every value is a mechanism: ``norm_type``),
+or a function of the value (``rope_scaling``: its type). A Hugging Face family declares the
+features it expresses; exporting a config that uses one it does not declare is refused, naming
+the fields (``models/hf/registry.py``). No family lists what it cannot do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+FEATURE = "shardzoo_feature"
+
+# Every feature, and what it is (the names families declare; README lists them).
+FEATURES = {
+    "rope": "rotary position embeddings (rope_theta)",
+    "learned_positions": "a learned position table (GPT-2)",
+    "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
+    "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
+    "rmsnorm": "RMSNorm", "rmsnorm_plus_one": "RMSNorm scaled by (1 + weight) (Gemma)",
+    "layernorm": "LayerNorm with bias",
+    "pre_norms": "norms before attention and MLP", "post_norms": "norms after attention and MLP (OLMo 2)",
+    "sandwich_norms": "norms before and after attention and MLP (Gemma 2/3)",
+    "qk_norm_head": "RMSNorm of each query/key head", "qk_norm_projection": "RMSNorm of the whole q/k projection",
+    "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
+    "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
+    "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
+    "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
+    "attention_softcap": "soft-capped attention logits", "final_softcap": "soft-capped output logits",
+    "scale_embeddings": "embeddings scaled by sqrt(hidden_size) (Gemma)",
+    "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
+    "expert_width": "experts of their own width (moe_intermediate_size)",
+    "router_jitter": "router input jitter while training",
+}
+
+
+def feature(default, name: str | dict | Callable):
+    """A dataclass field of ``default`` belonging to feature ``name`` (see the module doc)."""
+    return dataclasses.field(default=default, metadata={FEATURE: name})
+
+
+def used_features(record) -> dict[str, list[str]]:
+    """``{feature: ["field=value", ...]}`` of the features ``record`` uses."""
+    used: dict[str, list[str]] = {}
+    for f in dataclasses.fields(record):
+        kind = f.metadata.get(FEATURE)
+        if kind is None:
+            continue
+        value = getattr(record, f.name)
+        if isinstance(kind, str):
+            name = kind if value != f.default else None
+        elif isinstance(kind, dict):
+            name = kind.get(value)
+        else:
+            name = kind(value)
+        if name is not None:
+            used.setdefault(name, []).append(f"{f.name}={_shown(value)}")
+    return used
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):  # sorted pairs: a dict
+        return repr(dict(value))
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
