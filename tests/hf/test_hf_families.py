@@ -127,6 +127,48 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
         assert got.get(key) == expected, key
 
 
+@pytest.mark.parametrize("edit, field", [
+    # a rotary scaling transformers computes and shardzoo does not (yet)
+    (lambda hf: hf.pop("rope_parameters", None) and None or hf.update(
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling"),
+    # a schema field shardzoo's family does not read, set away from transformers' default
+    (lambda hf: hf.update(model_type="gemma2", use_bidirectional_attention=True), "use_bidirectional_attention"),
+])
+def test_a_config_field_that_changes_the_math_and_is_not_implemented_is_refused(
+        edit, field, tmp_path, capsys, snapshot):
+    """import-hf and train --init-from: exit 2, one line naming the field, nothing written."""
+    hf_config = Gemma2Config(**DIMS, sliding_window=4) if "bidirectional" in field else LlamaConfig(**DIMS)
+    hf_dir = save_tiny(hf_config, tmp_path / "hf")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    edit(hf)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    before = snapshot(hf_dir)
+    for argv in (["import-hf", hf_dir, str(tmp_path / "imported")],
+                 ["train", "--init-from", hf_dir, "--out", str(tmp_path / "run")]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and field in err, err
+    assert not os.path.exists(tmp_path / "imported") and not os.path.exists(tmp_path / "run")
+    assert snapshot(hf_dir) == before
+
+
+def test_a_field_transformers_ignores_for_the_family_is_no_reason_to_refuse(tmp_path):
+    """Unknown keys, and keys the family's config class holds but its model never reads
+    (Llama's pretraining_tp, which transformers 5 ignores; dropout, which shardzoo does not
+    apply), import as the same model."""
+    hf_dir = save_tiny(LlamaConfig(**DIMS), tmp_path / "hf")
+    want = load_hf_config(hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    hf.update(pretraining_tp=2, attention_dropout=0.1, some_future_field={"x": 1})
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    assert load_hf_config(hf_dir) == want
+
+
 def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path, capsys):
     neox = GPTNeoXConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=4)

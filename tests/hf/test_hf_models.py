@@ -41,6 +41,9 @@ CONFIGS = {
         "original_max_position_embeddings": 8}),
     "mistral_window": lambda: MistralConfig(**DIMS, sliding_window=4),
     "qwen2_tied": lambda: Qwen2Config(**DIMS, tie_word_embeddings=True),
+    # the window on the layers from max_window_layers on (here layer 1 of 2), as transformers does
+    "qwen2_window_layers": lambda: Qwen2Config(**DIMS, use_sliding_window=True, sliding_window=4,
+                                               max_window_layers=1),
     # qk-norm per head, head_dim 16 given explicitly (not hidden_size / heads = 8).
     "qwen3": lambda: Qwen3Config(**DIMS, head_dim=16, tie_word_embeddings=False),
     # post-norms only, qk-norm over the whole projections, GQA.
@@ -112,10 +115,16 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     path, _, ref = built
     mesh, rules = make_mesh("data=2,fsdp=2,tensor=2"), get_rules("fsdp_tp")
     module, _, params = load_hf(path, mesh=mesh, rules=rules)
-    # The q kernel [layers, embed, heads, head_dim] went straight to its shards.
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (2, 16, 2, q.shape[-1])
+    # The q kernel [layers, embed, heads, head_dim] went straight to its shards (a pattern of
+    # two unlike layers is unrolled: [embed, heads, head_dim] each).
+    if "layers" in params:
+        q = params["layers"]["attn"]["q"]["kernel"]
+        assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+        assert q.addressable_shards[0].data.shape == (2, 16, 2, q.shape[-1])
+    else:
+        q = params["layers_1"]["attn"]["q"]["kernel"]
+        assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+        assert q.addressable_shards[0].data.shape == (16, 2, q.shape[-1])
     np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
 
 
