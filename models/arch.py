@@ -91,6 +91,11 @@ class TransformerArch:
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
     final_logit_softcapping: float | None = feature(None, "final_softcap")
     scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
+    # Granite's multipliers
+    embedding_multiplier: float = feature(1.0, "multipliers")
+    residual_multiplier: float = feature(1.0, "multipliers")  # x + multiplier * block(x)
+    attention_multiplier: float | None = feature(None, "multipliers")  # the attention scale
+    logits_scaling: float = feature(1.0, "multipliers")  # logits / logits_scaling
     # Mixture of Experts
     num_local_experts: int = feature(0, "moe")  # 0: dense MLPs
     num_experts_per_tok: int = 2
@@ -115,6 +120,8 @@ class TransformerArch:
         set_("rope_scaling", scaling)
         if self.query_pre_attn_scalar == self.head_size:
             set_("query_pre_attn_scalar", None)
+        if self.attention_multiplier == (self.query_pre_attn_scalar or self.head_size) ** -0.5:
+            set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
         if types is not None and len(set(types)) == 1:
             if types[0] == FULL:
@@ -145,11 +152,12 @@ class TransformerArch:
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size"))
-        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "partial_rotary_factor"):
+        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier",
+                     "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
             if not _positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_base_freq"):
+                     "rope_local_base_freq", "attention_multiplier"):
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
@@ -210,7 +218,9 @@ class TransformerArch:
 
     @property
     def attention_scale(self) -> float:
-        """The factor of the attention logits (Gemma's scalar, else 1/sqrt(d))."""
+        """The factor of the attention logits (Granite's multiplier, Gemma's scalar, 1/sqrt(d))."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_size) ** -0.5
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:

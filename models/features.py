@@ -32,6 +32,7 @@ FEATURES = {
     "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
     "attention_softcap": "soft-capped attention logits", "final_softcap": "soft-capped output logits",
     "scale_embeddings": "embeddings scaled by sqrt(hidden_size) (Gemma)",
+    "multipliers": "embedding, residual, attention and logits multipliers (Granite)",
     "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
     "expert_width": "experts of their own width (moe_intermediate_size)",
     "router_jitter": "router input jitter while training",

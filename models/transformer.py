@@ -158,7 +158,8 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 class Block(nn.Module):
     """Residual block: x + attn(norm(x)), then x + mlp(norm(x)); with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
-    x + norm(attn(norm(x))) (Gemma 2/3)."""
+    x + norm(attn(norm(x))) (Gemma 2/3). The residual adds ``residual_multiplier`` times the
+    block's output (Granite; 1 elsewhere)."""
 
     config: TransformerConfig
     spec: LayerSpec
@@ -171,8 +172,10 @@ class Block(nn.Module):
     def __call__(self, x, positions, segment_ids):
         a, placement = self.config.arch, self.placement
         pre, post = a.norm_position in ("pre", "both"), a.norm_position in ("post", "both")
+        scale = a.residual_multiplier
 
         def residual(x, h):
+            h = h if scale == 1.0 else h * jnp.asarray(scale, h.dtype)
             return constrain(x + h, BLE, placement)
 
         h = make_norm(self.config, "attn_norm")(x) if pre else x
@@ -258,6 +261,8 @@ class Transformer(nn.Module):
         x = embed(inputs)  # [batch, length, embed]
         if a.scale_embeddings:  # Gemma: the scale rounded to the compute dtype, as HF does
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
+        if a.embedding_multiplier != 1.0:  # Granite
+            x = x * jnp.asarray(a.embedding_multiplier, x.dtype)
         if a.position_embedding == "learned":
             x = x + Embed(a.max_position_embeddings, a.hidden_size, ax.POSITION, name="pos_embed", **kw)(positions)
         x = constrain(x, BLE, placement)
@@ -279,6 +284,8 @@ class Transformer(nn.Module):
             logits = embed.attend(x)
         else:
             logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), name="lm_head", **kw)(x)
+        if a.logits_scaling != 1.0:  # Granite
+            logits = logits / jnp.asarray(a.logits_scaling, logits.dtype)
         if a.final_logit_softcapping:
             cap = jnp.asarray(a.final_logit_softcapping, logits.dtype)
             logits = cap * jnp.tanh(logits / cap)

@@ -17,6 +17,8 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GraniteConfig,
+    GraniteMoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -49,7 +51,7 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -71,6 +73,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                bos_token_id=1, eos_token_id=2),
     "gemma": lambda: GemmaConfig(**DIMS, head_dim=16),
     "gemma2": lambda: Gemma2Config(**DIMS, sliding_window=4, attn_logit_softcapping=20.0),
+    "granite": lambda: GraniteConfig(**DIMS, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                     attention_multiplier=0.3, logits_scaling=2.5),
+    "granitemoe": lambda: GraniteMoeConfig(**DIMS, num_local_experts=4, embedding_multiplier=2.0,
+                                           logits_scaling=3.0),
     "gemma3_text": lambda: Gemma3TextConfig(**(DIMS | dict(num_hidden_layers=8)), sliding_window=4,
                                             rope_scaling={"rope_type": "linear", "factor": 8.0}),
 }

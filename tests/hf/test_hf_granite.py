@@ -1,0 +1,145 @@
+"""Granite and Granite-MoE, the first families written on the family layer: Llama's (and
+Mixtral's) layout with four multipliers (embedding, residual, attention and logits), a feature
+written once in the shared layers.
+
+Tiny random HF models whose multipliers are far from 1: logits equal transformers' on one device
+and under fsdp_tp (and ep for the MoE) on 8 devices, greedy tokens equal, export then
+``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig
+
+from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+MULTIPLIERS = dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                   logits_scaling=2.5)
+CONFIGS = {
+    "granite": lambda: GraniteConfig(**DIMS, **MULTIPLIERS),
+    # every expert slot used: capacity in shardzoo's dispatch is an execution choice; HF drops nothing
+    "granitemoe": lambda: GraniteMoeConfig(**DIMS, **MULTIPLIERS, num_local_experts=4, num_experts_per_tok=2),
+}
+MESHES = {"granite": ("data=2,fsdp=2,tensor=2", "fsdp_tp"),
+          "granitemoe": ("data=2,fsdp=2,tensor=2", "fsdp_tp")}
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model, hf_logits(model, TOKENS)
+
+
+def _apply(module, params, mesh):
+    with activate(mesh):
+        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+
+
+def test_the_multipliers_matter(built):
+    """With any one multiplier at 1 transformers gives other logits: a family that dropped it
+    could not pass the parity tests below."""
+    path, model, ref = built
+    for name in MULTIPLIERS:
+        with torch.no_grad():
+            saved = getattr(model.config, name)
+            setattr(model.config, name, 1.0)
+            other = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
+            other.load_state_dict(model.state_dict())
+            changed = hf_logits(other, TOKENS)  # (the logits scaling is read from the config here)
+            setattr(model.config, name, saved)
+        assert np.abs(changed - ref).max() > 1e-2, name
+    config = load_hf_config(path)
+    assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
+            config.logits_scaling) == (4.0, 0.5, 0.3, 2.5)
+
+
+def test_logits_match_on_one_device_and_under_fsdp_tp(built):
+    path, model, ref = built
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
+    spec, rules = MESHES[model.config.model_type]
+    mesh = make_mesh(spec)
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules(rules))
+    q = params["layers"]["attn"]["q"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("built", ["granitemoe"], indirect=True)
+def test_moe_logits_match_under_ep(built):
+    path, _, ref = built
+    mesh = make_mesh("expert=4,data=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"))
+    assert params["layers"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 1  # experts split 4 ways
+    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built):
+    path, model, _ = built
+    prompt = TOKENS[:1, :8]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
+    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
+    np.testing.assert_array_equal(got, want)
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    hf = export_hf(config, params, str(tmp_path))
+    assert hf["model_type"] == model.config.model_type and hf["attention_multiplier"] == 0.3
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(back) is type(model)
+    want, got = model.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+
+
+def test_a_family_without_the_feature_refuses_to_export_it():
+    """Llama's config.json has no multipliers: exporting a Granite model as Llama names the
+    feature and its fields, and is never written without them."""
+    config = load_hf_config_from(GraniteConfig(**DIMS, **MULTIPLIERS))
+    with pytest.raises(HFError, match=r"llama cannot express feature multipliers \(embedding_multiplier=4.0, "
+                                      r"residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5\)"):
+        config_to_hf(config, family="llama")
+    assert config_to_hf(config)["model_type"] == "granite"  # the first family that expresses it
+    plain = config.replace(embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0,
+                           attention_multiplier=None)
+    assert config_to_hf(plain)["model_type"] == "llama"  # multipliers of 1: Llama's own math
+
+
+def load_hf_config_from(hf_config):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        hf_config.save_pretrained(d)
+        return load_hf_config(d)
