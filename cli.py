@@ -12,6 +12,7 @@ import sys
 
 from shardzoo.cli_plan import add_advise_args, add_plan_args, cmd_advise, cmd_plan
 from shardzoo.errors import EnvironmentFault, UserError
+from shardzoo.values import seed_arg
 
 
 # --------------------------------------------------------------------------- train
@@ -85,7 +86,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="sampling seed, 0 to 2**32-1 (default: 0)")
     _add_step_arg(p)
     _add_sharding_args(p, "float32 for --hf, the checkpoint's for --checkpoint")
 
@@ -182,7 +183,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                         "and --seed kept (train) or held out (eval) (default: all)")
     p.add_argument("--eval-fraction", type=float, default=None,
                    help="for --split (default: the --checkpoint run's)")
-    p.add_argument("--seed", type=int, default=None, help="for --split (default: the run's, else 0)")
+    p.add_argument("--seed", type=seed_arg, default=None, help="for --split (default: the run's, else 0)")
     p.add_argument("--text-column", default=None, help="column holding the documents (default: "
                    "the run's columns, else text)")
     p.add_argument("--prompt-column", default=None, help="prompt/completion rows: the prompt column (no loss)")

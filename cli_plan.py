@@ -81,10 +81,16 @@ def cmd_plan(args) -> int:
     module, config = get_model(args.model, **parse_overrides(args.override))
     rules = get_rules(args.rules)
     opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
+    if not args.mesh.strip():
+        raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")
     mesh = planning_mesh(args.mesh)
     devices = math.prod(mesh_shape(mesh).values())
-    batch = args.batch_size or devices
-    seq_len = args.seq_len or default_seq_len(config)
+    batch = args.batch_size if args.batch_size is not None else devices
+    seq_len = args.seq_len if args.seq_len is not None else default_seq_len(config)
+    positions = getattr(config, "max_positions", None)
+    if positions is not None and seq_len > positions:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's {positions} positions "
+                        f"(max_position_embeddings): use --seq-len {positions} or less")
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum)
     with warnings.catch_warnings():

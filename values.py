@@ -72,3 +72,23 @@ def coerce(value, tp, where: str, error=UserError):
     if isinstance(value, str):  # an annotation without a check here (bare tuple, dict): parsed
         return _parse(value)
     return value
+
+
+SEED_LIMIT = 2**32  # numpy's and jax's seeds: unsigned 32-bit
+
+
+def check_seed(value, flag: str = "--seed", error=UserError) -> int:
+    """A seed as numpy and jax take it: an integer in [0, 2**32)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise error(f"{flag} {value!r} must be an integer from 0 to {SEED_LIMIT - 1}")
+    return value
+
+
+def seed_arg(text: str) -> int:
+    """argparse ``type`` of a seed flag (its error becomes the parser's one-line message)."""
+    import argparse
+
+    try:
+        return check_seed(int(text), "seed")
+    except (ValueError, UserError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer from 0 to {SEED_LIMIT - 1}") from None

@@ -45,7 +45,13 @@ def parse_device_memory(text) -> tuple[str, int]:
             f"device memory {text!r}: expected a size like 80GB or 16GiB, "
             f"or one of {', '.join(DEVICE_MEMORY)}"
         )
-    return str(text).strip(), int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if not m.group(2):  # a bare number is ambiguous: 80 could mean 80 GB as easily as 80 bytes
+        raise UserError(f"device memory {text!r} has no unit: write {m.group(1)}GB (or {m.group(1)}GiB, "
+                        f"or {m.group(1)}B for bytes), or one of {', '.join(DEVICE_MEMORY)}")
+    size = float(m.group(1)) * _UNITS[m.group(2)]
+    if not 0 < size < 2**63:
+        raise UserError(f"device memory {text!r} must be more than 0 bytes")
+    return str(text).strip(), int(size)
 
 
 def planning_mesh(spec):

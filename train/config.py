@@ -22,7 +22,7 @@ import typing
 
 from shardzoo.errors import UserError
 from shardzoo.train.xla_flags import XLA_PRESET_HELP, XLA_PRESETS
-from shardzoo.values import coerce
+from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -103,6 +103,7 @@ class TrainConfig:
         for name in ("save_every", "eval_every", "warmup_steps", "lora_rank"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        check_seed(self.seed, error=ConfigError)
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         for name in ("lr", "weight_decay", "clip_norm"):

@@ -125,3 +125,32 @@ def test_a_hub_spec_without_network_fails_within_seconds(cli, tmp_path, monkeypa
     line = cli.one_line(capsys.readouterr().err)
     assert rc == 2 and "cannot be reached" in line and "someone/some-dataset" in line, line
     assert elapsed < 10, f"{elapsed:.1f}s"
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**70)])
+def test_a_seed_outside_32_bits_is_refused_before_anything_is_written(cli, tmp_path, seed, capsys):
+    out = tmp_path / "never"
+    capsys.readouterr()
+    rc = main(cli.args(out, 4, "--seed", seed))
+    line = cli.one_line(capsys.readouterr().err)
+    assert rc == 2 and f"--seed {seed} must be an integer from 0 to 4294967295" in line, line
+    assert not out.exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's own error: one line, status 2
+        main(["generate", "--checkpoint", str(out), "--prompt", "x", "--seed", seed])
+    assert e.value.code == 2
+    assert "is not an integer from 0 to 4294967295" in cli.one_line(capsys.readouterr().err, "generate")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--mesh", ""], "--mesh '' names no mesh axis"),
+    (["--seq-len", "100000"], "--seq-len 100000 exceeds the model's 256 positions"),
+    (["--device-memory", "80"], "device memory '80' has no unit: write 80GB"),
+])
+def test_plan_refuses_a_workload_it_would_misreport(cli, flags, expected, capsys):
+    args = {"--mesh": "fsdp=8", **dict(zip(flags[::2], flags[1::2], strict=True))}
+    capsys.readouterr()
+    rc = main(["plan", "--model", "llama-tiny", "--rules", "fsdp", *[x for kv in args.items() for x in kv]])
+    line = cli.one_line(capsys.readouterr().err, "plan")
+    assert rc == 2 and expected in line, line
