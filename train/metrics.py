@@ -106,11 +106,28 @@ def _fmt(v) -> str:
     return v if isinstance(v, str) else f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
 
 
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+
+
+def _check_plot_target(out_path: str) -> None:
+    """``--output`` names a file of a format matplotlib writes (never a directory, never a
+    name matplotlib would silently extend with .png)."""
+    if os.path.isdir(out_path):
+        raise PlotError(f"--output {out_path} is a directory: give a file such as {os.path.join(out_path, PLOT_FILE)}")
+    ext = os.path.splitext(out_path)[1].lower().lstrip(".")
+    if ext not in PLOT_FORMATS:
+        what = f"its extension .{ext} is not an image format" if ext else "it has no extension"
+        raise PlotError(f"--output {out_path}: {what}; end it with one of "
+                        f"{', '.join('.' + f for f in PLOT_FORMATS)}")
+
+
 def plot_losses(run_dir: str, out_path: str | None = None) -> str:
     """Draw train and eval loss against step from ``RUN/metrics.jsonl`` to a PNG; return its path."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise PlotError(f"{path}: no such file (is {run_dir} a shardzoo run directory?)")
+    out_path = out_path or os.path.join(run_dir, PLOT_FILE)
+    _check_plot_target(out_path)
     records = read_metrics(path)
     curves = {}
     for key, label in (("loss", "train"), ("eval_loss", "eval")):
@@ -133,7 +150,6 @@ def plot_losses(run_dir: str, out_path: str | None = None) -> str:
     axis.set_title(os.path.basename(os.path.abspath(run_dir)))
     axis.grid(alpha=0.3)
     axis.legend()
-    out_path = out_path or os.path.join(run_dir, PLOT_FILE)
     try:
         fig.savefig(out_path, dpi=100, bbox_inches="tight")
     except OSError as e:

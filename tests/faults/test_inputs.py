@@ -154,3 +154,18 @@ def test_plan_refuses_a_workload_it_would_misreport(cli, flags, expected, capsys
     rc = main(["plan", "--model", "llama-tiny", "--rules", "fsdp", *[x for kv in args.items() for x in kv]])
     line = cli.one_line(capsys.readouterr().err, "plan")
     assert rc == 2 and expected in line, line
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("loss.txt", "its extension .txt is not an image format"),
+    ("plots", "is a directory: give a file such as"),
+    ("loss", "it has no extension"),
+])
+def test_plot_refuses_an_output_it_cannot_write_as_named(cli, reference, tmp_path, target, expected, capsys):
+    (tmp_path / "plots").mkdir()
+    before = cli.snapshot(tmp_path)
+    capsys.readouterr()
+    rc = main(["plot", str(reference), "--output", str(tmp_path / target)])
+    line = cli.one_line(capsys.readouterr().err, "plot")
+    assert rc == 2 and expected in line, line
+    assert cli.snapshot(tmp_path) == before  # no loss.txt, no plots.png, no loss.png
