@@ -104,6 +104,10 @@ class TransformerArch:
     norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities
     router_aux_loss_coef: float = 0.01
     router_jitter_noise: float = feature(0.0, "router_jitter")
+    # a dense gated MLP beside the routed experts of every MoE layer, its output added to theirs
+    # (Qwen2-MoE's shared_expert; DeepSeek's n_shared_experts x moe_intermediate_size wide)
+    shared_expert_intermediate_size: int = feature(0, "shared_experts")  # 0: none
+    shared_expert_gate: bool = feature(False, "shared_expert_gate")  # x sigmoid(x . w) (Qwen2-MoE)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -139,6 +143,8 @@ class TransformerArch:
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS:
                     set_(f.name, f.default)
+        if not self.shared_expert_intermediate_size:
+            set_("shared_expert_gate", False)  # no shared expert, nothing to gate
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
@@ -152,6 +158,9 @@ class TransformerArch:
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size"))
+        if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
+            raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
+                             "must be an integer >= 0 (0: no shared expert)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
             if not _positive(getattr(self, name)):
@@ -241,7 +250,8 @@ class TransformerArch:
 
 
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
-               "router_aux_loss_coef", "router_jitter_noise")
+               "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
+               "shared_expert_gate")
 
 
 def _rope_scaling(value):

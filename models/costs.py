@@ -41,7 +41,8 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
       z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
       expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
-      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L.
+      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L; with a shared expert
+      (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each.
 
 The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
 backward pass recomputes one layer whole, hence ``saved("none")`` once more.
@@ -98,12 +99,13 @@ ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
 _DOTS = ("block_input", "query", "key", "value", "kv_proj", "attn_out", "mlp_gate", "mlp_up",
-         "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj")
+         "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj",
+         "shared_gate", "shared_up", "shared_proj")
 POLICY_TERMS = {
     "full": ("block_input",),
     "dots_saveable": _DOTS + ("scores", "attn_context"),
     "dots_with_no_batch_dims_saveable": _DOTS,
-    "save_attn_mlp": ("block_input", "attn_context", "mlp_hidden"),
+    "save_attn_mlp": ("block_input", "attn_context", "mlp_hidden", "shared_hidden"),
 }
 # Terms that only a remat policy saves (autodiff without remat does not keep them).
 _POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")
@@ -134,7 +136,8 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
-    return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size
+    shared = 3 * d * a.shared_expert_intermediate_size + d * a.shared_expert_gate  # always active
+    return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size + shared
 
 
 def transformer_params(a, active: bool = False) -> int:
@@ -158,6 +161,8 @@ def transformer_params(a, active: bool = False) -> int:
             total += d
         if a.mlp_bias and not moe:
             total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
+        if a.mlp_bias and moe and a.shared_expert_intermediate_size:  # the shared expert's MLP
+            total += a.shared_expert_intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
     return total
 
 
@@ -223,6 +228,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * fe / seq_len, ECF),
             expert_hidden=t(4 * slots * fe / seq_len, ECF),
         )
+        fs = a.shared_expert_intermediate_size
+        if fs:  # the shared expert: a dense gated MLP's terms at its width (its gate: 1 per token)
+            moe_layer.update(shared_gate=t(fs, BLF), shared_up=t(fs, BLF), shared_hidden=t(fs, BLF),
+                             shared_proj=t(fs, BLF) if e.fuse_projections else 0)
     n_moe = sum(s.mlp == "moe" for s in a.layer_specs())
     n_dense = a.num_hidden_layers - n_moe
     policy = e.remat_policy

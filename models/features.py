@@ -36,6 +36,8 @@ FEATURES = {
     "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
     "expert_width": "experts of their own width (moe_intermediate_size)",
     "router_jitter": "router input jitter while training",
+    "shared_experts": "a dense gated MLP beside the routed experts (shared_expert_intermediate_size)",
+    "shared_expert_gate": "the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)",
 }
 
 

@@ -297,14 +297,16 @@ class MLP(nn.Module):
 
     config: object
     placement: object = None
+    width: int | None = None  # None: intermediate_size (a MoE layer's shared expert has its own)
 
     @nn.compact
     def __call__(self, x):
         a, kw = self.config.arch, linear_kw(self.config)
         act = activation(a.hidden_act)
+        width = self.width or a.intermediate_size
 
         def linear(name):
-            return Linear((a.intermediate_size,), (ax.EMBED, ax.MLP), a.mlp_bias, name=name, **kw)
+            return Linear((width,), (ax.EMBED, ax.MLP), a.mlp_bias, name=name, **kw)
 
         if a.mlp_type == "gated":
             up, gate = linear("up"), linear("gate")

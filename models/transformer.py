@@ -24,7 +24,7 @@ from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.execution import REMAT_POLICIES, Execution
-from shardzoo.models.layers import MLP, Embed, Linear, constrain, make_norm
+from shardzoo.models.layers import MLP, Embed, Linear, constrain, linear_kw, make_norm
 from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
@@ -187,12 +187,23 @@ class Block(nn.Module):
             from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
 
             token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
-            h = MoeMLP(self.config.moe_config(), placement, name="moe")(h, self.deterministic, token_mask)
+            routed = MoeMLP(self.config.moe_config(), placement, name="moe")(h, self.deterministic, token_mask)
+            h = routed + self._shared_expert(h) if a.shared_expert_intermediate_size else routed
         else:
             h = MLP(self.config, placement, name="mlp")(h)
         h = make_norm(self.config, "post_mlp_norm")(h) if post else h
         x = residual(x, h)  # [batch, length, embed]
         return (x, None) if self.scanned else x
+
+    def _shared_expert(self, h):
+        """A MoE layer's shared expert: a dense gated MLP every token goes through, scaled by
+        ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
+        a = self.config.arch
+        out = MLP(self.config, self.placement, a.shared_expert_intermediate_size, name="shared_expert")(h)
+        if a.shared_expert_gate:
+            gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(self.config))(h)  # [batch, length]
+            out = out * jax.nn.sigmoid(gate)[..., None].astype(out.dtype)
+        return out  # [batch, length, embed]
 
 
 class PeriodBlock(nn.Module):

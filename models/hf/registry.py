@@ -15,7 +15,19 @@ import os
 
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
-from shardzoo.models.hf import gemma, gpt2, granite, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
+from shardzoo.models.hf import (
+    gemma,
+    gpt2,
+    granite,
+    llama,
+    mixtral,
+    olmo2,
+    olmoe,
+    phi3,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
 
@@ -30,6 +42,8 @@ FAMILIES: tuple[Family, ...] = (
     gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3,
     mixtral.MIXTRAL,
     qwen3_moe.QWEN3_MOE,
+    olmoe.OLMOE,
+    qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
 )

@@ -23,8 +23,10 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -51,7 +53,8 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
+                  "olmoe", "qwen2_moe")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -69,6 +72,12 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "mixtral": lambda: MixtralConfig(**DIMS, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": lambda: Qwen3MoeConfig(**DIMS, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=16, norm_topk_prob=True),
+    "olmoe": lambda: OlmoeConfig(**DIMS, num_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                 norm_topk_prob=True, eos_token_id=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**(DIMS | dict(num_hidden_layers=3)), num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                        mlp_only_layers=[0], use_sliding_window=True, sliding_window=4,
+                                        max_window_layers=1),
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
     "gemma": lambda: GemmaConfig(**DIMS, head_dim=16),
