@@ -104,6 +104,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         check_seed(self.seed, error=ConfigError)
+        self._check_distributed()
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         for name in ("lr", "weight_decay", "clip_norm"):
@@ -120,6 +121,23 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
             )
+
+    def _check_distributed(self) -> None:
+        """The multi-host flags, checked before anything starts (jax would abort or raise)."""
+        n, i = self.num_processes, self.process_id
+        if n is not None and n < 1:
+            raise ConfigError(f"--num-processes must be at least 1, got {n}")
+        if i is not None and (i < 0 or (n is not None and i >= n)):
+            raise ConfigError(f"--process-id {i} must be from 0 to --num-processes - 1"
+                              + (f" ({n - 1})" if n is not None else ""))
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--coordinator {self.coordinator!r} must be HOST:PORT with a port "
+                                  "from 1 to 65535 (e.g. 10.0.0.1:1234)")
+        for name in ("distributed_timeout", "heartbeat_timeout"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{_flag(name)} must be at least 1 second, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

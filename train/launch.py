@@ -16,7 +16,7 @@ import sys
 import jax
 import numpy as np
 
-from shardzoo.errors import UserError
+from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
@@ -43,10 +43,32 @@ def init_distributed(cfg: TrainConfig) -> None:
     if any(v is not None for v in explicit):
         if None in explicit:
             raise ConfigError("--coordinator, --num-processes and --process-id go together")
+        if cfg.process_id != 0:  # process 0 starts the coordinator; the others must reach it
+            _wait_for_coordinator(cfg.coordinator, cfg.distributed_timeout)
         jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
                                    process_id=cfg.process_id, **timeouts)
     elif cfg.distributed:
         jax.distributed.initialize(**timeouts)
+
+
+def _wait_for_coordinator(address: str, timeout: float) -> None:
+    """Connect to the coordinator until it answers, or raise one line after ``timeout`` seconds
+    (jax's client would abort the process with SIGABRT instead)."""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise EnvironmentFault(
+                    f"--coordinator {address}: no answer within --distributed-timeout {timeout:g} s "
+                    f"({e.strerror or e}); start process 0 there first, or check the address") from None
+            time.sleep(0.5)
 
 
 def with_init_model(cfg: TrainConfig):

@@ -14,6 +14,11 @@ from shardzoo.cli import main
     ("hidden_size=-64", "hidden_size=-64 must be a positive integer"),
     ("rope_scaling=5", "rope_scaling=5 is not a mapping"),
     ("num_hidden_layers=0", "num_hidden_layers=0 must be a positive integer"),
+    # values that make the math non-finite are refused as configs, not at step 1
+    ("initializer_range=nan", "initializer_range=nan must be a finite number > 0"),
+    ("rms_norm_eps=-1", "rms_norm_eps=-1.0 must be a finite number > 0"),
+    ("rope_theta=0", "rope_theta=0.0 must be a finite number > 0"),
+    ("head_dim=15", "rotary embeddings turn pairs of features: head_dim=15"),
 ])
 def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, expected, capsys):
     out = tmp_path / "never"
@@ -169,3 +174,31 @@ def test_plot_refuses_an_output_it_cannot_write_as_named(cli, reference, tmp_pat
     line = cli.one_line(capsys.readouterr().err, "plot")
     assert rc == 2 and expected in line, line
     assert cli.snapshot(tmp_path) == before  # no loss.txt, no plots.png, no loss.png
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--coordinator", "127.0.0.1:12345", "--num-processes", "2", "--process-id", "5"],
+     "--process-id 5 must be from 0 to --num-processes - 1 (1)"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     "--coordinator 'localhost' must be HOST:PORT"),
+    (["--lora-rank", "2", "--lora-alpha", "inf"], "lora_alpha=inf must be a finite number > 0"),
+])
+def test_bad_multi_host_and_lora_flags_are_refused_before_anything_starts(cli, tmp_path, flags, expected, capsys):
+    out = tmp_path / "never"
+    capsys.readouterr()
+    rc = main(cli.args(out, 4, *flags))
+    line = cli.one_line(capsys.readouterr().err)
+    assert rc == 2 and expected in line, line
+    assert not out.exists()
+
+
+def test_an_unreachable_coordinator_is_one_line_and_exit_1_within_its_timeout(cli, tmp_path):
+    """jax's client aborts the process (SIGABRT) when the coordinator never answers; the
+    launcher connects first and gives up after --distributed-timeout with one line."""
+    out = tmp_path / "never"
+    start = time.monotonic()
+    done = cli.run(*cli.args(out, 4, "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1",
+                             "--distributed-timeout", "2"), timeout=120)
+    line = cli.one_line(done.stderr)
+    assert done.returncode == 1 and "--coordinator 127.0.0.1:1: no answer within --distributed-timeout 2 s" in line
+    assert time.monotonic() - start < 60 and not out.exists()
