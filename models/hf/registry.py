@@ -15,7 +15,20 @@ import os
 
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
-from shardzoo.models.hf import gemma, gpt2, granite, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
+from shardzoo.models.hf import (
+    gemma,
+    gpt2,
+    granite,
+    llama,
+    ministral,
+    mixtral,
+    olmo2,
+    olmo3,
+    phi3,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
 
@@ -23,6 +36,7 @@ from shardzoo.models.transformer import TransformerConfig
 FAMILIES: tuple[Family, ...] = (
     llama.LLAMA,
     llama.MISTRAL,
+    ministral.MINISTRAL,  # Mistral's config with layer_types
     llama.QWEN2,
     qwen3.QWEN3,
     olmo2.OLMO2,
@@ -32,6 +46,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.QWEN3_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
+    olmo3.OLMO3,
+    smollm3.SMOLLM3,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
