@@ -28,7 +28,10 @@ def from_hf(hf: HFConfig) -> dict:
     n = hf.get("num_hidden_layers")
     rotates = hf.get("no_rope_layers")  # at least n entries; 1: rotary, 0: NoPE
     if rotates is None:
-        rotates = _every(hf.get("no_rope_layer_interval"), n)
+        interval = hf.get("no_rope_layer_interval")
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise hf.refuse("no_rope_layer_interval", "must be an integer >= 1")
+        rotates = _every(interval, n)
     hf.ignore("no_rope_layer_interval")  # only what the list defaults to
     if len(rotates) < n or any(v not in (0, 1) for v in rotates):
         raise hf.refuse("no_rope_layers", f"must give each of the {n} layers 1 (rotary) or 0 (NoPE)")
@@ -49,8 +52,10 @@ def from_hf(hf: HFConfig) -> dict:
 
 def to_hf(a) -> dict:
     rotates = [int(r) for r in (a.rope_layers or (True,) * a.num_hidden_layers)]
-    interval = next((k for k in range(1, a.num_hidden_layers + 2) if _every(k, a.num_hidden_layers) == rotates),
-                    None)  # the interval that gives this list, where one does
+    n = a.num_hidden_layers
+    default = SCHEMA["no_rope_layer_interval"]
+    interval = next((k for k in (default, *range(1, n + 2)) if _every(k, n) == rotates),
+                    None)  # the interval that gives this list (transformers' default first), if any
     types = layer_types(a)
     pad = SCHEMA["pad_token_id"]  # transformers' default pad id, where it fits the vocabulary
     return llama.llama_to_hf(a) | dict(
