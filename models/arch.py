@@ -7,8 +7,9 @@ dispatch, LoRA: ``models/execution.py``). Every field that switches a mechanism 
 feature (``models/features.py``).
 
 Layer patterns are data: ``layer_types`` gives each layer's attention kind (Hugging Face's
-names), ``mlp_layer_types`` each layer's MLP kind; ``layer_specs()`` turns them into one
-``LayerSpec`` per layer, from which the model builds its blocks and ``models/layout.py`` its scan.
+names), ``mlp_layer_types`` each layer's MLP kind, ``rope_layers`` which layers rotate (the
+others have no positions: NoPE); ``layer_specs()`` turns them into one ``LayerSpec`` per layer,
+from which the model builds its blocks and ``models/layout.py`` its scan.
 A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
 uniform pattern None, MoE settings of a dense model their defaults), so two families that read
 the same model agree, and export can compare.
@@ -74,6 +75,7 @@ class TransformerArch:
     rope_scaling: tuple | None = feature(None, _scaling_feature)  # HF's dict, as sorted pairs
     partial_rotary_factor: float = feature(1.0, "partial_rotary")
     rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
+    rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
     # norms
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
                                          "layernorm": "layernorm"})
@@ -111,9 +113,11 @@ class TransformerArch:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
+        if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
+            set_("rope_layers", tuple(bool(v) for v in self.rope_layers))  # HF's 1/0 as True/False
         self._check()
         # the canonical spelling of equal math
         if self.num_key_value_heads == self.num_attention_heads:
@@ -136,8 +140,10 @@ class TransformerArch:
             set_("rope_local_base_freq", None)
         if self.rope_local_base_freq == self.rope_theta and scaling is None:
             set_("rope_local_base_freq", None)
+        if self.rope_layers is not None and all(self.rope_layers):
+            set_("rope_layers", None)  # every layer rotates
         if self.position_embedding != "rope":
-            for name in ("rope_scaling", "rope_local_base_freq"):
+            for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
@@ -190,6 +196,11 @@ class TransformerArch:
             if len(value) != n or any(v not in allowed for v in value):
                 raise ModelError(f"{name} must name {n} layers (num_hidden_layers), each one of "
                                  f"{', '.join(allowed)}; got {list(value)}")
+        rotates = self.rope_layers
+        if rotates is not None and (not isinstance(rotates, tuple) or len(rotates) != n
+                                    or any(not isinstance(v, bool) for v in rotates)):
+            raise ModelError(f"rope_layers must give {n} layers (num_hidden_layers) each true (rotary "
+                             f"embeddings) or false (none: NoPE); got {rotates!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
@@ -237,11 +248,12 @@ class TransformerArch:
         n = self.num_hidden_layers
         types = self.layer_types or ((SLIDING if self.sliding_window else FULL),) * n
         mlps = self.mlp_layer_types or ((MOE if self.num_local_experts else DENSE),) * n
+        rotates = self.rope_layers or (True,) * n
         out = []
-        for kind, mlp in zip(types, mlps, strict=True):
+        for kind, mlp, rotary in zip(types, mlps, rotates, strict=True):
             sliding = kind == SLIDING
             rope = "global"
-            if self.position_embedding != "rope":
+            if self.position_embedding != "rope" or not rotary:
                 rope = "none"
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"

@@ -21,6 +21,7 @@ FEATURES = {
     "learned_positions": "a learned position table (GPT-2)",
     "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
+    "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers)",
     "rmsnorm": "RMSNorm", "rmsnorm_plus_one": "RMSNorm scaled by (1 + weight) (Gemma)",
     "layernorm": "LayerNorm with bias",
     "pre_norms": "norms before attention and MLP", "post_norms": "norms after attention and MLP (OLMo 2)",

@@ -20,13 +20,16 @@ from shardzoo.models.hf import (
     gpt2,
     granite,
     llama,
+    ministral,
     mixtral,
     olmo2,
+    olmo3,
     olmoe,
     phi3,
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    smollm3,
 )
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -35,6 +38,7 @@ from shardzoo.models.transformer import TransformerConfig
 FAMILIES: tuple[Family, ...] = (
     llama.LLAMA,
     llama.MISTRAL,
+    ministral.MINISTRAL,  # Mistral's config with layer_types
     llama.QWEN2,
     qwen3.QWEN3,
     olmo2.OLMO2,
@@ -46,6 +50,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
+    olmo3.OLMO3,
+    smollm3.SMOLLM3,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

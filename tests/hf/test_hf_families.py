@@ -20,15 +20,18 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     LlamaConfig,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    Olmo3Config,
     OlmoeConfig,
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from shardzoo import cli
@@ -54,7 +57,7 @@ from shardzoo.train.checkpoint import (
 )
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
-                  "olmoe", "qwen2_moe")  # models/hf/<name>.py
+                  "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -88,6 +91,12 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                            logits_scaling=3.0),
     "gemma3_text": lambda: Gemma3TextConfig(**(DIMS | dict(num_hidden_layers=8)), sliding_window=4,
                                             rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "olmo3": lambda: Olmo3Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
+                                 rope_scaling={"rope_type": "linear", "factor": 2.0}),  # 3 sliding : 1 full
+    "smollm3": lambda: SmolLM3Config(**DIMS, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None,
+                                     eos_token_id=None),  # layer 1 NoPE
+    "ministral": lambda: MinistralConfig(**DIMS, head_dim=8, sliding_window=4, layer_types=["sliding_attention",
+                                                                                          "full_attention"]),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).

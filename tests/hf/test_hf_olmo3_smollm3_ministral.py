@@ -1,0 +1,181 @@
+"""OLMo 3, SmolLM3 and Ministral: layer patterns as data. OLMo 3 mixes sliding and full layers
+(OLMo 2's post-norms and projection qk-norm, the rope scaling on the full layers only), SmolLM3
+mixes NoPE and rotary layers (``no_rope_layers``: shardzoo's ``rope_layers``, a feature written
+once in the shared layers) with windows on its NoPE layers, Ministral mixes Mistral's sliding
+layers with full ones by ``layer_types``.
+
+Tiny random HF models with every mechanism on (windows of 4 in a text of 16, patterns that are
+not uniform, so the layouts scan a period, or a run between an unrolled prefix and rest): logits
+equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens equal, export
+then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MinistralConfig, Olmo3Config, SmolLM3Config
+
+from shardzoo.models import ModelError
+from shardzoo.models.arch import FULL, SLIDING, TransformerArch
+from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+S, F = SLIDING, FULL
+CONFIGS = {
+    # 3 sliding : 1 full, twice (a scanned period of 4); linear scaling of the full layers' rotary
+    "olmo3": lambda: Olmo3Config(**DIMS, num_hidden_layers=8, sliding_window=4,
+                                 rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # NoPE on every other layer, windows on the NoPE layers (SmolLM3's default): a period of 2
+    "smollm3": lambda: SmolLM3Config(**DIMS, num_hidden_layers=6, no_rope_layers=[1, 0] * 3,
+                                     use_sliding_window=True, sliding_window=4, pad_token_id=None),
+    # full, 4 sliding, full: a scanned run between an unrolled first and last layer
+    "ministral": lambda: MinistralConfig(**DIMS, head_dim=8, num_hidden_layers=6, sliding_window=4,
+                                         layer_types=[F, S, S, S, S, F]),
+}
+# What the same weights compute without each family's mechanism (transformers' config edits).
+WITHOUT = {
+    "olmo3": dict(layer_types=[F] * 8),
+    "smollm3": dict(no_rope_layers=[1] * 6),
+    "ministral": dict(layer_types=[F] * 6),
+}
+SEEDS = {"olmo3": 0, "smollm3": 2, "ministral": 0}  # each with a varied greedy continuation
+LAYOUTS = {"olmo3": (0, 4, 2), "smollm3": (0, 2, 3), "ministral": (1, 1, 4)}  # (prefix, period, repeats)
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
+    torch.manual_seed(SEEDS[request.param])
+    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model, hf_logits(model, TOKENS)
+
+
+def _apply(module, params, mesh):
+    with activate(mesh):
+        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+
+
+def _stacked_q(config, params):
+    """The q kernel of the first scanned position (``layers`` or ``layers/sub_0``)."""
+    for prefix, _, stacked in config.param_layout():
+        if stacked:
+            tree = params
+            for key in prefix:
+                tree = tree[key]
+            return tree["attn"]["q"]["kernel"]
+    raise AssertionError("nothing scanned")
+
+
+def test_the_mechanism_matters(built):
+    """The same weights without the family's mechanism (every layer full, every layer rotary)
+    give other logits in transformers: parity below cannot pass by accident."""
+    path, model, ref = built
+    kind = model.config.model_type
+    other_config = type(model.config)(**(model.config.to_dict() | WITHOUT[kind]))
+    other = AutoModelForCausalLM.from_config(other_config, attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict())
+    assert np.abs(hf_logits(other, TOKENS) - ref).max() > 1e-2
+    config = load_hf_config(path)
+    assert config.layout().as_tuple() == LAYOUTS[kind]
+    if kind == "smollm3":
+        assert config.rope_layers == (True, False) * 3
+        assert [s.rope for s in config.layer_specs()] == ["global", "none"] * 3
+        assert [s.window for s in config.layer_specs()] == [None, 4] * 3
+    if kind == "olmo3":  # the sliding layers rotate unscaled, by their own base
+        assert config.rope_local_base_freq == 500000.0 and config.rope_scaling_dict["factor"] == 4.0
+        assert [s.rope for s in config.layer_specs()] == ["local"] * 3 + ["global"] + ["local"] * 3 + ["global"]
+
+
+def test_logits_match_on_one_device_and_under_fsdp_tp(built):
+    path, model, ref = built
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    single = _apply(module, params, one)
+    np.testing.assert_allclose(single, ref, atol=TOL, rtol=0)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    assert _stacked_q(config, params).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    got = _apply(module, params, mesh)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    print(f"{model.config.model_type}: max |logit diff| on one device {np.abs(single - ref).max():.2e}, "
+          f"under fsdp_tp {np.abs(got - ref).max():.2e}")
+
+
+def test_greedy_generate_matches_transformers(built):
+    path, model, _ = built
+    prompt = TOKENS[:1, :8]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
+    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
+    np.testing.assert_array_equal(got, want)
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    hf = export_hf(config, params, str(tmp_path))
+    assert hf["model_type"] == model.config.model_type
+    assert hf["layer_types"] == model.config.layer_types
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(back) is type(model)
+    if model.config.model_type == "smollm3":
+        assert back.config.no_rope_layers == model.config.no_rope_layers
+    want, got = model.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+
+
+def test_nope_layers_are_a_feature_llama_does_not_express():
+    """Every layer rotary is spelled None (as Llama's); NoPE layers export as SmolLM3 only."""
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, bos_token_id=None, eos_token_id=None)
+    assert TransformerArch(**base, rope_layers=[1, 1]) == TransformerArch(**base)
+    assert TransformerArch(**base, rope_layers=[1, 0]).rope_layers == (True, False)
+    with pytest.raises(ModelError, match="rope_layers must give 2 layers"):
+        TransformerArch(**base, rope_layers=[True])
+    config = load_hf_config_from(CONFIGS["smollm3"]())
+    with pytest.raises(HFError, match=r"llama cannot express feature nope_layers \(rope_layers="):
+        config_to_hf(config, family="llama")
+    assert config_to_hf(config)["model_type"] == "smollm3"
+    assert config_to_hf(config.replace(rope_layers=None, layer_types=None, sliding_window=None))[
+        "model_type"] == "llama"
+
+
+def test_smollm3_window_without_use_sliding_window_is_refused(tmp_path):
+    """Sliding layers while use_sliding_window is false: transformers' eager and sdpa masks slide,
+    flash attention does not; shardzoo refuses rather than pick one."""
+    hf = SmolLM3Config(**DIMS, num_hidden_layers=2, sliding_window=4, layer_types=[S, F], pad_token_id=None)
+    with pytest.raises(HFError, match="use_sliding_window=False"):
+        load_hf_config_from(hf)
+
+
+def load_hf_config_from(hf_config):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        hf_config.save_pretrained(d)
+        return load_hf_config(d)
