@@ -18,7 +18,7 @@ from shardzoo.data.packing import (
     tokenize_documents,
     tokenize_examples,
 )
-from shardzoo.data.sources import STDLIB, check_text_column, load_source
+from shardzoo.data.sources import STDLIB, check_text_column, load_source, without_missing
 from shardzoo.data.tokenizer import BYTE_SPEC, load_tokenizer
 
 
@@ -38,6 +38,7 @@ class DataConfig:
     cache_dir: str | None = None  # datasets' cache (default: HF_DATASETS_CACHE)
     label_column: str | None = None  # given: labelled examples (make_labelled_datasets)
     feature_columns: tuple[str, ...] | None = None  # None: every column except the label
+    skip_missing: bool = False  # rows with a null text/prompt/completion: skipped and counted, not refused
 
     @property
     def examples(self) -> bool:
@@ -65,11 +66,13 @@ def _documents(spec: str, config: DataConfig, tokenizer):
     elif config.examples:
         check_text_column(ds, config.prompt_column, spec, "--prompt-column")
         check_text_column(ds, config.completion_column, spec, "--completion-column")
+        ds = without_missing(ds, (config.prompt_column, config.completion_column), spec, config.skip_missing)
         docs = tokenize_examples(
             ds, tokenizer, config.prompt_column, config.completion_column, config.add_bos
         )
     else:
         check_text_column(ds, config.text_column, spec)
+        ds = without_missing(ds, (config.text_column,), spec, config.skip_missing)
         docs = tokenize_documents(ds, tokenizer, config.text_column, config.add_bos)
     if len(docs) == 0:
         raise DataError(f"data {spec!r}: empty dataset (all {len(ds)} rows have no text)")

@@ -281,3 +281,30 @@ def check_text_column(
     feature = ds.features[column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise DataError(f"column {column!r} of data {spec!r} holds {feature}, not text ({flag})")
+
+
+def without_missing(ds: datasets.Dataset, columns, spec: str, skip: bool) -> datasets.Dataset:
+    """``ds`` when no row lacks a value (null) in ``columns``; else, with ``skip``, ``ds`` without
+    those rows (their count said in one warning line), or a DataError naming the first such row
+    and column. A missing value is never trained on as an empty text."""
+    import sys
+
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    missing = None
+    for column in columns:
+        nulls = pc.is_null(table.column(column))
+        missing = nulls if missing is None else pc.or_(missing, nulls)
+    count = 0 if missing is None else int(pc.sum(missing).as_py() or 0)
+    if not count:
+        return ds
+    if not skip:
+        first = int(pc.index(missing, True).as_py())
+        column = next(c for c in columns if ds[first][c] is None)
+        raise DataError(f"data {spec!r}: row {first + 1} has no value in column {column!r} (null; {count} of "
+                        f"{len(ds)} rows lack one): fill or drop those rows, or pass --skip-missing to skip them")
+    keep = [i for i, m in enumerate(missing.to_pylist()) if not m]
+    sys.stderr.write(f"shardzoo: warning: data {spec!r}: skipped {count} of {len(ds)} rows with no value in "
+                     f"{', '.join(repr(c) for c in columns)} (--skip-missing)\n")
+    return ds.select(keep)

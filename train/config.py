@@ -60,6 +60,7 @@ class TrainConfig:
     feature_columns: tuple[str, ...] | None = None  # default: every column but the label
     eval_data: str | None = None
     eval_fraction: float | None = None  # default: 0.05 of the embedded corpus, else 0
+    skip_missing: bool = False  # skip (and count) rows with a null text, prompt or completion
     tokenizer: str = "byte"
     add_bos: bool = False
     batch_size: int = 16  # global, over all devices and microbatches
@@ -155,7 +156,8 @@ SECTIONS = {
     "model": ("model", "override", "init_from", "lora_rank", "lora_alpha", "lora_targets",
               "lora_base_dtype", "lora_from"),
     "data": ("data", "text_column", "prompt_column", "completion_column", "chat_column",
-             "label_column", "feature_columns", "eval_data", "eval_fraction", "tokenizer", "add_bos", "batch_size",
+             "label_column", "feature_columns", "eval_data", "eval_fraction", "skip_missing", "tokenizer", "add_bos",
+             "batch_size",
              "seq_len"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
@@ -186,6 +188,7 @@ HELP = {
     "feature_columns": "classification/regression: comma-separated feature columns (default: all but the label)",
     "eval_data": "held-out data spec for evaluation",
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
+    "skip_missing": "skip rows whose text, prompt or completion is missing (null), with a count; default: refuse them",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
     "add_bos": "start every document with bos",
     "batch_size": "global batch size in sequences (all devices, all microbatches)",

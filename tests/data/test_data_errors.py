@@ -50,7 +50,7 @@ def test_column_that_is_not_text(tmp_path):
         run(tmp_path, path, text_column="id")
 
 
-@pytest.mark.parametrize("content", ["", '{"text": ""}\n{"text": null}\n'])
+@pytest.mark.parametrize("content", ["", '{"text": ""}\n{"text": ""}\n'])
 def test_empty_dataset(tmp_path, content):
     path = tmp_path / "empty.jsonl"
     path.write_text(content)
@@ -108,3 +108,21 @@ def test_bad_options(tmp_path):
     (broken / "tokenizer.json").write_text("{not json")
     with pytest.raises(DataError, match="tokenizer file .*broken/tokenizer.json: cannot load"):
         load_tokenizer(str(broken))
+
+
+def test_a_missing_value_is_refused_naming_its_row_and_column_or_skipped_and_counted(tmp_path, capfd):
+    """A null text (or prompt, or completion) is never trained on as an empty text: one line
+    naming the row and column, or, with skip_missing, the other rows and a count."""
+    rows = [{"text": "some text " * 4}, {"text": None}] + [{"text": "more text " * 4}] * 8
+    path = jsonl(tmp_path, rows)
+    with pytest.raises(DataError, match=rf"data '{path}': row 2 has no value in column 'text' "
+                                        r"\(null; 1 of 10 rows lack one\).*--skip-missing"):
+        run(tmp_path, path)
+    train, _ = run(tmp_path, path, skip_missing=True)
+    assert "skipped 1 of 10 rows with no value in 'text'" in capfd.readouterr().err
+    full, _ = run(tmp_path, jsonl(tmp_path, [r for r in rows if r["text"]], "clean.jsonl"))
+    assert train.batches_per_epoch == full.batches_per_epoch  # the same rows as without the null one
+    pairs = [{"prompt": "q", "completion": "a"}] * 8 + [{"prompt": "q", "completion": None}]
+    path = jsonl(tmp_path, pairs, "pairs.jsonl")
+    with pytest.raises(DataError, match=r"row 9 has no value in column 'completion'"):
+        run(tmp_path, path, prompt_column="prompt", completion_column="completion")
