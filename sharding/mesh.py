@@ -16,6 +16,9 @@ class MeshError(UserError):
     """A mesh spec the user gave does not parse or does not fit the devices."""
 
 
+MAX_DEVICES = 2**31 - 1  # XLA's device ids and counts are int32
+
+
 def parse_mesh_spec(spec) -> dict[str, int]:
     """``"data=2,fsdp=-1"`` (or a mapping) to an ordered {axis: size}; -1 is resolved later."""
     if isinstance(spec, dict):
@@ -43,6 +46,10 @@ def parse_mesh_spec(spec) -> dict[str, int]:
         sizes[name] = size
     if sum(1 for s in sizes.values() if s == -1) > 1:
         raise MeshError(f"mesh spec {spec!r}: at most one axis may be -1")
+    total = math.prod(s for s in sizes.values() if s != -1)
+    if total > MAX_DEVICES:
+        raise MeshError(f"mesh spec {spec!r}: {total} devices in all; a mesh holds at most {MAX_DEVICES} "
+                        "(XLA counts devices in 32-bit integers)")
     return sizes
 
 

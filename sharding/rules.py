@@ -142,6 +142,9 @@ def _load_file(path: str) -> Rules:
             text = f.read()
     except OSError as e:
         raise RuleError(f"rule file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise RuleError(f"rule file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}): a rule file is YAML or JSON") from None
     try:
         if path.endswith(".json"):
             data = json.loads(text)

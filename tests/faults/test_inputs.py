@@ -202,3 +202,16 @@ def test_an_unreachable_coordinator_is_one_line_and_exit_1_within_its_timeout(cl
     line = cli.one_line(done.stderr)
     assert done.returncode == 1 and "--coordinator 127.0.0.1:1: no answer within --distributed-timeout 2 s" in line
     assert time.monotonic() - start < 60 and not out.exists()
+
+
+def test_a_binary_rules_file_and_a_mesh_beyond_int32_are_one_line(cli, tmp_path, capsys):
+    rules = tmp_path / "rules.yaml"
+    rules.write_bytes(b"\xff\xfe\x00 not text")
+    for flags, expected in ((["--rules", str(rules), "--mesh", "fsdp=8"],
+                             f"rule file {rules} is not UTF-8 text (byte 0xff at offset 0)"),
+                            (["--rules", "fsdp", "--mesh", "fsdp=65536,tensor=65536"],
+                             "4294967296 devices in all; a mesh holds at most 2147483647")):
+        capsys.readouterr()
+        rc = main(["plan", "--model", "llama-tiny", *flags])
+        line = cli.one_line(capsys.readouterr().err, "plan")
+        assert rc == 2 and expected in line, line
