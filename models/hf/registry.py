@@ -15,7 +15,18 @@ import os
 
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
-from shardzoo.models.hf import gemma, gpt2, granite, llama, mixtral, olmo2, phi3, qwen3, qwen3_moe
+from shardzoo.models.hf import (
+    gemma,
+    gpt2,
+    granite,
+    llama,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen3,
+    qwen3_moe,
+    starcoder2,
+)
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
 
@@ -32,6 +43,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.QWEN3_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
+    starcoder2.STARCODER2,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

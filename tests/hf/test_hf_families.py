@@ -27,6 +27,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    Starcoder2Config,
 )
 
 from shardzoo import cli
@@ -51,7 +52,8 @@ from shardzoo.train.checkpoint import (
     resolve_checkpoint,
 )
 
-FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite")  # models/hf/<name>.py
+FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
+                  "starcoder2")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -79,6 +81,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                            logits_scaling=3.0),
     "gemma3_text": lambda: Gemma3TextConfig(**(DIMS | dict(num_hidden_layers=8)), sliding_window=4,
                                             rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "starcoder2": lambda: Starcoder2Config(**DIMS, sliding_window=4, bos_token_id=1, eos_token_id=2),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -234,7 +237,7 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
     config = PRESETS[name]
-    family = "phi3" if name.startswith("phi") else None  # else Mistral's, whose config it is
+    family = "phi3" if name.startswith(("phi3", "phi-3")) else None  # else Mistral's, whose config it is
     hf_config = AutoConfig.for_model(**config_to_hf(config, family=family))
     with torch.device("meta"):  # shapes only, no weights
         model = AutoModelForCausalLM.from_config(hf_config)
