@@ -78,7 +78,11 @@ class TransformerArch:
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
                                          "layernorm": "layernorm"})
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
+    # qk-norm, of norm_type: "head" each head's features (one weight for all heads), "projection"
+    # all heads' features
     qk_norm: str = feature("none", {"head": "qk_norm_head", "projection": "qk_norm_projection"})
+    # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
+    parallel_residual: bool = feature(False, "parallel_residual")
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
@@ -90,6 +94,7 @@ class TransformerArch:
     query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
     final_logit_softcapping: float | None = feature(None, "final_softcap")
+    lm_head_bias: bool = feature(False, "lm_head_bias")  # the output head's bias (Phi)
     scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
     # Granite's multipliers
     embedding_multiplier: float = feature(1.0, "multipliers")
@@ -161,6 +166,9 @@ class TransformerArch:
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
+        if self.parallel_residual and self.norm_position != "pre":
+            raise ModelError(f"parallel_residual (x + attn(norm(x)) + mlp(norm(x))) has one norm before "
+                             f"attention and MLP; norm_position={self.norm_position!r} must be 'pre'")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:

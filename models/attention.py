@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models.arch import ROPE_SCALING
-from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw, make_norm
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.sharding import axes as ax
 
@@ -147,13 +147,12 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        if a.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
-            q_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
-            k_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
-            norm = dict(eps=a.rms_norm_eps, dtype=e.dtype, param_dtype=e.param_dtype,
-                        plus_one=a.norm_type == "rmsnorm_plus_one")  # Gemma 3: (1 + w)
-            q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
-            k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
+        if a.qk_norm != "none":
+            # the model's norm (its norm_type) of each head ("head", Qwen3; Phi's LayerNorm) or of
+            # all heads ("projection", OLMo 2)
+            one = a.qk_norm == "head"
+            q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM))(q)
+            k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM))(k)
         if spec.rope != "none":
             inv_freq = rope_inv_freq(a, spec.rope == "local")
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
