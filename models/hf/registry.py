@@ -22,6 +22,7 @@ from shardzoo.models.hf import (
     llama,
     mixtral,
     olmo2,
+    phi,
     phi3,
     qwen3,
     qwen3_moe,
@@ -44,6 +45,7 @@ FAMILIES: tuple[Family, ...] = (
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
     starcoder2.STARCODER2,
+    phi.PHI,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
