@@ -294,6 +294,8 @@ class Transformer(nn.Module):
             logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head", **kw)(x)
         if a.logits_scaling != 1.0:  # Granite
             logits = logits / jnp.asarray(a.logits_scaling, logits.dtype)
+        if a.logit_scale != 1.0:  # Cohere
+            logits = logits * jnp.asarray(a.logit_scale, logits.dtype)
         if a.final_logit_softcapping:
             cap = jnp.asarray(a.final_logit_softcapping, logits.dtype)
             logits = cap * jnp.tanh(logits / cap)
