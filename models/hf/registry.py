@@ -16,6 +16,7 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
+    cohere,
     gemma,
     gpt2,
     granite,
@@ -46,6 +47,7 @@ FAMILIES: tuple[Family, ...] = (
     granite.GRANITE, granite.GRANITE_MOE,
     starcoder2.STARCODER2,
     phi.PHI,
+    cohere.COHERE,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

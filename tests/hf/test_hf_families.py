@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -54,7 +55,7 @@ from shardzoo.train.checkpoint import (
 )
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
-                  "starcoder2", "phi")  # models/hf/<name>.py
+                  "starcoder2", "phi", "cohere")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -84,6 +85,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                             rope_scaling={"rope_type": "linear", "factor": 8.0}),
     "starcoder2": lambda: Starcoder2Config(**DIMS, sliding_window=4, bos_token_id=1, eos_token_id=2),
     "phi": lambda: PhiConfig(**DIMS, qk_layernorm=True, partial_rotary_factor=0.5),
+    "cohere": lambda: CohereConfig(**DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
