@@ -135,3 +135,37 @@ def test_a_family_without_the_parallel_residual_refuses_to_export_it(built):
     config = load_hf_config(built[0])
     with pytest.raises(HFError, match=r"gpt2 cannot express feature .*parallel_residual \(parallel_residual=True\)"):
         config_to_hf(config, family="gpt2")
+
+
+def test_partial_rotary_factor_defaults_as_transformers_reads_it(tmp_path):
+    """config.json without a factor means PhiConfig's 0.5; the Hub's phi-2 writes it at the top
+    level (0.4; 0.25 here, a whole pair of this tiny head) beside a legacy rope_theta;
+    shardzoo reads what transformers reads."""
+    import json
+
+    from transformers import AutoConfig
+
+    PhiConfig(**DIMS).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    for raw, want in ((dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 0.5),
+                      (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling=None, partial_rotary_factor=0.25),
+                       0.25)):
+        path.write_text(json.dumps(hf | raw))
+        assert AutoConfig.from_pretrained(tmp_path).rope_parameters["partial_rotary_factor"] == want
+        assert load_hf_config(str(tmp_path)).partial_rotary_factor == want
+
+
+def test_a_tied_head_keeps_its_bias(tmp_path):
+    """tie_word_embeddings: the head is the embedding, its bias a parameter of its own."""
+    model = randomized(PhiConfig(**CONFIG, tie_word_embeddings=True), seed=2)
+    model.save_pretrained(tmp_path / "hf")
+    ref = hf_logits(model, TOKENS)
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    module, config, params = load_hf(str(tmp_path / "hf"), mesh=one, rules=get_rules("fsdp"))
+    assert config.tie_word_embeddings and "lm_head" not in params and params["lm_head_bias"].shape == (128,)
+    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    export_hf(config, params, str(tmp_path / "out"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
