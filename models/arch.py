@@ -76,11 +76,17 @@ class TransformerArch:
     partial_rotary_factor: float = feature(1.0, "partial_rotary")
     rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
     rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
+    rope_interleaved: bool = feature(False, "rope_interleaved")  # turn pairs (2i, 2i+1), not halves
     # norms
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
-                                         "layernorm": "layernorm"})
+                                         "layernorm": "layernorm", "layernorm_no_bias": "layernorm_no_bias"})
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
-    qk_norm: str = feature("none", {"head": "qk_norm_head", "projection": "qk_norm_projection"})
+    # qk-norm, of norm_type: "head" each head's features (one weight for all heads), "heads"
+    # each head's features with a weight per head (Cohere), "projection" all heads' features
+    qk_norm: str = feature("none", {"head": "qk_norm_head", "heads": "qk_norm_heads",
+                                    "projection": "qk_norm_projection"})
+    # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
+    parallel_residual: bool = feature(False, "parallel_residual")
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
@@ -92,6 +98,8 @@ class TransformerArch:
     query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
     final_logit_softcapping: float | None = feature(None, "final_softcap")
+    lm_head_bias: bool = feature(False, "lm_head_bias")  # the output head's bias (Phi)
+    logit_scale: float = feature(1.0, "logit_scale")  # logits x logit_scale (Cohere)
     scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
     # Granite's multipliers
     embedding_multiplier: float = feature(1.0, "multipliers")
@@ -145,6 +153,7 @@ class TransformerArch:
         if self.position_embedding != "rope":
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
+            set_("rope_interleaved", False)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS:
@@ -158,9 +167,9 @@ class TransformerArch:
 
     def _check(self) -> None:
         check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": ("rope", "learned"),
-                            "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm"),
+                            "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm", "layernorm_no_bias"),
                             "norm_position": ("pre", "post", "both"),
-                            "qk_norm": ("none", "head", "projection"), "mlp_type": ("gated", "plain")},
+                            "qk_norm": ("none", "head", "heads", "projection"), "mlp_type": ("gated", "plain")},
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size"))
@@ -168,7 +177,7 @@ class TransformerArch:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier",
-                     "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
+                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
             if not _positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -176,6 +185,9 @@ class TransformerArch:
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
+        if self.parallel_residual and self.norm_position != "pre":
+            raise ModelError(f"parallel_residual (x + attn(norm(x)) + mlp(norm(x))) has one norm before "
+                             f"attention and MLP; norm_position={self.norm_position!r} must be 'pre'")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:

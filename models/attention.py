@@ -17,7 +17,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models.arch import ROPE_SCALING
-from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw, make_norm
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.sharding import axes as ax
 
@@ -56,19 +56,29 @@ def rope_inv_freq(config, local: bool = False) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate the first ``2 * len(inv_freq)`` features of ``x`` (rotate-half, as HF Llama).
+def apply_rope(x, positions, inv_freq, interleaved: bool = False):
+    """Rotate the first ``2 * len(inv_freq)`` features of ``x``: feature i with i + rot/2
+    (rotate-half, as HF Llama) or, ``interleaved``, feature 2i with 2i + 1 (as HF Cohere, which
+    also turns them in float32).
 
     x: [batch, length, heads, head_dim]; positions: [batch, length].
     """
     rot = 2 * inv_freq.shape[0]
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, length, rot/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
+    if interleaved:
+        emb = jnp.repeat(freqs, 2, axis=-1)[:, :, None, :]  # [batch, length, 1, rot]: f0 f0 f1 f1 ...
+    else:
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_rot * cos + rotated * sin
+    if interleaved:
+        x_rot, cos, sin = x_rot.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32)
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = jnp.stack([-x2, x1], axis=-1).reshape(x_rot.shape)  # (-x1, x0, -x3, x2, ...)
+    else:
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+        rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = (x_rot * cos + rotated * sin).astype(x.dtype)
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
@@ -147,16 +157,17 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        if a.qk_norm != "none":  # RMSNorm of each head ("head", Qwen3) or of all heads ("projection", OLMo 2)
-            q_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.HEADS, ax.HEAD_DIM)
-            k_axes = (ax.HEAD_DIM,) if a.qk_norm == "head" else (ax.KV_HEADS, ax.HEAD_DIM)
-            norm = dict(eps=a.rms_norm_eps, dtype=e.dtype, param_dtype=e.param_dtype,
-                        plus_one=a.norm_type == "rmsnorm_plus_one")  # Gemma 3: (1 + w)
-            q = RMSNorm(**norm, axes=q_axes, name="q_norm")(q)
-            k = RMSNorm(**norm, axes=k_axes, name="k_norm")(k)
+        if a.qk_norm != "none":
+            # the model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
+            # head ("heads", Cohere); or of all heads ("projection", OLMo 2)
+            one = a.qk_norm == "head"
+            dims = 2 if a.qk_norm == "projection" else 1
+            q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims)(q)
+            k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims)(k)
         if spec.rope != "none":
             inv_freq = rope_inv_freq(a, spec.rope == "local")
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            turn = a.rope_interleaved
+            q, k = apply_rope(q, positions, inv_freq, turn), apply_rope(k, positions, inv_freq, turn)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")

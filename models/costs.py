@@ -33,6 +33,8 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     mlp_norm 3 D, float32        as attn_norm
     post_attn_norm, post_mlp_norm 3 D float32 each, with norm_position "both" (Gemma 2/3: four
                                  norms a block; "post" moves the two norms, it adds none)
+                                 With parallel_residual (Phi, Cohere) neither attn_residual nor
+                                 mlp_norm: the MLP reads the attention's normed input.
     dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
       mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of
@@ -147,14 +149,17 @@ def transformer_params(a, active: bool = False) -> int:
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
         total += a.max_position_embeddings * d
-    norm = d * (2 if a.norm_type == "layernorm" else 1)
+    per = 2 if a.norm_type == "layernorm" else 1  # weight and bias
+    norm = d * per
     total += norm  # final norm
-    norms = 4 if a.norm_position == "both" else 2
+    norms = 4 if a.norm_position == "both" else 1 if a.parallel_residual else 2
+    if a.lm_head_bias:
+        total += a.vocab_size
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
         total += _layer_matmul_params(a, moe, active) + norms * norm
         if a.qk_norm != "none":
-            total += hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
+            total += per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
         if a.attention_bias:
             total += hd * (a.num_attention_heads + 2 * a.kv_heads)
         if a.attention_out_bias:
@@ -208,6 +213,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         layer["softcap"] = t(2 * h * seq_len, BHL)
     if a.norm_position == "both":
         layer.update(post_attn_norm=t(3 * d, BLE, 4), post_mlp_norm=t(3 * d, BLE, 4))
+    if a.parallel_residual:  # the MLP reads the attention's norm: no sum between them, no second norm
+        del layer["attn_residual"], layer["mlp_norm"]
     dense = dict(layer, mlp_up=t(f, BLF), mlp_hidden=t(f, BLF))
     if gated:
         dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if e.fuse_projections else 0)

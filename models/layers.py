@@ -88,8 +88,9 @@ def constrain(x, axes, placement):
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Llama), computed in float32 like Hugging Face's.
 
-    It normalizes over the last ``len(axes)`` dimensions of ``x`` (named ``axes``): the model
-    width, one head's features (Qwen3's qk-norm) or all heads' (OLMo 2's).
+    Its weight is named ``axes`` (the last ``len(axes)`` dimensions of ``x``); it normalizes
+    over the last ``dims`` of them (all when None): the model width, one head's features
+    (Qwen3's qk-norm; Cohere's, with a weight per head) or all heads' (OLMo 2's).
     """
 
     eps: float = 1e-6
@@ -97,13 +98,14 @@ class RMSNorm(nn.Module):
     param_dtype: str = "float32"
     axes: tuple[str, ...] = (ax.EMBED,)
     plus_one: bool = False  # scale by (1 + weight), weight zero-initialized (Gemma)
+    dims: int | None = None
 
     @nn.compact
     def __call__(self, x):
-        dims = tuple(range(x.ndim - len(self.axes), x.ndim))
+        dims = tuple(range(x.ndim - (self.dims or len(self.axes)), x.ndim))
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param(
-            "scale", nn.with_logical_partitioning(init, self.axes), x.shape[dims[0]:],
+            "scale", nn.with_logical_partitioning(init, self.axes), x.shape[x.ndim - len(self.axes):],
             dtype_of(self.param_dtype),
         )
         x32 = x.astype(jnp.float32)
@@ -113,31 +115,39 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Layer norm with scale and bias (GPT-2), computed in float32."""
+    """Layer norm with scale and (``use_bias``) bias (GPT-2; Cohere without bias), in float32;
+    ``axes`` and ``dims`` as ``RMSNorm``'s."""
 
     eps: float = 1e-5
     dtype: str = "float32"
     param_dtype: str = "float32"
+    use_bias: bool = True
+    axes: tuple[str, ...] = (ax.EMBED,)
+    dims: int | None = None
 
     @nn.compact
     def __call__(self, x):
-        shape, pdt = (x.shape[-1],), dtype_of(self.param_dtype)
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)), shape, pdt)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)), shape, pdt)
+        shape, pdt = x.shape[x.ndim - len(self.axes):], dtype_of(self.param_dtype)
+        dims = tuple(range(x.ndim - (self.dims or len(self.axes)), x.ndim))
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes), shape, pdt)
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale + bias).astype(dtype_of(self.dtype))
+        mean = jnp.mean(x32, axis=dims, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=dims, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes), shape, pdt)
+            y = y + bias.astype(jnp.float32)
+        return y.astype(dtype_of(self.dtype))
 
 
-def make_norm(config, name: str) -> nn.Module:
-    """The architecture's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one" or "layernorm")
-    as a named submodule."""
+def make_norm(config, name: str, axes: tuple[str, ...] = (ax.EMBED,), dims: int | None = None) -> nn.Module:
+    """The architecture's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one", "layernorm" or
+    "layernorm_no_bias") as a named submodule, its weight named ``axes``, normalizing over the
+    last ``dims`` of them (all when None)."""
     a, e = config.arch, config.execution
-    if a.norm_type == "layernorm":
-        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, name=name)
-    return RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, plus_one=a.norm_type == "rmsnorm_plus_one",
+    if a.norm_type in ("layernorm", "layernorm_no_bias"):
+        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, a.norm_type == "layernorm", axes, dims, name=name)
+    return RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, axes, a.norm_type == "rmsnorm_plus_one", dims,
                    name=name)
 
 

@@ -24,7 +24,7 @@ from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.execution import REMAT_POLICIES, Execution
-from shardzoo.models.layers import MLP, Embed, Linear, constrain, linear_kw, make_norm
+from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
 from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
@@ -158,8 +158,9 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 class Block(nn.Module):
     """Residual block: x + attn(norm(x)), then x + mlp(norm(x)); with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
-    x + norm(attn(norm(x))) (Gemma 2/3). The residual adds ``residual_multiplier`` times the
-    block's output (Granite; 1 elsewhere)."""
+    x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
+    norm side by side: x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere). The residual adds
+    ``residual_multiplier`` times the block's output (Granite; 1 elsewhere)."""
 
     config: TransformerConfig
     spec: LayerSpec
@@ -178,22 +179,25 @@ class Block(nn.Module):
             h = h if scale == 1.0 else h * jnp.asarray(scale, h.dtype)
             return constrain(x + h, BLE, placement)
 
-        h = make_norm(self.config, "attn_norm")(x) if pre else x
-        h = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
-        h = make_norm(self.config, "post_attn_norm")(h) if post else h
-        x = residual(x, h)
-        h = make_norm(self.config, "mlp_norm")(x) if pre else x
-        if self.spec.mlp == MOE:
-            from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
+        def mlp(h):
+            if self.spec.mlp == MOE:
+                from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
 
-            token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
-            routed = MoeMLP(self.config.moe_config(), placement, name="moe")(h, self.deterministic, token_mask)
-            h = routed + self._shared_expert(h) if a.shared_expert_intermediate_size else routed
+                token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
+                routed = MoeMLP(self.config.moe_config(), placement, name="moe")(h, self.deterministic, token_mask)
+                return routed + self._shared_expert(h) if a.shared_expert_intermediate_size else routed
+            return MLP(self.config, placement, name="mlp")(h)
+
+        h = make_norm(self.config, "attn_norm")(x) if pre else x
+        attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
+        attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
+        if a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
+            x = residual(x, attn + mlp(h))
         else:
-            h = MLP(self.config, placement, name="mlp")(h)
-        h = make_norm(self.config, "post_mlp_norm")(h) if post else h
-        x = residual(x, h)  # [batch, length, embed]
-        return (x, None) if self.scanned else x
+            x = residual(x, attn)
+            h = mlp(make_norm(self.config, "mlp_norm")(x) if pre else x)
+            x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
+        return (x, None) if self.scanned else x  # [batch, length, embed]
 
     def _shared_expert(self, h):
         """A MoE layer's shared expert: a dense gated MLP every token goes through, scaled by
@@ -293,10 +297,16 @@ class Transformer(nn.Module):
         x = make_norm(cfg, "final_norm")(x)
         if a.tie_word_embeddings:
             logits = embed.attend(x)
+            if a.lm_head_bias:  # a tied head's own bias
+                bias = self.param("lm_head_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
+                                  (a.vocab_size,), dtype_of(e.param_dtype))
+                logits = logits + bias.astype(logits.dtype)
         else:
-            logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), name="lm_head", **kw)(x)
+            logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head", **kw)(x)
         if a.logits_scaling != 1.0:  # Granite
             logits = logits / jnp.asarray(a.logits_scaling, logits.dtype)
+        if a.logit_scale != 1.0:  # Cohere
+            logits = logits * jnp.asarray(a.logit_scale, logits.dtype)
         if a.final_logit_softcapping:
             cap = jnp.asarray(a.final_logit_softcapping, logits.dtype)
             logits = cap * jnp.tanh(logits / cap)

@@ -2,8 +2,8 @@
 
 One module per family declares its ``model_type``s, its config mapping both ways and its weight
 map (``llama.py``: llama, mistral, qwen2; ``qwen3.py``; ``olmo2.py``; ``phi3.py``; ``mixtral.py``;
-``gemma.py``: gemma, gemma2, gemma3_text; ``gpt2.py``); ``registry.py`` lists
-them. ``base.py`` holds the records and config.json reading, ``tensors.py`` the safetensors
+``gemma.py``: gemma, gemma2, gemma3_text; ``gpt2.py``; ``granite.py``; ``starcoder2.py``;
+``phi.py``; ``cohere.py``); ``registry.py`` lists them. ``base.py`` holds the records and config.json reading, ``tensors.py`` the safetensors
 import (straight into each parameter's sharding) and export.
 """
 

@@ -196,15 +196,16 @@ def rope_to_hf(arch) -> dict:
     return out
 
 
-def sizes(hf: HFConfig) -> dict:
-    """The sizes every rotary decoder family spells alike."""
+def sizes(hf: HFConfig, eps: str = "rms_norm_eps") -> dict:
+    """The sizes every rotary decoder family spells alike (``eps``: the family's name of the
+    norms' epsilon)."""
     hf.require("hidden_size", "num_hidden_layers", "num_attention_heads")
     heads = hf.get("num_attention_heads")
     return dict(vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"),
                 intermediate_size=hf.get("intermediate_size"), num_hidden_layers=hf.get("num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
                 head_dim=hf.get("head_dim", None), max_position_embeddings=hf.get("max_position_embeddings"),
-                rms_norm_eps=hf.get("rms_norm_eps"), initializer_range=hf.get("initializer_range"),
+                rms_norm_eps=hf.get(eps), initializer_range=hf.get("initializer_range"),
                 hidden_act=hf.get("hidden_act") if "hidden_act" in hf.family.schema else None,
                 tie_word_embeddings=hf.get("tie_word_embeddings"),
                 **special_tokens(hf))

@@ -16,6 +16,7 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
+    cohere,
     gemma,
     gpt2,
     granite,
@@ -25,11 +26,13 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    phi,
     phi3,
     qwen2_moe,
     qwen3,
     qwen3_moe,
     smollm3,
+    starcoder2,
 )
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -52,6 +55,9 @@ FAMILIES: tuple[Family, ...] = (
     granite.GRANITE, granite.GRANITE_MOE,
     olmo3.OLMO3,
     smollm3.SMOLLM3,
+    starcoder2.STARCODER2,
+    phi.PHI,
+    cohere.COHERE,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -27,11 +28,13 @@ from transformers import (
     Olmo3Config,
     OlmoeConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
+    Starcoder2Config,
 )
 
 from shardzoo import cli
@@ -57,7 +60,8 @@ from shardzoo.train.checkpoint import (
 )
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
-                  "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral")  # models/hf/<name>.py
+                  "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
+                  "cohere")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -97,6 +101,9 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                      eos_token_id=None),  # layer 1 NoPE
     "ministral": lambda: MinistralConfig(**DIMS, head_dim=8, sliding_window=4, layer_types=["sliding_attention",
                                                                                           "full_attention"]),
+    "starcoder2": lambda: Starcoder2Config(**DIMS, sliding_window=4, bos_token_id=1, eos_token_id=2),
+    "phi": lambda: PhiConfig(**DIMS, qk_layernorm=True, partial_rotary_factor=0.5),
+    "cohere": lambda: CohereConfig(**DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -252,7 +259,7 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
     config = PRESETS[name]
-    family = "phi3" if name.startswith("phi") else None  # else Mistral's, whose config it is
+    family = "phi3" if name.startswith(("phi3", "phi-3")) else None  # else Mistral's, whose config it is
     hf_config = AutoConfig.for_model(**config_to_hf(config, family=family))
     with torch.device("meta"):  # shapes only, no weights
         model = AutoModelForCausalLM.from_config(hf_config)

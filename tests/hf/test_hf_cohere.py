@@ -1,0 +1,132 @@
+"""Cohere (Command R): the parallel residual from one LayerNorm without bias, rotary
+embeddings on interleaved pairs (a feature of the shared layers), logits times ``logit_scale``
+(a feature too), the per-head qk LayerNorm with a weight per head (``use_qk_norm``), gated
+SwiGLU, tied embeddings.
+
+A tiny random HF model with every mechanism on (qk-norm, q/k/v/o biases, a logit scale far from
+1): logits equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens equal,
+export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CohereConfig
+
+from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
+from shardzoo.models.transformer import Transformer
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CONFIG = dict(DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def randomized(hf_config, seed: int = 0):
+    """An HF model of ``hf_config`` with every weight random (biases too), norm scales near 1."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    model = randomized(CohereConfig(**CONFIG), seed=8)  # a seed whose greedy continuation varies
+    path = tmp_path_factory.mktemp("cohere")
+    model.save_pretrained(path)
+    return str(path), model, hf_logits(model, TOKENS)
+
+
+def _apply(module, params, mesh):
+    with activate(mesh):
+        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+
+
+def test_config_reads_coheres_mechanisms(built):
+    config = load_hf_config(built[0])
+    assert config.parallel_residual and config.rope_interleaved and config.qk_norm == "heads"
+    assert (config.norm_type, config.mlp_type, config.logit_scale) == ("layernorm_no_bias", "gated", 0.3)
+    assert config.tie_word_embeddings and config.attention_bias and config.attention_out_bias
+
+
+def test_interleaved_rotary_and_the_logit_scale_matter(built):
+    """The same weights with rotate-half rotary, or without the logit scale, give other logits
+    than transformers': a family that dropped either could not pass the parity tests below."""
+    path, _, ref = built
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    module, config, params = load_hf(path, mesh=mesh, rules=rules)
+    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    for change in (dict(rope_interleaved=False), dict(logit_scale=1.0)):
+        got = _apply(Transformer(config.replace(**change)), params, mesh)
+        assert np.abs(got - ref).max() > 1e-2, change
+
+
+def test_the_qk_norm_matters(built):
+    _, model, ref = built
+    other = AutoModelForCausalLM.from_config(CohereConfig(**(CONFIG | dict(use_qk_norm=False))),
+                                             attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict(), strict=False)
+    assert np.abs(hf_logits(other, TOKENS) - ref).max() > 1e-2
+
+
+def test_logits_match_on_one_device_and_under_fsdp_tp(built):
+    path, model, ref = built
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    got = _apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    q = params["layers"]["attn"]["q"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    sharded = _apply(module, params, mesh)
+    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}, fsdp_tp {np.abs(sharded - ref).max():.2e}")
+
+
+def test_greedy_generate_matches_transformers(built):
+    path, model, _ = built
+    prompt = TOKENS[:1, :8]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
+    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
+    np.testing.assert_array_equal(got, want)
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    hf = export_hf(config, params, str(tmp_path))
+    assert hf["model_type"] == "cohere" and hf["logit_scale"] == 0.3 and hf["use_qk_norm"] is True
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(back) is type(model)
+    want, got = model.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+
+
+def test_a_family_without_interleaved_rotary_refuses_to_export_it(built):
+    config = load_hf_config(built[0])
+    with pytest.raises(HFError, match=r"phi cannot express feature .*rope_interleaved \(rope_interleaved=True\)"):
+        config_to_hf(config, family="phi")
