@@ -214,7 +214,7 @@ HELP = {
     "restart": "train an --out that has metrics but no checkpoint again from step 0 (its metrics.jsonl "
                "starts over); without it such a run is refused. A run with a checkpoint resumes as usual",
     "eval_every": "evaluate every N steps (0: only at the end)",
-    "eval_steps": "batches per evaluation",
+    "eval_steps": "batches per periodic evaluation (the final one scores the whole eval split)",
     "log_every": "log metrics every N steps",
     "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
     "coordinator": "multi-host: coordinator address HOST:PORT for jax.distributed.initialize",

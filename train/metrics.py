@@ -82,7 +82,8 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
-        shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_sec", "examples_per_sec") if k in record}
+        shown = {k: record[k] for k in ("loss", "eval_loss", "eval_loss_sampled", "eval_accuracy",
+                                        "eval_accuracy_sampled", "tokens_per_sec", "examples_per_sec") if k in record}
         if self.bar.disable:
             print(f"step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
         else:
@@ -130,7 +131,8 @@ def plot_losses(run_dir: str, out_path: str | None = None) -> str:
     _check_plot_target(out_path)
     records = read_metrics(path)
     curves = {}
-    for key, label in (("loss", "train"), ("eval_loss", "eval")):
+    for key, label in (("loss", "train"), ("eval_loss_sampled", "eval (sampled, --eval-steps)"),
+                       ("eval_loss", "eval (whole split)")):
         points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         if points:
             curves[label] = list(zip(*points, strict=True))
@@ -144,12 +146,25 @@ def plot_losses(run_dir: str, out_path: str | None = None) -> str:
 
     fig, axis = plt.subplots(figsize=(7, 4.5))
     for label, (steps, losses) in curves.items():
-        axis.plot(steps, losses, marker="o" if label == "eval" else None, markersize=4, label=label)
+        axis.plot(steps, losses, marker="o" if label.startswith("eval") else None, markersize=4, label=label)
     axis.set_xlabel("step")
     axis.set_ylabel("loss")
     axis.set_title(os.path.basename(os.path.abspath(run_dir)))
     axis.grid(alpha=0.3)
-    axis.legend()
+    handles, labels = axis.get_legend_handles_labels()
+    accuracy = {label: [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+                for key, label in (("eval_accuracy_sampled", "eval accuracy (sampled)"),
+                                   ("eval_accuracy", "eval accuracy (whole split)"))}
+    if any(accuracy.values()):  # accuracy on its own axis, at the right
+        right = axis.twinx()
+        for label, points in accuracy.items():
+            if points:
+                steps, values = zip(*points, strict=True)
+                right.plot(steps, values, linestyle="--", marker="s", markersize=4, color="tab:green", label=label)
+        right.set_ylabel("accuracy")
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    axis.legend(handles, labels)
     try:
         fig.savefig(out_path, dpi=100, bbox_inches="tight")
     except OSError as e:

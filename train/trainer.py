@@ -176,19 +176,29 @@ class Trainer:
         """One compiled step: ``(new_state, metrics)``; ``state`` is donated."""
         return self._train_step(state, self.program.place(batch), self.rng)
 
-    def evaluate(self) -> dict:
-        """The task's eval metrics over the first ``eval_steps`` held-out batches."""
+    def evaluate(self, sample: bool = False) -> dict:
+        """The task's eval metrics over the whole held-out split (one pass of an iterator that
+        knows its length, as ``shardzoo eval --split eval`` scores it), or, with ``sample`` (the
+        periodic evaluations), over its first ``eval_steps`` batches, named ``eval_*_sampled``
+        when that is less than the split. An iterator of unknown length is read for
+        ``eval_steps`` batches."""
         if self.eval_data is None:
             return {}
+        length = getattr(self.eval_data, "batches_per_epoch", None)
+        limit = self.cfg.eval_steps if (sample or length is None) else length
+        sampled = sample and length is not None and limit < length
         self.eval_data.restore(self._eval_start)
         step = self.program.compiled_eval_step()
         totals = None
         for i, batch in enumerate(self.eval_data):
-            if i >= self.cfg.eval_steps:
+            if i >= limit:
                 break
             out = step(self.state.params, self.program.place(batch))
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-        return summarize_eval(self.program.task, jax.device_get(totals)) if totals is not None else {}
+        if totals is None:
+            return {}
+        summary = summarize_eval(self.program.task, jax.device_get(totals))
+        return {f"{k}_sampled": v for k, v in summary.items()} if sampled else summary
 
     def _check_finite(self, step: int, metrics) -> None:
         if bool(metrics["finite"]):
@@ -276,8 +286,8 @@ class Trainer:
                 if cfg.skip_nonfinite:
                     record["nonfinite_skipped"] = self.nonfinite_skipped
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                with timer.paused():
-                    record.update(self.evaluate())
+                with timer.paused():  # the final evaluation scores the whole held-out split
+                    record.update(self.evaluate(sample=step != cfg.steps))
             if record:
                 self.history.append({"step": step, **record})
                 self.logger.log(step, record)

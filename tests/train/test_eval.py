@@ -206,3 +206,24 @@ def test_bad_input_is_one_line_and_exit_2(hf_llama, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_the_trainers_final_eval_loss_is_the_whole_split_that_eval_scores(tmp_path):
+    """The README's promise on a split of several batches and --eval-steps 1: the periodic
+    evaluation samples one batch (and is named so), the final one scores every held-out row,
+    equal to ``shardzoo eval --split eval`` within 1e-5."""
+    write_jsonl(tmp_path / "train.jsonl", [{"text": f"Q: {q} A: {a}"} for q, a in QA] * 4)
+    run, out = str(tmp_path / "run"), tmp_path / "m.json"
+    assert cli.main(["train", *TINY_FLAGS, "--data", str(tmp_path / "train.jsonl"), "--eval-fraction", "0.5",
+                     "--batch-size", "8", "--seq-len", "8", "--steps", "4", "--eval-every", "2",
+                     "--eval-steps", "1", "--save-every", "0", "--out", run]) == 0
+    assert cli.main(["eval", "--checkpoint", run, "--split", "eval", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["batches"] > 1  # more than --eval-steps
+    with open(f"{run}/metrics.jsonl") as f:
+        records = list(map(json.loads, f))
+    assert [r["step"] for r in records if "eval_loss_sampled" in r] == [2]
+    final = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in final] == [4]
+    assert abs(got["loss"] - final[0]["eval_loss"]) < 1e-5
+    assert abs(got["token_accuracy"] - final[0]["eval_accuracy"]) < 1e-5
