@@ -25,7 +25,7 @@ from shardzoo.models.features import feature
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 DENSE, MOE = "dense", "moe"
-ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
 # rope_scaling types models/layers.py computes, with the keys each needs.
 ROPE_SCALING = {
     "linear": ("factor",),
