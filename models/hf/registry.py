@@ -16,6 +16,7 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
+    arcee,
     gemma,
     gpt2,
     granite,
@@ -46,6 +47,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
+    arcee.ARCEE,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -1,0 +1,137 @@
+"""Arcee: Llama's layout with a plain MLP and the squared ReLU (``relu2``).
+
+A tiny random HF model (biases random): logits equal transformers' on one device and under
+fsdp_tp on 8 devices, greedy tokens equal, export then ``from_pretrained`` equal, and relu2
+changes transformers' logits.
+Tolerance: 1e-4 on float32 logits, as for every family.
+"""
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    ArceeConfig,
+    AutoModelForCausalLM,
+)
+
+from shardzoo.models.hf import export_hf, family_of_config, load_hf_config
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+from shardzoo.train.program import Program
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+CONFIGS = {  # model_type -> (HF config, torch seed whose greedy continuation varies)
+    "arcee": (lambda: ArceeConfig(**DIMS, attention_bias=True, mlp_bias=True), 0),
+}
+READS = {  # model_type -> architecture fields its config reads as
+    "arcee": dict(mlp_type="plain", hidden_act="relu2", attention_bias=True, attention_out_bias=True, mlp_bias=True),
+}
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+
+
+def hf_logits(model, tokens=TOKENS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def randomize(model, seed: int):
+    """Every weight random (biases too), norm scales near 1 but far enough to matter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    """(HF dir, HF model, reference logits)."""
+    make, seed = CONFIGS[request.param]
+    model = randomize(AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval(), seed)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model, hf_logits(model)
+
+
+def _apply(module, params, mesh):
+    with activate(mesh):
+        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+
+
+def _one_device():
+    return make_mesh("data=1", devices=jax.devices()[:1])
+
+
+def test_the_config_reads_as_its_mechanisms(built):
+    path, model, _ = built
+    c = load_hf_config(path)
+    want = READS[model.config.model_type]
+    assert {k: getattr(c, k) for k in want} == want
+    assert family_of_config(c).name == model.config.model_type
+    assert c.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_logits_match_on_one_device_and_under_fsdp_tp(built):
+    path, _, ref = built
+    one = _one_device()
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    stacked = "layers" in params and "attn" in params["layers"]
+    q = (params["layers"] if stacked else params["layers"]["sub_0"])["attn"]["q"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built):
+    path, model, _ = built
+    prompt = TOKENS[:1, :8]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = _one_device(), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
+    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
+    np.testing.assert_array_equal(got, want)
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    hf = export_hf(config, params, str(tmp_path))
+    assert hf["model_type"] == model.config.model_type
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(back) is type(model)
+    want, got = model.state_dict(), back.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    np.testing.assert_allclose(hf_logits(back), ref, atol=TOL, rtol=0)
+
+
+def _like(model, **changes):
+    """An HF model of ``model``'s config with ``changes``, and ``model``'s weights."""
+    cfg = model.config.to_dict() | changes
+    other = AutoModelForCausalLM.from_config(type(model.config)(**cfg), attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def _shardzoo(path, **overrides):
+    module, _, params = load_hf(path, mesh=_one_device(), overrides=overrides)
+    return _apply(module, params, _one_device())
+
+
+@pytest.mark.parametrize("built", ["arcee"], indirect=True)
+def test_arcee_relu2_matters(built):
+    """With a plain ReLU transformers gives other logits, and shardzoo told so follows it."""
+    path, model, ref = built
+    relu = hf_logits(_like(model, hidden_act="relu"))
+    assert np.abs(relu - ref).max() > 1e-2
+    np.testing.assert_allclose(_shardzoo(path, hidden_act="relu"), relu, atol=TOL, rtol=0)
