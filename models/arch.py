@@ -87,6 +87,8 @@ class TransformerArch:
     # attention kinds and scales
     sliding_window: int | None = feature(None, "sliding_window")
     layer_types: tuple[str, ...] | None = feature(None, "layer_pattern")  # per layer; None: uniform
+    # per layer, True: no rotary embedding there (NoPE; EXAONE 4's full layers); None: all rotate
+    no_rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")
     query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
     final_logit_softcapping: float | None = feature(None, "final_softcap")
@@ -111,7 +113,7 @@ class TransformerArch:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "no_rope_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         self._check()
@@ -136,8 +138,10 @@ class TransformerArch:
             set_("rope_local_base_freq", None)
         if self.rope_local_base_freq == self.rope_theta and scaling is None:
             set_("rope_local_base_freq", None)
+        if self.no_rope_layers is not None and not any(self.no_rope_layers):
+            set_("no_rope_layers", None)
         if self.position_embedding != "rope":
-            for name in ("rope_scaling", "rope_local_base_freq"):
+            for name in ("rope_scaling", "rope_local_base_freq", "no_rope_layers"):
                 set_(name, None)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
@@ -190,6 +194,10 @@ class TransformerArch:
             if len(value) != n or any(v not in allowed for v in value):
                 raise ModelError(f"{name} must name {n} layers (num_hidden_layers), each one of "
                                  f"{', '.join(allowed)}; got {list(value)}")
+        nope = self.no_rope_layers
+        if nope is not None and (len(nope) != n or any(not isinstance(v, bool) for v in nope)):
+            raise ModelError(f"no_rope_layers must give {n} layers (num_hidden_layers) a true (no rotary "
+                             f"embedding) or false; got {list(nope)}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
@@ -238,10 +246,11 @@ class TransformerArch:
         types = self.layer_types or ((SLIDING if self.sliding_window else FULL),) * n
         mlps = self.mlp_layer_types or ((MOE if self.num_local_experts else DENSE),) * n
         out = []
-        for kind, mlp in zip(types, mlps, strict=True):
+        nope = self.no_rope_layers or (False,) * n
+        for kind, mlp, no_rope in zip(types, mlps, nope, strict=True):
             sliding = kind == SLIDING
             rope = "global"
-            if self.position_embedding != "rope":
+            if self.position_embedding != "rope" or no_rope:
                 rope = "none"
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"

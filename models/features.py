@@ -29,6 +29,7 @@ FEATURES = {
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
+    "nope_layers": "layers without rotary embeddings (no_rope_layers; EXAONE 4's full layers)",
     "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
     "attention_softcap": "soft-capped attention logits", "final_softcap": "soft-capped output logits",
     "scale_embeddings": "embeddings scaled by sqrt(hidden_size) (Gemma)",
