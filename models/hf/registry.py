@@ -17,6 +17,7 @@ from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
     arcee,
+    exaone4,
     gemma,
     gpt2,
     granite,
@@ -47,7 +48,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
-    arcee.ARCEE,
+    arcee.ARCEE, exaone4.EXAONE4,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -1,8 +1,11 @@
-"""Arcee: Llama's layout with a plain MLP and the squared ReLU (``relu2``).
+"""Arcee and EXAONE 4: Llama's layout with one or two mechanisms each.
 
-A tiny random HF model (biases random): logits equal transformers' on one device and under
-fsdp_tp on 8 devices, greedy tokens equal, export then ``from_pretrained`` equal, and relu2
-changes transformers' logits.
+Arcee: a plain MLP with the squared ReLU (``relu2``). EXAONE 4: post-norms, qk-norm of each
+head, sliding and full layers, and no rotary embedding on the full ones (``no_rope_layers``).
+
+Tiny random HF models with those mechanisms on (windows shorter than the 16 tokens, biases
+random): logits equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens
+equal, export then ``from_pretrained`` equal, and each mechanism changes transformers' logits.
 Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
@@ -13,9 +16,11 @@ import torch
 from transformers import (
     ArceeConfig,
     AutoModelForCausalLM,
+    Exaone4Config,
 )
 
-from shardzoo.models.hf import export_hf, family_of_config, load_hf_config
+from shardzoo.models.hf import HFError, config_to_hf, export_hf, family_of_config, load_hf_config
+from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
@@ -25,9 +30,14 @@ DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2)
 CONFIGS = {  # model_type -> (HF config, torch seed whose greedy continuation varies)
     "arcee": (lambda: ArceeConfig(**DIMS, attention_bias=True, mlp_bias=True), 0),
+    # layers S F S F: the full ones see every token and have no rotary embedding
+    "exaone4": (lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
+                                      sliding_window_pattern=2), 0),
 }
 READS = {  # model_type -> architecture fields its config reads as
     "arcee": dict(mlp_type="plain", hidden_act="relu2", attention_bias=True, attention_out_bias=True, mlp_bias=True),
+    "exaone4": dict(norm_position="post", qk_norm="head", sliding_window=4,
+                    layer_types=("sliding_attention", "full_attention") * 2, no_rope_layers=(False, True, False, True)),
 }
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
@@ -135,3 +145,50 @@ def test_arcee_relu2_matters(built):
     relu = hf_logits(_like(model, hidden_act="relu"))
     assert np.abs(relu - ref).max() > 1e-2
     np.testing.assert_allclose(_shardzoo(path, hidden_act="relu"), relu, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("built", ["exaone4"], indirect=True)
+def test_exaone4_full_layers_without_rotary_matter(built):
+    """Rotating the full layers too (transformers' attention with its window attribute cleared
+    on them, the mask unchanged) gives other logits; shardzoo with every layer rotating
+    (``no_rope_layers`` null) gives those."""
+    path, model, ref = built
+    rotating = _like(model)
+    for layer, kind in zip(rotating.model.layers, rotating.config.layer_types, strict=True):
+        if kind == "full_attention":
+            layer.self_attn.sliding_window = None  # transformers: rotary when no window or sliding
+    every = hf_logits(rotating)
+    assert np.abs(every - ref).max() > 1e-2
+    np.testing.assert_allclose(_shardzoo(path, no_rope_layers=None), every, atol=TOL, rtol=0)
+
+
+def test_exaone4_without_a_window_rotates_every_layer(tmp_path):
+    Exaone4Config(**DIMS, sliding_window=None, layer_types=["full_attention"] * 2).save_pretrained(tmp_path)
+    c = load_hf_config(str(tmp_path))
+    assert (c.sliding_window, c.layer_types, c.no_rope_layers) == (None, None, None)
+
+
+def test_exaone4_no_rope_layers_are_a_feature_other_families_refuse():
+    """Qwen3 has no layers without rotary; EXAONE 4 only its full layers (those of a window)."""
+    config = PRESETS["exaone4-tiny"]
+    assert config.no_rope_layers == (False, True)
+    with pytest.raises(HFError, match=r"feature nope_layers \(no_rope_layers=\[False, True\]\)"):
+        config_to_hf(config, family="qwen3")
+    with pytest.raises(HFError, match=r"no_rope_layers=\(True, False\) \(reads back as \(False, True\)\)"):
+        config_to_hf(config.replace(no_rope_layers=(True, False)), family="exaone4")
+    assert config.replace(no_rope_layers=[False, False]).no_rope_layers is None  # every layer rotates
+
+
+def test_exaone4_a_pattern_string_without_layer_types_is_refused(tmp_path):
+    """transformers derives the layers from an integer period only; a string is not guessed at."""
+    import json
+
+    Exaone4Config(**DIMS, sliding_window=4).save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        hf = json.load(f)
+    del hf["layer_types"]
+    hf["sliding_window_pattern"] = "LLLG"
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(HFError, match="sliding_window_pattern='LLLG'"):
+        load_hf_config(str(tmp_path))

@@ -13,6 +13,7 @@ from transformers import (
     ArceeConfig,
     AutoConfig,
     AutoModelForCausalLM,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -55,7 +56,7 @@ from shardzoo.train.checkpoint import (
 )
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
-                  "olmoe", "qwen2_moe", "arcee")  # models/hf/<name>.py
+                  "olmoe", "qwen2_moe", "arcee", "exaone4")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -90,6 +91,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "gemma3_text": lambda: Gemma3TextConfig(**(DIMS | dict(num_hidden_layers=8)), sliding_window=4,
                                             rope_scaling={"rope_type": "linear", "factor": 8.0}),
     "arcee": lambda: ArceeConfig(**DIMS, attention_bias=True),
+    "exaone4": lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
+                                     sliding_window_pattern=2),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
