@@ -79,6 +79,7 @@ class TransformerArch:
                                          "layernorm": "layernorm"})
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
     qk_norm: str = feature("none", {"head": "qk_norm_head", "projection": "qk_norm_projection"})
+    qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
@@ -138,6 +139,8 @@ class TransformerArch:
             set_("rope_local_base_freq", None)
         if self.rope_local_base_freq == self.rope_theta and scaling is None:
             set_("rope_local_base_freq", None)
+        if self.qk_norm == "none":
+            set_("qk_norm_after_rope", False)  # no norm to place
         if self.no_rope_layers is not None and not any(self.no_rope_layers):
             set_("no_rope_layers", None)
         if self.position_embedding != "rope":

@@ -26,6 +26,7 @@ FEATURES = {
     "pre_norms": "norms before attention and MLP", "post_norms": "norms after attention and MLP (OLMo 2)",
     "sandwich_norms": "norms before and after attention and MLP (Gemma 2/3)",
     "qk_norm_head": "RMSNorm of each query/key head", "qk_norm_projection": "RMSNorm of the whole q/k projection",
+    "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
