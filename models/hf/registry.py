@@ -21,6 +21,7 @@ from shardzoo.models.hf import (
     gemma,
     gpt2,
     granite,
+    hunyuan,
     llama,
     mixtral,
     olmo2,
@@ -48,7 +49,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
-    arcee.ARCEE, exaone4.EXAONE4,
+    arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -1,7 +1,8 @@
-"""Arcee and EXAONE 4: Llama's layout with one or two mechanisms each.
+"""Arcee, EXAONE 4 and HunYuan dense: Llama's layout with one or two mechanisms each.
 
 Arcee: a plain MLP with the squared ReLU (``relu2``). EXAONE 4: post-norms, qk-norm of each
 head, sliding and full layers, and no rotary embedding on the full ones (``no_rope_layers``).
+HunYuan: qk-norm of each head after the rotary embedding (``qk_norm_after_rope``).
 
 Tiny random HF models with those mechanisms on (windows shorter than the 16 tokens, biases
 random): logits equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens
@@ -17,6 +18,8 @@ from transformers import (
     ArceeConfig,
     AutoModelForCausalLM,
     Exaone4Config,
+    HunYuanDenseV1Config,
+    Qwen3Config,
 )
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, family_of_config, load_hf_config
@@ -33,11 +36,13 @@ CONFIGS = {  # model_type -> (HF config, torch seed whose greedy continuation va
     # layers S F S F: the full ones see every token and have no rotary embedding
     "exaone4": (lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
                                       sliding_window_pattern=2), 0),
+    "hunyuan_v1_dense": (lambda: HunYuanDenseV1Config(**DIMS, head_dim=8, attention_bias=True), 0),
 }
 READS = {  # model_type -> architecture fields its config reads as
     "arcee": dict(mlp_type="plain", hidden_act="relu2", attention_bias=True, attention_out_bias=True, mlp_bias=True),
     "exaone4": dict(norm_position="post", qk_norm="head", sliding_window=4,
                     layer_types=("sliding_attention", "full_attention") * 2, no_rope_layers=(False, True, False, True)),
+    "hunyuan_v1_dense": dict(qk_norm="head", qk_norm_after_rope=True, attention_bias=True, attention_out_bias=True),
 }
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
@@ -191,4 +196,29 @@ def test_exaone4_a_pattern_string_without_layer_types_is_refused(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(hf, f)
     with pytest.raises(HFError, match="sliding_window_pattern='LLLG'"):
+        load_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("built", ["hunyuan_v1_dense"], indirect=True)
+def test_hunyuan_qk_norm_after_rotary_matters(built):
+    """Qwen3 (the same tensors, the norms before rotary) gives other logits; shardzoo with the
+    norms before rotary gives Qwen3's."""
+    path, model, ref = built
+    c = model.config
+    qwen3 = AutoModelForCausalLM.from_config(
+        Qwen3Config(**DIMS, head_dim=8, attention_bias=True, rms_norm_eps=c.rms_norm_eps,
+                    rope_theta=c.rope_parameters["rope_theta"]), attn_implementation="eager").eval()
+    renamed = {k.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm"): v
+               for k, v in model.state_dict().items()}
+    qwen3.load_state_dict(renamed)
+    before = hf_logits(qwen3)
+    assert np.abs(before - ref).max() > 1e-2
+    np.testing.assert_allclose(_shardzoo(path, qk_norm_after_rope=False), before, atol=TOL, rtol=0)
+
+
+def test_hunyuan_ntk_alpha_rotary_is_refused_naming_it(tmp_path):
+    """The published models' rotary ("dynamic" with a fixed alpha) is not computed here."""
+    HunYuanDenseV1Config(**DIMS, head_dim=8, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)).save_pretrained(tmp_path)
+    with pytest.raises(HFError, match="rope_scaling type 'dynamic' is not supported"):
         load_hf_config(str(tmp_path))
