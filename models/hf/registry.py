@@ -30,6 +30,7 @@ from shardzoo.models.hf import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    seed_oss,
 )
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -49,7 +50,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.QWEN2_MOE,
     gpt2.GPT2,
     granite.GRANITE, granite.GRANITE_MOE,
-    arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE,
+    arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

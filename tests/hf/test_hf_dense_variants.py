@@ -1,8 +1,9 @@
-"""Arcee, EXAONE 4 and HunYuan dense: Llama's layout with one or two mechanisms each.
+"""Arcee, EXAONE 4, HunYuan dense and Seed-OSS: Llama's layout with one or two mechanisms each.
 
 Arcee: a plain MLP with the squared ReLU (``relu2``). EXAONE 4: post-norms, qk-norm of each
 head, sliding and full layers, and no rotary embedding on the full ones (``no_rope_layers``).
-HunYuan: qk-norm of each head after the rotary embedding (``qk_norm_after_rope``).
+HunYuan: qk-norm of each head after the rotary embedding (``qk_norm_after_rope``). Seed-OSS:
+q/k/v, o and MLP biases on their own flags.
 
 Tiny random HF models with those mechanisms on (windows shorter than the 16 tokens, biases
 random): logits equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens
@@ -20,6 +21,7 @@ from transformers import (
     Exaone4Config,
     HunYuanDenseV1Config,
     Qwen3Config,
+    SeedOssConfig,
 )
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, family_of_config, load_hf_config
@@ -37,12 +39,15 @@ CONFIGS = {  # model_type -> (HF config, torch seed whose greedy continuation va
     "exaone4": (lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
                                       sliding_window_pattern=2), 0),
     "hunyuan_v1_dense": (lambda: HunYuanDenseV1Config(**DIMS, head_dim=8, attention_bias=True), 0),
+    "seed_oss": (lambda: SeedOssConfig(**DIMS, head_dim=16, attention_bias=True, attention_out_bias=False,
+                                       mlp_bias=True), 0),
 }
 READS = {  # model_type -> architecture fields its config reads as
     "arcee": dict(mlp_type="plain", hidden_act="relu2", attention_bias=True, attention_out_bias=True, mlp_bias=True),
     "exaone4": dict(norm_position="post", qk_norm="head", sliding_window=4,
                     layer_types=("sliding_attention", "full_attention") * 2, no_rope_layers=(False, True, False, True)),
     "hunyuan_v1_dense": dict(qk_norm="head", qk_norm_after_rope=True, attention_bias=True, attention_out_bias=True),
+    "seed_oss": dict(attention_bias=True, attention_out_bias=False, mlp_bias=True, head_dim=16),
 }
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
@@ -222,3 +227,24 @@ def test_hunyuan_ntk_alpha_rotary_is_refused_naming_it(tmp_path):
         rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)).save_pretrained(tmp_path)
     with pytest.raises(HFError, match="rope_scaling type 'dynamic' is not supported"):
         load_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("built", ["seed_oss"], indirect=True)
+def test_seed_oss_biases_each_matter_and_an_output_bias_imports(built, tmp_path):
+    """Zeroing any one kind of bias changes transformers' logits; a model with the o bias on
+    too matches (and is then Llama's config: one flag for q/k/v/o, and mlp_bias)."""
+    _, model, ref = built
+    for kind in ("q_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"):
+        other = _like(model)
+        with torch.no_grad():
+            for name, p in other.named_parameters():
+                if name.endswith(kind):
+                    p.zero_()
+        assert np.abs(hf_logits(other) - ref).max() > 1e-2, kind
+    out_bias = randomize(AutoModelForCausalLM.from_config(
+        SeedOssConfig(**(model.config.to_dict() | dict(attention_out_bias=True))),
+        attn_implementation="eager").eval(), 1)
+    out_bias.save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    assert config.attention_out_bias and family_of_config(config).name == "llama"
+    np.testing.assert_allclose(_shardzoo(str(tmp_path)), hf_logits(out_bias), atol=TOL, rtol=0)
