@@ -26,7 +26,7 @@ from shardzoo.models.features import feature
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 DENSE, MOE = "dense", "moe"
-ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
 # rope_scaling types models/layers.py computes, with the keys each needs.
 ROPE_SCALING = {
     "linear": ("factor",),
@@ -87,6 +87,7 @@ class TransformerArch:
                                     "projection": "qk_norm_projection"})
     # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
     parallel_residual: bool = feature(False, "parallel_residual")
+    qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
@@ -148,6 +149,8 @@ class TransformerArch:
             set_("rope_local_base_freq", None)
         if self.rope_local_base_freq == self.rope_theta and scaling is None:
             set_("rope_local_base_freq", None)
+        if self.qk_norm == "none":
+            set_("qk_norm_after_rope", False)  # no norm to place
         if self.rope_layers is not None and all(self.rope_layers):
             set_("rope_layers", None)  # every layer rotates
         if self.position_embedding != "rope":

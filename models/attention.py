@@ -2,7 +2,7 @@
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
-biases, qk-norm, Granite's and Gemma's scales, context parallelism (ring attention, through
+biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
 the explicit ``placement``), and decoding from a cache whose arrays carry logical axes.
 """
 
@@ -157,17 +157,14 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        if a.qk_norm != "none":
-            # the model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
-            # head ("heads", Cohere); or of all heads ("projection", OLMo 2)
-            one = a.qk_norm == "head"
-            dims = 2 if a.qk_norm == "projection" else 1
-            q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims)(q)
-            k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims)(k)
+        if a.qk_norm != "none" and not a.qk_norm_after_rope:
+            q, k = self._qk_norm(q, k)
         if spec.rope != "none":
             inv_freq = rope_inv_freq(a, spec.rope == "local")
             turn = a.rope_interleaved
             q, k = apply_rope(q, positions, inv_freq, turn), apply_rope(k, positions, inv_freq, turn)
+        if a.qk_norm != "none" and a.qk_norm_after_rope:  # HunYuan: the norm of the rotated heads
+            q, k = self._qk_norm(q, k)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
@@ -202,6 +199,15 @@ class Attention(nn.Module):
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
                      **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _qk_norm(self, q, k):
+        """The model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
+        head ("heads", Cohere); or of all heads ("projection", OLMo 2)."""
+        a = self.config.arch
+        one, dims = a.qk_norm == "head", 2 if a.qk_norm == "projection" else 1
+        q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims)(q)
+        k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims)(k)
+        return q, k
 
     def _update_cache(self, k, v, segment_ids, batch, length, window):
         """Write this chunk's keys/values at the cache index; mask over the whole cache."""

@@ -57,6 +57,7 @@ ACTIVATIONS = {
     "gelu_new": functools.partial(nn.gelu, approximate=True),
     "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
     "relu": nn.relu,
+    "relu2": lambda x: jnp.square(nn.relu(x)),  # as models/layers.py's
 }
 
 

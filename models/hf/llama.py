@@ -142,7 +142,7 @@ def attention_weights(a) -> list[Weight]:
 
 def mlp_weights(a, prefix: str = "mlp.") -> list[Weight]:
     out = []
-    for n in ("gate", "up", "down"):
+    for n in ("gate", "up", "down") if a.mlp_type == "gated" else ("up", "down"):  # plain: Arcee
         out.append(Weight(("mlp", n, "kernel"), LAYER + f"{prefix}{n}_proj.weight", "linear"))
         if a.mlp_bias:
             out.append(Weight(("mlp", n, "bias"), LAYER + f"{prefix}{n}_proj.bias", "vec"))

@@ -16,10 +16,13 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
+    arcee,
     cohere,
+    exaone4,
     gemma,
     gpt2,
     granite,
+    hunyuan,
     llama,
     ministral,
     mixtral,
@@ -31,6 +34,7 @@ from shardzoo.models.hf import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    seed_oss,
     smollm3,
     starcoder2,
 )
@@ -58,6 +62,7 @@ FAMILIES: tuple[Family, ...] = (
     starcoder2.STARCODER2,
     phi.PHI,
     cohere.COHERE,
+    arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

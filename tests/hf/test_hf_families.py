@@ -10,9 +10,11 @@ import os
 import pytest
 import torch
 from transformers import (
+    ArceeConfig,
     AutoConfig,
     AutoModelForCausalLM,
     CohereConfig,
+    Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -20,6 +22,7 @@ from transformers import (
     GPTNeoXConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    HunYuanDenseV1Config,
     LlamaConfig,
     MinistralConfig,
     MistralConfig,
@@ -33,6 +36,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SeedOssConfig,
     SmolLM3Config,
     Starcoder2Config,
 )
@@ -61,7 +65,7 @@ from shardzoo.train.checkpoint import (
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
-                  "cohere")  # models/hf/<name>.py
+                  "cohere", "arcee", "exaone4", "hunyuan", "seed_oss")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -104,6 +108,11 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "starcoder2": lambda: Starcoder2Config(**DIMS, sliding_window=4, bos_token_id=1, eos_token_id=2),
     "phi": lambda: PhiConfig(**DIMS, qk_layernorm=True, partial_rotary_factor=0.5),
     "cohere": lambda: CohereConfig(**DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3),
+    "arcee": lambda: ArceeConfig(**DIMS, attention_bias=True),
+    "exaone4": lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
+                                     sliding_window_pattern=2),
+    "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**DIMS, head_dim=8, attention_bias=True),
+    "seed_oss": lambda: SeedOssConfig(**DIMS, head_dim=16, mlp_bias=True),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
