@@ -56,7 +56,14 @@ def layer_weights(a, spec) -> list[Weight]:
 # Phi-3 mini 4k (microsoft/Phi-3-mini-4k-instruct/config.json): Mistral's model, fused tensors in HF.
 BASE = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
             rms_norm_eps=1e-5, sliding_window=2047, bos_token_id=1, eos_token_id=32000)
+# Phi-3 mini 128k (microsoft/Phi-3-mini-128k-instruct): longrope from 4096 to 131072 positions.
+# Its 48 short and long factors (one per rotated pair of head_dim 96) are PLACEHOLDERS (1.0):
+# the published lists could not be read here; load the checkpoint's config.json for the real ones.
+LONG = BASE | dict(max_position_embeddings=131072, sliding_window=262144,
+                   rope_scaling=dict(rope_type="longrope", short_factor=(1.0,) * 48, long_factor=(1.0,) * 48,
+                                     original_max_position_embeddings=4096))
 PHI3 = Family(
     "phi3", ("phi3",), "Phi3ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights,
-    presets={"phi-3-mini-4k": BASE, "phi3-tiny": BASE | llama.TINY | dict(sliding_window=8)})
+    presets={"phi-3-mini-4k": BASE, "phi-3-mini-128k": LONG,
+             "phi3-tiny": BASE | llama.TINY | dict(sliding_window=8)})

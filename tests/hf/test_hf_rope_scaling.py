@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, get_config
 from shardzoo.models.arch import TransformerArch
 from shardzoo.models.attention import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.models.hf import export_hf, load_hf_config
@@ -169,6 +169,15 @@ def test_inv_freq_and_attention_factor_are_transformers(name, tmp_path):
     np.testing.assert_allclose(np.asarray(got), beyond.numpy(), atol=1e-6, rtol=0)
     if kind != "yarn":
         assert not np.allclose(np.asarray(got), want.numpy())
+
+
+def test_phi3_128k_preset_is_longrope_from_4096():
+    arch = get_config("phi-3-mini-128k").arch
+    scaling = arch.rope_scaling_dict
+    assert scaling["rope_type"] == "longrope" and arch.max_position_embeddings == 131072
+    assert scaling["original_max_position_embeddings"] == 4096
+    assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == 48  # head_dim 96
+    assert abs(rope_attention_factor(arch) - (1 + np.log(32) / np.log(4096)) ** 0.5) < 1e-12
 
 
 @pytest.mark.parametrize("scaling, match", [
