@@ -27,10 +27,18 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
-# rope_scaling types models/layers.py computes, with the keys each needs.
+# rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
+# the numbers each may have (> 0, or null: transformers' default).
 ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
+}
+ROPE_SCALING_OPTIONAL = {
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
+    "longrope": ("factor", "attention_factor"),
 }
 
 
@@ -133,7 +141,7 @@ class TransformerArch:
             set_("num_key_value_heads", None)
         if self.head_dim is not None and self.head_dim * self.num_attention_heads == self.hidden_size:
             set_("head_dim", None)
-        scaling = _rope_scaling(self.rope_scaling)
+        scaling = _rope_scaling(self.rope_scaling, int(self.head_size * self.partial_rotary_factor) // 2)
         set_("rope_scaling", scaling)
         if self.query_pre_attn_scalar == self.head_size:
             set_("query_pre_attn_scalar", None)
@@ -281,8 +289,9 @@ _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types"
                "shared_expert_gate")
 
 
-def _rope_scaling(value):
-    """``rope_scaling`` checked and canonical: None (plain rotary) or sorted (key, value) pairs."""
+def _rope_scaling(value, pairs: int):
+    """``rope_scaling`` checked and canonical: None (plain rotary) or sorted (key, value) pairs
+    (lists as tuples); ``pairs``: the rotated feature pairs, one longrope factor each."""
     if value is None:
         return None
     try:
@@ -300,6 +309,19 @@ def _rope_scaling(value):
     if kind not in ROPE_SCALING:
         raise ModelError(f"rope_scaling rope_type={kind!r} is not one of default, {', '.join(ROPE_SCALING)}")
     for key in ROPE_SCALING[kind]:
-        if not _positive(scaling.get(key)):
+        if key.endswith("_factor") and kind == "longrope":
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(_positive, factors)):
+                raise ModelError(f"rope_scaling of rope_type 'longrope' needs {key}: a list of {pairs} numbers "
+                                 f"> 0 (one per rotated pair of head_dim), got {factors!r}")
+            scaling[key] = tuple(factors)
+        elif not _positive(scaling.get(key)):
             raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
+    for key in ROPE_SCALING_OPTIONAL.get(kind, ()):
+        value = scaling.get(key)
+        if value is not None and not (_positive(value) or (key.startswith("mscale") and value == 0)):
+            raise ModelError(f"rope_scaling of rope_type {kind!r}: {key}={value!r} must be a number > 0 "
+                             "(or null: transformers' default)")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ModelError(f"rope_scaling of rope_type 'yarn': truncate={scaling['truncate']!r} must be true or false")
     return tuple(sorted(scaling.items()))

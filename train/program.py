@@ -41,6 +41,7 @@ from flax import struct, traverse_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
+from shardzoo.models.attention import check_rope_decoding
 from shardzoo.models.decode import cache_init_fn, generate_tokens
 from shardzoo.models.layers import recording_constraints
 from shardzoo.models.lora import join, split
@@ -326,6 +327,7 @@ class Program:
         pad_id = (eos_ids[0] if eos_ids else 0) if pad_id is None else int(pad_id)
         lengths = np.full(prompt.shape[:1], prompt.shape[1], np.int32) if prompt_lengths is None \
             else np.asarray(prompt_lengths, np.int32)
+        check_rope_decoding(self.config.arch, int(lengths.max(initial=0)), int(max_new_tokens))
         key = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
         if key not in self._decoders:
             self._decoders[key] = self._compile_generate(prompt.shape, *key[1:])

@@ -148,7 +148,10 @@ def is_hf_dir(path) -> bool:
 
 
 # ------------------------------------------------------------- fields several families share
-ROPE_TYPES = ("default", "linear", "llama3")  # those models/attention.py's rope_inv_freq computes
+# those models/attention.py's rope_frequencies computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+# the types whose original_max_position_embeddings transformers defaults to max_position_embeddings
+_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
 # Fields of the decoder families' config classes that do not change the model's numbers; and
 # dropout rates, which shardzoo does not apply (it trains without dropout, README says so).
@@ -184,13 +187,16 @@ def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0) -> di
     if kind not in ROPE_TYPES:
         raise HFError(f"{hf.where}: rope_scaling type {kind!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
+    if kind in _ORIGINAL_LENGTH and "max_position_embeddings" in hf.family.schema:
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     return dict(rope_theta=float(theta), rope_scaling=None if kind == "default" else scaling,
                 partial_rotary_factor=float(factor))
 
 
 def rope_to_hf(arch) -> dict:
     """The legacy rope keys (transformers 4 and 5 read them)."""
-    out = dict(rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling_dict or None)
+    scaling = {k: list(v) if isinstance(v, tuple) else v for k, v in arch.rope_scaling_dict.items()}
+    out = dict(rope_theta=arch.rope_theta, rope_scaling=scaling or None)  # longrope's factors as lists
     if arch.partial_rotary_factor != 1.0:
         out["partial_rotary_factor"] = arch.partial_rotary_factor
     return out

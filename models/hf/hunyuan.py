@@ -2,8 +2,9 @@
 head applied after the rotary embedding (``self_attn.query_layernorm``, ``key_layernorm``;
 Qwen3 norms before it). One flag, ``attention_bias``, for q/k/v/o biases.
 
-The published models' rotary scaling (``dynamic`` with a fixed ``alpha``, NTK by alpha) is not
-computed here: such a config is refused, naming ``rope_scaling``.
+The published models' rotary scaling, labelled ``dynamic`` with a fixed ``alpha`` (transformers
+turns it into its static "ntk_alpha"), only stretches the base: theta * alpha ** (d / (d - 2)).
+It imports as plain rotary with that base, which is the same math (and exports so).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ _NAMES = {"self_attn.q_norm.weight": "self_attn.query_layernorm.weight",
 def from_hf(hf: HFConfig) -> dict:
     hf.ignore("eod_token_id")  # a special token id, not the model's math
     bias = hf.get("attention_bias")  # one flag for q/k/v/o
-    return llama.rotary_fields(hf) | dict(qk_norm="head", qk_norm_after_rope=True, attention_bias=bias,
-                                          attention_out_bias=bias)
+    fields = llama.rotary_fields(hf)
+    scaling = dict(fields["rope_scaling"] or {})
+    if scaling.get("rope_type") == "dynamic" and scaling.get("alpha"):  # NTK by a fixed alpha
+        dim = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
+        fields |= dict(rope_theta=fields["rope_theta"] * scaling["alpha"] ** (dim / (dim - 2)), rope_scaling=None)
+    return fields | dict(qk_norm="head", qk_norm_after_rope=True, attention_bias=bias, attention_out_bias=bias)
 
 
 def to_hf(a) -> dict:

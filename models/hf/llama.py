@@ -30,8 +30,9 @@ SCHEMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_h
               tie_word_embeddings=False, rope_parameters=None, attention_bias=False,
               attention_dropout=0.0, mlp_bias=False)
 # What every family of rotary embeddings, RMSNorm before attention and MLP, and gated MLPs uses.
-ROTARY = frozenset({"rope", "rope_scaling:linear", "rope_scaling:llama3", "rmsnorm", "pre_norms",
-                    "gated_mlp"})
+# transformers 5 computes every rope_scaling type (ROPE_INIT_FUNCTIONS) for every such family.
+ROTARY = frozenset({"rope", "rope_scaling:linear", "rope_scaling:llama3", "rope_scaling:yarn",
+                    "rope_scaling:longrope", "rope_scaling:dynamic", "rmsnorm", "pre_norms", "gated_mlp"})
 LLAMA_FEATURES = ROTARY | {"attention_bias", "attention_out_bias", "mlp_bias"}
 
 

@@ -47,9 +47,8 @@ def from_hf(hf: HFConfig) -> dict:
 
 def to_hf(a) -> dict:
     out = llama.rotary_to_hf(a)
-    for key in ("rope_theta", "rope_scaling"):
-        del out[key]
-    full = dict(a.rope_scaling_dict or dict(rope_type="default"), rope_theta=a.rope_theta)
+    del out["rope_theta"]
+    full = dict(out.pop("rope_scaling") or dict(rope_type="default"), rope_theta=a.rope_theta)
     local = dict(rope_type="default", rope_theta=a.rope_local_base_freq or a.rope_theta)
     return out | dict(attention_bias=a.attention_bias, rope_parameters={FULL: full, SLIDING: local},
                       sliding_window=a.sliding_window, layer_types=layer_types(a))

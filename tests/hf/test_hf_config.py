@@ -42,8 +42,8 @@ def test_qwen2_disabled_window_and_unsupported_inputs():
             "rope_theta": 1000000.0, "tie_word_embeddings": True}
     fields = config_from_hf(qwen)
     assert fields["sliding_window"] is None and fields["attention_bias"] and not fields["attention_out_bias"]
-    with pytest.raises(HFError, match="rope_scaling type 'yarn' is not supported"):
-        config_from_hf({**LLAMA31, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(HFError, match="rope_scaling type 'su' is not supported"):
+        config_from_hf({**LLAMA31, "rope_scaling": {"type": "su", "factor": 4.0}})
     with pytest.raises(HFError, match="unsupported model_type 'gpt_neox'"):
         config_from_hf({**LLAMA31, "model_type": "gpt_neox"})
     with pytest.raises(HFError, match="no hidden_size"):

@@ -221,12 +221,17 @@ def test_hunyuan_qk_norm_after_rotary_matters(built):
     np.testing.assert_allclose(_shardzoo(path, qk_norm_after_rope=False), before, atol=TOL, rtol=0)
 
 
-def test_hunyuan_ntk_alpha_rotary_is_refused_naming_it(tmp_path):
-    """The published models' rotary ("dynamic" with a fixed alpha) is not computed here."""
-    HunYuanDenseV1Config(**DIMS, head_dim=8, rope_parameters=dict(
-        rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0)).save_pretrained(tmp_path)
-    with pytest.raises(HFError, match="rope_scaling type 'dynamic' is not supported"):
-        load_hf_config(str(tmp_path))
+def test_hunyuan_ntk_alpha_rotary_imports_as_its_stretched_base(tmp_path):
+    """The published models' rotary ("dynamic" with a fixed alpha, transformers' static
+    ntk_alpha): plain rotary with base theta * alpha ** (d / (d - 2)), transformers' logits."""
+    hf_config = HunYuanDenseV1Config(**DIMS, head_dim=8, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
+    model = randomize(AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval(), 0)
+    model.save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    assert config.rope_scaling is None and config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (8 / 6))
+    module, _, params = load_hf(str(tmp_path), mesh=_one_device(), rules=get_rules("fsdp"))
+    np.testing.assert_allclose(_apply(module, params, _one_device()), hf_logits(model), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("built", ["seed_oss"], indirect=True)

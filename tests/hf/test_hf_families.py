@@ -7,6 +7,9 @@ import importlib
 import json
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -47,7 +50,6 @@ from shardzoo.models.hf import (
     FAMILIES,
     SUPPORTED,
     Family,
-    HFError,
     config_from_hf,
     config_to_hf,
     family_of_config,
@@ -62,6 +64,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     resolve_checkpoint,
 )
+from shardzoo.train.hf_io import load_hf
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
@@ -170,7 +173,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
 @pytest.mark.parametrize("edit, field", [
     # a rotary scaling transformers computes and shardzoo does not (yet)
     (lambda hf: hf.pop("rope_parameters", None) and None or hf.update(
-        rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling"),
+        rope_scaling={"rope_type": "proportional", "factor": 2.0}), "rope_scaling"),
     # a schema field shardzoo's family does not read, set away from transformers' default
     (lambda hf: hf.update(model_type="gemma2", use_bidirectional_attention=True), "use_bidirectional_attention"),
 ])
@@ -276,18 +279,21 @@ def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
     assert config.num_params() == sum(p.numel() for p in model.parameters())  # tied counted once
 
 
-def test_phi3_longrope_is_one_line_naming_it_unsupported(tmp_path):
-    hf_dir = save_tiny(Phi3Config(**DIMS, pad_token_id=0), tmp_path / "phi3")
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    hf.pop("rope_parameters", None)
-    hf.update(rope_theta=10000.0, rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
-                                                "long_factor": [2.0] * 4})  # the 128k models'
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(hf, f)
-    with pytest.raises(HFError, match="rope_scaling type 'longrope' is not supported") as e:
-        load_hf_config(hf_dir)
-    assert "\n" not in str(e.value)
+def test_phi3_longrope_imports_and_computes_as_transformers(tmp_path):
+    """The 128k models' layout: longrope's factor lists, original_max_position_embeddings at the
+    top; 16 tokens past the original 8 (long factors). More: tests/hf/test_hf_rope_scaling.py."""
+    hf_config = Phi3Config(**DIMS, pad_token_id=0, max_position_embeddings=64, original_max_position_embeddings=8,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                         "long_factor": [2.0, 3.0, 5.0, 9.0]})
+    hf_dir = save_tiny(hf_config, tmp_path / "phi3")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tokens = np.random.default_rng(0).integers(0, DIMS["vocab_size"], size=(2, 16))
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)).logits.numpy()
+    module, config, params = load_hf(hf_dir)
+    assert config.arch.rope_scaling_dict["original_max_position_embeddings"] == 8
+    got = np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
 def test_phi3_import_then_export_hf_writes_phi3_again(tmp_path):
