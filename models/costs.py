@@ -130,9 +130,18 @@ def _saved(terms: dict, policy: str) -> int:
     return sum(v for n, v in terms.items() if n in keep)
 
 
+def _latent_attention_params(a) -> int:
+    """Multi-head latent attention's projections: q (or q_a, q_b), kv_a, k_rope, kv_b, o."""
+    d, h = a.hidden_size, a.num_attention_heads
+    q_out = h * a.qk_head_size
+    q = d * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else d * q_out
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + h * a.v_head_dim * d
+
+
 def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     d, hd = a.hidden_size, a.head_size
-    attn = d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+    attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
@@ -142,7 +151,9 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
 
 def transformer_params(a, active: bool = False) -> int:
     """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
-    MoE layers); equal to transformers' count of the same config (tests/hf)."""
+    MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
+    transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
+    there, trained by no gradient)."""
     d, hd = a.hidden_size, a.head_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
@@ -153,6 +164,8 @@ def transformer_params(a, active: bool = False) -> int:
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
         total += _layer_matmul_params(a, moe, active) + norms * norm
+        if a.latent:  # the latents' RMSNorms
+            total += a.kv_lora_rank + (a.q_lora_rank or 0)
         if a.qk_norm != "none":
             total += hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
         if a.attention_bias:
@@ -176,7 +189,8 @@ def transformer_flops(a, seq_len: int) -> float:
     for s in specs:
         w = s.window
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
-    return 6 * matmul + 12 * a.num_attention_heads * a.head_size * keys
+    # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
+    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:

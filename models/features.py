@@ -39,6 +39,12 @@ FEATURES = {
     "router_jitter": "router input jitter while training",
     "shared_experts": "a dense gated MLP beside the routed experts (shared_expert_intermediate_size)",
     "shared_expert_gate": "the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)",
+    "group_limited_router": "top-k within the best topk_group of n_group expert groups (DeepSeek-V2)",
+    "sigmoid_router": "sigmoid router scores with a correction bias for the choice, group-limited (DeepSeek-V3)",
+    "routed_scaling": "the routed experts' weights scaled by routed_scaling_factor (DeepSeek)",
+    "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
+                        "kv_lora_rank)",
+    "interleaved_rope": "rotary embeddings on interleaved feature pairs (DeepSeek, rope_interleave)",
 }
 
 
