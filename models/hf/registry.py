@@ -16,6 +16,8 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import used_features
 from shardzoo.models.hf import (
+    deepseek_v2,
+    deepseek_v3,
     gemma,
     gpt2,
     granite,
@@ -52,6 +54,7 @@ FAMILIES: tuple[Family, ...] = (
     granite.GRANITE, granite.GRANITE_MOE,
     olmo3.OLMO3,
     smollm3.SMOLLM3,
+    deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
