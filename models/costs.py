@@ -23,7 +23,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     attn_norm 3 D, float32       the norm's float32 intermediates (RMSNorm: the square's
                                  derivative, x * rsqrt, and the scaled output)
     query H*Dh                   rotated and regrouped for GQA ([batch, len, K, H/K, Dh])
-    key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output
+    key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output (latent
+                                 attention: keys and queries qk_nope + qk_rope wide, values and
+                                 context v_head_dim, no kv_proj; its latents are not counted)
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
     softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
@@ -200,7 +202,9 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     nb = jnp.dtype(e.dtype).itemsize
     tok = batch_size * seq_len
     gated = a.mlp_type == "gated"
-    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping
+    # latent attention always runs in plain XLA (its values are narrower than its keys)
+    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping and not a.latent
+    dq, dv = a.qk_head_size, a.v_head_size  # head_size both, but for latent attention
 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
@@ -212,10 +216,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         scores, probs = 0, probs if gathered else int(probs * (ring + 1) / (2 * ring))
     layer = {
         "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
-        "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
-        "kv_proj": t(k * dh, BLKD) if e.fuse_projections else 0,
+        "query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
+        "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
         "scores": scores, "probs": probs,
-        "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
+        "attn_context": t(h * dv, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
     if a.attn_logit_softcapping:

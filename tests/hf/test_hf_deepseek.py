@@ -89,6 +89,22 @@ def test_routing_picks_different_experts_per_token(built):
     assert len(chosen) >= 3
 
 
+def test_v3_correction_bias_and_scaling_matter(built):
+    """Without V3's correction bias (it moves the choice only) or with another routed scaling,
+    transformers gives other logits: a model that ignored either could not pass the parity tests."""
+    version, path, model, ref = built
+    if version != "v3":
+        pytest.skip("V3's router")
+    other = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
+    state = {k: (torch.zeros_like(v) if "e_score_correction_bias" in k else v) for k, v in model.state_dict().items()}
+    other.load_state_dict(state)
+    assert np.abs(hf_logits(other, TOKENS) - ref).max() > 1e-3
+    other.load_state_dict(model.state_dict())
+    for layer in other.model.layers[1:]:
+        layer.mlp.gate.routed_scaling_factor = 1.0
+    assert np.abs(hf_logits(other, TOKENS) - ref).max() > 1e-3
+
+
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     version, path, _, ref = built
     one = make_mesh("data=1", devices=jax.devices()[:1])
