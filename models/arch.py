@@ -29,6 +29,7 @@ DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups")  # models/moe.py's router kinds
 ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -127,6 +128,24 @@ class TransformerArch:
     # (Qwen2-MoE's shared_expert; DeepSeek's n_shared_experts x moe_intermediate_size wide)
     shared_expert_intermediate_size: int = feature(0, "shared_experts")  # 0: none
     shared_expert_gate: bool = feature(False, "shared_expert_gate")  # x sigmoid(x . w) (Qwen2-MoE)
+    # how the router picks experts (models/moe.py ROUTERS): "softmax" top-k of the softmax;
+    # "softmax_groups" top-k within the topk_group of n_group expert groups with the highest
+    # probability (DeepSeek-V2's group_limited_greedy); "sigmoid_groups": sigmoid scores, chosen
+    # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3)
+    router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
+                                           "sigmoid_groups": "sigmoid_router"})
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
+    # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
+    # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
+    # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
+    # shared by all heads; rotary on the queries' and keys' last qk_rope_head_dim features only
+    kv_lora_rank: int | None = feature(None, "latent_attention")  # None: ordinary attention
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -171,6 +190,16 @@ class TransformerArch:
                     set_(f.name, f.default)
         if not self.shared_expert_intermediate_size:
             set_("shared_expert_gate", False)  # no shared expert, nothing to gate
+        if self.router_kind == "softmax_groups" and self.n_group == 1:
+            set_("router_kind", "softmax")  # one group: the plain top-k
+        if self.router_kind == "softmax":
+            set_("n_group", 1)
+            set_("topk_group", 1)
+        if self.n_group == 1:
+            set_("topk_group", 1)
+        if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
+            for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                set_(name, None)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
@@ -208,7 +237,7 @@ class TransformerArch:
             raise ModelError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.kv_heads}")
         rotated = int(self.head_size * self.partial_rotary_factor)
-        if self.position_embedding == "rope" and rotated % 2:
+        if self.position_embedding == "rope" and rotated % 2 and self.kv_lora_rank is None:
             raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
                              f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
         n = self.num_hidden_layers
@@ -235,8 +264,51 @@ class TransformerArch:
                              f"num_local_experts={self.num_local_experts}")
         if not 0 <= self.router_jitter_noise < 1:
             raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
+        self._check_latent()
+        self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
+
+    def _check_latent(self) -> None:
+        if self.kv_lora_rank is None:
+            return
+        check_fields(self, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                "v_head_dim"))
+        missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(self, n)]
+        if missing:
+            raise ModelError(f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs {', '.join(missing)}")
+        if self.qk_rope_head_dim % 2:
+            raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={self.qk_rope_head_dim}"
+                             " is odd")
+        if self.kv_heads != self.num_attention_heads:
+            raise ModelError(f"latent attention expands keys and values for every query head: "
+                             f"num_key_value_heads={self.kv_heads} must be num_attention_heads="
+                             f"{self.num_attention_heads}")
+        if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0:
+            raise ModelError("latent attention has no qk_norm, q/k/v biases or partial_rotary_factor "
+                             "(it rotates qk_rope_head_dim features of each head)")
+
+    def _check_router(self) -> None:
+        if self.router_kind not in ROUTERS:
+            raise ModelError(f"router_kind={self.router_kind!r} is not one of {', '.join(ROUTERS)}")
+        for name in ("n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"{name}={value!r} must be an integer >= 1")
+        if not _positive(self.routed_scaling_factor):
+            raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
+        e, g = self.num_local_experts, self.n_group
+        if not e or self.router_kind == "softmax":
+            return
+        if e % g or self.topk_group > g:
+            raise ModelError(f"n_group={g} must divide num_local_experts={e} and topk_group="
+                             f"{self.topk_group} must be at most n_group")
+        if self.num_experts_per_tok > self.topk_group * (e // g):
+            raise ModelError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
+                             f"topk_group={self.topk_group} groups of {e // g}")
+        if self.router_kind == "sigmoid_groups" and e // g < 2:
+            raise ModelError(f"router_kind sigmoid_groups ranks groups by their two best experts: "
+                             f"num_local_experts={e} / n_group={g} must be >= 2")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -246,6 +318,25 @@ class TransformerArch:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_size(self) -> int:
+        """Features of one query/key head (MLA: nope + rope)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.head_size
+
+    @property
+    def v_head_size(self) -> int:
+        return self.v_head_dim if self.latent else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that rotate."""
+        return self.qk_rope_head_dim if self.latent else int(self.head_size * self.partial_rotary_factor)
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -264,7 +355,7 @@ class TransformerArch:
         """The factor of the attention logits (Granite's multiplier, Gemma's scalar, 1/sqrt(d))."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
-        return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+        return (self.query_pre_attn_scalar or self.qk_head_size) ** -0.5
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each layer's block, from the per-layer patterns."""
@@ -286,7 +377,7 @@ class TransformerArch:
 
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
-               "shared_expert_gate")
+               "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor")
 
 
 def _rope_scaling(value, pairs: int):

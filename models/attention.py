@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError
 from shardzoo.models.arch import ROPE_SCALING
-from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw, make_norm
+from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw, make_norm
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.sharding import axes as ax
 
@@ -32,14 +32,14 @@ def _scaling(config, local: bool) -> dict:
 def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray:
     """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
 
-    Handles ``partial_rotary_factor`` and every ``rope_scaling`` type of ``arch.ROPE_SCALING``,
+    Handles ``partial_rotary_factor`` (latent attention: ``qk_rope_head_dim``) and every ``rope_scaling`` type of ``arch.ROPE_SCALING``,
     each as ``transformers.modeling_rope_utils`` computes it at initialisation: linear, llama3,
     yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``) and dynamic (plain
     within ``max_position_embeddings``; beyond, ``rope_frequencies`` rescales per call).
     A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
     ``config`` is the architecture record.
     """
-    dim = int(config.head_size * config.partial_rotary_factor)
+    dim = config.rope_dim  # head_dim x partial_rotary_factor; latent attention: qk_rope_head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     local_base = config.rope_local_base_freq if local else None
     theta = local_base or config.rope_theta
@@ -229,7 +229,7 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None):
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
-    return ctx.reshape(batch, length, heads, dim)  # [batch, length, heads, head_dim]
+    return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
 
 class Attention(nn.Module):
@@ -250,6 +250,8 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, decode: bool = False):
         a, e, spec, placement = self.config.arch, self.config.execution, self.spec, self.placement
+        if a.latent:
+            return self._latent(x, positions, segment_ids, decode)
         dt = dtype_of(e.dtype)
         nh, nkv, hd = a.num_attention_heads, a.kv_heads, a.head_size
         kw = linear_kw(self.config)
@@ -308,6 +310,73 @@ class Attention(nn.Module):
         q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims)(q)
         k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims)(k)
         return q, k
+
+    def _latent(self, x, positions, segment_ids, decode):
+        """Multi-head latent attention (DeepSeek-V2/V3; ``TransformerArch.kv_lora_rank``).
+
+        Decoding caches what the keys and values are made of, the normed latent and the rotated
+        shared key (kv_lora_rank + qk_rope_head_dim values per token), and expands the whole
+        cache per step.
+        """
+        a, e, spec, placement = self.config.arch, self.config.execution, self.spec, self.placement
+        nh, nope, rope_d = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
+        kw = linear_kw(self.config)
+        # transformers builds the latents' norms with RMSNorm's default eps, not rms_norm_eps
+        norm = dict(eps=1e-6, dtype=e.dtype, param_dtype=e.param_dtype)
+        qk = (ax.HEADS, ax.HEAD_DIM)
+        if a.q_lora_rank:
+            cq = Linear((a.q_lora_rank,), (ax.EMBED, ax.Q_LORA), name="q_a", **kw)(x)  # [batch, length, q_lora]
+            cq = RMSNorm(**norm, axes=(ax.Q_LORA,), name="q_a_norm")(cq)
+            q = Linear((nh, nope + rope_d), (ax.Q_LORA, *qk), name="q_b", **kw)(cq)
+        else:
+            q = Linear((nh, nope + rope_d), (ax.EMBED, *qk), name="q", **kw)(x)  # [batch, length, heads, head_dim]
+        c = Linear((a.kv_lora_rank,), (ax.EMBED, ax.KV_LORA), name="kv_a", **kw)(x)  # [batch, length, kv_lora]
+        k_rope = Linear((rope_d,), (ax.EMBED, ax.HEAD_DIM), name="k_rope", **kw)(x)[:, :, None]
+        # k_rope: [batch, length, 1, head_dim], one rotary key for every head
+        c = constrain(RMSNorm(**norm, axes=(ax.KV_LORA,), name="kv_a_norm")(c), (ax.BATCH, ax.LENGTH, ax.KV_LORA),
+                      placement)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        if spec.rope != "none":  # interleaved pairs rotated in place: the same q.k as HF's de-interleave
+            inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
+            turn = a.rope_interleaved
+            q_rope = apply_rope(q_rope, positions, inv_freq, factor, turn)
+            k_rope = apply_rope(k_rope, positions, inv_freq, factor, turn)
+        q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], -1), (ax.BATCH, ax.LENGTH, *qk), placement),
+                            "query")
+        batch, length = x.shape[:2]
+        if decode:
+            c, k_rope, mask = self._update_latent_cache(c, k_rope[:, :, 0], segment_ids, batch, length, spec.window)
+            k_rope = k_rope[:, :, None]
+        else:
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window)
+        kv = Linear((nh, nope + a.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
+        # kv: [batch, length, heads, head_dim]: per head k_nope then v
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (rope_d,)).astype(k_nope.dtype)], -1)
+        k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
+        v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
+        # value and query/key heads differ in width: the plain XLA attention takes that
+        ctx = checkpoint_name(xla_attention(q, k, v, mask, a.attention_scale, a.attn_logit_softcapping),
+                              "attn_context")  # [batch, length, heads, head_dim]
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
+        return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _update_latent_cache(self, c, k_rope, segment_ids, batch, length, window):
+        """Write this chunk's latents and rotary keys at the cache index; mask over the whole cache."""
+        cc = self._cached("cached_latent", c.shape, (ax.BATCH, ax.CACHE_LENGTH, ax.KV_LORA), c.dtype)
+        cr = self._cached("cached_rope_key", k_rope.shape, (ax.BATCH, ax.CACHE_LENGTH, ax.HEAD_DIM), k_rope.dtype)
+        cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
+        index = self._cached("cache_index", (), (), jnp.int32)
+        seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
+        i = index.value
+        cc.value = jax.lax.dynamic_update_slice(cc.value, c, (0, i, 0))
+        cr.value = jax.lax.dynamic_update_slice(cr.value, k_rope, (0, i, 0))
+        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
+        index.value = i + length
+        cache_len = cc.value.shape[1]
+        q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
+        k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
+        return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window):
         """Write this chunk's keys/values at the cache index; mask over the whole cache."""

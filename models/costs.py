@@ -23,7 +23,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     attn_norm 3 D, float32       the norm's float32 intermediates (RMSNorm: the square's
                                  derivative, x * rsqrt, and the scaled output)
     query H*Dh                   rotated and regrouped for GQA ([batch, len, K, H/K, Dh])
-    key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output
+    key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output (latent
+                                 attention: keys and queries qk_nope + qk_rope wide, values and
+                                 context v_head_dim, no kv_proj; its latents are not counted)
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
     softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
@@ -132,9 +134,18 @@ def _saved(terms: dict, policy: str) -> int:
     return sum(v for n, v in terms.items() if n in keep)
 
 
+def _latent_attention_params(a) -> int:
+    """Multi-head latent attention's projections: q (or q_a, q_b), kv_a, k_rope, kv_b, o."""
+    d, h = a.hidden_size, a.num_attention_heads
+    q_out = h * a.qk_head_size
+    q = d * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else d * q_out
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + h * a.v_head_dim * d
+
+
 def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     d, hd = a.hidden_size, a.head_size
-    attn = d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+    attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
@@ -144,7 +155,9 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
 
 def transformer_params(a, active: bool = False) -> int:
     """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
-    MoE layers); equal to transformers' count of the same config (tests/hf)."""
+    MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
+    transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
+    there, trained by no gradient)."""
     d, hd = a.hidden_size, a.head_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
@@ -158,6 +171,8 @@ def transformer_params(a, active: bool = False) -> int:
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
         total += _layer_matmul_params(a, moe, active) + norms * norm
+        if a.latent:  # the latents' RMSNorms
+            total += a.kv_lora_rank + (a.q_lora_rank or 0)
         if a.qk_norm != "none":
             total += per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
         if a.attention_bias:
@@ -181,7 +196,8 @@ def transformer_flops(a, seq_len: int) -> float:
     for s in specs:
         w = s.window
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
-    return 6 * matmul + 12 * a.num_attention_heads * a.head_size * keys
+    # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
+    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
@@ -191,7 +207,9 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     nb = jnp.dtype(e.dtype).itemsize
     tok = batch_size * seq_len
     gated = a.mlp_type == "gated"
-    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping
+    # latent attention always runs in plain XLA (its values are narrower than its keys)
+    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping and not a.latent
+    dq, dv = a.qk_head_size, a.v_head_size  # head_size both, but for latent attention
 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
@@ -203,10 +221,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         scores, probs = 0, probs if gathered else int(probs * (ring + 1) / (2 * ring))
     layer = {
         "block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4),
-        "query": t(h * dh, BLHD), "key": t(k * dh, BLKD), "value": t(k * dh, BLKD),
-        "kv_proj": t(k * dh, BLKD) if e.fuse_projections else 0,
+        "query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
+        "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
         "scores": scores, "probs": probs,
-        "attn_context": t(h * dh, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
+        "attn_context": t(h * dv, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
     if a.attn_logit_softcapping:

@@ -30,7 +30,7 @@ FEATURES = {
     "qk_norm_heads": "a norm of each query/key head, with a weight per head (Cohere)",
     "qk_norm_projection": "a norm of the whole q/k projection",
     "parallel_residual": "attention and MLP side by side from one norm: x + attn(n) + mlp(n) (Phi, Cohere)",
-    "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere)",
+    "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
@@ -45,6 +45,11 @@ FEATURES = {
     "router_jitter": "router input jitter while training",
     "shared_experts": "a dense gated MLP beside the routed experts (shared_expert_intermediate_size)",
     "shared_expert_gate": "the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)",
+    "group_limited_router": "top-k within the best topk_group of n_group expert groups (DeepSeek-V2)",
+    "sigmoid_router": "sigmoid router scores with a correction bias for the choice, group-limited (DeepSeek-V3)",
+    "routed_scaling": "the routed experts' weights scaled by routed_scaling_factor (DeepSeek)",
+    "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
+                        "kv_lora_rank)",
 }
 
 

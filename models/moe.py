@@ -50,6 +50,7 @@ from shardzoo.models.layers import constrain
 from shardzoo.sharding import axes as ax
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups")  # see ``choose_experts``
 ACTIVATIONS = {
     "silu": nn.silu,
     "swish": nn.silu,
@@ -81,6 +82,10 @@ class MoeConfig:
     capacity_factor: float = 1.25
     router_jitter_noise: float = 0.0
     norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral)
+    router_kind: str = "softmax"  # ROUTERS: how the k experts are chosen (``choose_experts``)
+    n_group: int = 1  # expert groups of the group-limited routers
+    topk_group: int = 1  # groups a token's experts may come from
+    routed_scaling_factor: float = 1.0  # the chosen experts' weights times this (DeepSeek)
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     dtype: str = "float32"  # compute dtype of the experts; the router is always float32
@@ -89,7 +94,7 @@ class MoeConfig:
 
     def __post_init__(self):
         where = "MoeConfig"
-        choices = {"dispatch": DISPATCHES, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
+        choices = {"dispatch": DISPATCHES, "router_kind": ROUTERS, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
                    "param_dtype": DTYPES}
         check_fields(self, choices, ("num_experts", "num_experts_per_tok", "intermediate_size"), MoeError)
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -120,6 +125,52 @@ def top_k(probs, k: int):
         masked = jnp.where(jax.nn.one_hot(idx[-1], num_experts, dtype=bool), -jnp.inf, masked)
     idx = jnp.stack(idx, axis=-1)
     return jnp.take_along_axis(probs, idx, axis=-1), idx
+
+
+def _group_mask(scores, n_group: int, topk_group: int, group_score):
+    """Bool [..., expert]: the experts of the ``topk_group`` groups (of ``n_group`` equal runs of
+    experts) that ``group_score`` [..., group, experts_per_group] -> [..., group] ranks best."""
+    *lead, num_experts = scores.shape
+    grouped = scores.reshape(*lead, n_group, num_experts // n_group)
+    _, best = top_k(group_score(grouped), topk_group)  # [..., topk_group]
+    chosen = jax.nn.one_hot(best, n_group, dtype=bool).any(-2)  # [..., group]
+    return jnp.repeat(chosen, num_experts // n_group, axis=-1)
+
+
+def choose_experts(logits, cfg: MoeConfig, bias=None):
+    """(probs, top_p, top_idx) of router ``logits`` [..., expert] by ``cfg.router_kind``:
+
+    - ``softmax``: the k most probable experts of the softmax (Mixtral, DeepSeek-V2 greedy);
+    - ``softmax_groups``: the same within the ``topk_group`` groups whose best probability is
+      highest (DeepSeek-V2's group_limited_greedy; the other groups' probabilities count as 0);
+    - ``sigmoid_groups``: sigmoid scores; the choice adds the correction ``bias`` [expert]
+      (DeepSeek-V3's e_score_correction_bias), ranks groups by the sum of their two best and
+      picks the k best within the ``topk_group`` best groups; the weights are the unbiased scores.
+
+    ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
+    ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
+    """
+    k, kind = cfg.num_experts_per_tok, cfg.router_kind
+    if kind == "sigmoid_groups":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + bias
+        keep = _group_mask(choice, cfg.n_group, cfg.topk_group, lambda g: top_k(g, 2)[0].sum(-1))
+        _, top_idx = top_k(jnp.where(keep, choice, -jnp.inf), k)
+        top_p = jnp.take_along_axis(scores, top_idx, axis=-1)
+        probs = scores / scores.sum(-1, keepdims=True)
+        eps = 1e-20  # transformers' denominator guard
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        masked = probs
+        if kind == "softmax_groups":
+            masked = jnp.where(_group_mask(probs, cfg.n_group, cfg.topk_group, lambda g: g.max(-1)), probs, 0.0)
+        top_p, top_idx = top_k(masked, k)  # [..., k]
+        eps = 0.0
+    if cfg.norm_topk_prob:
+        top_p = top_p / (top_p.sum(-1, keepdims=True) + eps)
+    if cfg.routed_scaling_factor != 1.0:
+        top_p = top_p * cfg.routed_scaling_factor
+    return probs, top_p, top_idx
 
 
 def router_losses(logits, probs, top_idx, token_mask=None):
@@ -316,7 +367,7 @@ class MoeMLP(nn.Module):
         """``token_mask`` [batch, length]: the real tokens (padding takes no slot, no loss)."""
         cfg = self.config
         _, length, embed = x.shape
-        num_experts, k, mlp = cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size
+        num_experts, mlp = cfg.num_experts, cfg.intermediate_size
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
         act = ACTIVATIONS[cfg.hidden_act]
@@ -335,10 +386,11 @@ class MoeMLP(nn.Module):
             kernel_init=nn.with_logical_partitioning(init, (ax.EMBED, ax.EXPERT)),
             name="router",
         )(router_in)  # [batch, length, expert]
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_p, top_idx = top_k(probs, k)  # [batch, length, k]
-        if cfg.norm_topk_prob:
-            top_p = top_p / top_p.sum(-1, keepdims=True)
+        bias = None
+        if cfg.router_kind == "sigmoid_groups":  # trained by no gradient (transformers: a buffer)
+            bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
+                              (num_experts,), jnp.float32)
+        probs, top_p, top_idx = choose_experts(logits, cfg, bias)  # top_*: [batch, length, k]
         load_balance, z_loss = router_losses(logits, probs, top_idx, token_mask)
 
         def expert_param(name, shape, names):

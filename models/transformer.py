@@ -72,7 +72,8 @@ class TransformerConfig(ModelConfig):
             num_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
             intermediate_size=a.expert_size, hidden_act=a.hidden_act, dispatch=e.moe_dispatch,
             capacity_factor=e.capacity_factor, router_jitter_noise=a.router_jitter_noise,
-            norm_topk_prob=a.norm_topk_prob, aux_loss_coef=a.router_aux_loss_coef,
+            norm_topk_prob=a.norm_topk_prob, router_kind=a.router_kind, n_group=a.n_group,
+            topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor, aux_loss_coef=a.router_aux_loss_coef,
             z_loss_coef=e.router_z_loss_coef, dtype=e.dtype, param_dtype=e.param_dtype,
             initializer_range=a.initializer_range,
         )

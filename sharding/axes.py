@@ -19,6 +19,8 @@ POSITION = "position"  # rows of a learned position table (max_position_embeddin
 CAPACITY = "capacity"  # token slots per expert in MoE dispatch (activations only)
 CACHE_LENGTH = "cache_length"  # positions of a decoding KV cache
 LORA_RANK = "lora_rank"  # the low-rank axis of LoRA adapters (replicated in every preset)
+Q_LORA = "q_lora"  # latent attention: the query's compressed latent (q_lora_rank; replicated)
+KV_LORA = "kv_lora"  # latent attention: the keys' and values' compressed latent (kv_lora_rank; replicated)
 
 ALL = (
     BATCH,
@@ -35,6 +37,8 @@ ALL = (
     CAPACITY,
     CACHE_LENGTH,
     LORA_RANK,
+    Q_LORA,
+    KV_LORA,
 )
 
 MEANINGS = {
@@ -52,4 +56,6 @@ MEANINGS = {
     CAPACITY: "token slots per expert in MoE dispatch",
     CACHE_LENGTH: "positions of a decoding KV cache",
     LORA_RANK: "the low-rank axis of LoRA adapters (A: [inputs..., rank], B: [rank, outputs...])",
+    Q_LORA: "latent attention's query latent (q_lora_rank)",
+    KV_LORA: "latent attention's key/value latent (kv_lora_rank)",
 }

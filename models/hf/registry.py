@@ -14,10 +14,12 @@ import dataclasses
 import os
 
 from shardzoo.models import apply_overrides, register
-from shardzoo.models.features import used_features
+from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
     arcee,
     cohere,
+    deepseek_v2,
+    deepseek_v3,
     exaone4,
     gemma,
     gpt2,
@@ -63,6 +65,7 @@ FAMILIES: tuple[Family, ...] = (
     phi.PHI,
     cohere.COHERE,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
+    deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
@@ -93,7 +96,14 @@ def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
     view = HFConfig(hf, family, where)
     fields = family.from_hf(view)
     view.finish()
-    return TransformerConfig.ARCH(**fields)
+    arch = TransformerConfig.ARCH(**fields)
+    # what the family read uses a feature it does not declare (a value it cannot compute right)
+    missing = {name: used for name, used in used_features(arch).items() if name not in family.features}
+    if missing:
+        name, used = next(iter(missing.items()))
+        raise HFError(f"{where}: {', '.join(used)} uses {name} ({FEATURES.get(name, name)}), which shardzoo's "
+                      f"{family.name} does not implement")
+    return arch
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:

@@ -17,6 +17,8 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     CohereConfig,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
@@ -68,11 +70,15 @@ from shardzoo.train.hf_io import load_hf
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
-                  "cohere", "arcee", "exaone4", "hunyuan", "seed_oss")  # models/hf/<name>.py
+                  "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
+                  "deepseek_v3")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+MLA = dict(DIMS, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+           qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           first_k_dense_replace=1)  # latent attention, a dense layer then MoE ones
 TINY = {  # model_type -> a tiny HF config of that family, with its distinguishing options set
     "llama": lambda: LlamaConfig(**DIMS, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                                  attention_bias=True),
@@ -116,6 +122,9 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                      sliding_window_pattern=2),
     "hunyuan_v1_dense": lambda: HunYuanDenseV1Config(**DIMS, head_dim=8, attention_bias=True),
     "seed_oss": lambda: SeedOssConfig(**DIMS, head_dim=16, mlp_bias=True),
+    "deepseek_v2": lambda: DeepseekV2Config(**MLA, q_lora_rank=None, n_shared_experts=2,
+                                            topk_method="group_limited_greedy", n_group=2, topk_group=1),
+    "deepseek_v3": lambda: DeepseekV3Config(**MLA, q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=False),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
