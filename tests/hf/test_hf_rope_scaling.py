@@ -171,12 +171,13 @@ def test_inv_freq_and_attention_factor_are_transformers(name, tmp_path):
         assert not np.allclose(np.asarray(got), want.numpy())
 
 
-def test_phi3_128k_preset_is_longrope_from_4096():
-    arch = get_config("phi-3-mini-128k").arch
+def test_phi35_mini_preset_is_longrope_from_4096():
+    arch = get_config("phi-3.5-mini").arch
     scaling = arch.rope_scaling_dict
     assert scaling["rope_type"] == "longrope" and arch.max_position_embeddings == 131072
     assert scaling["original_max_position_embeddings"] == 4096
     assert len(scaling["short_factor"]) == len(scaling["long_factor"]) == 48  # head_dim 96
+    assert (scaling["short_factor"][0], scaling["long_factor"][-1]) == (1.0, 64.83999633789062)  # the published lists
     assert abs(rope_attention_factor(arch) - (1 + np.log(32) / np.log(4096)) ** 0.5) < 1e-12
 
 
