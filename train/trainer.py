@@ -17,7 +17,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from shardzoo.sharding.mesh import describe_mesh
@@ -193,11 +192,14 @@ class Trainer:
         for i, batch in enumerate(self.eval_data):
             if i >= limit:
                 break
-            out = step(self.state.params, self.program.place(batch))
-            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+            # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
+            # queue of hundreds of dispatches on a long split, and the same rounding
+            out = jax.device_get(step(self.state.params, self.program.place(batch)))
+            out = {k: np.float64(v) for k, v in out.items()}
+            totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
         if totals is None:
             return {}
-        summary = summarize_eval(self.program.task, jax.device_get(totals))
+        summary = summarize_eval(self.program.task, totals)
         return {f"{k}_sampled": v for k, v in summary.items()} if sampled else summary
 
     def _check_finite(self, step: int, metrics) -> None:

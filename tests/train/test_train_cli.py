@@ -219,6 +219,8 @@ def test_a_bad_model_field_exits_2_with_one_line(files, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", *_args(out, files / "corpus.jsonl"), "--override", "hidden_act=foo"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
+    from shardzoo.models.arch import ACTIVATIONS
+
     assert lines == ["shardzoo train: error: model 'llama-tiny': TransformerArch.hidden_act='foo' is not "
-                     "one of silu, swish, relu, gelu, gelu_new, gelu_pytorch_tanh"]
+                     f"one of {', '.join(ACTIVATIONS)}"]
     assert not out.exists()
