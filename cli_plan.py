@@ -71,7 +71,7 @@ def cmd_plan(args) -> int:
 
     from shardzoo.models import get_model, parse_overrides
     from shardzoo.sharding.mesh import mesh_shape
-    from shardzoo.sharding.plan import planning_mesh
+    from shardzoo.sharding.plan import local_device_memory, planning_mesh
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
@@ -100,7 +100,8 @@ def cmd_plan(args) -> int:
                                   strict=not args.non_strict)
         except ShardingValidationError as e:
             raise UserError(e.summary(hint="--non-strict makes these warnings")) from None
-        result = program.plan(device_memory=args.device_memory, name=args.model)
+        memory = args.device_memory if args.device_memory is not None else local_device_memory()
+        result = program.plan(device_memory=memory, name=args.model)
         if args.compile and program.is_abstract:
             import jax
 

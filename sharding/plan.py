@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import re
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,16 @@ from shardzoo.sharding.validate import Resolved, rule_text
 DEVICE_MEMORY = {"h100": 80e9, "h200": 141e9, "a100": 80e9, "v5p": 95e9, "v5e": 16e9, "v4": 32e9}
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def local_device_memory() -> tuple[str, int] | None:
+    """(label, bytes) of this machine's accelerator (its first device's memory limit), or None
+    on a CPU-only machine."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return (f"local {device.device_kind} ({limit / 1e9:.1f} GB)", int(limit)) if limit else None
 
 
 def parse_device_memory(text) -> tuple[str, int]:
@@ -112,6 +121,7 @@ class Plan:
     device_memory: tuple[str, int] | None
     problems: tuple[str, ...]  # non-strict mode's warnings
     pipeline: dict | None = None  # the model's pipeline schedule when the rules split its layers
+    workload: dict | None = None  # what the plan is of: batch, microbatch, sequence, dtypes, remat
 
     @property
     def fits(self) -> bool | None:
@@ -151,12 +161,14 @@ class Plan:
 
     def format(self) -> str:
         """A table for people: one line per array, the rule decisions, then the totals."""
-        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "one device"
         kind = "abstract mesh, no devices" if self.abstract_mesh else "local devices"
         out = [f"plan for {self.model}: rules {self.rules.name!r} on mesh {mesh} "
                f"({math.prod(self.mesh.values())} devices, {kind})"]
-        out += textwrap.wrap("  ".join(rule_text(self.rules, i) for i in range(len(self.rules))),
-                             width=100, initial_indent="rules: ", subsequent_indent="       ")
+        if self.workload:
+            w = self.workload
+            out.append("workload: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in w.items() if v is not None))
+        out += _wrap_entries([rule_text(self.rules, i) for i in range(len(self.rules))], "rules: ", 100)
         out.append("")
         sections = (("parameters", self.params), ("activations (logical constraints)", self.activations))
         for title, rows in sections:
@@ -205,9 +217,24 @@ class Plan:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             share = f"{100 * t['total'] / cap:.1f}% of {format_bytes(cap)}"
             out.append(f"  device {label}: {verdict} ({share})")
+        else:
+            out.append(f"  no device memory named and no accelerator here: add --device-memory "
+                       f"({', '.join(DEVICE_MEMORY)} or a size such as 80GB) for a fits verdict")
         for p in self.problems:
             out.append(f"warning: {p}")
         return "\n".join(out)
+
+
+def _wrap_entries(entries, first: str, width: int) -> list[str]:
+    """Entries two spaces apart, lines of at most ``width``, never breaking an entry."""
+    lines, line = [], first
+    for entry in entries:
+        if line.strip() and len(line) + 2 + len(entry) > width and line != first:
+            lines.append(line)
+            line = " " * len(first) + entry
+        else:
+            line += ("  " if line != first else "") + entry
+    return lines + [line]
 
 
 def _dims_text(array: Resolved) -> str:
@@ -223,7 +250,7 @@ def _dims_text(array: Resolved) -> str:
 
 def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int | None,
               optimizer_bytes: int, gradient_bytes: int | None = None, device_memory=None,
-              name=None) -> Plan:
+              name=None, workload: dict | None = None) -> Plan:
     """The plan of a validated train state (``validate.Report`` of its params and activations).
 
     ``optimizer_bytes``: the optimizer state's bytes per device (the program knows them from
@@ -265,4 +292,5 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         device_memory=device_memory,
         problems=tuple(p.message for p in report.problems),
         pipeline=pipeline,
+        workload=workload,
     )

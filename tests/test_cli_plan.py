@@ -31,10 +31,27 @@ def test_table(capsys):
     status, out, err = _run(capsys, *TINY, "--rules", "fsdp", "--mesh", "fsdp=8",
                             "--device-memory", "v5e")
     assert status == 0 and err == ""
-    assert "plan for mlp-tiny: rules 'fsdp' on mesh data=1,stage=1,fsdp=8" in out
+    assert "plan for mlp-tiny: rules 'fsdp' on mesh fsdp=8 (8 devices" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("params/layers_0/kernel"))
     assert "(16, 32)" in line and "embed:fsdp #1" in line and "(2, 32)" in line
     assert "device v5e (16 GB): fits" in out
+
+
+def test_the_header_states_the_workload_and_the_verdict_is_asked_for(capsys):
+    """plan says what it plans (batch, sequence, dtypes, remat), keeps each rule whole on its
+    line, names only the mesh axes that split, and without a device memory (and no accelerator
+    here) says how to get a fits verdict."""
+    status, out, _ = _run(capsys, "plan", "--model", "llama-tiny", "--rules", "fsdp_tp", "--mesh", "fsdp=4,tensor=2",
+                          "--batch-size", "8", "--seq-len", "64", "--override", "remat_policy=full")
+    lines = out.splitlines()
+    assert status == 0 and "on mesh fsdp=4,tensor=2 (8 devices" in lines[0]
+    assert lines[1] == "workload: batch 8, sequence 64, compute float32, params float32, remat full"
+    rules = [x for x in lines[2:] if x.startswith(("rules: ", "       #"))]
+    assert rules and all(len(x) <= 100 for x in rules)
+    for x in rules:  # every entry whole: '#N name->axes'
+        for entry in x.removeprefix("rules: ").strip().split("  "):
+            assert re.fullmatch(r"#\d+ \w+->[\w,]+", entry.strip()), entry
+    assert "no device memory named and no accelerator here: add --device-memory" in out
 
 
 def test_json_with_overrides_and_a_256_device_mesh(capsys):

@@ -392,10 +392,14 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch,
-                         seq_len=self.seq_len if self.task.name == "lm" else None,
+        seq_len = self.seq_len if self.task.name == "lm" else None
+        e = self.config.execution
+        workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
+                        sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
+                        remat=getattr(e, "remat_policy", None), optimizer="none" if self.tx is None else None)
+        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
-                         name=name)
+                         name=name, workload=workload)
 
     @property
     def is_abstract(self) -> bool:
