@@ -46,20 +46,11 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import DTYPES, ModelError, check_fields
-from shardzoo.models.layers import constrain
+from shardzoo.models.layers import ACTIVATIONS, constrain
 from shardzoo.sharding import axes as ax
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups")  # see ``choose_experts``
-ACTIVATIONS = {
-    "silu": nn.silu,
-    "swish": nn.silu,
-    "gelu": functools.partial(nn.gelu, approximate=False),
-    "gelu_new": functools.partial(nn.gelu, approximate=True),
-    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
-    "relu": nn.relu,
-    "relu2": lambda x: jnp.square(nn.relu(x)),  # as models/layers.py's
-}
 
 
 class MoeError(ModelError):
