@@ -17,7 +17,6 @@ from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -97,31 +96,17 @@ def test_moe_logits_match_under_ep(built):
     np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
-def test_greedy_generate_matches_transformers(built):
+def test_greedy_generate_matches_transformers(built, parity):
     path, model, _ = built
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    _, config, params = load_hf(path, mesh=mesh, rules=rules)
-    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
-    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == model.config.model_type and hf["attention_multiplier"] == 0.3
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(model)
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 def test_a_family_without_the_feature_refuses_to_export_it():

@@ -128,19 +128,13 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path, scan_layers=False)  # the unrolled tree exports too
     # Phi-3's config is also Mistral's: the family a checkpoint records picks the fused layout.
     family = "phi3" if model.config.model_type == "phi3" else None
     export_hf(config, params, str(tmp_path), max_shard_bytes=30_000, family=family)  # several shards
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(model)
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 @pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
