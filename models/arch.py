@@ -355,7 +355,15 @@ class TransformerArch:
         """The factor of the attention logits (Granite's multiplier, Gemma's scalar, 1/sqrt(d))."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
-        return (self.query_pre_attn_scalar or self.qk_head_size) ** -0.5
+        scale = (self.query_pre_attn_scalar or self.qk_head_size) ** -0.5
+        scaling = self.rope_scaling_dict
+        if self.kv_lora_rank and scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
+            # latent attention under YaRN scales every dim of q.k, not only the rotary ones, by
+            # mscale(factor, mscale_all_dim) squared (DeepSeek's reference; transformers' yarn_apply_mscale)
+            factor = scaling["factor"]
+            mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each layer's block, from the per-layer patterns."""

@@ -17,9 +17,10 @@ as one MLP ``n_shared_experts * moe_intermediate_size`` wide (``shared_experts``
 transformers 5 has no ``moe_layer_freq`` (the original code's; 1 in the published configs) and
 ignores it, as shardzoo does. HF drops no token and has no z-loss (Mixtral's ``execution``);
 the load-balancing loss takes the original config's ``aux_loss_alpha`` (0.001 when absent).
-YaRN (``rope_scaling`` type yarn, the published configs' 160k context) needs DeepSeek's
-mscale**2 on the softmax scale beside the generic rotary part: not declared yet, so such a
-config is refused on import, naming rope_scaling.
+YaRN (``rope_scaling`` type yarn, the published configs' 160k context): the generic rotary
+part (frequencies over ``qk_rope_head_dim``, cos/sin times ``attention_factor``) and, as every
+latent-attention model, the softmax scale times ``mscale(factor, mscale_all_dim)**2``
+(``TransformerArch.attention_scale``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ SCHEMA = dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_
               output_router_logits=False, n_shared_experts=2, qk_nope_head_dim=128, qk_rope_head_dim=64,
               routed_scaling_factor=1.0, topk_group=None, topk_method="greedy", norm_topk_prob=False,
               v_head_dim=128, num_experts_per_tok=None, moe_intermediate_size=1407)
-FEATURES = (llama.ROTARY - {"rope_scaling:yarn"}) | {"latent_attention", "rope_interleaved", "moe", "moe_pattern", "expert_width",
+FEATURES = llama.ROTARY | {"latent_attention", "rope_interleaved", "moe", "moe_pattern", "expert_width",
                            "shared_experts", "routed_scaling", "group_limited_router"}
 METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax_groups"}
 
@@ -160,11 +161,12 @@ def layer_weights(a, spec) -> list[Weight]:
     return out
 
 
-# deepseek-ai/DeepSeek-V2-Lite/config.json (its yarn rope_scaling left out: not implemented yet;
-# it changes no parameter): 27 layers, the first dense, 64 experts top-6 and 2 shared, 1408
+# deepseek-ai/DeepSeek-V2-Lite/config.json: 27 layers, the first dense, 64 experts top-6 and 2 shared, 1408
 # wide; no query latent.
 LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
             num_attention_heads=16, max_position_embeddings=163840, rms_norm_eps=1e-6,
+            rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                              beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
             kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             rope_interleaved=True, num_local_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
             shared_expert_intermediate_size=2 * 1408, norm_topk_prob=False, router_aux_loss_coef=0.001,

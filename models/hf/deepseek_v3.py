@@ -9,7 +9,7 @@ unbiased scores, renormalised with ``norm_topk_prob``, times ``routed_scaling_fa
 Rotary on interleaved pairs with ``rope_interleave`` (the default), else rotate-half.
 The bias's aux-loss-free update while training is not implemented (no load-balancing loss
 either: ``router_aux_loss_coef`` 0). transformers builds no multi-token-prediction layer for
-the causal LM (``num_nextn_predict_layers`` changes no logit); YaRN is refused as in V2.
+the causal LM (``num_nextn_predict_layers`` changes no logit); YaRN as in V2.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SCHEMA = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_
               use_cache=True, pad_token_id=None, bos_token_id=0, eos_token_id=1, pretraining_tp=1,
               tie_word_embeddings=False, rope_parameters=None, rope_interleave=True, attention_bias=False,
               attention_dropout=0.0, num_nextn_predict_layers=1)
-FEATURES = (llama.ROTARY - {"rope_scaling:yarn"}) | {"latent_attention", "rope_interleaved", "moe", "moe_pattern", "expert_width",
+FEATURES = llama.ROTARY | {"latent_attention", "rope_interleaved", "moe", "moe_pattern", "expert_width",
                            "shared_experts", "routed_scaling", "sigmoid_router"}
 
 
@@ -43,10 +43,12 @@ def to_hf(a) -> dict:
         rope_interleave=a.rope_interleaved, norm_topk_prob=a.norm_topk_prob)
 
 
-# deepseek-ai/DeepSeek-V3/config.json (its yarn rope_scaling left out, as V2-Lite's): 61 layers,
+# deepseek-ai/DeepSeek-V3/config.json: 61 layers,
 # the first 3 dense, 256 experts top-8 in 8 groups (4 kept) and one shared, 2048 wide.
 V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
           num_attention_heads=128, max_position_embeddings=163840, rms_norm_eps=1e-6, kv_lora_rank=512,
+          rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
           q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleaved=True,
           num_local_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
           shared_expert_intermediate_size=2048, router_kind="sigmoid_groups", n_group=8, topk_group=4,

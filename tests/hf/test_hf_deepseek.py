@@ -177,12 +177,22 @@ def test_v3_rotate_half_without_rope_interleave(tmp_path):
     np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
 
 
-def test_yarn_is_refused_naming_it(tmp_path):
-    """YaRN's inv_freq and its mscale on the softmax scale are not implemented yet."""
-    from shardzoo.models.hf import HFError
-
-    yarn = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
-                mscale=1.0, mscale_all_dim=1.0, rope_theta=10000.0)
-    CONFIGS["v3"](rope_parameters=yarn).save_pretrained(tmp_path)
-    with pytest.raises(HFError, match="yarn"):
-        load_hf_config(str(tmp_path))
+@pytest.mark.parametrize("version", list(CONFIGS))
+def test_yarn_with_its_latent_softmax_scale_matches_transformers(version, tmp_path):
+    """YaRN at the published configs' factor 40 over a short original context (so the ramp
+    falls inside the rotary dims), with ``mscale_all_dim`` != ``mscale``: the rotary frequencies,
+    the cos/sin factor and latent attention's mscale**2 on the softmax scale must all be right."""
+    yarn = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1,
+                mscale=1.0, mscale_all_dim=0.707, rope_theta=10000.0)
+    model = build(CONFIGS[version](rope_parameters=yarn, max_position_embeddings=320), str(tmp_path))
+    config = load_hf_config(str(tmp_path))
+    assert dict(config.rope_scaling)["rope_type"] == "yarn"
+    assert config.attention_scale == pytest.approx(16 ** -0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2, rel=1e-12)
+    one = make_mesh("data=1", devices=jax.devices()[:1])
+    module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
+    got, _ = _apply(module, params, one)
+    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    export_hf(config, params, str(tmp_path / "out"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert back.config.rope_parameters["mscale_all_dim"] == 0.707
+    np.testing.assert_allclose(hf_logits(back, TOKENS), hf_logits(model, TOKENS), atol=TOL, rtol=0)
