@@ -48,6 +48,10 @@ class Execution:
     moe_dispatch: str = "indexed"
     capacity_factor: float = 1.25
     router_z_loss_coef: float = 0.001
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step, each expert's routing bias
+    # moves by this much, up when the expert took less than its share of the batch, down when
+    # more (train/step.py's balance_router_bias); 0: off. Needs a router with a correction bias.
+    router_bias_update_rate: float = 0.0
     lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
     lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -70,4 +74,7 @@ class Execution:
             raise ModelError(f"capacity_factor={self.capacity_factor!r} must be a finite number > 0")
         if not (math.isfinite(self.router_z_loss_coef) and self.router_z_loss_coef >= 0):
             raise ModelError(f"router_z_loss_coef={self.router_z_loss_coef!r} must be a finite number >= 0")
+        rate = self.router_bias_update_rate
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
+            raise ModelError(f"router_bias_update_rate={rate!r} must be a finite number >= 0 (0: off)")
         check_lora(self)

@@ -414,4 +414,9 @@ class MoeMLP(nn.Module):
         self.sow("metrics", "load_balance_loss", load_balance)
         self.sow("metrics", "router_z_loss", z_loss)
         self.sow("metrics", "dropped_fraction", dropped)
+        if bias is not None:  # each expert's share of the (token, choice) pairs, for aux-loss-free balancing
+            chosen = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.float32).sum(-2)  # [batch, length, expert]
+            if token_mask is not None:
+                chosen = chosen * token_mask[..., None].astype(jnp.float32)
+            self.sow("router_load", "expert_load", chosen.sum((0, 1)) / jnp.maximum(chosen.sum(), 1.0))
         return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED), self.placement)

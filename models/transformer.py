@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from shardzoo.models import ModelError
 from shardzoo.models.arch import MOE, LayerSpec, TransformerArch
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
@@ -46,6 +47,10 @@ class TransformerConfig(ModelConfig):
 
     def check(self) -> None:
         self.layout()  # an explicit scan layout must fit the layer pattern
+        if self.execution.router_bias_update_rate and self.arch.router_kind != "sigmoid_groups":
+            raise ModelError(f"router_bias_update_rate={self.execution.router_bias_update_rate} balances a router "
+                             "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); this model's router "
+                             f"is {self.arch.router_kind!r}{'' if self.arch.num_local_experts else ' (no MoE layers)'}")
 
     # ------------------------------------------------------------------ layers
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -324,7 +329,7 @@ class Transformer(nn.Module):
             return pipeline(sched, placement, fn, self.variables["params"]["layers"], x, positions, segment_ids)
         stack = nn.scan(
             block if layout.period == 1 else PeriodBlock,
-            variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "intermediates")},
+            variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "router_load", "intermediates")},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast),
             length=layout.repeats,

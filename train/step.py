@@ -44,10 +44,16 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
     total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1e-8)
 
     trained, frozen = split(state.params, trains)
+    rate = float(getattr(getattr(module, "config", None), "router_bias_update_rate", 0.0) or 0.0)
 
     def objective(trained, mb, mb_rng):
         params = join(trained, frozen)
-        outputs, aux, model_metrics = forward(task, module, params, mb, mb_rng, deterministic=False)
+        if rate:
+            outputs, aux, model_metrics, extra = forward(task, module, params, mb, mb_rng, deterministic=False,
+                                                         extra=("router_load",))
+            model_metrics = {**model_metrics, "router_load": extra["router_load"]}
+        else:
+            outputs, aux, model_metrics = forward(task, module, params, mb, mb_rng, deterministic=False)
         sums = task.sums(outputs, mb)
         obj = sums["loss"] / total_weight + (0.0 if aux is None else aux / grad_accum)
         return obj, (sums, aux, model_metrics)
@@ -66,7 +72,10 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
         grads, (objs, (sums_k, auxes, metrics_k)) = jax.lax.scan(body, zeros, micro)
         loss, sums = jnp.sum(objs), jax.tree.map(jnp.sum, sums_k)
         aux = None if auxes is None else jnp.mean(auxes)
+        loads = metrics_k.pop("router_load", None)  # [k, ...]: each microbatch's shares
         model_metrics = jax.tree.map(jnp.mean, metrics_k)
+        if loads is not None:
+            model_metrics["router_load"] = jax.tree.map(lambda x: x.mean(0), loads)
 
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
@@ -76,7 +85,13 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
         keep = lambda new, old: jnp.where(finite, new, old)
         new_trained = jax.tree.map(keep, new_trained, trained)
         opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-    new_state = state.replace(step=step, params=join(new_trained, frozen), opt_state=opt_state)
+    new_params = join(new_trained, frozen)
+    if rate:
+        loads = model_metrics.pop("router_load")
+        new_params, violation = balance_router_bias(new_params, loads, rate)
+        if skip_nonfinite:
+            new_params = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_params, state.params)
+    new_state = state.replace(step=step, params=new_params, opt_state=opt_state)
     metrics = {
         "loss": loss,
         task.loss_name: sums["loss"] / total_weight,
@@ -90,7 +105,38 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
     if aux is not None:
         metrics["aux_loss"] = aux
     metrics.update(model_metrics)
+    if rate:
+        metrics["expert_load_max_violation"] = violation
     return new_state, metrics
+
+
+def balance_router_bias(params, loads, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing, outside the gradient: each MoE layer's
+    ``moe/router_bias`` [expert] moves by ``rate * sign(1/E - load)`` (up for an expert that took
+    less than its share of the step's (token, choice) pairs, down for more), where ``loads``
+    (the ``router_load`` collection: ``.../moe/expert_load``, one [..., expert] share per layer
+    and microbatch) sits at the bias's path. Returns ``(params, max violation)``: the largest
+    ``load / (1/E) - 1`` over experts and layers (DeepSeek's MaxVio; 0 is perfect balance)."""
+    flat = {tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(loads)[0]}
+    if not flat:
+        raise ValueError("router_bias_update_rate is set but the model returned no expert loads "
+                         "(a pipeline-parallel rule table runs the layers without them); set it to 0")
+    violations = []
+
+    def update(path, leaf):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        if keys[-2:] != ("moe", "router_bias"):
+            return leaf
+        load = flat.get(keys[:-1] + ("expert_load",))
+        if load is None:
+            raise ValueError(f"no expert load recorded for {'/'.join(keys)}")
+        share = 1.0 / leaf.shape[-1]
+        violations.append(jnp.max(load) / share - 1.0)
+        return leaf + rate * jnp.sign(share - load).astype(leaf.dtype)
+
+    params = jax.tree_util.tree_map_with_path(update, params)
+    return params, jnp.max(jnp.stack(violations))
 
 
 def eval_step(params, batch, *, module, task):

@@ -96,16 +96,17 @@ def get_task(config_or_name) -> Task:
     return TASKS[name]
 
 
-def forward(task: Task, module, params, batch, rng, deterministic: bool):
+def forward(task: Task, module, params, batch, rng, deterministic: bool, extra: tuple[str, ...] = ()):
     """``(outputs, aux_loss or None, model_metrics)``: one model call per the zoo's contract.
 
     ``aux_loss`` sums the model's ``losses`` collection (MoE router losses, already weighted);
-    ``model_metrics`` averages each sown ``metrics`` entry over layers and calls.
+    ``model_metrics`` averages each sown ``metrics`` entry over layers and calls. With
+    ``extra`` collections (e.g. ``router_load``), a fourth item: those collections as sown.
     """
     args, kwargs = task.model_args(batch)
     outputs, collections = module.apply(
         {"params": params}, *args, **kwargs, deterministic=deterministic,
-        rngs={"dropout": rng}, mutable=["losses", "metrics"],
+        rngs={"dropout": rng}, mutable=["losses", "metrics", *extra],
     )
     losses = jax.tree.leaves(collections.get("losses", {}))
     aux = sum(jnp.sum(x.astype(jnp.float32)) for x in losses) if losses else None
@@ -114,6 +115,8 @@ def forward(task: Task, module, params, batch, rng, deterministic: bool):
         name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
         model_metrics.setdefault(name, []).append(jnp.ravel(leaf.astype(jnp.float32)))
     model_metrics = {k: jnp.mean(jnp.concatenate(v)) for k, v in model_metrics.items()}
+    if extra:
+        return outputs, aux, model_metrics, {c: collections.get(c, {}) for c in extra}
     return outputs, aux, model_metrics
 
 

@@ -7,8 +7,9 @@ parameter, as transformers does not), ranks the ``n_group`` groups by the sum of
 scores, keeps the ``topk_group`` best groups and takes the top-k there; the weights are the
 unbiased scores, renormalised with ``norm_topk_prob``, times ``routed_scaling_factor``.
 Rotary on interleaved pairs with ``rope_interleave`` (the default), else rotate-half.
-The bias's aux-loss-free update while training is not implemented (no load-balancing loss
-either: ``router_aux_loss_coef`` 0). transformers builds no multi-token-prediction layer for
+While training, the bias's auxiliary-loss-free update is the execution field
+``router_bias_update_rate`` (off by default; DeepSeek-V3 trained with 0.001: ``train/step.py``'s
+``balance_router_bias``), and there is no load-balancing loss (``router_aux_loss_coef`` 0). transformers builds no multi-token-prediction layer for
 the causal LM (``num_nextn_predict_layers`` changes no logit); YaRN as in V2.
 """
 
