@@ -25,7 +25,10 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     query H*Dh                   rotated and regrouped for GQA ([batch, len, K, H/K, Dh])
     key K*Dh, value K*Dh         and kv_proj K*Dh: the fused k|v matmul's output (latent
                                  attention: keys and queries qk_nope + qk_rope wide, values and
-                                 context v_head_dim, no kv_proj; its latents are not counted)
+                                 context v_head_dim, no kv_proj)
+    latent, latent_norm          latent attention: the normed kv latent (kv_lora_rank) and
+                                 query latent (q_lora_rank), the inputs of kv_b and q_b, and
+                                 their RMSNorms' 3 float32 intermediates each
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
     softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
@@ -227,6 +230,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "attn_context": t(h * dv, BLHD), "attn_out": t(d, BLE), "attn_residual": t(d, BLE),
         "mlp_norm": t(3 * d, BLE, 4), "mlp_out": t(d, BLE),
     }
+    if a.latent:
+        lat = a.kv_lora_rank + (a.q_lora_rank or 0)
+        layer.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),
+                     latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
     if a.attn_logit_softcapping:
         layer["softcap"] = t(2 * h * seq_len, BHL)
     if a.norm_position == "both":

@@ -199,3 +199,17 @@ def test_a_mesh_axis_that_shards_nothing_is_rejected():
 def test_device_kinds():
     assert get_device("h200").memory == 141e9 and get_device("v5e").per_host == 256
     assert get_device("80GB").peak_flops == get_device("h100").peak_flops
+
+
+def test_deepseek_v3_on_256_h200s(capsys):
+    """Issue 21: advise and plan a 671B latent-attention MoE on 256 devices with no devices at hand.
+    Every ranked candidate fits 141 GB less the headroom, and one expert-parallel table is among them."""
+    args = ["--model", "deepseek-v3", "--override", "dtype=bfloat16"]
+    assert main(["advise", *args, "--devices", "256", "--device-memory", "h200", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    budget = 141e9 * (1 - data["headroom"])
+    assert data["ranked"] and all(c["fits"] and c["memory"]["total"] <= budget for c in data["ranked"])
+    assert "ep" in [c["rules"] for c in data["ranked"]]
+    assert main(["plan", *args, "--rules", "ep", "--mesh", "fsdp=8,expert=32", "--device-memory", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp=8" in out and "expert=32" in out

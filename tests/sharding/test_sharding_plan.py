@@ -156,3 +156,19 @@ def test_plan_total_within_15_percent_of_the_compiled_step(rules, mesh):
     planned = program.plan().totals["total"]
     compiled = program.compile_report()["memory"]["total"]
     assert 0.85 < planned / compiled < 1.15, (planned, compiled)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-tiny", "deepseek-v3-tiny"])
+def test_latent_attention_plan_within_15_percent_of_the_compiled_step(name):
+    """Multi-head latent attention (16 x 64, fsdp=8): the plan's total against XLA's, and its
+    temporaries (activations + gradients) against XLA's temp. The latents (kv_lora + q_lora per
+    token, and their float32 norms) are counted; without them deepseek-v2-tiny's activations were
+    0.88 of what XLA keeps beside the gradients, with them 0.99 (v3-tiny 0.93 -> 0.98)."""
+    config = get_config(name)
+    program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))
+    totals, memory = program.plan().totals, program.compile_report()["memory"]
+    assert 0.85 < totals["total"] / memory["total"] < 1.15, (totals, memory)
+    temp = totals["activations"] + totals["gradients"]
+    assert 0.85 < temp / memory["temp"] < 1.15, (temp, memory)
+    terms = config.activation_estimate(16, 64, lambda names: 1).terms
+    assert terms["latent"] > 0 and terms["latent_norm"] == 3 * terms["latent"]  # a float32 model
