@@ -179,6 +179,10 @@ def transformer_params(a, active: bool = False) -> int:
             total += hd * (a.num_attention_heads + 2 * a.kv_heads)
         if a.attention_out_bias:
             total += d
+        if a.attention_sinks:
+            total += a.num_attention_heads
+        if moe:
+            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d))
         if a.mlp_bias and not moe:
             total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
         if a.mlp_bias and moe and a.shared_expert_intermediate_size:  # the shared expert's MLP
