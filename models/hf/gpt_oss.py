@@ -120,7 +120,9 @@ GPT_OSS = Family(
     presets={
         "gpt-oss-20b": BASE | dict(num_hidden_layers=24, num_local_experts=32, layer_types=_default_types(24)),
         "gpt-oss-120b": BASE | dict(num_hidden_layers=36, num_local_experts=128, layer_types=_default_types(36)),
-        "gpt-oss-tiny": BASE | llama.TINY | dict(head_dim=16, sliding_window=8, num_local_experts=4,
-                                                 num_experts_per_tok=2, layer_types=_default_types(2),
+        # 4 layers: two scanned periods of sliding + full, as the published models scan
+        "gpt-oss-tiny": BASE | llama.TINY | dict(num_hidden_layers=4, head_dim=16, sliding_window=8,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 layer_types=_default_types(4),
                                                  rope_scaling=dict(DEFAULT_ROPE, original_max_position_embeddings=64)),
     })

@@ -198,7 +198,7 @@ def test_presets_count_as_transformers_on_the_meta_device():
     assert PRESETS["gpt-oss-20b"].num_params() == 20_914_757_184
     assert PRESETS["gpt-oss-120b"].num_params() == 116_829_156_672
     tiny = PRESETS["gpt-oss-tiny"]
-    assert tiny.attention_sinks and tiny.layer_types == ("sliding_attention", "full_attention")
+    assert tiny.attention_sinks and tiny.layer_types == ("sliding_attention", "full_attention") * 2
 
 
 def test_sinks_with_cudnn_attention_are_refused_naming_both():
