@@ -204,3 +204,13 @@ def test_presets_count_as_transformers_on_the_meta_device():
 def test_sinks_with_cudnn_attention_are_refused_naming_both():
     with pytest.raises(ModelError, match="attention_sinks.*attention_impl='cudnn'"):
         get_config("gpt-oss-tiny", attention_impl="cudnn")
+
+
+def test_logits_match_under_context_parallelism(built):
+    """Sinks run in plain XLA attention, masked by position: right in the ring's zig-zag token
+    order too (the softcap's path), the window and the sinks included."""
+    path, _, ref = built
+    mesh = make_mesh("context=4,data=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("cp"))
+    got, _ = _apply(module, params, mesh)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
