@@ -2,6 +2,7 @@
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
+attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention),
 biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
 the explicit ``placement``), and decoding from a cache whose arrays carry logical axes.
 """

@@ -201,6 +201,48 @@ def test_presets_count_as_transformers_on_the_meta_device():
     assert tiny.attention_sinks and tiny.layer_types == ("sliding_attention", "full_attention") * 2
 
 
+# https://huggingface.co/openai/gpt-oss-120b/raw/main/config.json (the 20b's: 24 layers, 32 experts)
+PUBLISHED_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_the_published_configs_read_as_the_presets():
+    """The published config.json (legacy rope_scaling and rope_theta keys, a quantization_config)
+    reads as the preset's architecture, field for field; a config.json without rope keys reads as
+    GptOssConfig's default YaRN."""
+    from shardzoo.models.hf import family_of_model_type
+    from shardzoo.models.hf.registry import arch_from_hf
+
+    family = family_of_model_type("gpt_oss")
+    assert arch_from_hf(family, PUBLISHED_120B) == PRESETS["gpt-oss-120b"].arch
+    small = PUBLISHED_120B | dict(num_hidden_layers=24, num_local_experts=32,
+                                  layer_types=["sliding_attention", "full_attention"] * 12)
+    assert arch_from_hf(family, small) == PRESETS["gpt-oss-20b"].arch
+    bare = {k: v for k, v in small.items() if k not in ("rope_scaling", "rope_theta", "layer_types")}
+    assert arch_from_hf(family, bare) == PRESETS["gpt-oss-20b"].arch
+
+
+def test_a_config_without_the_swiglu_clamp_is_refused_naming_it():
+    from shardzoo.models.hf import HFError, family_of_model_type
+    from shardzoo.models.hf.registry import arch_from_hf
+
+    with pytest.raises(HFError, match="swiglu_limit=None"):
+        arch_from_hf(family_of_model_type("gpt_oss"), PUBLISHED_120B | {"swiglu_limit": None})
+
+
 def test_sinks_with_cudnn_attention_are_refused_naming_both():
     with pytest.raises(ModelError, match="attention_sinks.*attention_impl='cudnn'"):
         get_config("gpt-oss-tiny", attention_impl="cudnn")
