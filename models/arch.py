@@ -107,6 +107,8 @@ class TransformerArch:
     layer_types: tuple[str, ...] | None = feature(None, "layer_pattern")  # per layer; None: uniform
     query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
+    # a learned logit per head in the softmax's denominator, attended by no value (GPT-OSS's sinks)
+    attention_sinks: bool = feature(False, "attention_sinks")
     final_logit_softcapping: float | None = feature(None, "final_softcap")
     lm_head_bias: bool = feature(False, "lm_head_bias")  # the output head's bias (Phi)
     logit_scale: float = feature(1.0, "logit_scale")  # logits x logit_scale (Cohere)
@@ -137,6 +139,12 @@ class TransformerArch:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
+    router_bias: bool = feature(False, "router_bias")  # the router's logits have a bias (GPT-OSS)
+    expert_bias: bool = feature(False, "expert_bias")  # the experts' gate, up and down have biases (GPT-OSS)
+    # the experts' clamped SwiGLU (GPT-OSS): gate <= limit, |up| <= limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up
+    swiglu_limit: float | None = feature(None, "clamped_swiglu")
+    swiglu_alpha: float = 1.702
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
     # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
     # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
@@ -197,6 +205,8 @@ class TransformerArch:
             set_("topk_group", 1)
         if self.n_group == 1:
             set_("topk_group", 1)
+        if self.swiglu_limit is None:
+            set_("swiglu_alpha", 1.702)  # no clamped SwiGLU, no gain
         if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
             for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 set_(name, None)
@@ -216,12 +226,12 @@ class TransformerArch:
         if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
-        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier",
+        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
                      "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
             if not _positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_base_freq", "attention_multiplier"):
+                     "rope_local_base_freq", "attention_multiplier", "swiglu_limit"):
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
@@ -284,8 +294,8 @@ class TransformerArch:
             raise ModelError(f"latent attention expands keys and values for every query head: "
                              f"num_key_value_heads={self.kv_heads} must be num_attention_heads="
                              f"{self.num_attention_heads}")
-        if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0:
-            raise ModelError("latent attention has no qk_norm, q/k/v biases or partial_rotary_factor "
+        if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0 or self.attention_sinks:
+            raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
                              "(it rotates qk_rope_head_dim features of each head)")
 
     def _check_router(self) -> None:
@@ -385,7 +395,8 @@ class TransformerArch:
 
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
-               "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor")
+               "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
+               "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
 
 
 def _rope_scaling(value, pairs: int):

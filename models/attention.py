@@ -2,6 +2,7 @@
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
+attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention),
 biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
 the explicit ``placement``), and decoding from a cache whose arrays carry logical axes.
 """
@@ -212,12 +213,14 @@ def softcap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
-def xla_attention(q, k, v, mask, scale, logit_cap=None):
+def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
     """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
-    (soft-capped logits): scores scaled, capped, masked, softmax in float32 (as HF's eager).
+    (soft-capped logits, sinks): scores scaled, capped, masked, softmax in float32 (as HF's eager).
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
     mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
+    ``sinks`` [heads]: each head's learned logit, one more column of the softmax that attends
+    no value (GPT-OSS): the weights of the keys sum to less than 1.
     """
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
@@ -227,7 +230,12 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None):
     if logit_cap:
         scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # [batch, kv_heads, group, q_len, k_len + 1]: the sink last, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1),
+                                scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
     ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
     return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
@@ -275,14 +283,19 @@ class Attention(nn.Module):
         batch, length = x.shape[:2]
         window, scale, cap = spec.window, a.attention_scale, a.attn_logit_softcapping
         ring = placement.ring_axes if placement is not None and not decode else ()
+        sinks = None
+        if a.attention_sinks:  # [heads], in float32 where the softmax is
+            sinks = self.param("sinks", nn.with_logical_partitioning(
+                nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
+        plain = cap or sinks is not None  # what jax.nn.dot_product_attention cannot compute
         if decode:
             k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window)
-        elif cap:
+        elif plain:
             # causality by position (restarting per packed segment, which the segment mask
             # separates): right in any token order, also the ring's zig-zag one under cp
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
-        if cap:  # jax.nn.dot_product_attention cannot cap the logits
-            ctx = xla_attention(q, k, v, mask, scale, cap)
+        if plain:  # jax.nn.dot_product_attention can neither cap the logits nor add a sink
+            ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism

@@ -48,7 +48,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
       z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
       expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
-      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L; with a shared expert
+      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L (GPT-OSS's clamped SwiGLU,
+      swiglu_limit: 3 x E*C*F/L more, measured: gpt-oss-tiny's compiled temp grows by 3.0 of them
+      with the clamps, and not measurably with attention sinks); with a shared expert
       (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each.
 
 The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
@@ -182,6 +184,10 @@ def transformer_params(a, active: bool = False) -> int:
             total += hd * (a.num_attention_heads + 2 * a.kv_heads)
         if a.attention_out_bias:
             total += d
+        if a.attention_sinks:
+            total += a.num_attention_heads
+        if moe:
+            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d))
         if a.mlp_bias and not moe:
             total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
         if a.mlp_bias and moe and a.shared_expert_intermediate_size:  # the shared expert's MLP
@@ -260,6 +266,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * fe / seq_len, ECF),
             expert_hidden=t(4 * slots * fe / seq_len, ECF),
         )
+        if a.swiglu_limit:  # the clamped SwiGLU's min and clip outputs and sigmoid(alpha g): 3 more
+            moe_layer["expert_clamp"] = t(3 * slots * fe / seq_len, ECF)
         fs = a.shared_expert_intermediate_size
         if fs:  # the shared expert: a dense gated MLP's terms at its width (its gate: 1 per token)
             moe_layer.update(shared_gate=t(fs, BLF), shared_up=t(fs, BLF), shared_hidden=t(fs, BLF),

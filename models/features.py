@@ -37,7 +37,9 @@ FEATURES = {
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
     "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
-    "attention_softcap": "soft-capped attention logits", "final_softcap": "soft-capped output logits",
+    "attention_softcap": "soft-capped attention logits",
+    "attention_sinks": "a learned logit per head in the softmax's denominator (attention sinks: GPT-OSS)",
+    "final_softcap": "soft-capped output logits",
     "scale_embeddings": "embeddings scaled by sqrt(hidden_size) (Gemma)",
     "multipliers": "embedding, residual, attention and logits multipliers (Granite)",
     "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
@@ -48,6 +50,10 @@ FEATURES = {
     "group_limited_router": "top-k within the best topk_group of n_group expert groups (DeepSeek-V2)",
     "sigmoid_router": "sigmoid router scores with a correction bias for the choice, group-limited (DeepSeek-V3)",
     "routed_scaling": "the routed experts' weights scaled by routed_scaling_factor (DeepSeek)",
+    "router_bias": "a bias on the router's logits (GPT-OSS)",
+    "expert_bias": "biases on the experts' gate, up and down projections (GPT-OSS)",
+    "clamped_swiglu": "the experts' clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, "
+                      "swiglu_limit) (GPT-OSS)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

@@ -77,6 +77,10 @@ class MoeConfig:
     n_group: int = 1  # expert groups of the group-limited routers
     topk_group: int = 1  # groups a token's experts may come from
     routed_scaling_factor: float = 1.0  # the chosen experts' weights times this (DeepSeek)
+    router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
+    expert_bias: bool = False  # biases on each expert's gate, up and down (GPT-OSS)
+    swiglu_limit: float | None = None  # the clamped SwiGLU of ``gated_activation`` (GPT-OSS); None: act(g) * u
+    swiglu_alpha: float = 1.702
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     dtype: str = "float32"  # compute dtype of the experts; the router is always float32
@@ -102,6 +106,21 @@ class MoeConfig:
         """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
         k, e = self.num_experts_per_tok, self.num_experts
         return max(1, min(group_size, math.ceil(self.capacity_factor * group_size * k / e)))
+
+
+def gated_activation(act, limit: float | None = None, alpha: float = 1.702):
+    """``(gate, up) -> hidden`` of a gated expert: ``act(gate) * up``, or with ``limit`` GPT-OSS's
+    clamped SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)
+    (transformers' ``GptOssExperts._apply_gate``)."""
+    if limit is None:
+        return lambda gate, up: act(gate) * up
+
+    def clamped(gate, up):
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+    return clamped
 
 
 def top_k(probs, k: int):
@@ -209,17 +228,23 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
     return dispatch, combine, dropped
 
 
-def expert_ffn(xe, wi_gate, wi_up, wo, act, placement=None):
+def expert_ffn(xe, wi_gate, wi_up, wo, glu, placement=None, biases=None):
     """Every expert's gated MLP on its own buffer: xe [expert, batch, capacity, embed].
 
+    ``glu(gate, up)``: the gated activation (``gated_activation``); ``biases``: None or the
+    experts' (gate [expert, mlp], up [expert, mlp], down [expert, embed]) biases (an empty
+    slot then computes a value that its zero combine weight discards).
     ``placement`` None inside shard_map, where the mesh axes are manual.
     """
-    h = act(jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)) * jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
-    h = constrain(h, (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP), placement)
-    return jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
+    gate, up = jnp.einsum("ebcd,edm->ebcm", xe, wi_gate), jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
+    if biases is not None:
+        gate, up = gate + biases[0][:, None, None], up + biases[1][:, None, None]
+    h = constrain(glu(gate, up), (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP), placement)
+    out = jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
+    return out if biases is None else out + biases[2][:, None, None]
 
 
-def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement):
+def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement, biases=None):
     """GShard einsum dispatch; sharding of the expert axis comes from the rules (XLA all-to-all)."""
     # Buffers are filled where the tokens live (expert dim unsharded: None), then moved to their
     # experts' owners: a change of sharding from batch to expert, which XLA does by all-to-all.
@@ -227,7 +252,7 @@ def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement):
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
     xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, batch, capacity, embed]
     xe = constrain(constrain(xe, local, placement), buffers, placement)
-    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement), buffers, placement)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement, biases), buffers, placement)
     ye = constrain(ye, local, placement)
     return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
 
@@ -262,7 +287,7 @@ def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
     return source, einops.rearrange(slot, "b (k l) -> b l k", k=k), dropped
 
 
-def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement):
+def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement, biases=None):
     """Gather tokens into the capacity buffers, run the experts, gather back and weight.
 
     The buffers and their sharding are ``capacity_dispatch``'s: the rules' ``expert`` axis
@@ -275,14 +300,14 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement)
     xe = gather(x, source[..., None])  # [batch, expert*capacity, embed]; empty slots 0
     xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
     xe = constrain(constrain(xe, local, placement), buffers, placement)
-    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement), buffers, placement)
+    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement, biases), buffers, placement)
     ye = einops.rearrange(constrain(ye, local, placement), "e b c d -> b (e c) d")
     yk = gather(ye, einops.rearrange(slot, "b l k -> b (l k)")[..., None])  # dropped: 0
     yk = einops.rearrange(yk, "b (l k) d -> b l k d", k=slot.shape[-1])
     return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
 
 
-def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
+def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None):
     """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped."""
     b, length, d = x.shape
     k, num_experts = top_idx.shape[-1], wi_gate.shape[0]
@@ -290,13 +315,18 @@ def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act):
     order = jnp.argsort(flat, stable=True)
     xs = x.reshape(-1, d)[order // k]  # [batch*length*k, embed], grouped by expert
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
-    h = act(jax.lax.ragged_dot(xs, wi_gate, sizes)) * jax.lax.ragged_dot(xs, wi_up, sizes)
-    ys = jax.lax.ragged_dot(h, wo, sizes)  # [batch*length*k, embed]
+    gate, up = jax.lax.ragged_dot(xs, wi_gate, sizes), jax.lax.ragged_dot(xs, wi_up, sizes)
+    expert = flat[order]  # [batch*length*k]: each sorted row's expert
+    if biases is not None:
+        gate, up = gate + biases[0][expert], up + biases[1][expert]
+    ys = jax.lax.ragged_dot(act(gate, up), wo, sizes)  # [batch*length*k, embed]
+    if biases is not None:
+        ys = ys + biases[2][expert]
     ys = einops.rearrange(ys[jnp.argsort(order)], "(b l k) d -> b l k d", b=b, l=length)  # token order
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
 
 
-def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement):
+def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement, biases=None):
     """Explicit expert parallelism: shard_map over the mesh, all_to_all over the expert axes.
 
     Rows of the batch are split over the batch's mesh axes plus the expert axes; each device
@@ -330,21 +360,22 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement)
             f"{shards} devices along mesh axes {', '.join(row_axes)}"
         )
 
-    def local(x, dispatch, combine, wi_gate, wi_up, wo):
+    def local(x, dispatch, combine, wi_gate, wi_up, wo, *biases):
         # x [rows, length, embed]; dispatch, combine [rows, length, expert, capacity]
         xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, rows, capacity, embed]
         xe = jax.lax.all_to_all(xe, ep_axes, 0, 1, tiled=True)  # [local_expert, ep*rows, capacity, embed]
-        ye = expert_ffn(xe, wi_gate, wi_up, wo, act)
+        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, biases=biases or None)
         ye = jax.lax.all_to_all(ye, ep_axes, 1, 0, tiled=True)  # [expert, rows, capacity, embed]
         return jnp.einsum("blec,ebcd->bld", combine, ye)  # [rows, length, embed]
 
     rows, experts = P(row_axes), P(ep_axes)
+    biases = tuple(biases or ())
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, rows, rows, experts, experts, experts),
+        in_specs=(rows, rows, rows, experts, experts, experts) + (experts,) * len(biases),
         out_specs=rows,
-    )(x, dispatch, combine, wi_gate, wi_up, wo)
+    )(x, dispatch, combine, wi_gate, wi_up, wo, *biases)
 
 
 class MoeMLP(nn.Module):
@@ -361,7 +392,7 @@ class MoeMLP(nn.Module):
         num_experts, mlp = cfg.num_experts, cfg.intermediate_size
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
-        act = ACTIVATIONS[cfg.hidden_act]
+        act = gated_activation(ACTIVATIONS[cfg.hidden_act], cfg.swiglu_limit, cfg.swiglu_alpha)
 
         # Router, in float32.
         router_in = x.astype(jnp.float32)
@@ -371,10 +402,11 @@ class MoeMLP(nn.Module):
             router_in = router_in * noise
         logits = nn.Dense(
             num_experts,
-            use_bias=False,
+            use_bias=cfg.router_bias,
             dtype=jnp.float32,
             param_dtype=param_dtype,
             kernel_init=nn.with_logical_partitioning(init, (ax.EMBED, ax.EXPERT)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
             name="router",
         )(router_in)  # [batch, length, expert]
         bias = None
@@ -391,14 +423,22 @@ class MoeMLP(nn.Module):
         wi_gate = expert_param("wi_gate", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
         wi_up = expert_param("wi_up", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
         wo = expert_param("wo", (num_experts, mlp, embed), (ax.EXPERT, ax.MLP, ax.EMBED))
+        biases = None
+        if cfg.expert_bias:
+            zeros = nn.initializers.zeros
+            biases = tuple(self.param(name, nn.with_logical_partitioning(zeros, names), shape, param_dtype).astype(dtype)
+                           for name, shape, names in (
+                               ("wi_gate_bias", (num_experts, mlp), (ax.EXPERT, ax.MLP)),
+                               ("wi_up_bias", (num_experts, mlp), (ax.EXPERT, ax.MLP)),
+                               ("wo_bias", (num_experts, embed), (ax.EXPERT, ax.EMBED))))
         x = x.astype(dtype)
 
         if cfg.dispatch == "dropless":
-            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act)
+            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases)
             dropped = jnp.zeros((), jnp.float32)
         elif cfg.dispatch == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
-            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement)
+            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement, biases)
         else:
             dispatch, combine, dropped = capacity_masks(
                 top_idx, top_p, num_experts, cfg.capacity(length), token_mask)
@@ -407,7 +447,7 @@ class MoeMLP(nn.Module):
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).
             explicit = cfg.dispatch == "shard_map" and not self.is_initializing()
             route = shard_map_dispatch if explicit else capacity_dispatch
-            y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement)
+            y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement, biases)
 
         aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
         self.sow("losses", "moe_aux_loss", aux)

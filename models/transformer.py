@@ -47,6 +47,9 @@ class TransformerConfig(ModelConfig):
 
     def check(self) -> None:
         self.layout()  # an explicit scan layout must fit the layer pattern
+        if self.arch.attention_sinks and self.execution.attention_impl == "cudnn":
+            raise ModelError("attention_sinks (a learned logit per head in the softmax) runs in plain XLA: "
+                             "attention_impl='cudnn' (jax.nn.dot_product_attention) cannot add it; use 'auto' or 'xla'")
         if self.execution.router_bias_update_rate and self.arch.router_kind != "sigmoid_groups":
             raise ModelError(f"router_bias_update_rate={self.execution.router_bias_update_rate} balances a router "
                              "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); this model's router "
@@ -79,6 +82,8 @@ class TransformerConfig(ModelConfig):
             capacity_factor=e.capacity_factor, router_jitter_noise=a.router_jitter_noise,
             norm_topk_prob=a.norm_topk_prob, router_kind=a.router_kind, n_group=a.n_group,
             topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor, aux_loss_coef=a.router_aux_loss_coef,
+            router_bias=a.router_bias, expert_bias=a.expert_bias, swiglu_limit=a.swiglu_limit,
+            swiglu_alpha=a.swiglu_alpha,
             z_loss_coef=e.router_z_loss_coef, dtype=e.dtype, param_dtype=e.param_dtype,
             initializer_range=a.initializer_range,
         )

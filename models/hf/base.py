@@ -32,6 +32,7 @@ class Weight:
     ``part`` (j, n): the leaf is the j-th of n column blocks of a fused tensor (GPT-2's c_attn,
     Phi-3's qkv_proj and gate_up_proj); ``widths``: the n blocks' relative widths where they
     differ (Phi-3's q|k|v under GQA: heads, kv_heads, kv_heads), else equal.
+    With ``interleaved`` the parts alternate column by column instead (equal widths).
     ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis; with
     ``stacked_experts`` the HF tensor already holds every expert (``[expert, ...]``, no ``{e}``).
     Names hold ``{i}`` for the layer.
@@ -45,6 +46,7 @@ class Weight:
     widths: tuple[int, ...] = ()
     experts: int = 0
     stacked_experts: bool = False
+    interleaved: bool = False  # the j-th of n parts is the columns j, j + n, ... (GPT-OSS's gate_up_proj)
 
 
 @dataclasses.dataclass(frozen=True)

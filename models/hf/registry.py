@@ -23,6 +23,7 @@ from shardzoo.models.hf import (
     exaone4,
     gemma,
     gpt2,
+    gpt_oss,
     granite,
     hunyuan,
     llama,
@@ -66,6 +67,7 @@ FAMILIES: tuple[Family, ...] = (
     cohere.COHERE,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
+    gpt_oss.GPT_OSS,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -55,8 +55,8 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
     shape = tuple(leaf_shape[1:] if w.experts else leaf_shape)
     lead = (w.experts,) if w.stacked_experts else ()
     widths = _widths(w)
-    if w.op == "copy":
-        return lead + shape
+    if w.op == "copy":  # a part: its columns among the fused tensor's
+        return lead + shape[:-1] + (shape[-1] * sum(widths) // widths[w.part[0]],)
     if w.op == "vec":
         return lead + (math.prod(shape) * sum(widths) // widths[w.part[0]],)
     fan_in = math.prod(shape[: w.n_in])
@@ -70,7 +70,7 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     for t in tensors:
         t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
         if w.part[1] > 1:
-            t = t[..., _block(w, t.shape[-1])]
+            t = t[..., w.part[0]::w.part[1]] if w.interleaved else t[..., _block(w, t.shape[-1])]
         out.append(t)
     arr = np.stack(out) if w.experts and not w.stacked_experts else out[0]
     return arr.reshape(leaf_shape)
@@ -123,18 +123,34 @@ class SafetensorsReader:
         return self._handles[file]
 
     def resolve(self, name: str) -> str | None:
-        """The stored name (GPT-2 files from the Hub lack the ``transformer.`` prefix)."""
-        if name in self._where:
+        """The stored name (GPT-2 files from the Hub lack the ``transformer.`` prefix; an MXFP4
+        tensor is stored as ``{name}_blocks`` and ``{name}_scales``)."""
+        if name in self._where or self._mxfp4(name):
             return name
         bare = name.removeprefix("transformer.")
         return bare if bare in self._where else None
 
+    def _mxfp4(self, name: str) -> bool:
+        return name not in self._where and f"{name}_blocks" in self._where and f"{name}_scales" in self._where
+
+    def _raw_shape(self, stored: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._where[stored]).get_slice(stored).get_shape())
+
     def shape(self, name: str) -> tuple[int, ...]:
         stored = self.resolve(name)
-        return tuple(self._handle(self._where[stored]).get_slice(stored).get_shape())
+        if self._mxfp4(stored):  # blocks [..., out, groups, 16] -> [..., in = groups * 32, out]
+            *lead, out, groups, _ = self._raw_shape(f"{stored}_blocks")
+            return (*lead, groups * 32, out)
+        return self._raw_shape(stored)
 
     def get(self, name: str) -> np.ndarray:
         stored = self.resolve(name)
+        if self._mxfp4(stored):
+            blocks, scales = self._get(f"{stored}_blocks"), self._get(f"{stored}_scales")
+            return dequantize_mxfp4(blocks, scales, f"{self.hf_dir}: {stored}")
+        return self._get(stored)
+
+    def _get(self, stored: str) -> np.ndarray:
         file = self._where[stored]
         try:
             return self._handle(file).get_tensor(stored)
@@ -143,6 +159,26 @@ class SafetensorsReader:
         except Exception as e:  # noqa: BLE001 - a tensor past the end of a truncated file
             raise HFError(f"{os.path.join(self.hf_dir, file)}: cannot read tensor {stored!r} (truncated "
                           f"or damaged?): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+# the 16 values of an FP4 (e2m1) nibble, as transformers.integrations.mxfp4's FP4_VALUES
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, where: str = "MXFP4 tensor") -> np.ndarray:
+    """An MXFP4 tensor as float32, laid out as transformers' ``convert_moe_packed_tensors``
+    gives it: ``blocks`` uint8 [..., out, groups, 16] (two FP4 values a byte, the low nibble
+    first), ``scales`` uint8 [..., out, groups] (a power of two per group of 32, biased by 127)
+    -> [..., groups * 32, out] (the input features first, as GPT-OSS's experts are stored)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise HFError(f"{where}: MXFP4 blocks {list(blocks.shape)} {blocks.dtype} and scales "
+                      f"{list(scales.shape)} {scales.dtype} must be uint8, the scales one per block")
+    values = np.empty(blocks.shape[:-1] + (2 * blocks.shape[-1],), np.float32)
+    values[..., 0::2], values[..., 1::2] = FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None])
+    values = values.reshape(scales.shape[:-1] + (-1,))  # [..., out, in]
+    return np.ascontiguousarray(np.swapaxes(values, -1, -2))
 
 
 def _index_key(index, shape) -> tuple:
@@ -279,7 +315,11 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             parts[w.part[0]] = a
             if len(parts) < w.part[1]:
                 continue
-            arr = np.concatenate([parts[k] for k in range(w.part[1])], axis=-1)
+            ordered = [parts[k] for k in range(w.part[1])]
+            if w.interleaved:  # column c of part j at c * n + j
+                arr = np.stack(ordered, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
+            else:
+                arr = np.concatenate(ordered, axis=-1)
             arr = np.ascontiguousarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype))
             del pending[name]
             if current and sum(a.nbytes for a in current.values()) + arr.nbytes > max_shard_bytes:

@@ -25,6 +25,7 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
     HunYuanDenseV1Config,
@@ -71,7 +72,7 @@ from shardzoo.train.hf_io import load_hf
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
-                  "deepseek_v3")  # models/hf/<name>.py
+                  "deepseek_v3", "gpt_oss")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -125,6 +126,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "deepseek_v2": lambda: DeepseekV2Config(**MLA, q_lora_rank=None, n_shared_experts=2,
                                             topk_method="group_limited_greedy", n_group=2, topk_group=1),
     "deepseek_v3": lambda: DeepseekV3Config(**MLA, q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=False),
+    "gpt_oss": lambda: GptOssConfig(**(DIMS | dict(intermediate_size=16)), head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, swiglu_limit=3.0),  # sinks, YaRN
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
