@@ -23,13 +23,13 @@ import math
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.features import feature
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LAYER_TYPES = (FULL, SLIDING, CHUNKED)
 DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups")  # models/moe.py's router kinds
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # models/moe.py's router kinds
 ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -48,6 +48,7 @@ class LayerSpec:
     """One layer's block: its attention window, rotary embedding and MLP kind."""
 
     window: int | None = None  # a query at i sees keys j with i - j < window (None: all before)
+    chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense" or "moe"
 
@@ -86,14 +87,21 @@ class TransformerArch:
     rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
     rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
     rope_interleaved: bool = feature(False, "rope_interleaved")  # turn pairs (2i, 2i+1), not halves
+    # Llama 4's attention temperature on the NoPE layers: queries at position p times
+    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+    attn_temperature_tuning: bool = feature(False, "attention_temperature")
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
     # norms
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
                                          "layernorm": "layernorm", "layernorm_no_bias": "layernorm_no_bias"})
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
     # qk-norm, of norm_type: "head" each head's features (one weight for all heads), "heads"
-    # each head's features with a weight per head (Cohere), "projection" all heads' features
+    # each head's features with a weight per head (Cohere), "projection" all heads' features;
+    # "l2": each head's features RMS-normalised without a weight (rms_norm_eps), on the rotary
+    # layers only (Llama 4's use_qk_norm; it commutes with the rotation, so no placement)
     qk_norm: str = feature("none", {"head": "qk_norm_head", "heads": "qk_norm_heads",
-                                    "projection": "qk_norm_projection"})
+                                    "projection": "qk_norm_projection", "l2": "qk_norm_l2"})
     # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
     parallel_residual: bool = feature(False, "parallel_residual")
     qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
@@ -104,6 +112,7 @@ class TransformerArch:
     mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
     # attention kinds and scales
     sliding_window: int | None = feature(None, "sliding_window")
+    attention_chunk_size: int | None = feature(None, "chunked_attention")  # chunked_attention layers' chunk
     layer_types: tuple[str, ...] | None = feature(None, "layer_pattern")  # per layer; None: uniform
     query_pre_attn_scalar: float | None = feature(None, "query_pre_attn_scalar")  # scale scalar**-0.5
     attn_logit_softcapping: float | None = feature(None, "attention_softcap")
@@ -133,9 +142,12 @@ class TransformerArch:
     # how the router picks experts (models/moe.py ROUTERS): "softmax" top-k of the softmax;
     # "softmax_groups" top-k within the topk_group of n_group expert groups with the highest
     # probability (DeepSeek-V2's group_limited_greedy); "sigmoid_groups": sigmoid scores, chosen
-    # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3)
+    # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
+    # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
+    # its logit and the outputs summed (Llama 4)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
-                                           "sigmoid_groups": "sigmoid_router"})
+                                           "sigmoid_groups": "sigmoid_router",
+                                           "sigmoid_input": "input_scaled_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -176,22 +188,31 @@ class TransformerArch:
             set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
         if types is not None and len(set(types)) == 1:
-            if types[0] == FULL:
+            if types[0] != SLIDING:
                 set_("sliding_window", None)
+            if types[0] != CHUNKED:
+                set_("attention_chunk_size", None)
             set_("layer_types", None)
         if not self.has_sliding_layers:
             set_("sliding_window", None)
             set_("rope_local_base_freq", None)
+        if not self.has_chunked_layers:
+            set_("attention_chunk_size", None)
         if self.rope_local_base_freq == self.rope_theta and scaling is None:
             set_("rope_local_base_freq", None)
-        if self.qk_norm == "none":
-            set_("qk_norm_after_rope", False)  # no norm to place
+        if self.qk_norm in ("none", "l2"):
+            set_("qk_norm_after_rope", False)  # no norm to place, or one that commutes with rotary
         if self.rope_layers is not None and all(self.rope_layers):
             set_("rope_layers", None)  # every layer rotates
         if self.position_embedding != "rope":
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
             set_("rope_interleaved", False)
+        if not any(s.rope == "none" for s in self.layer_specs()):
+            set_("attn_temperature_tuning", False)  # no NoPE layer to tune
+        if not self.attn_temperature_tuning:
+            set_("floor_scale", 8192.0)
+            set_("attn_scale", 0.1)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS:
@@ -200,7 +221,7 @@ class TransformerArch:
             set_("shared_expert_gate", False)  # no shared expert, nothing to gate
         if self.router_kind == "softmax_groups" and self.n_group == 1:
             set_("router_kind", "softmax")  # one group: the plain top-k
-        if self.router_kind == "softmax":
+        if self.router_kind in ("softmax", "sigmoid_input"):  # no groups
             set_("n_group", 1)
             set_("topk_group", 1)
         if self.n_group == 1:
@@ -219,10 +240,15 @@ class TransformerArch:
         check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": ("rope", "learned"),
                             "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm", "layernorm_no_bias"),
                             "norm_position": ("pre", "post", "both"),
-                            "qk_norm": ("none", "head", "heads", "projection"), "mlp_type": ("gated", "plain")},
+                            "qk_norm": ("none", "head", "heads", "projection", "l2"),
+                            "mlp_type": ("gated", "plain")},
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "max_position_embeddings", "sliding_window", "moe_intermediate_size"))
+                      "max_position_embeddings", "sliding_window", "moe_intermediate_size",
+                      "attention_chunk_size"))
+        if not _positive(self.floor_scale) or not (math.isfinite(self.attn_scale) and self.attn_scale >= 0):
+            raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
+                             f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
         if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
@@ -265,6 +291,11 @@ class TransformerArch:
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
+        if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
+            raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
+        if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
+            raise ModelError(f"sliding_window={self.sliding_window} and attention_chunk_size="
+                             f"{self.attention_chunk_size} without layer_types: say which layers are which")
         if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
             raise ModelError("mlp_layer_types has moe layers but num_local_experts is 0")
         if self.num_local_experts < 0:
@@ -308,7 +339,7 @@ class TransformerArch:
         if not _positive(self.routed_scaling_factor):
             raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
         e, g = self.num_local_experts, self.n_group
-        if not e or self.router_kind == "softmax":
+        if not e or self.router_kind in ("softmax", "sigmoid_input"):
             return
         if e % g or self.topk_group > g:
             raise ModelError(f"n_group={g} must divide num_local_experts={e} and topk_group="
@@ -361,6 +392,17 @@ class TransformerArch:
         return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
 
     @property
+    def has_chunked_layers(self) -> bool:
+        types = self.layer_types
+        return bool(self.attention_chunk_size) and (CHUNKED in types if types is not None
+                                                    else not self.sliding_window)
+
+    @property
+    def default_layer_type(self) -> str:
+        """Every layer's kind when ``layer_types`` is None."""
+        return SLIDING if self.sliding_window else CHUNKED if self.attention_chunk_size else FULL
+
+    @property
     def attention_scale(self) -> float:
         """The factor of the attention logits (Granite's multiplier, Gemma's scalar, 1/sqrt(d))."""
         if self.attention_multiplier is not None:
@@ -378,7 +420,7 @@ class TransformerArch:
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each layer's block, from the per-layer patterns."""
         n = self.num_hidden_layers
-        types = self.layer_types or ((SLIDING if self.sliding_window else FULL),) * n
+        types = self.layer_types or (self.default_layer_type,) * n
         mlps = self.mlp_layer_types or ((MOE if self.num_local_experts else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
         out = []
@@ -389,7 +431,8 @@ class TransformerArch:
                 rope = "none"
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
-            out.append(LayerSpec(window=self.sliding_window if sliding else None, rope=rope, mlp=mlp))
+            chunk = self.attention_chunk_size if kind == CHUNKED else None
+            out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp))
         return tuple(out)
 
 

@@ -65,6 +65,8 @@ def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+    if high == low:  # no band between (Llama 4 Scout): transformers' smoothing divides by zero, unused
+        return scaled.astype(np.float32)
     smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
     smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
@@ -184,19 +186,38 @@ def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0, interleave
 
 
 # -------------------------------------------------------------------------------- attention
-def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window):
-    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window.
+def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window, chunk=None):
+    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window or chunk.
 
     Slots are each token's index in its row (cache slot when decoding); a query at i sees a
-    key at j when j <= i, i - j < sliding_window, and their segment ids are equal.
+    key at j when j <= i, i - j < sliding_window, i // chunk == j // chunk (chunked
+    attention: Llama 4's attention_chunk_size), and their segment ids are equal.
     """
     i, j = q_slots[:, None, :, None], k_slots[:, None, None, :]
     mask = j <= i
     if sliding_window:
         mask &= i - j < sliding_window
+    if chunk:
+        mask &= i // chunk == j // chunk
     if q_segments is not None:
         mask &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
     return mask
+
+
+def l2_norm(x, eps: float):
+    """Each head's features over their root mean square, no weight, in float32 (Llama 4's
+    ``Llama4TextL2Norm``). x: [batch, length, heads, head_dim]."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
+    """Queries at position p times ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``:
+    Llama 4's attention temperature on its NoPE layers (transformers takes p from the cache
+    index, the same for unpacked rows). q: [batch, length, heads, head_dim]."""
+    p = positions.astype(jnp.float32)
+    scale = jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0  # [batch, length]
+    return (q * scale[:, :, None, None]).astype(q.dtype)
 
 
 def _implementation(config, dtype):
@@ -267,34 +288,38 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        if a.qk_norm != "none" and not a.qk_norm_after_rope:
+        if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if spec.rope != "none":
             inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
             turn = a.rope_interleaved
             q, k = apply_rope(q, positions, inv_freq, factor, turn), apply_rope(k, positions, inv_freq, factor, turn)
-        if a.qk_norm != "none" and a.qk_norm_after_rope:  # HunYuan: the norm of the rotated heads
+        if a.qk_norm not in ("none", "l2") and a.qk_norm_after_rope:  # HunYuan: the norm of the rotated heads
             q, k = self._qk_norm(q, k)
+        if a.qk_norm == "l2" and spec.rope != "none":  # Llama 4: rotary layers only
+            q, k = l2_norm(q, a.rms_norm_eps), l2_norm(k, a.rms_norm_eps)
+        if a.attn_temperature_tuning and spec.rope == "none":
+            q = temperature_tuned(q, positions, a.floor_scale, a.attn_scale)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
         # [batch, length, heads|kv_heads, head_dim]
 
         batch, length = x.shape[:2]
-        window, scale, cap = spec.window, a.attention_scale, a.attn_logit_softcapping
+        window, chunk, scale, cap = spec.window, spec.chunk, a.attention_scale, a.attn_logit_softcapping
         ring = placement.ring_axes if placement is not None and not decode else ()
         sinks = None
         if a.attention_sinks:  # [heads], in float32 where the softmax is
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
-        plain = cap or sinks is not None  # what jax.nn.dot_product_attention cannot compute
+        plain = cap or sinks is not None or chunk  # what jax.nn.dot_product_attention cannot compute
         if decode:
-            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window)
+            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
         elif plain:
-            # causality by position (restarting per packed segment, which the segment mask
-            # separates): right in any token order, also the ring's zig-zag one under cp
-            mask = attention_mask(positions, positions, segment_ids, segment_ids, window)
-        if plain:  # jax.nn.dot_product_attention can neither cap the logits nor add a sink
+            # causality (and chunks) by position, restarting per packed segment, which the
+            # segment mask separates: right in any token order, also the ring's zig-zag one under cp
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
+        if plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
@@ -358,10 +383,11 @@ class Attention(nn.Module):
                             "query")
         batch, length = x.shape[:2]
         if decode:
-            c, k_rope, mask = self._update_latent_cache(c, k_rope[:, :, 0], segment_ids, batch, length, spec.window)
+            c, k_rope, mask = self._update_latent_cache(c, k_rope[:, :, 0], segment_ids, batch, length, spec.window,
+                                                        spec.chunk)
             k_rope = k_rope[:, :, None]
         else:
-            mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window)
+            mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window, spec.chunk)
         kv = Linear((nh, nope + a.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
         # kv: [batch, length, heads, head_dim]: per head k_nope then v
         k_nope, v = kv[..., :nope], kv[..., nope:]
@@ -374,7 +400,7 @@ class Attention(nn.Module):
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
-    def _update_latent_cache(self, c, k_rope, segment_ids, batch, length, window):
+    def _update_latent_cache(self, c, k_rope, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's latents and rotary keys at the cache index; mask over the whole cache."""
         cc = self._cached("cached_latent", c.shape, (ax.BATCH, ax.CACHE_LENGTH, ax.KV_LORA), c.dtype)
         cr = self._cached("cached_rope_key", k_rope.shape, (ax.BATCH, ax.CACHE_LENGTH, ax.HEAD_DIM), k_rope.dtype)
@@ -389,9 +415,9 @@ class Attention(nn.Module):
         cache_len = cc.value.shape[1]
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
-        return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window)
+        return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
-    def _update_cache(self, k, v, segment_ids, batch, length, window):
+    def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's keys/values at the cache index; mask over the whole cache."""
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
@@ -409,7 +435,7 @@ class Attention(nn.Module):
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window)
+        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
         return ck.value, cv.value, mask
 
 

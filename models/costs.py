@@ -178,7 +178,7 @@ def transformer_params(a, active: bool = False) -> int:
         total += _layer_matmul_params(a, moe, active) + norms * norm
         if a.latent:  # the latents' RMSNorms
             total += a.kv_lora_rank + (a.q_lora_rank or 0)
-        if a.qk_norm != "none":
+        if a.qk_norm not in ("none", "l2"):  # l2: no weight
             total += per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
         if a.attention_bias:
             total += hd * (a.num_attention_heads + 2 * a.kv_heads)
@@ -197,13 +197,16 @@ def transformer_params(a, active: bool = False) -> int:
 
 def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention, each
-    layer with its own window."""
+    layer with its own window or chunk."""
     specs = a.layer_specs()
     matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs)
     matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
     keys = 0.0  # keys a query sees on average, summed over layers
     for s in specs:
-        w = s.window
+        w, c = s.window, s.chunk
+        if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
+            keys += c / 2
+            continue
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
     # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
     return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys

@@ -54,6 +54,13 @@ FEATURES = {
     "expert_bias": "biases on the experts' gate, up and down projections (GPT-OSS)",
     "clamped_swiglu": "the experts' clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, "
                       "swiglu_limit) (GPT-OSS)",
+    "chunked_attention": "attention within chunks of attention_chunk_size tokens (chunked_attention layers: "
+                         "Llama 4)",
+    "attention_temperature": "queries of the NoPE layers scaled by 1 + attn_scale * log(1 + floor((p + 1) / "
+                             "floor_scale)) (Llama 4's attn_temperature_tuning)",
+    "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
+    "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
+                           "logit (Llama 4)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

@@ -50,7 +50,7 @@ from shardzoo.models.layers import ACTIVATIONS, constrain
 from shardzoo.sharding import axes as ax
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups")  # see ``choose_experts``
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # see ``choose_experts``
 
 
 class MoeError(ModelError):
@@ -156,12 +156,20 @@ def choose_experts(logits, cfg: MoeConfig, bias=None):
     - ``sigmoid_groups``: sigmoid scores; the choice adds the correction ``bias`` [expert]
       (DeepSeek-V3's e_score_correction_bias), ranks groups by the sum of their two best and
       picks the k best within the ``topk_group`` best groups; the weights are the unbiased scores.
+    - ``sigmoid_input``: the k largest logits, weights their sigmoid (Llama 4); ``MoeMLP``
+      scales each chosen expert's input by its weight, not its output.
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
     """
     k, kind = cfg.num_experts_per_tok, cfg.router_kind
-    if kind == "sigmoid_groups":
+    if kind == "sigmoid_input":
+        top_logits, top_idx = top_k(logits, k)
+        top_p = jax.nn.sigmoid(top_logits)
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdims=True)
+        eps = 1e-20
+    elif kind == "sigmoid_groups":
         scores = jax.nn.sigmoid(logits)
         choice = scores + bias
         keep = _group_mask(choice, cfg.n_group, cfg.topk_group, lambda g: top_k(g, 2)[0].sum(-1))
@@ -287,8 +295,9 @@ def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
     return source, einops.rearrange(slot, "b (k l) -> b l k", k=k), dropped
 
 
-def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement, biases=None):
-    """Gather tokens into the capacity buffers, run the experts, gather back and weight.
+def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement, biases=None, scale_input=False):
+    """Gather tokens into the capacity buffers, run the experts, gather back and weight
+    (``scale_input``: weight each slot's input instead, and sum the outputs).
 
     The buffers and their sharding are ``capacity_dispatch``'s: the rules' ``expert`` axis
     moves them to their experts' owners (XLA's all-to-all under ``ep``).
@@ -298,6 +307,12 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement,
     local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
     xe = gather(x, source[..., None])  # [batch, expert*capacity, embed]; empty slots 0
+    if scale_input:  # each slot's weight: its assignment's (dropped ones fall off the end)
+        b, slots = xe.shape[:2]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], slot.shape)
+        w = jnp.zeros((b, slots), top_p.dtype).at[rows, slot].set(top_p, mode="drop")
+        xe = xe * w[..., None].astype(xe.dtype)
+        top_p = jnp.ones_like(top_p)
     xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
     xe = constrain(constrain(xe, local, placement), buffers, placement)
     ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement, biases), buffers, placement)
@@ -307,13 +322,17 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement,
     return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
 
 
-def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None):
-    """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped."""
+def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False):
+    """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped
+    (``scale_input``: each assignment's input weighted, the outputs summed)."""
     b, length, d = x.shape
     k, num_experts = top_idx.shape[-1], wi_gate.shape[0]
     flat = top_idx.reshape(-1)  # [batch*length*k]
     order = jnp.argsort(flat, stable=True)
     xs = x.reshape(-1, d)[order // k]  # [batch*length*k, embed], grouped by expert
+    if scale_input:
+        xs = xs * top_p.reshape(-1)[order][:, None].astype(xs.dtype)
+        top_p = jnp.ones_like(top_p)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
     gate, up = jax.lax.ragged_dot(xs, wi_gate, sizes), jax.lax.ragged_dot(xs, wi_up, sizes)
     expert = flat[order]  # [batch*length*k]: each sorted row's expert
@@ -432,16 +451,20 @@ class MoeMLP(nn.Module):
                                ("wi_up_bias", (num_experts, mlp), (ax.EXPERT, ax.MLP)),
                                ("wo_bias", (num_experts, embed), (ax.EXPERT, ax.EMBED))))
         x = x.astype(dtype)
+        scale_input = cfg.router_kind == "sigmoid_input"  # the weights scale what each expert reads
 
         if cfg.dispatch == "dropless":
-            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases)
+            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases, scale_input)
             dropped = jnp.zeros((), jnp.float32)
         elif cfg.dispatch == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
-            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement, biases)
+            y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement, biases,
+                                 scale_input)
         else:
             dispatch, combine, dropped = capacity_masks(
                 top_idx, top_p, num_experts, cfg.capacity(length), token_mask)
+            if scale_input:  # weighted buffers in, plain sums out
+                dispatch, combine = combine, dispatch
             dispatch, combine = dispatch.astype(dtype), combine.astype(dtype)
             # init runs the einsum path (same params, same output), so a shard_map layer can be
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).

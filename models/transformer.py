@@ -50,6 +50,9 @@ class TransformerConfig(ModelConfig):
         if self.arch.attention_sinks and self.execution.attention_impl == "cudnn":
             raise ModelError("attention_sinks (a learned logit per head in the softmax) runs in plain XLA: "
                              "attention_impl='cudnn' (jax.nn.dot_product_attention) cannot add it; use 'auto' or 'xla'")
+        if self.execution.attention_impl == "cudnn" and self.arch.has_chunked_layers:
+            raise ModelError(f"attention_impl='cudnn' cannot mask chunks (attention_chunk_size="
+                             f"{self.arch.attention_chunk_size}); use attention_impl 'xla' or 'auto'")
         if self.execution.router_bias_update_rate and self.arch.router_kind != "sigmoid_groups":
             raise ModelError(f"router_bias_update_rate={self.execution.router_bias_update_rate} balances a router "
                              "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); this model's router "

@@ -229,7 +229,4 @@ def sizes_to_hf(arch) -> dict:
 
 def layer_types(arch) -> list[str]:
     """HF's ``layer_types`` of an architecture: every layer's attention kind."""
-    from shardzoo.models.arch import FULL, SLIDING
-
-    kind = SLIDING if arch.sliding_window else FULL
-    return list(arch.layer_types or (kind,) * arch.num_hidden_layers)
+    return list(arch.layer_types or (arch.default_layer_type,) * arch.num_hidden_layers)

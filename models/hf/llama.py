@@ -128,7 +128,7 @@ def attention_weights(a) -> list[Weight]:
         norms = (("post_attn_norm", "post_attention_layernorm"),
                  ("post_mlp_norm", "post_feedforward_layernorm"))
     out = [Weight((norm, "scale"), h + f"{name}.weight") for norm, name in norms]
-    if a.qk_norm != "none":  # flat in HF; (heads, head_dim) here for a whole-projection norm
+    if a.qk_norm not in ("none", "l2"):  # flat in HF; (heads, head_dim) here for a whole-projection norm
         out += [Weight(("attn", f"{n}_norm", "scale"), h + f"self_attn.{n}_norm.weight", "vec")
                 for n in "qk"]
     out.append(Weight(("attn", "o", "kernel"), h + "self_attn.o_proj.weight", "linear", n_in=2))

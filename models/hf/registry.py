@@ -27,6 +27,7 @@ from shardzoo.models.hf import (
     granite,
     hunyuan,
     llama,
+    llama4,
     ministral,
     mixtral,
     olmo2,
@@ -68,6 +69,7 @@ FAMILIES: tuple[Family, ...] = (
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
+    llama4.LLAMA4, llama4.LLAMA4_MM,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
@@ -150,6 +152,8 @@ def family_of_config(config, name: str | None = None) -> Family:
 
 def _shared_to_hf(family: Family, a) -> dict:
     eos = list(a.eos_token_id) if isinstance(a.eos_token_id, tuple) else a.eos_token_id
+    if "text_config" in family.schema:  # a multimodal config: the family writes them in its text_config
+        return dict(architectures=[family.architecture], model_type=family.model_types[0])
     return dict(architectures=[family.architecture], model_type=family.model_types[0],
                 vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
                 tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)

@@ -123,11 +123,12 @@ class SafetensorsReader:
         return self._handles[file]
 
     def resolve(self, name: str) -> str | None:
-        """The stored name (GPT-2 files from the Hub lack the ``transformer.`` prefix; an MXFP4
-        tensor is stored as ``{name}_blocks`` and ``{name}_scales``)."""
+        """The stored name (GPT-2 files from the Hub lack the ``transformer.`` prefix; a
+        ``llama4`` directory that transformers' AutoModelForCausalLM saved, ``language_model.``; an
+        MXFP4 tensor is stored as ``{name}_blocks`` and ``{name}_scales``)."""
         if name in self._where or self._mxfp4(name):
             return name
-        bare = name.removeprefix("transformer.")
+        bare = name.removeprefix("transformer.").removeprefix("language_model.")
         return bare if bare in self._where else None
 
     def _mxfp4(self, name: str) -> bool:

@@ -29,6 +29,8 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     HunYuanDenseV1Config,
+    Llama4Config,
+    Llama4TextConfig,
     LlamaConfig,
     MinistralConfig,
     MistralConfig,
@@ -72,7 +74,7 @@ from shardzoo.train.hf_io import load_hf
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
-                  "deepseek_v3", "gpt_oss")  # models/hf/<name>.py
+                  "deepseek_v3", "gpt_oss", "llama4")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -80,6 +82,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 MLA = dict(DIMS, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
            first_k_dense_replace=1)  # latent attention, a dense layer then MoE ones
+LLAMA4_TEXT = dict(DIMS, num_hidden_layers=4, intermediate_size=16, intermediate_size_mlp=48, head_dim=8,
+                   num_local_experts=4, interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=4,
+                   max_position_embeddings=64)  # every 4th layer NoPE (transformers' default), MoE on 1 and 3
+LLAMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                     patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=32)
 TINY = {  # model_type -> a tiny HF config of that family, with its distinguishing options set
     "llama": lambda: LlamaConfig(**DIMS, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                                  attention_bias=True),
@@ -128,6 +135,9 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "deepseek_v3": lambda: DeepseekV3Config(**MLA, q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=False),
     "gpt_oss": lambda: GptOssConfig(**(DIMS | dict(intermediate_size=16)), head_dim=8, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=4, swiglu_limit=3.0),  # sinks, YaRN
+    "llama4_text": lambda: Llama4TextConfig(**LLAMA4_TEXT),
+    # AutoModelForCausalLM builds (and saves) its text model: the llama4_text config, written back as llama4
+    "llama4": lambda: Llama4Config(text_config=LLAMA4_TEXT, vision_config=LLAMA4_VISION),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -166,7 +176,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     config = load_hf_config(hf_dir)
     # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
     # Mistral unless the family is named (as a checkpoint records it).
-    assert family_of_config(config).name == {"phi3": "mistral"}.get(model_type, model_type)
+    assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
@@ -174,6 +184,8 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     # transformers reads the written config.json as the original, key by key.
     want = AutoConfig.from_pretrained(hf_dir).to_dict()
     got = AutoConfig.for_model(**written).to_dict()
+    if "text_config" in written:  # a multimodal config (llama4): its text part is the model
+        got = got["text_config"]
     derived = {"head_dim": want.get("hidden_size", 0) // want.get("num_attention_heads", 1),
                "n_inner": 4 * want.get("n_embd", 0)}  # what None means
     ignore = BOOKKEEPING | ({"max_window_layers"} if want.get("use_sliding_window") is False else set())

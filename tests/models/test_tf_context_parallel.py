@@ -178,3 +178,12 @@ def test_gemma_local_global_layers_under_cp_equal_one_device(name):
     hlo = _logits_under_cp_equal_one_device(module, packed_batch(seed=7))
     if not config.attn_logit_softcapping:
         assert count_collectives(hlo)["collective-permute"] > 0  # the ring
+
+
+def test_chunked_attention_and_nope_temperature_under_cp_equal_one_device():
+    """llama4-tiny (chunks of 4 by position, restarting per packed document; a temperature-tuned
+    NoPE layer; MoE layers) under cp: the chunked layers take the masked XLA path, one device's logits."""
+    module, config = get_model("llama4-tiny", hidden_size=32, intermediate_size=64, vocab_size=128,
+                               max_position_embeddings=64, moe_dispatch="dropless")
+    assert {s.chunk for s in config.layer_specs()} == {4, None}
+    _logits_under_cp_equal_one_device(module, packed_batch())
