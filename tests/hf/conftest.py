@@ -2,6 +2,9 @@
 decoding by the Program equals transformers' ``generate``, and an export loads in transformers
 as the same model. Tests take the ``parity`` fixture."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -41,6 +44,51 @@ class Parity:
         with torch.no_grad():
             logits = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
         np.testing.assert_allclose(logits, ref, atol=tol, rtol=0)
+
+    @staticmethod
+    def trains_from_hf_dir(tmp_path, model, tokens, lora: bool, tol: float):
+        """``shardzoo train --init-from`` the model's HF directory (with a 128-id BPE tokenizer
+        trained here) under fsdp on 8 devices, with or without LoRA adapters: the loss falls;
+        ``export-hf`` (merging the adapters) loads in transformers as the model's class and
+        computes what the run's checkpoint computes (within ``tol``); training changed it.
+        Returns the run's config."""
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        from shardzoo import cli
+        from shardzoo.train.checkpoint import load_model_and_params
+        from shardzoo.train.metrics import read_metrics
+
+        hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")
+        model.save_pretrained(hf_dir)
+        text = [f"the {w} sat on the mat and the dog ran to the {w}." for w in ("cat", "bird", "fox", "cow")]
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator(text * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                eos_token="</s>").save_pretrained(hf_dir)
+        data = str(tmp_path / "data.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps({"text": line}) + "\n" for line in text * 20)
+        extra = ["--lora-rank", "4"] if lora else []
+        assert cli.main(["train", "--init-from", hf_dir, "--data", data, "--out", run, "--steps", "12",
+                         "--batch-size", "8", "--seq-len", "16", "--lr", "3e-2" if lora else "3e-3",
+                         "--warmup-steps", "0", "--save-every", "12", "--eval-every", "0", "--log-every", "1",
+                         "--rules", "fsdp", "--mesh", "fsdp=8", *extra]) == 0
+        losses = [r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "loss" in r]
+        assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2, losses
+        assert cli.main(["export-hf", run, out, *(["--merge-lora"] if lora else [])]) == 0
+        back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        assert type(back) is type(model)
+        module, config, params, _ = load_model_and_params(run)
+        assert config.lora_rank == (4 if lora else 0)
+        got = np.asarray(jax.jit(lambda p, x: module.apply({"params": p}, x))(params, tokens))
+        with torch.no_grad():
+            want = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+            before = model.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        np.testing.assert_allclose(want, got, atol=tol, rtol=0)
+        assert np.abs(got - before).max() > 1e-3  # training changed the model
+        return config
 
 
 @pytest.fixture(scope="session")

@@ -196,3 +196,18 @@ def test_yarn_with_its_latent_softmax_scale_matches_transformers(version, tmp_pa
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert back.config.rope_parameters["mscale_all_dim"] == 0.707
     np.testing.assert_allclose(hf_logits(back, TOKENS), hf_logits(model, TOKENS), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_v3_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora, parity):
+    """``shardzoo train --init-from`` a tiny DeepSeek V3 (query latent, sigmoid router with groups,
+    a shared expert, a dense first layer) under fsdp on 8 devices, with and without LoRA adapters
+    (latent attention's ``q`` and ``o``, the dense MLP): the loss falls; the export loads in
+    transformers and computes what the run computes (1e-4)."""
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(CONFIGS["v3"](), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
+    assert config.kv_lora_rank == 16 and config.router_kind == "sigmoid_groups"

@@ -259,43 +259,12 @@ def test_logits_match_under_context_parallelism(built):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora):
-    """``shardzoo train --init-from`` a tiny GPT-OSS (with a 128-id BPE tokenizer) under fsdp on 8 devices, with and without LoRA adapters (on the attention: the experts are not
-    linears): the loss falls; ``export-hf`` (merging the adapters) loads in transformers and
-    computes what the run's checkpoint computes (1e-4)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from shardzoo import cli
-    from shardzoo.train.checkpoint import load_model_and_params
-    from shardzoo.train.metrics import read_metrics
-
+def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora, parity):
+    """``shardzoo train --init-from`` a tiny GPT-OSS under fsdp on 8 devices, with and without
+    LoRA adapters (on the attention: the experts are not linears): the loss falls; the export
+    loads in transformers and computes what the run computes (1e-4)."""
     torch.manual_seed(7)
-    hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")
     model = AutoModelForCausalLM.from_config(GptOssConfig(**HF_CONFIG), attn_implementation="eager")
     randomize(model)
-    model.save_pretrained(hf_dir)
-    text = [f"the {w} sat on the mat and the dog ran to the {w}." for w in ("cat", "bird", "fox", "cow")]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(text * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(hf_dir)
-    data = str(tmp_path / "data.jsonl")
-    with open(data, "w") as f:
-        f.writelines(json.dumps({"text": line}) + "\n" for line in text * 20)
-    extra = ["--lora-rank", "4"] if lora else []
-    assert cli.main(["train", "--init-from", hf_dir, "--data", data, "--out", run, "--steps", "12", "--batch-size", "8",
-                     "--seq-len", "16", "--lr", "3e-2" if lora else "3e-3", "--warmup-steps", "0",
-                     "--save-every", "12", "--eval-every", "0", "--log-every", "1", "--rules", "fsdp",
-                     "--mesh", "fsdp=8", *extra]) == 0
-    losses = [r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "loss" in r]
-    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2, losses
-    assert cli.main(["export-hf", run, out, *(["--merge-lora"] if lora else [])]) == 0
-    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    assert type(back).__name__ == "GptOssForCausalLM"
-    module, config, params, _ = load_model_and_params(run)
-    assert config.lora_rank == (4 if lora else 0) and config.attention_sinks
-    ids = TOKENS[:2]
-    got = np.asarray(jax.jit(lambda p, x: module.apply({"params": p}, x))(params, ids))
-    np.testing.assert_allclose(hf_logits(back, ids), got, atol=TOL, rtol=0)
-    assert np.abs(got - hf_logits(model.eval(), ids)).max() > 1e-3  # training changed the model
+    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
+    assert config.attention_sinks
