@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError
 
-from shardzoo.errors import UserError
+from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import hf, lora
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
@@ -24,7 +26,7 @@ from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
 from shardzoo.train.defaults import mesh_and_rules
 from shardzoo.train.program import Program
-from shardzoo.train.rundir import DirLock, check_empty_target
+from shardzoo.train.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
 from shardzoo.train.runmeta import model_meta
 from shardzoo.train.sources import READS_RUNS, load_model, open_source
 
@@ -122,6 +124,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     family = source.family  # e.g. phi3: fused tensors
     with _locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)
+        before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
         try:
             hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
                                      family=family)
@@ -129,9 +132,35 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
                 src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
                 if os.path.isdir(src):
                     copy_tokenizer_files(src, out_dir)
-        except OSError as e:
-            raise UserError(f"OUT_DIR {out_dir}: cannot write {e.filename or ''}: {e.strerror}") from None
+        except (OSError, SafetensorError) as e:
+            _remove_new_entries(out_dir, before)
+            raise _write_error(out_dir, e) from None
     return hf_config
+
+
+def _remove_new_entries(out_dir: str, before: set[str]) -> None:
+    """A failed export leaves OUT_DIR as it found it: what this command wrote is removed."""
+    if jax.process_index() != 0 or not os.path.isdir(out_dir):
+        return
+    for name in set(os.listdir(out_dir)) - before - {LOCK_FILE}:
+        path = os.path.join(out_dir, name)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
+def _write_error(out_dir: str, e: Exception) -> Exception:
+    """A failed write as one line: a full disk is the machine's fault (exit 1), a read-only or
+    forbidden OUT_DIR the user's (exit 2). safetensors reports I/O errors as its own type, with
+    the OS's message and ``os error N`` in its text."""
+    if isinstance(e, OSError):
+        reason, user = describe_os_error(e)
+    else:
+        text = str(e)
+        code = re.search(r"os error (\d+)", text)
+        reason = re.sub(r"^.*I/O error: ", "", text).strip()
+        user = code is not None and describe_os_error(OSError(int(code.group(1)), reason))[1]
+    message = f"OUT_DIR {out_dir}: writing the export failed: {reason}; nothing was left there"
+    return UserError(message) if user else EnvironmentFault(message + "; free space and run the same command")
 
 
 def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, mesh=None,
