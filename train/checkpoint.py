@@ -84,6 +84,11 @@ def damage(root: str, step: int) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(path) == 0:
             return f"{name} is empty"
+        try:  # every one of them is JSON that orbax parses (a garbled one ended as a "mismatch")
+            with open(path, "rb") as f:
+                json.loads(f.read())
+        except (OSError, ValueError) as e:
+            return f"{name} is not readable JSON ({e.strerror if isinstance(e, OSError) else 'garbled'})"
     return None
 
 

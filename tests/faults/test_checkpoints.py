@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from shardzoo.cli import main
 from shardzoo.train.checkpoint import latest_step, load_model_and_params
@@ -44,15 +45,23 @@ def _assert_same_params(a, b):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_generate_passes_over_a_damaged_step_and_leaves_the_run_as_it_is(cli, run_copy, capsys):
-    os.remove(run_copy / "checkpoints" / "8" / "state" / "_METADATA")
+@pytest.mark.parametrize("damage, says", [
+    ("removed", "state/_METADATA is missing"),
+    ("garbled", "state/_METADATA is not readable JSON (garbled)"),  # was "params do not match the model"
+])
+def test_generate_passes_over_a_damaged_step_and_leaves_the_run_as_it_is(cli, run_copy, capsys, damage, says):
+    metadata = run_copy / "checkpoints" / "8" / "state" / "_METADATA"
+    if damage == "removed":
+        os.remove(metadata)
+    else:
+        metadata.write_text('{"tree_metadata": {"params": ')
     before = cli.snapshot(run_copy)
     capsys.readouterr()
     rc = main(["generate", "--checkpoint", str(run_copy), "--prompt", "the quick", "--max-new-tokens", "4"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "checkpoint step 8" in lines[0] and "state/_METADATA is missing" in lines[0]
+    assert len(lines) == 1 and "checkpoint step 8" in lines[0] and says in lines[0], lines
     assert "using step 4" in lines[0] and captured.out.startswith("the quick")
     assert cli.snapshot(run_copy) == before
 
