@@ -22,6 +22,8 @@ from shardzoo.models.hf import (
     deepseek_v3,
     exaone4,
     gemma,
+    glm,
+    glm4_moe,
     gpt2,
     gpt_oss,
     granite,
@@ -70,6 +72,7 @@ FAMILIES: tuple[Family, ...] = (
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,
+    glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -23,6 +23,9 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    Glm4Config,
+    Glm4MoeConfig,
+    GlmConfig,
     GPT2Config,
     GPTNeoXConfig,
     GptOssConfig,
@@ -74,7 +77,7 @@ from shardzoo.train.hf_io import load_hf
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
-                  "deepseek_v3", "gpt_oss", "llama4")  # models/hf/<name>.py
+                  "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -138,6 +141,12 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "llama4_text": lambda: Llama4TextConfig(**LLAMA4_TEXT),
     # AutoModelForCausalLM builds (and saves) its text model: the llama4_text config, written back as llama4
     "llama4": lambda: Llama4Config(text_config=LLAMA4_TEXT, vision_config=LLAMA4_VISION),
+    # GLM's pad id defaults to 151329: the first eos id here, as export writes it
+    "glm": lambda: GlmConfig(**DIMS, head_dim=16, pad_token_id=2, eos_token_id=2),  # half of each head rotates
+    "glm4": lambda: Glm4Config(**DIMS, head_dim=16, partial_rotary_factor=0.25, pad_token_id=2, eos_token_id=[2, 3]),
+    "glm4_moe": lambda: Glm4MoeConfig(**(DIMS | dict(num_hidden_layers=3)), n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                      use_qk_norm=True, attention_bias=True),  # a dense layer, then MoE ones
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
