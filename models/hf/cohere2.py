@@ -2,8 +2,9 @@
 without bias, a gated SwiGLU MLP, rotary embeddings on interleaved pairs, tied embeddings,
 logits times ``logit_scale``) with sliding and full layers by ``layer_types`` (else every
 ``sliding_window_pattern``-th layer full), and rotary embeddings on the sliding layers only:
-the full layers have no positions (NoPE). Without a ``sliding_window`` no layer slides, and
-none rotates (transformers rotates exactly the layers it gives a window). No qk-norm.
+the full layers have no positions (NoPE): transformers rotates exactly the layers it gives a
+window. No qk-norm. A ``sliding_window`` of null is refused (transformers' Cohere 2 builds the
+sliding layers' mask whatever the layers are, and fails without one).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _types(hf: HFConfig) -> tuple[str, ...]:
 def from_hf(hf: HFConfig) -> dict:
     hf.ignore(*INERT)
     window, types = hf.get("sliding_window"), _types(hf)
+    if window is None:
+        raise hf.refuse("sliding_window", "transformers' Cohere 2 needs a window (it builds the sliding "
+                                          "layers' mask for every model)")
     bias = hf.get("attention_bias")  # q/k/v and o
     out = sizes(hf, "layer_norm_eps") | rope(hf) | dict(
         head_dim=None,  # Cohere2Config sets hidden_size / heads, whatever config.json says
         norm_type="layernorm_no_bias", parallel_residual=True, rope_interleaved=True,
         attention_bias=bias, attention_out_bias=bias, logit_scale=hf.get("logit_scale"),
-        sliding_window=window, layer_types=types if window is not None else None,
-        rope_layers=tuple(window is not None and t == SLIDING for t in types))
+        sliding_window=window, layer_types=types, rope_layers=tuple(t == SLIDING for t in types))
     out.pop("partial_rotary_factor")  # Cohere 2 rotates whole heads
     return out
 
@@ -63,7 +66,8 @@ def from_hf(hf: HFConfig) -> dict:
 def to_hf(a) -> dict:
     out = sizes_to_hf(a) | rope_to_hf(a) | dict(
         layer_norm_eps=a.rms_norm_eps, logit_scale=a.logit_scale, attention_bias=a.attention_bias,
-        sliding_window=a.sliding_window, layer_types=layer_types(a))
+        sliding_window=a.sliding_window or SCHEMA["sliding_window"],  # one no layer uses, if none slides
+        layer_types=layer_types(a))
     for key in ("rms_norm_eps", "head_dim", "partial_rotary_factor"):
         out.pop(key, None)  # head_dim: Cohere2Config derives it (hidden_size / heads)
     return out
