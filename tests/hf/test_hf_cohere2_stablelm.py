@@ -233,3 +233,11 @@ def test_presets_have_transformers_parameter_count(name, model_type):
     if name == "command-r7b":  # 3 sliding layers with rotary embeddings, then a full one without
         assert [s.rope for s in config.layer_specs()[:4]] == ["global"] * 3 + ["none"]
         assert model.config.layer_types[:4] == [S, S, S, F] and config.num_params() == 8_028_033_024
+
+
+def test_stablelm_without_a_rotary_fraction_rotates_a_quarter_as_transformers(models, tmp_path):
+    _, path, _, _ = models("stablelm")
+    bare = _rewrite(path, tmp_path / "bare", ["rope_parameters"], rope_theta=1000.0)
+    assert AutoConfig.from_pretrained(bare).rope_parameters["partial_rotary_factor"] == 0.25
+    config = load_hf_config(bare)
+    assert config.partial_rotary_factor == 0.25 and config.rope_theta == 1000.0
