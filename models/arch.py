@@ -105,6 +105,8 @@ class TransformerArch:
     # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
     parallel_residual: bool = feature(False, "parallel_residual")
     qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
+    # the qk-norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)
+    qk_norm_no_bias: bool = feature(False, "qk_norm_no_bias")
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
@@ -202,6 +204,8 @@ class TransformerArch:
             set_("rope_local_base_freq", None)
         if self.qk_norm in ("none", "l2"):
             set_("qk_norm_after_rope", False)  # no norm to place, or one that commutes with rotary
+        if self.qk_norm in ("none", "l2") or self.norm_type != "layernorm":
+            set_("qk_norm_no_bias", False)  # no norm, or one that has no bias anyway
         if self.rope_layers is not None and all(self.rope_layers):
             set_("rope_layers", None)  # every layer rotates
         if self.position_embedding != "rope":

@@ -342,11 +342,12 @@ class Attention(nn.Module):
 
     def _qk_norm(self, q, k):
         """The model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
-        head ("heads", Cohere); or of all heads ("projection", OLMo 2)."""
+        head ("heads", Cohere; StableLM's LayerNorm without bias); or of all heads ("projection",
+        OLMo 2)."""
         a = self.config.arch
-        one, dims = a.qk_norm == "head", 2 if a.qk_norm == "projection" else 1
-        q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims)(q)
-        k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims)(k)
+        one, dims, bias = a.qk_norm == "head", 2 if a.qk_norm == "projection" else 1, not a.qk_norm_no_bias
+        q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,) if one else (ax.HEADS, ax.HEAD_DIM), dims, bias)(q)
+        k = make_norm(self.config, "k_norm", (ax.HEAD_DIM,) if one else (ax.KV_HEADS, ax.HEAD_DIM), dims, bias)(k)
         return q, k
 
     def _latent(self, x, positions, segment_ids, decode):

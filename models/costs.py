@@ -179,7 +179,8 @@ def transformer_params(a, active: bool = False) -> int:
         if a.latent:  # the latents' RMSNorms
             total += a.kv_lora_rank + (a.q_lora_rank or 0)
         if a.qk_norm not in ("none", "l2"):  # l2: no weight
-            total += per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
+            qk_per = 1 if a.qk_norm_no_bias else per
+            total += qk_per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
         if a.attention_bias:
             total += hd * (a.num_attention_heads + 2 * a.kv_heads)
         if a.attention_out_bias:

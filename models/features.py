@@ -33,6 +33,7 @@ FEATURES = {
     "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
+    "qk_norm_no_bias": "the q/k norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)",
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",

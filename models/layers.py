@@ -140,13 +140,15 @@ class LayerNorm(nn.Module):
         return y.astype(dtype_of(self.dtype))
 
 
-def make_norm(config, name: str, axes: tuple[str, ...] = (ax.EMBED,), dims: int | None = None) -> nn.Module:
+def make_norm(config, name: str, axes: tuple[str, ...] = (ax.EMBED,), dims: int | None = None,
+              bias: bool = True) -> nn.Module:
     """The architecture's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one", "layernorm" or
     "layernorm_no_bias") as a named submodule, its weight named ``axes``, normalizing over the
-    last ``dims`` of them (all when None)."""
+    last ``dims`` of them (all when None); ``bias=False``: a "layernorm" without its bias."""
     a, e = config.arch, config.execution
     if a.norm_type in ("layernorm", "layernorm_no_bias"):
-        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, a.norm_type == "layernorm", axes, dims, name=name)
+        use_bias = a.norm_type == "layernorm" and bias
+        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, use_bias, axes, dims, name=name)
     return RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, axes, a.norm_type == "rmsnorm_plus_one", dims,
                    name=name)
 

@@ -18,6 +18,7 @@ from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
     arcee,
     cohere,
+    cohere2,
     deepseek_v2,
     deepseek_v3,
     exaone4,
@@ -42,6 +43,7 @@ from shardzoo.models.hf import (
     qwen3_moe,
     seed_oss,
     smollm3,
+    stablelm,
     starcoder2,
 )
 from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
@@ -67,7 +69,8 @@ FAMILIES: tuple[Family, ...] = (
     smollm3.SMOLLM3,
     starcoder2.STARCODER2,
     phi.PHI,
-    cohere.COHERE,
+    cohere.COHERE, cohere2.COHERE2,
+    stablelm.STABLELM,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,

@@ -16,6 +16,7 @@ from transformers import (
     ArceeConfig,
     AutoConfig,
     AutoModelForCausalLM,
+    Cohere2Config,
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -49,6 +50,7 @@ from transformers import (
     Qwen3MoeConfig,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
     Starcoder2Config,
 )
 
@@ -77,7 +79,8 @@ from shardzoo.train.hf_io import load_hf
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
-                  "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe")  # models/hf/<name>.py
+                  "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
+                  "stablelm")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -128,6 +131,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "starcoder2": lambda: Starcoder2Config(**DIMS, sliding_window=4, bos_token_id=1, eos_token_id=2),
     "phi": lambda: PhiConfig(**DIMS, qk_layernorm=True, partial_rotary_factor=0.5),
     "cohere": lambda: CohereConfig(**DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3),
+    "cohere2": lambda: Cohere2Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4, sliding_window_pattern=2,
+                                     attention_bias=True, logit_scale=0.3),  # sliding rotary : full NoPE
+    "stablelm": lambda: StableLmConfig(**DIMS, use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True,
+                                       partial_rotary_factor=0.5),
     "arcee": lambda: ArceeConfig(**DIMS, attention_bias=True),
     "exaone4": lambda: Exaone4Config(**(DIMS | dict(num_hidden_layers=4)), sliding_window=4,
                                      sliding_window_pattern=2),
