@@ -178,6 +178,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="lm", choices=("lm", "multiple-choice"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
                         "accuracy by each choice's log-likelihood (default: lm)")
+    p.add_argument("--target-delimiter", default=None, metavar="TEXT",
+                   help="multiple-choice: what joins context and choice, as lm-evaluation-harness's "
+                        "target_delimiter; spaces the data writes at that seam are replaced by it "
+                        "(default: ' ')")
     p.add_argument("--split", default="all", choices=("all", "train", "eval"),
                    help="all rows of --data, or the documents that training with --eval-fraction "
                         "and --seed kept (train) or held out (eval) (default: all)")

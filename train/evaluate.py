@@ -7,14 +7,17 @@ the Program's compiled eval step. Its per-batch sums (weighted loss, weight, cor
 are added up in float64 on the host and divided once at the end, so the numbers are those of
 one batch holding the whole split.
 
-Multiple choice (lm-eval-harness's ``loglikelihood`` requests): each row ``{context, choices,
-label}`` becomes one sequence per choice. ``context + choice`` is tokenized whole and the
-choice's tokens are those past the context's own tokens (trailing spaces of the context move to
-the choice first, as the harness does). A choice scores the sum of its tokens' log-probabilities
-given everything before them. ``acc`` picks the highest sum; ``acc_norm`` the highest sum divided
-by the choice's length in characters (the harness's ``acc_norm``, which divides by
-``len(choice)``, a count of characters). Sequences go through the model in batches, sharded as
-the Program lays out params and batch.
+Multiple choice follows lm-evaluation-harness's ``multiple_choice`` tasks. Each row ``{context,
+choices, label}`` becomes one request ``(context, delimiter + choice)`` per choice, the delimiter
+being ``--target-delimiter`` (default ``" "``, the harness's ``target_delimiter``). Spaces the data
+writes at the seam (at the end of the context, at the start of a choice) are taken off first, so
+``"A: " + "x"``, ``"A:" + " x"`` and ``"A:" + "x"`` are the same request ``("A:", " x")``. A request
+is encoded as the harness's ``_encode_pair`` does: trailing whitespace of the context moves to the
+continuation, ``context + continuation`` is tokenized whole and the continuation's tokens are those
+past the context's own. A choice scores the sum of its tokens' log-probabilities given everything
+before them. ``acc`` picks the highest sum; ``acc_norm`` the highest sum divided by the choice's
+length in characters without the delimiter (the harness's ``len(choice)``). Sequences go through
+the model in batches, sharded as the Program lays out params and batch.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from shardzoo.train.tasks import summarize_eval
 
 TASKS = ("lm", "multiple-choice")
 MC_COLUMNS = ("context", "choices", "label")
+TARGET_DELIMITER = " "  # lm-evaluation-harness's default target_delimiter
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
 
 
@@ -55,6 +59,7 @@ class EvalSettings:
     checkpoint: str | None = None
     hf: str | None = None
     task: str = "lm"
+    target_delimiter: str | None = None  # None: TARGET_DELIMITER (multiple choice only)
     split: str = "all"
     eval_fraction: float | None = None  # None (and seed, columns, add_bos, seq_len): the run's
     seed: int | None = None
@@ -103,8 +108,11 @@ def evaluate_lm(program: Program, params, batches, total: int | None = None) -> 
 
 
 # --------------------------------------------------------------------------- multiple choice
-def read_choices(spec: str) -> list[dict]:
-    """The rows ``{context, choices, label}`` of a data spec (e.g. a JSONL file), checked."""
+def read_choices(spec: str, target_delimiter: str = TARGET_DELIMITER) -> list[dict]:
+    """The rows ``{context, choices, label, continuations}`` of a data spec (e.g. a JSONL file),
+    checked, as lm-evaluation-harness's requests: the spaces at the seam of context and choice
+    taken off (``context`` without trailing spaces, ``choices`` without leading ones) and each
+    continuation ``target_delimiter + choice``."""
     from shardzoo.data import DataError, load_source
 
     ds = load_source(spec)
@@ -118,22 +126,26 @@ def read_choices(spec: str) -> list[dict]:
         where = f"data {spec!r}, row {n}"
         if not isinstance(context, str):
             raise DataError(f"{where}: context is {type(context).__name__}, not text")
-        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
-            raise DataError(f"{where}: choices must be a non-empty list of non-empty texts")
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c.lstrip(" ")
+                                                              for c in choices)):
+            raise DataError(f"{where}: choices must be a non-empty list of texts other than spaces")
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
             raise DataError(f"{where}: label {label!r} is not an index of its {len(choices)} choices")
-        rows.append({"context": context, "choices": list(choices), "label": label})
+        choices = [c.lstrip(" ") for c in choices]
+        rows.append({"context": context.rstrip(" "), "choices": choices, "label": label,
+                     "continuations": [target_delimiter + c for c in choices]})
     return rows
 
 
-def encode_pair(tokenizer, context: str, choice: str, add_bos: bool) -> tuple[list[int], list[int]]:
-    """``(context ids, choice ids)`` the lm-eval-harness way: the whole text tokenized at once,
-    the choice being the tokens past the context's own; an empty context starts with bos."""
-    stripped = context.rstrip(" ")
-    choice = context[len(stripped):] + choice
+def encode_pair(tokenizer, context: str, continuation: str, add_bos: bool) -> tuple[list[int], list[int]]:
+    """``(context ids, continuation ids)`` as lm-evaluation-harness's ``_encode_pair``: trailing
+    whitespace of the context moves to the continuation, the whole text is tokenized at once and
+    the continuation is the tokens past the context's own; an empty context starts with bos."""
+    stripped = context.rstrip()
+    continuation = context[len(stripped):] + continuation
     prefix = [tokenizer.bos_id] if add_bos or not stripped else []
     head = prefix + list(tokenizer.encode(stripped))
-    whole = prefix + list(tokenizer.encode(stripped + choice))
+    whole = prefix + list(tokenizer.encode(stripped + continuation))
     return head, whole[len(head):]
 
 
@@ -141,8 +153,8 @@ def _sequences(rows, tokenizer, add_bos: bool):
     """``(row, choice, ids, first target index)`` of every choice of every row."""
     out = []
     for i, row in enumerate(rows):
-        for j, choice in enumerate(row["choices"]):
-            head, tail = encode_pair(tokenizer, row["context"], choice, add_bos)
+        for j, continuation in enumerate(row["continuations"]):
+            head, tail = encode_pair(tokenizer, row["context"], continuation, add_bos)
             if not tail:
                 raise UserError(f"row {i + 1}: choice {j} encodes to no tokens after the context")
             out.append((i, j, head + tail, len(head)))
@@ -188,7 +200,7 @@ def score_choices(program: Program, params, rows, tokenizer, add_bos: bool = Fal
             for r, (i, j, _, _) in enumerate(items):
                 logprobs[i][j], greedy[i][j] = out["logprob"][r], out["greedy"][r]
             bar.update()
-    lengths = [np.asarray([len(c) for c in r["choices"]], np.float64) for r in rows]
+    lengths = [np.asarray([len(c) for c in r["choices"]], np.float64) for r in rows]  # no delimiter
     acc = [int(np.argmax(lp)) == r["label"] for lp, r in zip(logprobs, rows, strict=True)]
     acc_norm = [int(np.argmax(lp / n)) == r["label"] for lp, n, r in zip(logprobs, lengths, rows, strict=True)]
     return {"task": "multiple-choice", "acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)),
@@ -261,7 +273,10 @@ def run(s: EvalSettings) -> dict:
         raise UserError("--task multiple-choice needs --data FILE of rows {context, choices, label}")
     if s.data is None and "data" not in recorded:
         raise UserError("--data SPEC is required (only a run that records its data defaults to it)")
-    rows = read_choices(s.data) if s.task == "multiple-choice" else None  # fail fast, before loading
+    if s.target_delimiter is not None and s.task != "multiple-choice":
+        raise UserError("--target-delimiter goes with --task multiple-choice")
+    delimiter = TARGET_DELIMITER if s.target_delimiter is None else s.target_delimiter
+    rows = read_choices(s.data, delimiter) if s.task == "multiple-choice" else None  # fail fast
     mesh, rules = mesh_and_rules(s.mesh, s.rules)
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
@@ -279,7 +294,7 @@ def run(s: EvalSettings) -> dict:
     program = Program(config, rules, mesh, batch_size=batch_size, seq_len=seq_len)
     params = jax.device_put(params, program.shardings.params)
     if rows is not None:
-        metrics = score_choices(program, params, rows, tokenizer, add_bos)
+        metrics = {**score_choices(program, params, rows, tokenizer, add_bos), "target_delimiter": delimiter}
         data = s.data
     else:
         config, split = _data_config(s, recorded, tokenizer, add_bos)

@@ -167,7 +167,7 @@ def test_choice_loglikelihoods_equal_transformers(hf_llama, tmp_path):
 
     path, model, tokenizer = hf_llama
     rows = mc_rows()
-    rows[0]["context"] = "Q: What color is the sky? A: "  # a trailing space moves to the choices
+    rows[0]["context"] = "Q: What color is the sky? A: "  # with the choices' spaces: one delimiter
     data = write_jsonl(tmp_path / "mc.jsonl", rows)
     out = tmp_path / "m.json"
     assert cli.main(["eval", "--hf", path, "--task", "multiple-choice", "--data", data, "--batch-size", "8",
@@ -178,7 +178,7 @@ def test_choice_loglikelihoods_equal_transformers(hf_llama, tmp_path):
         context = row["context"].rstrip(" ")
         head = tokenizer(context)["input_ids"]
         for choice, score in zip(row["choices"], scores, strict=True):
-            whole = tokenizer(row["context"] + choice)["input_ids"]
+            whole = tokenizer(context + " " + choice.lstrip(" "))["input_ids"]
             assert whole[0] == 1 and whole[: len(head)] == head
             with torch.no_grad():
                 logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
