@@ -295,7 +295,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif typing.get_origin(tp) is tuple:  # a comma-separated list, coerced with the rest
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
-            choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:]}.get(name)
+            choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
+                       "loss": ("sigmoid", "ipo", "hinge", "simpo", "orpo")}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)
 

@@ -97,9 +97,19 @@ def trl_reference_free(hf, loss, examples):
     return float(value), {k: float(v) for k, v in metrics.items()}
 
 
+_RESULTS = {}
+
+
 def ours(hf, loss, mesh_spec="data=1", rules="dp", **task):
     """shardzoo's first train step: ``(metrics, batch)``, the reference's log-probs from the
-    reference model's own checkpoint (a frozen copy)."""
+    reference model's own checkpoint (a frozen copy); each setting computed once per session."""
+    key = (id(hf), loss, mesh_spec, rules, tuple(sorted(task.items())))
+    if key not in _RESULTS:
+        _RESULTS[key] = _ours(hf, loss, mesh_spec, rules, **task)
+    return _RESULTS[key]
+
+
+def _ours(hf, loss, mesh_spec, rules, **task):
     devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
     mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
     _, config, params = load_hf(str(hf.root / "policy"), mesh=mesh, rules=rules)
@@ -139,11 +149,22 @@ def test_each_dpo_loss_equals_trl_dpotrainer_on_its_first_step(hf, loss):
 def test_reference_free_losses_equal_trl_cpo_and_orpo_code(hf, loss):
     _, _, examples = trl_dpo(hf, "sigmoid")
     want_loss, want = trl_reference_free(hf, loss, examples)
-    got, _ = ours(hf, loss, cpo_alpha=1.0)
+    got, _ = ours(hf, loss, **({"cpo_alpha": 1.0} if loss == "simpo" else {}))
     assert abs(got["loss"] - want_loss) < 1e-5, (got["loss"], want_loss)
     for name in METRICS:
         assert abs(got[name] - want[name]) < 1e-5, (name, got[name], want[name])
     assert got["nll_loss"] > 0
+
+
+def test_label_smoothing_is_conservative_dpo(hf):
+    """With ls: mean(-(1 - ls) logsig(z) - ls logsig(-z)), z = beta * d per pair. Since
+    -logsig(-z) = -logsig(z) + z, that is the unsmoothed loss plus ls * mean(z), and mean(z) is the
+    rewards/margins metric: exact, whatever the pairs."""
+    plain, _ = ours(hf, "sigmoid")
+    smooth, _ = ours(hf, "sigmoid", label_smoothing=0.2)
+    assert smooth["rewards/margins"] == pytest.approx(plain["rewards/margins"], abs=1e-6)  # the same z
+    assert abs(plain["rewards/margins"]) > 0.05
+    assert smooth["loss"] == pytest.approx(plain["loss"] + 0.2 * plain["rewards/margins"], abs=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
