@@ -11,6 +11,9 @@ and multi-device reductions all divide once, by the total weight, at the end.
   ``weights`` float32 ``[batch]``; cross-entropy and accuracy.
 - ``regression``: as classification with float32 ``targets [batch, outputs]``; mean squared
   error over the outputs of each example.
+- ``dpo``: preference pairs (``train/preference.py``): ``[batch, 2, length]`` sequences, a pair
+  weight, and the reference model's log-probabilities, which a reference step of the program
+  fills in before the train step (``reference_keys``).
 """
 
 from __future__ import annotations
