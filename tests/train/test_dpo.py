@@ -100,23 +100,24 @@ def trl_reference_free(hf, loss, examples):
 _RESULTS = {}
 
 
-def ours(hf, loss, mesh_spec="data=1", rules="dp", **task):
+def ours(hf, loss, mesh_spec="data=1", rules="dp", grad_accum=1, **task):
     """shardzoo's first train step: ``(metrics, batch)``, the reference's log-probs from the
     reference model's own checkpoint (a frozen copy); each setting computed once per session."""
-    key = (id(hf), loss, mesh_spec, rules, tuple(sorted(task.items())))
+    key = (id(hf), loss, mesh_spec, rules, grad_accum, tuple(sorted(task.items())))
     if key not in _RESULTS:
-        _RESULTS[key] = _ours(hf, loss, mesh_spec, rules, **task)
+        _RESULTS[key] = _ours(hf, loss, mesh_spec, rules, grad_accum, **task)
     return _RESULTS[key]
 
 
-def _ours(hf, loss, mesh_spec, rules, **task):
+def _ours(hf, loss, mesh_spec, rules, grad_accum, **task):
     devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
     mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
     _, config, params = load_hf(str(hf.root / "policy"), mesh=mesh, rules=rules)
     _, _, ref_params = load_hf(str(hf.root / "reference"), mesh=mesh, rules=rules)
     task = preference_task(loss, beta=BETA, **task)
     program = Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, SETTINGS), task=task,
-                      batch_size=PAIRS, seq_len=SEQ, reference="copy" if task.uses_reference else None)
+                      batch_size=PAIRS, seq_len=SEQ, grad_accum=grad_accum,
+                      reference="copy" if task.uses_reference else None)
     tokenizer = load_tokenizer(str(hf.root / "policy"))
     data = DataConfig(data=hf.pairs, preference=True, cache_dir=str(hf.root / "cache"))
     train, _ = make_preference_datasets(data, tokenizer, SEQ, PAIRS, mesh=mesh, rules=rules)
@@ -173,3 +174,12 @@ def test_fsdp_tp_on_8_devices_equals_one_device(hf, loss):
     eight, _ = ours(hf, loss, mesh_spec="fsdp=4,tensor=2", rules="fsdp_tp")
     for name in ("loss", *METRICS, "grad_norm"):
         assert abs(eight[name] - one[name]) < 1e-5 * max(1.0, abs(one[name])), (name, eight[name], one[name])
+
+
+def test_gradient_accumulation_gives_the_whole_batch_step(hf):
+    """Two microbatches of 2 pairs: the same loss, metrics and gradient as one batch of 4, the
+    ORPO NLL included (it divides by the chosen tokens of the whole step, as TRL's batch mean)."""
+    one, _ = ours(hf, "orpo")
+    two, _ = ours(hf, "orpo", grad_accum=2)
+    for name in ("loss", "nll_loss", *METRICS, "grad_norm"):
+        assert abs(two[name] - one[name]) < 1e-5 * max(1.0, abs(one[name])), (name, two[name], one[name])
