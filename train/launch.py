@@ -27,7 +27,7 @@ from shardzoo.train.checkpoint import (
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
-from shardzoo.train.preference import load_reference
+from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.runmeta import model_meta
@@ -144,6 +144,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     program = _program(cfg, config, rules, opt_rules, mesh)
     module = program.module
+    if cfg.reference:
+        check_reference(cfg.reference, config)
 
     tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:

@@ -205,6 +205,22 @@ def run_task(cfg, config):
     return task, "copy"
 
 
+def check_reference(path: str, config) -> None:
+    """``--reference`` must name a model source of the policy's architecture (a one-line
+    UserError naming the fields that differ, before anything is written)."""
+    import dataclasses
+
+    from shardzoo.train.sources import open_source
+
+    other = open_source(path, what="--reference").config
+    mine, theirs = getattr(config, "arch", None), getattr(other, "arch", None)
+    if mine is None or theirs is None or mine == theirs:
+        return
+    differ = [f"{f.name} {getattr(theirs, f.name)!r} (the policy's {getattr(mine, f.name)!r})"
+              for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
+    raise UserError(f"--reference {path}: not the policy's architecture: {'; '.join(differ[:4])}")
+
+
 def load_reference(path: str, target, config):
     """``--reference``'s params placed like ``target`` (the policy's params); under LoRA the
     adapters are zeros (the reference step switches them off anyway)."""

@@ -84,6 +84,10 @@ def test_precomputed_reference_is_stored_and_gives_the_same_first_step(dirs, str
     first = records(root, "pre")[1]
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"):
         assert first[key] == pytest.approx(straight[1][key], abs=1e-5), key
+    # a resume reads the stored log-probs back (the file is not rewritten) and continues
+    mtime = os.stat(stored).st_mtime_ns
+    quiet(settings(root, pairs, "pre", reference=str(root / "reference"), precompute_reference=True))
+    assert os.stat(stored).st_mtime_ns == mtime and set(records(root, "pre")) == {1, 2, 3, 4}
     # the plan holds no reference model while training
     program = prepare(settings(root, pairs, "plan-pre", precompute_reference=True)).program
     assert program.plan().totals["reference"] == 0
@@ -107,3 +111,13 @@ def test_lora_dpo_reference_costs_no_parameter_bytes_and_its_merged_export_loads
     assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])  # the adapters trained and merged
     with torch.no_grad():
         assert torch.isfinite(merged(torch.tensor([[1, 5, 9]])).logits).all()
+
+
+def test_a_reference_of_another_architecture_is_refused_before_anything_is_written(dirs, tmp_path):
+    from shardzoo.errors import UserError
+
+    root, pairs = dirs
+    save_llama(tmp_path / "other", 200, seed=2)
+    with pytest.raises(UserError, match=r"--reference .*other: not the policy's architecture: vocab_size 200"):
+        prepare(settings(root, pairs, "bad-ref", reference=str(tmp_path / "other")))
+    assert not os.path.exists(root / "bad-ref")
