@@ -161,18 +161,16 @@ def _one_pair(tok, example, implicit: bool, conversational: bool, spec: str, row
     for column, value in example.items():
         if value is None:
             raise DataError(f"{where} has no value in column {column!r} (null)")
-        if isinstance(value, (list, tuple)) and not value:
+        if conversational and isinstance(value, (list, tuple)) and not value:
             continue  # an empty completion is refused below; an empty prompt is allowed
-        if _is_chat(value) != conversational and not (column == PROMPT and isinstance(value, list)):
+        if _is_chat(value) != conversational:
             kind = "conversations" if conversational else "text"
-            raise DataError(f"{where}, column {column!r}: the other rows hold {kind}, this one "
-                            f"{type(value).__name__}")
+            raise DataError(f"{where}, column {column!r}: holds a {type(value).__name__}, but the data's "
+                            f"'chosen' column holds {kind}")
     if implicit:
         prompt, chosen, rejected = extract_prompt(example[CHOSEN], example[REJECTED])
     else:
         prompt, chosen, rejected = example[PROMPT], example[CHOSEN], example[REJECTED]
-    if conversational and isinstance(prompt, str):
-        raise DataError(f"{where}, column 'prompt': text, but 'chosen' holds conversations")
     for column, value in ((CHOSEN, chosen), (REJECTED, rejected)):
         if len(value) == 0 or (isinstance(value, str) and not value.strip()):
             raise DataError(f"{where}, column {column!r}: empty completion"

@@ -138,3 +138,11 @@ def test_the_cli_exits_2_with_one_line_on_a_bad_row(tok_dir, tmp_path, capsys):
     assert rc == 2
     assert any("row 7, column 'chosen': empty completion" in line and path in line for line in err), err
     assert not os.path.exists(tmp_path / "out" / "checkpoints")
+
+
+def test_a_row_mixing_text_and_conversations_is_refused(tok_dir, tmp_path):
+    rows = list(CHAT_PAIRS)
+    rows[2] = {**rows[2], "rejected": "no"}
+    with pytest.raises(DataError, match=r"row 3, column 'rejected': holds a str, but the data's 'chosen' column "
+                                        r"holds conversations"):
+        rows_of(write_jsonl(tmp_path / "mixed.jsonl", rows), tok_dir, tmp_path)
