@@ -229,6 +229,7 @@ class Trainer:
             f"{_mib(per_device_bytes(s.params, sh.params))} per device; optimizer state "
             f"{_mib(per_device_bytes(s.opt_state, sh.opt_state))} per device"
             + (f" (rules {self.opt_rules.name})" if self.opt_rules is not None else "")
+            + _REFERENCE_WORDS.get(self.program.reference, "")
         )
 
     # ------------------------------------------------------------------ steps
@@ -387,6 +388,13 @@ class _StepTimer:
         step_time = (now - self.start - self.excluded) / max(self.steps, 1)
         self.start, self.steps, self.excluded = now, 0, 0.0
         return {"step_time_s": step_time, f"{unit}_per_sec": units_per_step / step_time}
+
+
+_REFERENCE_WORDS = {  # how a preference task's reference model is held (Program.reference)
+    "copy": "; reference model: a frozen copy, sharded as the params",
+    "adapters": "; reference model: the base with the LoRA adapters off (no copy)",
+    "stored": "; reference model: log-probs stored with the run (no model)",
+}
 
 
 def _scalars(metrics: dict) -> dict:
