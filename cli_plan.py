@@ -36,6 +36,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
+    p.add_argument("--task", default=None, choices=("lm", "dpo"),
+                   help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes")
+    p.add_argument("--loss", default="sigmoid", help="--task dpo: sigmoid, ipo, hinge, simpo or orpo")
+    p.add_argument("--precompute-reference", action="store_true",
+                   help="--task dpo: reference log-probs stored with the run (no reference model)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
     p.add_argument("--non-strict", action="store_true",
                    help="report validation problems as warnings instead of failing")
@@ -92,7 +97,8 @@ def cmd_plan(args) -> int:
         raise UserError(f"--seq-len {seq_len} exceeds the model's {positions} positions "
                         f"(max_position_embeddings): use --seq-len {positions} or less")
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
-                           grad_accum=args.grad_accum)
+                           grad_accum=args.grad_accum, task=args.task, loss=args.loss,
+                           precompute_reference=args.precompute_reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
         try:

@@ -65,6 +65,13 @@ Tokenizers: ``encode(text) -> list[int]`` (no special tokens), ``decode(ids) -> 
 ``load_tokenizer`` accepts again). ``"byte"``: ids 0..255 are bytes, pad 256, bos 257, eos 258,
 vocab_size 259.
 
+Preference pairs (``preference=True``: DPO and its variants; ``preference.py``): TRL's
+``prompt``/``chosen``/``rejected`` columns as text or conversations (or ``chosen``/``rejected``
+conversations sharing their first turns), one pair per row, batches of ``[batch, 2, seq_len]``
+sequences (chosen first) with a completion-token ``loss_mask``, pair ``weights`` and
+``truncated`` flags; ``max_prompt_length``/``max_completion_length`` truncate; bad rows are a
+``DataError`` naming file, row and column, or skipped and counted with ``skip_missing``.
+
 Labelled examples (``label_column`` given; no tokenizer, no text)::
 
     train_iter, eval_iter = make_labelled_datasets(

@@ -59,6 +59,8 @@ class BatchIterator:
         process_index: int | None = None,
         process_count: int | None = None,
     ):
+        self._placement = dict(mesh=mesh, rules=rules, process_index=process_index,
+                               process_count=process_count)
         self.rows, self.global_batch_size = rows, global_batch_size
         self.shuffle, self.repeat = shuffle, repeat
         self.seed, self.epoch, self.position = int(seed), 0, 0  # position: rows done this epoch
@@ -100,6 +102,15 @@ class BatchIterator:
                     f"{what} {size} is not divisible by its {shards} shards "
                     f"(mesh axes {sharding.spec[dim]} of the batch sharding {sharding.spec})"
                 )
+
+    def with_rows(self, rows, *, in_order: bool = False) -> BatchIterator:
+        """An iterator like this one (placement, seed, position) over ``rows`` (as many, with
+        more entries, e.g. stored reference log-probs); ``in_order``: one unshuffled pass."""
+        other = type(self)(rows, self.global_batch_size, seed=self.seed, shuffle=self.shuffle and not in_order,
+                           repeat=self.repeat and not in_order, **self._placement)
+        if not in_order:
+            other.restore(self.state())
+        return other
 
     @property
     def batches_per_epoch(self) -> int:

@@ -18,6 +18,7 @@ from shardzoo.data.packing import (
     tokenize_documents,
     tokenize_examples,
 )
+from shardzoo.data.preference import pack_pairs, tokenize_pairs
 from shardzoo.data.sources import STDLIB, check_text_column, load_source, without_missing
 from shardzoo.data.tokenizer import BYTE_SPEC, load_tokenizer
 
@@ -39,6 +40,9 @@ class DataConfig:
     label_column: str | None = None  # given: labelled examples (make_labelled_datasets)
     feature_columns: tuple[str, ...] | None = None  # None: every column except the label
     skip_missing: bool = False  # rows with a null text/prompt/completion: skipped and counted, not refused
+    preference: bool = False  # prompt/chosen/rejected pairs (DPO and its variants; preference.py)
+    max_prompt_length: int | None = None  # pairs: keep the prompt's last N tokens
+    max_completion_length: int | None = None  # pairs: keep each completion's first N tokens
 
     @property
     def examples(self) -> bool:
@@ -103,6 +107,9 @@ def make_datasets(
     process_count: int | None = None,
 ):
     """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
+    if config.preference:
+        return make_preference_datasets(config, tokenizer, seq_len, global_batch_size, mesh=mesh, rules=rules,
+                                        seed=seed, process_index=process_index, process_count=process_count)
     if config.labelled:
         raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
     if (config.prompt_column is None) != (config.completion_column is None):
@@ -259,3 +266,53 @@ def make_labelled_datasets(
             evaluation, global_batch_size, seed=seed, shuffle=False, repeat=False, **common
         )
     return train_iter, eval_iter
+
+
+def make_preference_datasets(
+    config: DataConfig,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+):
+    """(train iterator, eval iterator or None) over preference pairs (``preference.py``): one
+    pair per row, ``[2, seq_len]`` tokens (chosen, rejected); resumable like every iterator."""
+    if config.examples or config.chat or config.labelled:
+        raise DataError("preference pairs are read from 'prompt'/'chosen'/'rejected' columns: drop "
+                        "--prompt-column/--completion-column/--chat-column/--label-column")
+    for name in ("max_prompt_length", "max_completion_length"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise DataError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    _check_eval_split(config)
+    tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
+
+    def pairs(spec):
+        ds = load_source(spec, cache_dir=config.cache_dir)
+        return tokenize_pairs(ds, tokenizer, spec, add_bos=config.add_bos, skip_bad=config.skip_missing)
+
+    def pack(p):
+        return pack_pairs(p, seq_len, tokenizer.pad_id, config.max_prompt_length, config.max_completion_length)
+
+    train_pairs, eval_pairs = pairs(config.data), None
+    if config.eval_data:
+        eval_pairs = pairs(config.eval_data)
+    elif config.eval_fraction:
+        if len(train_pairs) < 2:
+            raise DataError(f"data {config.data!r} has {len(train_pairs)} pair: --eval-fraction needs at least 2")
+        kept, held_out = split_indices(len(train_pairs), config.eval_fraction, seed)
+        train_pairs, eval_pairs = train_pairs.select(kept), train_pairs.select(held_out)
+    if len(train_pairs) < global_batch_size:
+        raise DataError(f"data {config.data!r}: {len(train_pairs)} preference pairs, fewer than one global "
+                        f"batch of {global_batch_size}")
+    common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
+    train = BatchIterator(pack(train_pairs), global_batch_size, seed=seed, shuffle=True, repeat=True, **common)
+    evaluation = None
+    if eval_pairs is not None:
+        evaluation = BatchIterator(pack(eval_pairs), global_batch_size, seed=seed, shuffle=False, repeat=False,
+                                   **common)
+    return train, evaluation

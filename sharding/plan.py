@@ -197,6 +197,7 @@ class Plan:
             ("parameters", t["params"]),
             ("gradients", t["gradients"]),
             ("optimizer state", t["optimizer"]),
+            *([("reference model", t["reference"])] if "reference" in t else []),
             ("activations (estimate)", t["activations"]),
             ("total", t["total"]),
         ]
@@ -250,11 +251,13 @@ def _dims_text(array: Resolved) -> str:
 
 def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int | None,
               optimizer_bytes: int, gradient_bytes: int | None = None, device_memory=None,
-              name=None, workload: dict | None = None) -> Plan:
+              name=None, workload: dict | None = None, reference_bytes: int | None = None) -> Plan:
     """The plan of a validated train state (``validate.Report`` of its params and activations).
 
     ``optimizer_bytes``: the optimizer state's bytes per device (the program knows them from
-    its own optimizer and shardings); ``gradient_bytes`` those of the gradients (default: as the
+    its own optimizer and shardings); ``reference_bytes`` those of a frozen reference model
+    (preference tasks; 0 when the reference costs no parameters, None without one);
+    ``gradient_bytes`` those of the gradients (default: as the
     params; less when only some params train, as LoRA's adapters). The activation estimate is the model's own
     (``model_config.activation_estimate(micro_batch, seq_len, shards)``, where ``shards(names)``
     says how many devices split an array with those logical names); sharding reads no model
@@ -269,6 +272,8 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
                       else int(gradient_bytes)),
         "optimizer": int(optimizer_bytes),
     }
+    if reference_bytes is not None:
+        totals["reference"] = int(reference_bytes)
     est = None
     if model_config is not None:
         est = model_config.activation_estimate(micro_batch, seq_len, Shards(report.rules, mesh))
@@ -277,7 +282,7 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         pipeline = model_config.pipeline_plan(micro_batch, Shards(report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
-                       + (totals["activations"] or 0))
+                       + totals.get("reference", 0) + (totals["activations"] or 0))
     if device_memory is not None and not isinstance(device_memory, tuple):
         device_memory = parse_device_memory(device_memory)
     return Plan(

@@ -26,6 +26,7 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
+TASKS = (None, "lm", "dpo")
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -61,10 +62,21 @@ class TrainConfig:
     eval_data: str | None = None
     eval_fraction: float | None = None  # default: 0.05 of the embedded corpus, else 0
     skip_missing: bool = False  # skip (and count) rows with a null text, prompt or completion
+    max_prompt_length: int | None = None  # preference pairs: keep the prompt's last N tokens
+    max_completion_length: int | None = None  # preference pairs: keep each completion's first N tokens
     tokenizer: str = "byte"
     add_bos: bool = False
     batch_size: int = 16  # global, over all devices and microbatches
     seq_len: int = 128
+    # task: None trains what the model does (next tokens, or its labels); "dpo": preference pairs
+    task: str | None = None
+    loss: str = "sigmoid"  # dpo: sigmoid | ipo | hinge | simpo | orpo (TRL's loss_type)
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 0.0  # simpo: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
+    reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
+    precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
     # optimization
     steps: int = 200
     optimizer: str = "adamw"
@@ -112,6 +124,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
+        if self.task not in TASKS:
+            raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
+        if self.task != "dpo":
+            dpo_only = [n for n in ("reference", "precompute_reference", "max_prompt_length", "max_completion_length")
+                        if getattr(self, n) not in (None, False)]
+            if dpo_only:
+                raise ConfigError(f"--{_flag(dpo_only[0])} is a setting of --task dpo")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.xla_preset not in XLA_PRESETS:
@@ -156,9 +175,12 @@ SECTIONS = {
     "model": ("model", "override", "init_from", "lora_rank", "lora_alpha", "lora_targets",
               "lora_base_dtype", "lora_from"),
     "data": ("data", "text_column", "prompt_column", "completion_column", "chat_column",
-             "label_column", "feature_columns", "eval_data", "eval_fraction", "skip_missing", "tokenizer", "add_bos",
+             "label_column", "feature_columns", "eval_data", "eval_fraction", "skip_missing", "max_prompt_length",
+             "max_completion_length", "tokenizer", "add_bos",
              "batch_size",
              "seq_len"),
+    "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
+             "precompute_reference"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
@@ -188,7 +210,20 @@ HELP = {
     "feature_columns": "classification/regression: comma-separated feature columns (default: all but the label)",
     "eval_data": "held-out data spec for evaluation",
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
-    "skip_missing": "skip rows whose text, prompt or completion is missing (null), with a count; default: refuse them",
+    "skip_missing": "skip rows whose text, prompt or completion is missing (null), and bad preference pairs "
+                    "(empty completion, chosen = rejected), with a count; default: refuse them",
+    "max_prompt_length": "--task dpo: keep the last N tokens of each prompt",
+    "max_completion_length": "--task dpo: keep the first N tokens of each completion",
+    "task": "what to train: the model's own task (default), lm, or dpo (preference pairs: prompt/chosen/rejected)",
+    "loss": "--task dpo: sigmoid (DPO), ipo, hinge, simpo or orpo (TRL's loss_type)",
+    "beta": "--task dpo: the loss's beta (temperature)",
+    "label_smoothing": "--task dpo: label smoothing of sigmoid and simpo (conservative DPO), in [0, 0.5)",
+    "simpo_gamma": "--loss simpo: the target reward margin gamma",
+    "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
+    "reference": "--task dpo: the reference model (a run, a checkpoint or an HF dir); default: the initial "
+                 "policy (with LoRA: the base, adapters off, no second copy)",
+    "precompute_reference": "--task dpo: compute the reference log-probs once before training and store them "
+                            "with the run (OUT/reference_logps*.npy); no reference model while training",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
     "add_bos": "start every document with bos",
     "batch_size": "global batch size in sequences (all devices, all microbatches)",
@@ -227,7 +262,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}
@@ -260,7 +295,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif typing.get_origin(tp) is tuple:  # a comma-separated list, coerced with the rest
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
-            choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES}.get(name)
+            choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
+                       "loss": ("sigmoid", "ipo", "hinge", "simpo", "orpo")}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)
 

@@ -27,6 +27,7 @@ from shardzoo.train.checkpoint import (
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
 from shardzoo.train.runmeta import model_meta
@@ -143,6 +144,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     program = _program(cfg, config, rules, opt_rules, mesh)
     module = program.module
+    if cfg.reference:
+        check_reference(cfg.reference, config)
 
     tokenizer = None if labelled else load_tokenizer(cfg.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
@@ -154,7 +157,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
     data_fields = {f.name for f in dataclasses.fields(DataConfig)}
     data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    data_config = DataConfig(**{**data, "eval_fraction": eval_fraction})
+    data_config = DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task == "dpo"})
     if labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
@@ -300,6 +303,12 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
             "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
         })
+    reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
+    if cfg.reference:
+        reference_params = lambda target: load_reference(cfg.reference, target, p.config)
+    elif cfg.init_from:
+        reference_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
+                                                         init_meta.get("family"))
     init_params = None
     if cfg.init_from and p.resume_step is None:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
@@ -312,7 +321,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     log(p.program.plan(name=_model_name(cfg)).format())
     trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                       opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
-                      program=p.program, log=log)
+                      program=p.program, log=log, reference_params=reference_params)
     log(trainer.describe())
     log(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
         f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")

@@ -49,7 +49,7 @@ from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
 from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
-from shardzoo.train.step import eval_step, score_step, train_step
+from shardzoo.train.step import eval_step, reference_step, score_step, train_step
 from shardzoo.train.tasks import get_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -126,8 +126,12 @@ class Program:
 
     def __init__(self, config, rules, mesh, *, optimizer=None, opt_rules=None, task=None,
                  batch_size: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
-                 skip_nonfinite: bool = False, strict: bool = True):
+                 skip_nonfinite: bool = False, strict: bool = True, reference: str | None = None):
         self.config, self.mesh = config, mesh
+        # a preference task's reference model: "copy" (a frozen copy of the params, sharded as
+        # they are), "adapters" (a LoRA policy's base: the adapters off), "stored" (reference
+        # log-probs precomputed with the run's data), None (no reference)
+        self.reference = reference
         self.task = task if task is not None else get_task(config)
         self.batch_size = batch_size or mesh.size
         self.seq_len = seq_len if seq_len is not None else 8
@@ -172,7 +176,7 @@ class Program:
         self.shardings = TrainState(step=replicated(mesh), params=self.report.shardings(mesh)["params"],
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
-        self._train_step = self._eval_step = self._score_step = None
+        self._train_step = self._eval_step = self._score_step = self._reference_step = None
         self._decoders: dict = {}
 
     # ------------------------------------------------------------------ the one init
@@ -291,6 +295,30 @@ class Program:
                 self._score_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
         return self._score_step
 
+    def compiled_reference_step(self):
+        """The compiled reference step of a preference task: ``(params, batch) -> {ref_logps}``,
+        the batch without its reference entries. ``params``: the reference's (a frozen copy,
+        placed as the params), or with ``reference="adapters"`` the policy's own (its LoRA
+        adapters are switched off inside the step)."""
+        if self._reference_step is None:
+            keys = self.task.reference_keys
+            batch = {k: v for k, v in self.batch_shardings.items() if k not in keys}
+            fn = jax.jit(functools.partial(reference_step, module=self.module, task=self.task,
+                                           adapters_off=bool(getattr(self.config, "lora_rank", 0))),
+                         in_shardings=(self.shardings.params, batch),
+                         out_shardings={k: self.batch_shardings[k] for k in keys})
+            abstract = {k: v for k, v in self.abstract_batch.items() if k not in keys}
+            with activate(self.mesh):
+                self._reference_step = fn.lower(self.abstract.params, abstract).compile()
+        return self._reference_step
+
+    def reference_bytes(self) -> int | None:
+        """What the reference model costs one device: a frozen copy's parameters, else 0 (the
+        base under LoRA's adapters, or stored log-probs); None without a reference."""
+        if not self.task.reference_keys or self.reference is None:
+            return None
+        return per_device_bytes(self.abstract.params, self.shardings.params) if self.reference == "copy" else 0
+
     # ------------------------------------------------------------------ decoding
     def cache_shardings(self, batch_size: int, max_length: int):
         """``(abstract cache, shardings)`` of the decoding cache for ``batch_size`` rows of
@@ -365,9 +393,11 @@ class Program:
 
     def place(self, batch) -> dict:
         """The batch's arrays as global jax.Arrays with the batch shardings (host data is this
-        process's rows)."""
+        process's rows); a preference batch may lack its reference entries."""
         out = {}
         for k, field in self.fields.items():
+            if k not in batch and k in self.task.reference_keys:
+                continue  # the reference step fills it in
             v, sharding = batch[k], self.batch_shardings[k]
             if isinstance(v, jax.Array):
                 out[k] = v if v.sharding == sharding else jax.device_put(v, sharding)
@@ -392,14 +422,15 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name == "lm" else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
                         remat=getattr(e, "remat_policy", None), optimizer="none" if self.tx is None else None)
-        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch, seq_len=seq_len,
+        rows = 2 if self.task.name == "dpo" else 1  # a preference pair is two sequences
+        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
-                         name=name, workload=workload)
+                         name=name, workload=workload, reference_bytes=self.reference_bytes())
 
     @property
     def is_abstract(self) -> bool:
@@ -411,10 +442,13 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
     """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
     ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
     from shardzoo.train.optim import make_optimizer
+    from shardzoo.train.preference import run_task
 
+    task, reference = run_task(cfg, config)
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                   grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict)
+                   grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
+                   task=task, reference=reference)
 
 
 def default_optimizer():

@@ -42,6 +42,7 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
     step = state.step + 1  # the number of this step, 1-based
     step_rng = jax.random.fold_in(rng, state.step)
     total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1e-8)
+    totals = task.step_totals(batch)  # e.g. the step's tokens a per-token term divides by
 
     trained, frozen = split(state.params, trains)
     rate = float(getattr(getattr(module, "config", None), "router_bias_update_rate", 0.0) or 0.0)
@@ -54,7 +55,7 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
             model_metrics = {**model_metrics, "router_load": extra["router_load"]}
         else:
             outputs, aux, model_metrics = forward(task, module, params, mb, mb_rng, deterministic=False)
-        sums = task.sums(outputs, mb)
+        sums = task.sums(outputs, mb) if totals is None else task.sums(outputs, mb, totals)
         obj = sums["loss"] / total_weight + (0.0 if aux is None else aux / grad_accum)
         return obj, (sums, aux, model_metrics)
 
@@ -102,6 +103,7 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
     }
     if "correct" in sums:
         metrics["accuracy"] = sums["correct"] / total_weight
+    metrics.update(task.extra_metrics(sums, total_weight))
     if aux is not None:
         metrics["aux_loss"] = aux
     metrics.update(model_metrics)
@@ -143,6 +145,17 @@ def eval_step(params, batch, *, module, task):
     """The task's sums over the batch (weighted loss, weight, correct guesses)."""
     outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
     return task.sums(outputs, batch)
+
+
+def reference_step(params, batch, *, module, task, adapters_off=False):
+    """The reference model's entries of a preference batch (``task.reference_keys``): its
+    summed completion log-probabilities. ``adapters_off``: ``params`` are a LoRA policy's and the
+    reference is its base, the adapters' ``lora_b`` set to zero (no second copy of the base)."""
+    if adapters_off:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "lora_b" else x, params)
+    outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    return {"ref_logps": jax.lax.stop_gradient(task.reference_logps(outputs, batch))}
 
 
 def score_step(params, batch, *, module, task):

@@ -11,6 +11,9 @@ and multi-device reductions all divide once, by the total weight, at the end.
   ``weights`` float32 ``[batch]``; cross-entropy and accuracy.
 - ``regression``: as classification with float32 ``targets [batch, outputs]``; mean squared
   error over the outputs of each example.
+- ``dpo``: preference pairs (``train/preference.py``): ``[batch, 2, length]`` sequences, a pair
+  weight, and the reference model's log-probabilities, which a reference step of the program
+  fills in before the train step (``reference_keys``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,19 @@ class Task:
             return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
         return (batch["inputs"],), {}
 
+    def step_totals(self, batch):
+        """What a task needs of the step's whole batch besides its weight (None: nothing)."""
+        return None
+
+    def extra_metrics(self, sums, total_weight) -> dict:
+        """Metrics of the step beyond loss and accuracy, from its summed ``sums``."""
+        return {}
+
+    @property
+    def reference_keys(self) -> tuple[str, ...]:
+        """Batch entries a reference model fills in before the step (preference tasks)."""
+        return ()
+
     def sums(self, outputs, batch) -> dict:
         """``loss`` (weighted sum of per-example/token losses), ``weight``, and ``correct``."""
         weights = batch["weights"].astype(jnp.float32)
@@ -89,7 +105,12 @@ TASKS = {
 
 
 def get_task(config_or_name) -> Task:
-    """The task of a model config (its ``task`` field) or by name."""
+    """The task of a model config (its ``task`` field) or by name (``dpo``: preference pairs,
+    ``train/preference.py``, with its default loss)."""
+    if config_or_name == "dpo":
+        from shardzoo.train.preference import preference_task
+
+        return preference_task()
     name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "task", None)
     if name not in TASKS:
         raise UserError(f"task {name!r} is not one of {', '.join(TASKS)}")
@@ -129,4 +150,5 @@ def summarize_eval(task: Task, totals: dict) -> dict:
         out["eval_perplexity"] = float(jnp.exp(jnp.minimum(loss, 80.0)))
     if task.has_accuracy:
         out["eval_accuracy"] = float(totals["correct"]) / weight
+    out.update({f"eval_{k}": float(v) for k, v in task.extra_metrics(totals, weight).items()})
     return out

@@ -96,7 +96,8 @@ class Trainer:
     """
 
     def __init__(self, module, model_config, cfg, mesh, rules, train_data, eval_data=None, *,
-                 opt_rules=None, meta=None, init_params=None, hooks=(), program=None, log=None):
+                 opt_rules=None, meta=None, init_params=None, hooks=(), program=None, log=None,
+                 reference_params=None):
         self.module, self.model_config, self.cfg = module, model_config, cfg
         self.mesh, self.rules, self.opt_rules = mesh, rules, opt_rules
         self.train_data, self.eval_data = train_data, eval_data
@@ -105,6 +106,8 @@ class Trainer:
         self.meta.update(optimizer=cfg.optimizer, mesh=describe_mesh(mesh),
                          rules=self.meta.get("rules") or getattr(rules, "name", ""))
         self.init_params = init_params
+        self._reference_source = reference_params  # target -> the reference's params (dpo)
+        self.reference_params = None
         self.hooks = tuple(hooks)
         self.program = program
         self.log = log or say
@@ -126,6 +129,7 @@ class Trainer:
         # the newest step that restores; newer damaged ones are moved aside with one line each
         latest = self.checkpointer.restore_newest(functools.partial(self._start, target))
         self.last_saved = latest  # the newest checkpoint on disk
+        self._setup_reference()
         self._eval_start = self.eval_data.state() if self.eval_data is not None else None
         t0 = time.perf_counter()
         self._train_step = self.program.compiled_train_step()
@@ -152,8 +156,65 @@ class Trainer:
         self.start_step = step
         self.log(f"resumed from {os.path.join(self.checkpointer.root, str(step))}")
 
+    def _keys(self):
+        """(the run's step key, the init key), both from the seed."""
+        return np.asarray(jax.random.split(jax.random.PRNGKey(self.cfg.seed)), np.uint32)
+
+    # ------------------------------------------------------------------ the reference model (dpo)
+    def _load_reference(self):
+        """The reference's params: ``--reference``, ``--init-from`` or, with neither, the
+        seed's initial params (the policy at step 0, recomputed on a resume)."""
+        target = self.program.abstract.params
+        given = self._reference_source(target) if self._reference_source is not None else None
+        return self.program.init(self._keys()[1], params=given).params  # LoRA: adapters filled in
+
+    def _setup_reference(self) -> None:
+        """A frozen copy (``Program.reference == "copy"``), or the reference log-probs of every
+        pair computed once and stored with the run (``"stored"``: ``OUT/reference_logps.npy``,
+        read back on a resume)."""
+        kind = self.program.reference
+        if kind == "copy":
+            self.reference_params = self._load_reference()
+        elif kind == "stored":
+            params = None
+            for split, name in (("train_data", "reference_logps.npy"), ("eval_data", "reference_logps_eval.npy")):
+                data = getattr(self, split)
+                if data is None:
+                    continue
+                path = os.path.join(self.cfg.out, name)
+                logps = np.load(path) if os.path.exists(path) else None
+                if logps is None or logps.shape != (len(data.rows), 2):
+                    params = self._load_reference() if params is None else params
+                    logps = self._reference_pass(data, params)
+                    if is_main_process():
+                        tmp = path + ".tmp.npy"
+                        np.save(tmp, logps)
+                        os.replace(tmp, path)
+                    self.log(f"stored the reference log-probs of {len(logps)} pairs in {path}")
+                setattr(self, split, data.with_rows(data.rows.with_reference(logps)))
+
+    def _reference_pass(self, data, params) -> np.ndarray:
+        """``[pairs, 2]``: the reference's summed completion log-probs of every pair of ``data``."""
+        from jax.experimental import multihost_utils
+
+        step, outs = self.program.compiled_reference_step(), []
+        for batch in data.with_rows(data.rows, in_order=True):
+            out = step(params, self.program.place(batch))["ref_logps"]
+            outs.append(np.asarray(multihost_utils.process_allgather(out, tiled=True)
+                                   if jax.process_count() > 1 else out))
+        return np.concatenate(outs)[: len(data.rows)].astype(np.float32)
+
+    def complete(self, placed: dict, params) -> dict:
+        """A placed batch with its reference entries (a preference task's reference step on the
+        frozen copy, or on ``params`` with the adapters off); other batches as they are."""
+        keys = self.program.task.reference_keys
+        if not keys or all(k in placed for k in keys):
+            return placed
+        ref = self.reference_params if self.reference_params is not None else params
+        return {**placed, **self.program.compiled_reference_step()(ref, placed)}
+
     def _init(self, target) -> None:
-        key, init_key = np.asarray(jax.random.split(jax.random.PRNGKey(self.cfg.seed)), np.uint32)
+        key, init_key = self._keys()
         params = self.init_params(target.params) if self.init_params else None
         self.state = self.program.init(init_key, params=params)
         self.rng = jax.device_put(key, replicated(self.mesh))
@@ -168,12 +229,13 @@ class Trainer:
             f"{_mib(per_device_bytes(s.params, sh.params))} per device; optimizer state "
             f"{_mib(per_device_bytes(s.opt_state, sh.opt_state))} per device"
             + (f" (rules {self.opt_rules.name})" if self.opt_rules is not None else "")
+            + _REFERENCE_WORDS.get(self.program.reference, "")
         )
 
     # ------------------------------------------------------------------ steps
     def train_step(self, state, batch) -> tuple:
         """One compiled step: ``(new_state, metrics)``; ``state`` is donated."""
-        return self._train_step(state, self.program.place(batch), self.rng)
+        return self._train_step(state, self.complete(self.program.place(batch), state.params), self.rng)
 
     def evaluate(self, sample: bool = False) -> dict:
         """The task's eval metrics over the whole held-out split (one pass of an iterator that
@@ -194,7 +256,8 @@ class Trainer:
                 break
             # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
             # queue of hundreds of dispatches on a long split, and the same rounding
-            out = jax.device_get(step(self.state.params, self.program.place(batch)))
+            placed = self.complete(self.program.place(batch), self.state.params)
+            out = jax.device_get(step(self.state.params, placed))
             out = {k: np.float64(v) for k, v in out.items()}
             totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
         if totals is None:
@@ -325,6 +388,13 @@ class _StepTimer:
         step_time = (now - self.start - self.excluded) / max(self.steps, 1)
         self.start, self.steps, self.excluded = now, 0, 0.0
         return {"step_time_s": step_time, f"{unit}_per_sec": units_per_step / step_time}
+
+
+_REFERENCE_WORDS = {  # how a preference task's reference model is held (Program.reference)
+    "copy": "; reference model: a frozen copy, sharded as the params",
+    "adapters": "; reference model: the base with the LoRA adapters off (no copy)",
+    "stored": "; reference model: log-probs stored with the run (no model)",
+}
 
 
 def _scalars(metrics: dict) -> dict:
