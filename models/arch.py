@@ -26,7 +26,7 @@ from shardzoo.models.features import feature
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)
 DENSE, MOE = "dense", "moe"
-ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # models/moe.py's router kinds
@@ -75,7 +75,8 @@ class TransformerArch:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6  # also LayerNorm's epsilon
     initializer_range: float = 0.02
-    hidden_act: str = "silu"
+    # "xielu": xIELU with its four learned scalars per layer's MLP (Apertus; models/layers.py XIELU)
+    hidden_act: str = feature("silu", lambda v: "xielu" if v == "xielu" else None)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
@@ -298,6 +299,9 @@ class TransformerArch:
                              f"{self.attention_chunk_size} without layer_types: say which layers are which")
         if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
             raise ModelError("mlp_layer_types has moe layers but num_local_experts is 0")
+        if self.hidden_act == "xielu" and self.num_local_experts:
+            raise ModelError(f"hidden_act='xielu' (learned per-layer scalars) runs in dense MLPs only; "
+                             f"num_local_experts={self.num_local_experts}")
         if self.num_local_experts < 0:
             raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:

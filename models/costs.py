@@ -158,11 +158,16 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size + shared
 
 
+# The leaves transformers holds as buffers (not parameters): not counted by ``transformer_params``.
+BUFFERS = (("moe", "router_bias"), ("xielu", "beta"), ("xielu", "eps"))
+
+
 def transformer_params(a, active: bool = False) -> int:
     """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
     MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
     transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
-    there, trained by no gradient)."""
+    there, trained by no gradient), and xIELU's ``beta`` and ``eps`` (buffers there too, fixed:
+    ``BUFFERS``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
     d, hd = a.hidden_size, a.head_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
@@ -188,6 +193,8 @@ def transformer_params(a, active: bool = False) -> int:
             total += a.num_attention_heads
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d))
+        if a.hidden_act == "xielu" and not moe:  # alpha_p, alpha_n (arch refuses xielu with MoE)
+            total += 2
         if a.mlp_bias and not moe:
             total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
         if a.mlp_bias and moe and a.shared_expert_intermediate_size:  # the shared expert's MLP

@@ -34,7 +34,9 @@ FEATURES = {
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
-    "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
+    "gated_mlp": "gated MLP (SwiGLU, GeGLU)",
+    "xielu": "the xIELU activation (hidden_act=xielu) with learned alpha_p, alpha_n (through softplus), beta and eps "
+             "per layer's MLP (Apertus)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
     "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
     "attention_softcap": "soft-capped attention logits",

@@ -16,10 +16,12 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
+    apertus,
     arcee,
     cohere,
     deepseek_v2,
     deepseek_v3,
+    ernie4_5,
     exaone4,
     gemma,
     gpt2,
@@ -67,9 +69,11 @@ FAMILIES: tuple[Family, ...] = (
     phi.PHI,
     cohere.COHERE,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
+    ernie4_5.ERNIE4_5,  # before llama4_text, which also expresses a dense model with interleaved rotary
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,
+    apertus.APERTUS,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

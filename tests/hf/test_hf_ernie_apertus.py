@@ -1,0 +1,268 @@
+"""Ernie 4.5 (dense) and Apertus against transformers.
+
+Ernie 4.5: Llama's layout with rotary embeddings on interleaved pairs (a feature of the shared
+layers, as Cohere's), one ``use_bias`` flag for q/k/v, o and the MLP's projections, head_dim 128
+when config.json has none. Apertus: xIELU (``hidden_act="xielu"``, a feature of the shared
+layers: four scalars per layer's MLP, alpha_p and alpha_n learned through softplus), the norm of
+each query and key head, an ungated MLP, llama3 rotary scaling by default.
+
+Per family a tiny random HF model with its mechanisms on (Ernie: biases, head_dim 16 != hidden /
+heads; Apertus: q/k/v/o biases, and every layer's xIELU scalars drawn away from their init, eps
+-0.05 so that it acts): logits equal transformers' on one device and under fsdp_tp on 8 devices,
+greedy tokens equal over 16, export then ``from_pretrained`` equal; each mechanism changes
+transformers' logits; gradients reach alpha_p and alpha_n (not beta and eps: buffers in
+transformers). Presets count as transformers' on the meta device. Tolerance: 1e-4 on float32
+logits.
+"""
+
+import copy
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from transformers import ApertusConfig, AutoModelForCausalLM, Ernie4_5Config
+
+from shardzoo.models import ModelError, get_config
+from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
+from shardzoo.models.hf.registry import PRESETS
+from shardzoo.models.transformer import Transformer
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.sharding.partition import activate
+from shardzoo.train.hf_io import load_hf
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ERNIE = dict(DIMS, head_dim=16, use_bias=True, rope_theta=10000.0)
+APERTUS = dict(DIMS, attention_bias=True)  # llama3 rotary: ApertusConfig's default
+TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
+TOL = 1e-4
+
+
+def hf_logits(model, tokens=TOKENS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def randomized(hf_config, seed: int):
+    """An HF model of ``hf_config`` with every weight random (biases and xIELU's alpha_p and
+    alpha_n too), norm scales near 1; xIELU's buffers beta and eps drawn per layer (eps big
+    enough to act: expm1(min(x, eps)) differs from expm1(x) for x in (eps, 0])."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
+                    else 0.5 * torch.randn_like(p) if "act_fn" in name else 0.15 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("act_fn.beta"):
+                b.copy_(0.5 + 0.2 * torch.randn_like(b))
+            elif name.endswith("act_fn.eps"):
+                b.copy_(-0.05 * (1 + torch.rand_like(b)))
+    return model
+
+
+def _build(tmp_path_factory, name, hf_config, seed):
+    model = randomized(hf_config, seed)
+    path = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(path)
+    return path, model, hf_logits(model)
+
+
+@pytest.fixture(scope="module")
+def ernie(tmp_path_factory):
+    return _build(tmp_path_factory, "ernie4_5", Ernie4_5Config(**ERNIE), seed=11)  # a seed whose greedy continuation varies
+
+
+@pytest.fixture(scope="module")
+def apertus(tmp_path_factory):
+    return _build(tmp_path_factory, "apertus", ApertusConfig(**APERTUS), seed=7)
+
+
+def _apply(module, params, mesh):
+    with activate(mesh):
+        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+
+
+def _one_device():
+    return make_mesh("data=1", devices=jax.devices()[:1])
+
+
+# ---------------------------------------------------------------------------------- configs
+def test_the_configs_read_as_their_mechanisms(ernie, apertus):
+    e = load_hf_config(ernie[0])
+    assert e.rope_interleaved and e.attention_bias and e.attention_out_bias and e.mlp_bias
+    assert (e.head_size, e.kv_heads, e.mlp_type, e.tie_word_embeddings) == (16, 2, "gated", True)
+    a = load_hf_config(apertus[0])
+    assert (a.hidden_act, a.mlp_type, a.qk_norm) == ("xielu", "plain", "head")
+    assert a.attention_bias and a.attention_out_bias and not a.mlp_bias and not a.tie_word_embeddings
+    assert a.rope_theta == 12000000.0 and a.rope_scaling_dict["rope_type"] == "llama3"
+    for config, model in ((e, ernie[1]), (a, apertus[1])):
+        assert config.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def _edited(path, tmp_path, **changes):
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            hf.pop(key, None)
+        else:
+            hf[key] = value
+    os.makedirs(tmp_path, exist_ok=True)
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    os.symlink(os.path.join(path, "model.safetensors"), os.path.join(tmp_path, "model.safetensors"))
+    return str(tmp_path), hf
+
+
+def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_path):
+    """Ernie: no head_dim means 128, no num_key_value_heads 2 (Ernie4_5Config's defaults, not
+    hidden_size / heads and heads); Apertus: no rope_parameters nor rope_scaling means
+    ApertusConfig's llama3 rotary at 12e6, whatever rope_theta says."""
+    path, hf = _edited(ernie[0], tmp_path / "e", head_dim=None, num_key_value_heads=None)
+    assert "head_dim" not in hf and "rope_parameters" in hf
+    config = load_hf_config(path)
+    want = AutoModelForCausalLM.from_config(Ernie4_5Config(**{k: v for k, v in ERNIE.items()
+                                                               if k not in ("head_dim", "num_key_value_heads")}))
+    assert (config.head_size, config.kv_heads) == (want.config.head_dim, want.config.num_key_value_heads) == (128, 2)
+    path, _ = _edited(apertus[0], tmp_path / "a", rope_parameters=None, rope_theta=10000.0)
+    config = load_hf_config(path)
+    assert config.rope_theta == 12000000.0 and config.rope_scaling_dict["factor"] == 8.0
+
+
+def test_xielu_with_experts_is_refused_naming_the_field():
+    with pytest.raises(ModelError, match="hidden_act='xielu'.*num_local_experts=4"):
+        get_config("mixtral-tiny", hidden_act="xielu")
+
+
+# ------------------------------------------------------------------------------- mechanisms
+def test_ernies_interleaved_rotary_and_biases_change_the_logits(ernie):
+    """The same weights with rotate-half rotary (zoo), or without biases (transformers), give
+    other logits: a family that dropped either could not pass the parity tests below."""
+    path, model, ref = ernie
+    module, config, params = load_hf(path, mesh=_one_device())
+    np.testing.assert_allclose(_apply(module, params, _one_device()), ref, atol=TOL, rtol=0)
+    got = _apply(Transformer(config.replace(rope_interleaved=False)), params, _one_device())
+    assert np.abs(got - ref).max() > 1e-2
+    other = AutoModelForCausalLM.from_config(Ernie4_5Config(**(ERNIE | dict(use_bias=False))),
+                                             attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict(), strict=False)
+    assert np.abs(hf_logits(other) - ref).max() > 1e-2
+
+
+def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus):
+    """In transformers: each xIELU scalar (alpha_p, alpha_n, beta, eps), xIELU itself (vs GELU
+    on the same weights), the q/k norms and the llama3 scaling each move the logits."""
+    _, model, ref = apertus
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            for layer in other.model.layers:
+                t = getattr(layer.mlp.act_fn, name)
+                t.copy_(t - 0.3 if name != "eps" else t * 0 - 1e-6)
+        assert np.abs(hf_logits(other) - ref).max() > 1e-3, name
+    other = AutoModelForCausalLM.from_config(ApertusConfig(**(APERTUS | dict(hidden_act="gelu"))),
+                                             attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict(), strict=False)
+    assert np.abs(hf_logits(other) - ref).max() > 1e-2
+    other = copy.deepcopy(model)
+    for layer in other.model.layers:
+        layer.self_attn.q_norm, layer.self_attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
+    assert np.abs(hf_logits(other) - ref).max() > 1e-2
+    other = AutoModelForCausalLM.from_config(
+        ApertusConfig(**APERTUS, rope_parameters=dict(rope_type="default", rope_theta=12000000.0)),
+        attn_implementation="eager").eval()
+    other.load_state_dict(model.state_dict())
+    assert np.abs(hf_logits(other) - ref).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("family", ["ernie", "apertus"])
+def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
+    path, model, ref = request.getfixturevalue(family)
+    module, _, params = load_hf(path, mesh=_one_device(), rules=get_rules("fsdp"))
+    got = _apply(module, params, _one_device())
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    assert params["layers"]["attn"]["q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
+        None, "fsdp", "tensor", None)
+    sharded = _apply(module, params, mesh)
+    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    print(f"{family}: max |logit diff| one device {np.abs(got - ref).max():.2e}, "
+          f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
+
+
+@pytest.mark.parametrize("family", ["ernie", "apertus"])
+def test_greedy_generate_matches_transformers(family, request, parity):
+    path, model, _ = request.getfixturevalue(family)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+@pytest.mark.parametrize("family, model_type", [("ernie", "ernie4_5"), ("apertus", "apertus")])
+def test_export_round_trip_loads_the_same_model(family, model_type, request, tmp_path, parity):
+    path, model, ref = request.getfixturevalue(family)
+    _, config, params = load_hf(path)
+    hf = export_hf(config, params, str(tmp_path))
+    assert hf["model_type"] == model_type
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+def test_apertus_exports_its_rotary_as_rope_parameters(apertus):
+    """transformers reads an Apertus config.json without rope_parameters as llama3 at 12e6:
+    a plain rotary exports explicitly."""
+    config = load_hf_config(apertus[0]).replace(rope_scaling=None, rope_theta=10000.0)
+    hf = config_to_hf(config)
+    assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0} and "rope_scaling" not in hf
+    assert ApertusConfig.from_dict(hf).rope_parameters == hf["rope_parameters"]
+
+
+def test_families_without_xielu_or_interleaved_rotary_refuse_to_export_them(ernie, apertus):
+    with pytest.raises(HFError, match=r"arcee cannot express feature xielu \(hidden_act='xielu'\)"):
+        config_to_hf(load_hf_config(apertus[0]), family="arcee")
+    with pytest.raises(HFError, match=r"llama cannot express feature rope_interleaved"):
+        config_to_hf(load_hf_config(ernie[0]), family="llama")
+
+
+# -------------------------------------------------------------------------------- training
+def test_gradients_reach_the_xielu_alphas_and_a_step_moves_them(apertus):
+    """alpha_p and alpha_n are learned (gradients nonzero in every layer, one adamw step moves
+    them); beta and eps are transformers' buffers: no gradient, unchanged."""
+    path, _, _ = apertus
+    module, _, params = load_hf(path, mesh=_one_device())
+    tokens = jnp.asarray(TOKENS)
+
+    def loss(p):
+        logits = module.apply({"params": p}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    xielu = grads["layers"]["mlp"]["xielu"]
+    assert xielu["alpha_p"].shape == (2,)  # one per layer, scanned
+    assert np.all(np.abs(np.asarray(xielu["alpha_p"])) > 1e-6) and np.all(np.abs(np.asarray(xielu["alpha_n"])) > 1e-6)
+    assert not np.any(np.asarray(xielu["beta"])) and not np.any(np.asarray(xielu["eps"]))
+    tx = optax.adamw(1e-2)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    stepped = optax.apply_updates(params, updates)["layers"]["mlp"]["xielu"]
+    before = params["layers"]["mlp"]["xielu"]
+    assert np.all(np.asarray(stepped["alpha_p"]) != np.asarray(before["alpha_p"]))
+    assert np.all(np.asarray(stepped["alpha_n"]) != np.asarray(before["alpha_n"]))
+
+
+# --------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "apertus-tiny"])
+def test_presets_count_as_transformers_on_the_meta_device(name):
+    config = PRESETS[name]
+    hf_config = config_to_hf(config)
+    cls = {"ernie4_5": Ernie4_5Config, "apertus": ApertusConfig}[hf_config["model_type"]]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cls.from_dict(hf_config))
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    if name == "ernie-4.5-0.3b":
+        assert config.num_params() == 360_748_032
