@@ -29,7 +29,7 @@ DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # models/moe.py's router kinds
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
 ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -145,10 +145,12 @@ class TransformerArch:
     # probability (DeepSeek-V2's group_limited_greedy); "sigmoid_groups": sigmoid scores, chosen
     # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
     # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
-    # its logit and the outputs summed (Llama 4)
+    # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
+    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
-                                           "sigmoid_input": "input_scaled_router"})
+                                           "sigmoid_input": "input_scaled_router",
+                                           "softmax_bias": "biased_softmax_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -222,7 +224,7 @@ class TransformerArch:
             set_("shared_expert_gate", False)  # no shared expert, nothing to gate
         if self.router_kind == "softmax_groups" and self.n_group == 1:
             set_("router_kind", "softmax")  # one group: the plain top-k
-        if self.router_kind in ("softmax", "sigmoid_input"):  # no groups
+        if self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):  # no groups
             set_("n_group", 1)
             set_("topk_group", 1)
         if self.n_group == 1:
@@ -343,7 +345,7 @@ class TransformerArch:
         if not _positive(self.routed_scaling_factor):
             raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
         e, g = self.num_local_experts, self.n_group
-        if not e or self.router_kind in ("softmax", "sigmoid_input"):
+        if not e or self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):
             return
         if e % g or self.topk_group > g:
             raise ModelError(f"n_group={g} must divide num_local_experts={e} and topk_group="

@@ -161,8 +161,12 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size + shared
 
 
-# The leaves transformers holds as buffers (not parameters): not counted by ``transformer_params``.
-BUFFERS = (("moe", "router_bias"), ("xielu", "beta"), ("xielu", "eps"))
+def buffers(a) -> tuple[tuple[str, str], ...]:
+    """The leaves (their last two path keys) that transformers holds as buffers, not
+    parameters: not counted by ``transformer_params``. Ernie 4.5 MoE's correction bias is a
+    parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
+    out = (("xielu", "beta"), ("xielu", "eps"))
+    return out + ((("moe", "router_bias"),) if a.router_kind == "sigmoid_groups" else ())
 
 
 def transformer_params(a, active: bool = False) -> int:
@@ -170,7 +174,7 @@ def transformer_params(a, active: bool = False) -> int:
     MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
     transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
     there, trained by no gradient), and xIELU's ``beta`` and ``eps`` (buffers there too, fixed:
-    ``BUFFERS``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
+    ``buffers``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
     d, hd = a.hidden_size, a.head_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
@@ -195,7 +199,8 @@ def transformer_params(a, active: bool = False) -> int:
         if a.attention_sinks:
             total += a.num_attention_heads
         if moe:
-            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d))
+            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
+                                            + (a.router_kind == "softmax_bias"))  # its correction bias
         if a.hidden_act == "xielu" and not moe:  # alpha_p, alpha_n (arch refuses xielu with MoE)
             total += 2
         if a.mlp_bias and not moe:

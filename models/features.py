@@ -61,6 +61,8 @@ FEATURES = {
     "attention_temperature": "queries of the NoPE layers scaled by 1 + attn_scale * log(1 + floor((p + 1) / "
                              "floor_scale)) (Llama 4's attn_temperature_tuning)",
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
+    "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
+                             "(Ernie 4.5 MoE)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "

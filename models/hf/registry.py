@@ -69,7 +69,7 @@ FAMILIES: tuple[Family, ...] = (
     phi.PHI,
     cohere.COHERE,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
-    ernie4_5.ERNIE4_5,  # before llama4_text, which also expresses a dense model with interleaved rotary
+    ernie4_5.ERNIE4_5, ernie4_5.ERNIE4_5_MOE,  # before llama4_text, which also expresses a dense model with interleaved rotary
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,

@@ -1,13 +1,16 @@
-"""Ernie 4.5 (dense) and Apertus against transformers.
+"""Ernie 4.5 (dense and MoE) and Apertus against transformers.
 
 Ernie 4.5: Llama's layout with rotary embeddings on interleaved pairs (a feature of the shared
 layers, as Cohere's), one ``use_bias`` flag for q/k/v, o and the MLP's projections, head_dim 128
-when config.json has none. Apertus: xIELU (``hidden_act="xielu"``, a feature of the shared
+when config.json has none; Ernie 4.5 MoE adds MoE layers from ``moe_layer_start_index`` (a
+softmax router whose top-k is chosen with a correction bias added, weighted by the unbiased
+probabilities; shared experts; the output head's bias with ``use_bias``). Apertus: xIELU (``hidden_act="xielu"``, a feature of the shared
 layers: four scalars per layer's MLP, alpha_p and alpha_n learned through softplus), the norm of
 each query and key head, an ungated MLP, llama3 rotary scaling by default.
 
 Per family a tiny random HF model with its mechanisms on (Ernie: biases, head_dim 16 != hidden /
-heads; Apertus: q/k/v/o biases, and every layer's xIELU scalars drawn away from their init, eps
+heads; Ernie MoE: a dense layer then two MoE layers of 4 experts top-2 with a shared expert, the
+correction bias random, biases everywhere; Apertus: q/k/v/o biases, and every layer's xIELU scalars drawn away from their init, eps
 -0.05 so that it acts): logits equal transformers' on one device and under fsdp_tp on 8 devices,
 greedy tokens equal over 16, export then ``from_pretrained`` equal; each mechanism changes
 transformers' logits; gradients reach alpha_p and alpha_n (not beta and eps: buffers in
@@ -25,7 +28,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from transformers import ApertusConfig, AutoModelForCausalLM, Ernie4_5Config
+from transformers import ApertusConfig, AutoModelForCausalLM, Ernie4_5_MoeConfig, Ernie4_5Config
 
 from shardzoo.models import ModelError, get_config
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
@@ -39,9 +42,12 @@ DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
 ERNIE = dict(DIMS, head_dim=16, use_bias=True, rope_theta=10000.0)
+ERNIE_MOE = dict(DIMS, num_hidden_layers=3, use_bias=True, moe_intermediate_size=16, moe_k=2, moe_num_experts=4,
+                 moe_num_shared_experts=1)  # layer 0 dense (moe_layer_start_index 1)
 APERTUS = dict(DIMS, attention_bias=True)  # llama3 rotary: ApertusConfig's default
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4
+SEED_MOE = 9  # a seed whose greedy continuation varies
 
 
 def hf_logits(model, tokens=TOKENS) -> np.ndarray:
@@ -80,6 +86,11 @@ def ernie(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ernie_moe(tmp_path_factory):
+    return _build(tmp_path_factory, "ernie4_5_moe", Ernie4_5_MoeConfig(**ERNIE_MOE), seed=SEED_MOE)
+
+
+@pytest.fixture(scope="module")
 def apertus(tmp_path_factory):
     return _build(tmp_path_factory, "apertus", ApertusConfig(**APERTUS), seed=7)
 
@@ -94,7 +105,7 @@ def _one_device():
 
 
 # ---------------------------------------------------------------------------------- configs
-def test_the_configs_read_as_their_mechanisms(ernie, apertus):
+def test_the_configs_read_as_their_mechanisms(ernie, ernie_moe, apertus):
     e = load_hf_config(ernie[0])
     assert e.rope_interleaved and e.attention_bias and e.attention_out_bias and e.mlp_bias
     assert (e.head_size, e.kv_heads, e.mlp_type, e.tie_word_embeddings) == (16, 2, "gated", True)
@@ -102,7 +113,11 @@ def test_the_configs_read_as_their_mechanisms(ernie, apertus):
     assert (a.hidden_act, a.mlp_type, a.qk_norm) == ("xielu", "plain", "head")
     assert a.attention_bias and a.attention_out_bias and not a.mlp_bias and not a.tie_word_embeddings
     assert a.rope_theta == 12000000.0 and a.rope_scaling_dict["rope_type"] == "llama3"
-    for config, model in ((e, ernie[1]), (a, apertus[1])):
+    m = load_hf_config(ernie_moe[0])
+    assert m.mlp_layer_types == ("dense", "moe", "moe") and m.router_kind == "softmax_bias" and m.norm_topk_prob
+    assert (m.num_local_experts, m.num_experts_per_tok, m.expert_size, m.shared_expert_intermediate_size) == (4, 2, 16, 16)
+    assert m.lm_head_bias and m.mlp_bias and m.rope_interleaved and m.moe_dispatch == "dropless"
+    for config, model in ((e, ernie[1]), (m, ernie_moe[1]), (a, apertus[1])):
         assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
@@ -156,6 +171,19 @@ def test_ernies_interleaved_rotary_and_biases_change_the_logits(ernie):
     assert np.abs(hf_logits(other) - ref).max() > 1e-2
 
 
+def test_ernie_moes_correction_bias_and_shared_expert_change_the_logits(ernie_moe):
+    """Zeroing the correction bias (so the choice is the plain top-k) or the shared experts
+    moves transformers' logits."""
+    _, model, ref = ernie_moe
+    for part in ("moe_statics", "shared_experts.down_proj"):
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in other.named_parameters():
+                if part in name:
+                    p.zero_()
+        assert np.abs(hf_logits(other) - ref).max() > 1e-3, part
+
+
 def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus):
     """In transformers: each xIELU scalar (alpha_p, alpha_n, beta, eps), xIELU itself (vs GELU
     on the same weights), the q/k norms and the llama3 scaling each move the logits."""
@@ -183,7 +211,7 @@ def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus
 
 
 # ----------------------------------------------------------------------------------- parity
-@pytest.mark.parametrize("family", ["ernie", "apertus"])
+@pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
 def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
     path, model, ref = request.getfixturevalue(family)
     module, _, params = load_hf(path, mesh=_one_device(), rules=get_rules("fsdp"))
@@ -199,13 +227,14 @@ def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
           f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 
-@pytest.mark.parametrize("family", ["ernie", "apertus"])
+@pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
 def test_greedy_generate_matches_transformers(family, request, parity):
     path, model, _ = request.getfixturevalue(family)
     parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-@pytest.mark.parametrize("family, model_type", [("ernie", "ernie4_5"), ("apertus", "apertus")])
+@pytest.mark.parametrize("family, model_type", [("ernie", "ernie4_5"), ("ernie_moe", "ernie4_5_moe"),
+                                                    ("apertus", "apertus")])
 def test_export_round_trip_loads_the_same_model(family, model_type, request, tmp_path, parity):
     path, model, ref = request.getfixturevalue(family)
     _, config, params = load_hf(path)
@@ -264,11 +293,12 @@ def test_gradients_reach_the_xielu_alphas_and_a_step_moves_them(apertus):
 
 
 # --------------------------------------------------------------------------------- presets
-@pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "apertus-tiny"])
+@pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "ernie4.5-moe-tiny", "apertus-tiny"])
 def test_presets_count_as_transformers_on_the_meta_device(name):
     config = PRESETS[name]
     hf_config = config_to_hf(config)
-    cls = {"ernie4_5": Ernie4_5Config, "apertus": ApertusConfig}[hf_config["model_type"]]
+    cls = {"ernie4_5": Ernie4_5Config, "ernie4_5_moe": Ernie4_5_MoeConfig,
+           "apertus": ApertusConfig}[hf_config["model_type"]]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cls.from_dict(hf_config))
     assert config.num_params() == sum(p.numel() for p in model.parameters())

@@ -20,6 +20,7 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
@@ -141,6 +142,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     # AutoModelForCausalLM builds (and saves) its text model: the llama4_text config, written back as llama4
     "llama4": lambda: Llama4Config(text_config=LLAMA4_TEXT, vision_config=LLAMA4_VISION),
     "ernie4_5": lambda: Ernie4_5Config(**DIMS, head_dim=16, use_bias=True),  # head_dim: 128 if absent
+    "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**(DIMS | dict(num_hidden_layers=3)), use_bias=True, moe_k=2,
+                                               moe_num_experts=4, moe_intermediate_size=16, moe_num_shared_experts=1),
     "apertus": lambda: ApertusConfig(**DIMS, attention_bias=True),  # xIELU, qk-norm, llama3 rotary
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
