@@ -59,8 +59,8 @@ MOE_FEATURES = FEATURES | {"moe", "moe_pattern", "expert_width", "shared_experts
                            "lm_head_bias"}
 
 
-def _moe_layers(n: int, start: int, end: int, interval: int) -> tuple[str, ...]:
-    end = n - 1 if end == -1 else end
+def _moe_layers(n: int, start: int, end: int | None, interval: int) -> tuple[str, ...]:
+    end = n - 1 if end in (-1, None) else end  # -1 (and null, which transformers cannot build): the last
     return tuple(MOE if (i + 1) % interval == 0 and start <= i <= end else DENSE for i in range(n))
 
 
@@ -139,6 +139,13 @@ ERNIE4_5_MOE = Family(
     "ernie4_5_moe", ("ernie4_5_moe",), "Ernie4_5_MoeForCausalLM", MOE_SCHEMA, MOE_FEATURES, moe_from_hf, moe_to_hf,
     moe_global_weights, moe_layer_weights, execution=mixtral.HF_MOE,
     presets={
+        # baidu/ERNIE-4.5-21B-A3B-PT/config.json (Ernie4_5_MoeConfig's defaults): 64 experts top-6 and
+        # 2 shared in layers 1-27, layer 0 dense
+        "ernie-4.5-21b-a3b": MOE_BASE | dict(
+            vocab_size=103424, hidden_size=2560, intermediate_size=12288, num_hidden_layers=28,
+            num_attention_heads=20, num_key_value_heads=4, max_position_embeddings=131072, num_local_experts=64,
+            num_experts_per_tok=6, moe_intermediate_size=1536, shared_expert_intermediate_size=2 * 1536,
+            mlp_layer_types=("dense",) + ("moe",) * 27, bos_token_id=1, eos_token_id=2),
         # a dense layer 0, then MoE layers of 4 experts (top 2) with one shared expert
         "ernie4.5-moe-tiny": MOE_BASE | llama.TINY | dict(
             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,

@@ -151,6 +151,16 @@ def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_p
     assert config.rope_theta == 12000000.0 and config.rope_scaling_dict["factor"] == 8.0
 
 
+def test_ernie_moe_layer_range_and_a_norm_floor_it_cannot_compute(ernie_moe, tmp_path):
+    """moe_layer_end_index -1 (or null) runs to the last layer; a moe_norm_min floor that
+    would change the weights (shardzoo divides by their sum) is refused naming the field."""
+    path, _ = _edited(ernie_moe[0], tmp_path / "a", moe_layer_end_index=-1, moe_layer_interval=2)
+    assert load_hf_config(path).mlp_layer_types == ("dense", "moe", "dense")
+    path, _ = _edited(ernie_moe[0], tmp_path / "b", moe_norm_min=0.5)
+    with pytest.raises(HFError, match="moe_norm_min=0.5"):
+        load_hf_config(path)
+
+
 def test_xielu_with_experts_is_refused_naming_the_field():
     with pytest.raises(ModelError, match="hidden_act='xielu'.*num_local_experts=4"):
         get_config("mixtral-tiny", hidden_act="xielu")
@@ -293,7 +303,8 @@ def test_gradients_reach_the_xielu_alphas_and_a_step_moves_them(apertus):
 
 
 # --------------------------------------------------------------------------------- presets
-@pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "ernie4.5-moe-tiny", "apertus-tiny"])
+@pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "ernie-4.5-21b-a3b", "ernie4.5-moe-tiny",
+                                  "apertus-tiny"])
 def test_presets_count_as_transformers_on_the_meta_device(name):
     config = PRESETS[name]
     hf_config = config_to_hf(config)
@@ -302,5 +313,6 @@ def test_presets_count_as_transformers_on_the_meta_device(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cls.from_dict(hf_config))
     assert config.num_params() == sum(p.numel() for p in model.parameters())
-    if name == "ernie-4.5-0.3b":
-        assert config.num_params() == 360_748_032
+    published = {"ernie-4.5-0.3b": 360_748_032, "ernie-4.5-21b-a3b": 21_825_437_888}  # "0.36B", "21.8B"
+    if name in published:
+        assert config.num_params() == published[name]
