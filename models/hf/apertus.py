@@ -7,8 +7,6 @@ through xIELU (``hidden_act="xielu"``: four scalars per layer, ``mlp.act_fn.alph
 transformers quirk: a config.json without ``rope_parameters`` and ``rope_scaling`` gets
 ApertusConfig's llama3 rotary (``DEFAULT_ROPE``), whatever its ``rope_theta`` says; so export
 always writes ``rope_parameters``.
-
-No Apertus-8B preset: its published config.json was not at hand to state exactly.
 """
 
 from __future__ import annotations
@@ -68,4 +66,11 @@ BASE = dict(mlp_type="plain", hidden_act="xielu", qk_norm="head", rms_norm_eps=1
 APERTUS = Family(
     "apertus", ("apertus",), "ApertusForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights,
-    presets={"apertus-tiny": llama.TINY | BASE})
+    presets={
+        # swiss-ai/Apertus-8B-2509/config.json (as several independent copies state it: 8 kv heads,
+        # 21504 wide; bos/eos ApertusConfig's)
+        "apertus-8b": BASE | dict(vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
+                                  bos_token_id=1, eos_token_id=2),
+        "apertus-tiny": llama.TINY | BASE,
+    })

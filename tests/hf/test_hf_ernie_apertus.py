@@ -304,7 +304,7 @@ def test_gradients_reach_the_xielu_alphas_and_a_step_moves_them(apertus):
 
 # --------------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "ernie-4.5-21b-a3b", "ernie4.5-moe-tiny",
-                                  "apertus-tiny"])
+                                  "apertus-8b", "apertus-tiny"])
 def test_presets_count_as_transformers_on_the_meta_device(name):
     config = PRESETS[name]
     hf_config = config_to_hf(config)
@@ -313,6 +313,7 @@ def test_presets_count_as_transformers_on_the_meta_device(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cls.from_dict(hf_config))
     assert config.num_params() == sum(p.numel() for p in model.parameters())
-    published = {"ernie-4.5-0.3b": 360_748_032, "ernie-4.5-21b-a3b": 21_825_437_888}  # "0.36B", "21.8B"
+    published = {"ernie-4.5-0.3b": 360_748_032, "ernie-4.5-21b-a3b": 21_825_437_888,  # "0.36B", "21.8B"
+                 "apertus-8b": 8_053_338_176}
     if name in published:
         assert config.num_params() == published[name]
