@@ -10,12 +10,12 @@ each query and key head, an ungated MLP, llama3 rotary scaling by default.
 
 Per family a tiny random HF model with its mechanisms on (Ernie: biases, head_dim 16 != hidden /
 heads; Ernie MoE: a dense layer then two MoE layers of 4 experts top-2 with a shared expert, the
-correction bias random, biases everywhere; Apertus: q/k/v/o biases, and every layer's xIELU scalars drawn away from their init, eps
--0.05 so that it acts): logits equal transformers' on one device and under fsdp_tp on 8 devices,
-greedy tokens equal over 16, export then ``from_pretrained`` equal; each mechanism changes
-transformers' logits; gradients reach alpha_p and alpha_n (not beta and eps: buffers in
-transformers). Presets count as transformers' on the meta device. Tolerance: 1e-4 on float32
-logits.
+correction bias random, biases everywhere; Apertus: q/k/v/o biases, and every layer's xIELU
+scalars drawn away from their init, eps -0.05 so that it acts): logits equal transformers' on
+one device and under fsdp_tp on 8 devices, greedy tokens equal over 16, export then
+``from_pretrained`` equal; each mechanism changes transformers' logits; ``shardzoo train``
+moves alpha_p and alpha_n in every layer (not beta and eps: buffers in transformers). Presets
+count as transformers' on the meta device. Tolerance: 1e-4 on float32 logits.
 """
 
 import copy
@@ -23,9 +23,7 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import torch
 from transformers import ApertusConfig, AutoModelForCausalLM, Ernie4_5_MoeConfig, Ernie4_5Config
@@ -269,39 +267,6 @@ def test_families_without_xielu_or_interleaved_rotary_refuse_to_export_them(erni
         config_to_hf(load_hf_config(ernie[0]), family="llama")
 
 
-# -------------------------------------------------------------------------------- training
-def test_gradients_reach_the_xielu_alphas_and_a_step_moves_them(apertus):
-    """alpha_p and alpha_n are learned (gradients nonzero in every layer, one adam step moves
-    them); beta and eps are transformers' buffers: no gradient, unchanged."""
-    path, _, _ = apertus
-    module, _, params = load_hf(path, mesh=_one_device())
-    tokens = jnp.asarray(TOKENS)
-
-    def loss(p):
-        logits = module.apply({"params": p}, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    tx = optax.adam(1e-2)  # the trainer's adamw decays no scalar (train/optim.py decay_mask)
-
-    @jax.jit
-    def step(p):
-        g = jax.grad(loss)(p)
-        updates, _ = tx.update(g, tx.init(p), p)
-        return g, optax.apply_updates(p, updates)
-
-    grads, stepped = step(params)
-    xielu = grads["layers"]["mlp"]["xielu"]
-    assert xielu["alpha_p"].shape == (2,)  # one per layer, scanned
-    assert np.all(np.abs(np.asarray(xielu["alpha_p"])) > 1e-6) and np.all(np.abs(np.asarray(xielu["alpha_n"])) > 1e-6)
-    assert not np.any(np.asarray(xielu["beta"])) and not np.any(np.asarray(xielu["eps"]))
-    stepped = stepped["layers"]["mlp"]["xielu"]
-    before = params["layers"]["mlp"]["xielu"]
-    assert np.all(np.asarray(stepped["alpha_p"]) != np.asarray(before["alpha_p"]))
-    assert np.all(np.asarray(stepped["alpha_n"]) != np.asarray(before["alpha_n"]))
-    for name in ("beta", "eps"):  # no gradient, no decay (scalars): as read
-        np.testing.assert_array_equal(np.asarray(stepped[name]), np.asarray(before[name]))
-
-
 # --------------------------------------------------------------------------------- presets
 @pytest.mark.parametrize("name", ["ernie-4.5-0.3b", "ernie4.5-tiny", "ernie-4.5-21b-a3b", "ernie4.5-moe-tiny",
                                   "apertus-8b", "apertus-tiny"])
@@ -317,3 +282,45 @@ def test_presets_count_as_transformers_on_the_meta_device(name):
                  "apertus-8b": 8_053_338_176}
     if name in published:
         assert config.num_params() == published[name]
+
+
+def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tmp_path):
+    """``shardzoo train --init-from`` the tiny Apertus (a 128-id BPE tokenizer beside it) under
+    fsdp on 8 devices: the loss falls, every layer's alpha_p and alpha_n move, beta and eps do
+    not (transformers' buffers: no gradient, and the trainer decays no scalar); ``export-hf``
+    loads in transformers and computes what the run's checkpoint computes (1e-4)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from shardzoo import cli
+    from shardzoo.train.checkpoint import load_model_and_params
+    from shardzoo.train.metrics import read_metrics
+
+    hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")
+    shutil.copytree(apertus[0], hf_dir)
+    text = [f"the {w} sat on the mat and the dog ran to the {w}." for w in ("cat", "bird", "fox", "cow")]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(text * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(hf_dir)
+    data = str(tmp_path / "data.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps({"text": line}) + "\n" for line in text * 20)
+    assert cli.main(["train", "--init-from", hf_dir, "--data", data, "--out", run, "--steps", "8", "--batch-size", "8",
+                     "--seq-len", "16", "--lr", "3e-3", "--warmup-steps", "0", "--save-every", "8",
+                     "--eval-every", "0", "--log-every", "1", "--rules", "fsdp", "--mesh", "fsdp=8"]) == 0
+    losses = [r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "loss" in r]
+    assert len(losses) == 8 and np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.2, losses
+    assert cli.main(["export-hf", run, out]) == 0
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    for before, after in zip(apertus[1].model.layers, back.model.layers, strict=True):
+        for name in ("alpha_p", "alpha_n"):
+            assert not torch.allclose(getattr(after.mlp.act_fn, name), getattr(before.mlp.act_fn, name)), name
+        for name in ("beta", "eps"):
+            torch.testing.assert_close(getattr(after.mlp.act_fn, name), getattr(before.mlp.act_fn, name),
+                                       rtol=0, atol=0)
+    module, _, params, _ = load_model_and_params(run)
+    got = np.asarray(jax.jit(lambda p, x: module.apply({"params": p}, x))(params, TOKENS[:2]))
+    np.testing.assert_allclose(hf_logits(back, TOKENS[:2]), got, atol=TOL, rtol=0)
