@@ -235,6 +235,18 @@ def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
           f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 
+def test_ernie_moe_logits_match_under_ep_with_the_indexed_dispatch(ernie_moe):
+    """Experts, router and correction bias split 4 ways; a slot for every token (capacity
+    factor experts / k), so nothing is dropped, as in transformers."""
+    path, _, ref = ernie_moe
+    mesh = make_mesh("expert=4,data=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
+                                overrides=dict(moe_dispatch="indexed", capacity_factor=4 / 2))
+    bias = params["layers"]["moe"]["router_bias"]
+    assert bias.shape == (2, 4) and bias.addressable_shards[0].data.shape == (2, 1)
+    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
 def test_greedy_generate_matches_transformers(family, request, parity):
     path, model, _ = request.getfixturevalue(family)
