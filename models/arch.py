@@ -26,10 +26,10 @@ from shardzoo.models.features import feature
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)
 DENSE, MOE = "dense", "moe"
-ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # models/moe.py's router kinds
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
 ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -75,7 +75,8 @@ class TransformerArch:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6  # also LayerNorm's epsilon
     initializer_range: float = 0.02
-    hidden_act: str = "silu"
+    # "xielu": xIELU with its four learned scalars per layer's MLP (Apertus; models/layers.py XIELU)
+    hidden_act: str = feature("silu", lambda v: "xielu" if v == "xielu" else None)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
@@ -146,10 +147,12 @@ class TransformerArch:
     # probability (DeepSeek-V2's group_limited_greedy); "sigmoid_groups": sigmoid scores, chosen
     # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
     # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
-    # its logit and the outputs summed (Llama 4)
+    # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
+    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
-                                           "sigmoid_input": "input_scaled_router"})
+                                           "sigmoid_input": "input_scaled_router",
+                                           "softmax_bias": "biased_softmax_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -225,7 +228,7 @@ class TransformerArch:
             set_("shared_expert_gate", False)  # no shared expert, nothing to gate
         if self.router_kind == "softmax_groups" and self.n_group == 1:
             set_("router_kind", "softmax")  # one group: the plain top-k
-        if self.router_kind in ("softmax", "sigmoid_input"):  # no groups
+        if self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):  # no groups
             set_("n_group", 1)
             set_("topk_group", 1)
         if self.n_group == 1:
@@ -302,6 +305,9 @@ class TransformerArch:
                              f"{self.attention_chunk_size} without layer_types: say which layers are which")
         if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
             raise ModelError("mlp_layer_types has moe layers but num_local_experts is 0")
+        if self.hidden_act == "xielu" and self.num_local_experts:
+            raise ModelError(f"hidden_act='xielu' (learned per-layer scalars) runs in dense MLPs only; "
+                             f"num_local_experts={self.num_local_experts}")
         if self.num_local_experts < 0:
             raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
@@ -343,7 +349,7 @@ class TransformerArch:
         if not _positive(self.routed_scaling_factor):
             raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
         e, g = self.num_local_experts, self.n_group
-        if not e or self.router_kind in ("softmax", "sigmoid_input"):
+        if not e or self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):
             return
         if e % g or self.topk_group > g:
             raise ModelError(f"n_group={g} must divide num_local_experts={e} and topk_group="

@@ -44,7 +44,10 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
       mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of
       the activation (jax lists five for tanh-GELU; XLA's fusions keep about one: gemma3-tiny's
-      plan/compiled 0.97 with one, 1.17 with five; gemma2-tiny 0.90)
+      plan/compiled 0.97 with one, 1.17 with five; gemma2-tiny 0.90); xIELU (hidden_act xielu,
+      either kind): xielu 4 F, the four float residuals jax lists beside its input (measured:
+      apertus-tiny at F=1024, B=8, L=256 holds 11.9 F more per token than arcee-tiny's relu2
+      without remat, 3 layers' worth: 2 saved, 1 backward)
     MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
       z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
       expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
@@ -158,11 +161,20 @@ def _layer_matmul_params(a, moe: bool, active: bool) -> int:
     return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size + shared
 
 
+def buffers(a) -> tuple[tuple[str, str], ...]:
+    """The leaves (their last two path keys) that transformers holds as buffers, not
+    parameters: not counted by ``transformer_params``. Ernie 4.5 MoE's correction bias is a
+    parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
+    out = (("xielu", "beta"), ("xielu", "eps"))
+    return out + ((("moe", "router_bias"),) if a.router_kind == "sigmoid_groups" else ())
+
+
 def transformer_params(a, active: bool = False) -> int:
     """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
     MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
     transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
-    there, trained by no gradient)."""
+    there, trained by no gradient), and xIELU's ``beta`` and ``eps`` (buffers there too, fixed:
+    ``buffers``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
     d, hd = a.hidden_size, a.head_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
@@ -188,7 +200,10 @@ def transformer_params(a, active: bool = False) -> int:
         if a.attention_sinks:
             total += a.num_attention_heads
         if moe:
-            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d))
+            total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
+                                            + (a.router_kind == "softmax_bias"))  # its correction bias
+        if a.hidden_act == "xielu" and not moe:  # alpha_p, alpha_n (arch refuses xielu with MoE)
+            total += 2
         if a.mlp_bias and not moe:
             total += a.intermediate_size * (2 if a.mlp_type == "gated" else 1) + d
         if a.mlp_bias and moe and a.shared_expert_intermediate_size:  # the shared expert's MLP
@@ -255,6 +270,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         dense.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if e.fuse_projections else 0)
         if a.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
             dense["mlp_act"] = t(f, BLF)
+    if a.hidden_act == "xielu":  # its residuals: alpha_p x, expm1's derivative, both branches' sums
+        dense["xielu"] = t(4 * f, BLF)
     experts = a.num_local_experts
     moe_layer = None
     if experts:

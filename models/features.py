@@ -35,7 +35,9 @@ FEATURES = {
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "qk_norm_no_bias": "the q/k norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)",
     "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
-    "gated_mlp": "gated MLP (SwiGLU, GeGLU)", "plain_mlp": "plain MLP (up, activation, down)",
+    "gated_mlp": "gated MLP (SwiGLU, GeGLU)",
+    "xielu": "the xIELU activation (hidden_act=xielu) with learned alpha_p, alpha_n (through softplus), beta and eps "
+             "per layer's MLP (Apertus)", "plain_mlp": "plain MLP (up, activation, down)",
     "sliding_window": "sliding-window attention", "layer_pattern": "per-layer attention kinds (layer_types)",
     "query_pre_attn_scalar": "attention scale from query_pre_attn_scalar (Gemma 2/3)",
     "attention_softcap": "soft-capped attention logits",
@@ -60,6 +62,8 @@ FEATURES = {
     "attention_temperature": "queries of the NoPE layers scaled by 1 + attn_scale * log(1 + floor((p + 1) / "
                              "floor_scale)) (Llama 4's attn_temperature_tuning)",
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
+    "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
+                             "(Ernie 4.5 MoE)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "

@@ -282,8 +282,49 @@ ACTIVATIONS = {
 
 
 def activation(name: str):
-    """The function of an HF activation name (configs check the name when they are built)."""
+    """The function of an HF activation name (configs check the name when they are built;
+    "xielu" has parameters: ``XIELU``)."""
     return ACTIVATIONS[name]
+
+
+def _softplus_inverse(y: float) -> float:
+    return math.log(math.expm1(y))
+
+
+class XIELU(nn.Module):
+    """xIELU (arXiv 2411.13010; Apertus), as transformers' ``XIELUActivation`` computes it::
+
+        alpha_p' = softplus(alpha_p), alpha_n' = beta + softplus(alpha_n)
+        x > 0:  alpha_p' x^2 + beta x
+        else:   alpha_n' (expm1(min(x, eps)) - x) + beta x
+
+    Four scalars per layer (a leading ``layers`` axis when scanned), stored as transformers
+    stores them: ``alpha_p`` and ``alpha_n`` before their softplus (learned), ``beta`` and
+    ``eps`` as read (buffers there: fixed, so no gradient reaches them here either). Computed
+    in the activation's dtype, as transformers does.
+    """
+
+    param_dtype: str = "float32"
+    alpha_p_init: float = 0.8
+    alpha_n_init: float = 0.8
+    beta_init: float = 0.5
+    eps_init: float = -1e-6
+
+    @nn.compact
+    def __call__(self, x):
+        def scalar(name, value):
+            init = nn.initializers.constant(value)
+            return self.param(name, nn.with_logical_partitioning(init, ()), (), dtype_of(self.param_dtype))
+
+        alpha_p = scalar("alpha_p", _softplus_inverse(self.alpha_p_init))
+        alpha_n = scalar("alpha_n", _softplus_inverse(self.alpha_n_init - self.beta_init))
+        beta = jax.lax.stop_gradient(scalar("beta", self.beta_init)).astype(x.dtype)
+        eps = jax.lax.stop_gradient(scalar("eps", self.eps_init)).astype(x.dtype)
+        alpha_p = jax.nn.softplus(alpha_p.astype(x.dtype))
+        alpha_n = beta + jax.nn.softplus(alpha_n.astype(x.dtype))
+        positive = alpha_p * x * x + beta * x
+        negative = (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x
+        return jnp.where(x > 0, positive, negative)
 
 
 @jax.custom_vjp
@@ -315,7 +356,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         a, kw = self.config.arch, linear_kw(self.config)
-        act = activation(a.hidden_act)
+        if a.hidden_act == "xielu":  # learned scalars: a submodule of this MLP
+            act = XIELU(self.config.execution.param_dtype, name="xielu")
+        else:
+            act = activation(a.hidden_act)
         width = self.width or a.intermediate_size
 
         def linear(name):

@@ -50,7 +50,7 @@ from shardzoo.models.layers import ACTIVATIONS, constrain
 from shardzoo.sharding import axes as ax
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input")  # see ``choose_experts``
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # see ``choose_experts``
 
 
 class MoeError(ModelError):
@@ -158,6 +158,9 @@ def choose_experts(logits, cfg: MoeConfig, bias=None):
       picks the k best within the ``topk_group`` best groups; the weights are the unbiased scores.
     - ``sigmoid_input``: the k largest logits, weights their sigmoid (Llama 4); ``MoeMLP``
       scales each chosen expert's input by its weight, not its output.
+    - ``softmax_bias``: the k experts whose softmax probability plus the correction ``bias``
+      [expert] is highest; the weights are their unbiased probabilities (Ernie 4.5 MoE's
+      moe_statics.e_score_correction_bias).
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -177,6 +180,11 @@ def choose_experts(logits, cfg: MoeConfig, bias=None):
         top_p = jnp.take_along_axis(scores, top_idx, axis=-1)
         probs = scores / scores.sum(-1, keepdims=True)
         eps = 1e-20  # transformers' denominator guard
+    elif kind == "softmax_bias":
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, top_idx = top_k(probs + bias, k)
+        top_p = jnp.take_along_axis(probs, top_idx, axis=-1)
+        eps = 0.0
     else:
         probs = jax.nn.softmax(logits, axis=-1)
         masked = probs
@@ -429,7 +437,7 @@ class MoeMLP(nn.Module):
             name="router",
         )(router_in)  # [batch, length, expert]
         bias = None
-        if cfg.router_kind == "sigmoid_groups":  # trained by no gradient (transformers: a buffer)
+        if cfg.router_kind in ("sigmoid_groups", "softmax_bias"):  # trained by no gradient (top_k's choice)
             bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
                               (num_experts,), jnp.float32)
         probs, top_p, top_idx = choose_experts(logits, cfg, bias)  # top_*: [batch, length, k]

@@ -16,11 +16,13 @@ import os
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
+    apertus,
     arcee,
     cohere,
     cohere2,
     deepseek_v2,
     deepseek_v3,
+    ernie4_5,
     exaone4,
     gemma,
     glm,
@@ -72,10 +74,12 @@ FAMILIES: tuple[Family, ...] = (
     cohere.COHERE, cohere2.COHERE2,
     stablelm.STABLELM,
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
+    ernie4_5.ERNIE4_5, ernie4_5.ERNIE4_5_MOE,  # before llama4_text, which also expresses a dense model with interleaved rotary
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
+    apertus.APERTUS,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

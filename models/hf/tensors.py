@@ -55,6 +55,8 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
     shape = tuple(leaf_shape[1:] if w.experts else leaf_shape)
     lead = (w.experts,) if w.stacked_experts else ()
     widths = _widths(w)
+    if w.op == "copy" and w.part[1] == 1:  # whole (a scalar too: xIELU's beta and eps)
+        return lead + shape
     if w.op == "copy":  # a part: its columns among the fused tensor's
         return lead + shape[:-1] + (shape[-1] * sum(widths) // widths[w.part[0]],)
     if w.op == "vec":
@@ -317,11 +319,14 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             if len(parts) < w.part[1]:
                 continue
             ordered = [parts[k] for k in range(w.part[1])]
-            if w.interleaved:  # column c of part j at c * n + j
+            if len(ordered) == 1:  # whole (a scalar too)
+                arr = ordered[0]
+            elif w.interleaved:  # column c of part j at c * n + j
                 arr = np.stack(ordered, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
             else:
                 arr = np.concatenate(ordered, axis=-1)
-            arr = np.ascontiguousarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype))
+            arr = np.asarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype),
+                             order="C")  # (ascontiguousarray would make a scalar 1-d)
             del pending[name]
             if current and sum(a.nbytes for a in current.values()) + arr.nbytes > max_shard_bytes:
                 flush()

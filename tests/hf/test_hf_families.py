@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    ApertusConfig,
     ArceeConfig,
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,6 +21,8 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Ernie4_5_MoeConfig,
+    Ernie4_5Config,
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
@@ -80,7 +83,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
-                  "stablelm")  # models/hf/<name>.py
+                  "stablelm", "ernie4_5", "apertus")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -154,6 +157,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "glm4_moe": lambda: Glm4MoeConfig(**(DIMS | dict(num_hidden_layers=3)), n_routed_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=16, n_group=2, topk_group=1, routed_scaling_factor=1.5,
                                       use_qk_norm=True, attention_bias=True),  # a dense layer, then MoE ones
+    "ernie4_5": lambda: Ernie4_5Config(**DIMS, head_dim=16, use_bias=True),  # head_dim: 128 if absent
+    "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(**(DIMS | dict(num_hidden_layers=3)), use_bias=True, moe_k=2,
+                                               moe_num_experts=4, moe_intermediate_size=16, moe_num_shared_experts=1),
+    "apertus": lambda: ApertusConfig(**DIMS, attention_bias=True),  # xIELU, qk-norm, llama3 rotary
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).

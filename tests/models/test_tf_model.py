@@ -13,6 +13,7 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError, get_config, get_model, list_models
 from shardzoo.models.attention import apply_rope, rope_inv_freq
+from shardzoo.models.costs import buffers
 from shardzoo.models.execution import REMAT_POLICIES
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.layers import swiglu
@@ -267,9 +268,9 @@ def test_every_preset_names_every_dimension_and_has_its_published_size():
         assert len(specs) == len(leaves)
         for spec, leaf in zip(specs, leaves, strict=True):
             assert len(spec) == leaf.ndim and set(spec) <= set(ax.ALL), (name, spec, leaf.shape)
-        # DeepSeek-V3's router correction bias is a buffer to transformers: not counted
+        # DeepSeek-V3's router correction bias and xIELU's beta and eps are buffers to transformers: not counted
         counted = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(boxed))
-                   if "router_bias" not in jax.tree_util.keystr(path)]
+                   if tuple(k.key for k in path[-2:]) not in buffers(config.arch)]
         assert config.num_params() == sum(math.prod(a.shape) for a in counted), name
         if name in PUBLISHED:
             assert config.num_params() == PUBLISHED[name], name
