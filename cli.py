@@ -80,7 +80,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
     src.add_argument("--hf", metavar="HF_DIR",
                      help="a Hugging Face model dir (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    what.add_argument("--prompt-file", metavar="FILE",
+                      help="continue the exact text of FILE (UTF-8; a trailing newline is kept)")
+    what.add_argument("--messages", metavar="FILE",
+                      help="a JSON list of {\"role\", \"content\"} messages, rendered with the model's chat "
+                           "template (as chat fine-tuning renders them) and its generation prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-k", type=int, default=0,
@@ -97,8 +103,8 @@ def _add_step_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    """Print the prompt and its continuation."""
-    from shardzoo.train import hf_io
+    """Print the prompt (a rendered --messages conversation) and its continuation."""
+    from shardzoo.train import hf_io, prompts
     from shardzoo.train.defaults import mesh_and_rules
 
     if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
@@ -107,11 +113,16 @@ def cmd_generate(args) -> int:
                         "0 < --top-p <= 1")
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
+    prompt = (prompts.read_prompt_file(args.prompt_file) if args.prompt_file is not None
+              else prompts.read_messages(args.messages) if args.messages is not None
+              else prompts.Prompt(args.prompt))  # files are checked before the model loads
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
     _, config, params, tokenizer = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype,
                                                            step=args.step)
-    print(hf_io.generate_text(config, params, tokenizer, args.prompt, mesh, rules, args.max_new_tokens,
-                              args.temperature, args.top_k, args.top_p, args.seed))
+    prompt = prompts.render(prompt, tokenizer)
+    print(hf_io.generate_text(config, params, tokenizer, prompt.text, mesh, rules, args.max_new_tokens,
+                              args.temperature, args.top_k, args.top_p, args.seed,
+                              special_tokens=prompt.special_tokens, what=prompt.source))
     return 0
 
 

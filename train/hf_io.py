@@ -151,22 +151,25 @@ def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, 
     return module, config, params, tokenizer
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, special_tokens: bool = True) -> list[int]:
     """Prompt ids as the model saw text in training: an HF tokenizer adds its own special tokens
-    (e.g. Llama's bos) through its post-processor, as transformers does; others add none."""
+    (e.g. Llama's bos) through its post-processor, as transformers does; others add none.
+    Without ``special_tokens`` (a rendered chat template, which writes its own) none are added."""
     inner = getattr(tokenizer, "tokenizer", None)  # HFTokenizer's tokenizers.Tokenizer
-    return inner.encode(text).ids if inner is not None else tokenizer.encode(text)
+    return inner.encode(text).ids if inner is not None and special_tokens else list(tokenizer.encode(text))
 
 
 def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0, seed: int = 0) -> str:
+                  top_p: float = 1.0, seed: int = 0, special_tokens: bool = True,
+                  what: str = "--prompt") -> str:
     """The prompt and its continuation, decoded by the model's Program on ``mesh`` under
     ``rules`` (``params`` placed as that program lays them out); stops at the config's eos
-    token(s), if any."""
-    ids = encode_prompt(tokenizer, prompt)
+    token(s), if any. ``special_tokens``: see ``encode_prompt``; ``what`` names the prompt's
+    flag in errors."""
+    ids = encode_prompt(tokenizer, prompt, special_tokens)
     if not ids:
-        raise UserError("--prompt encodes to no tokens")
+        raise UserError(f"{what} encodes to no tokens")
     if max(ids) >= config.vocab_size:
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")
