@@ -50,6 +50,47 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+# --------------------------------------------------------------------------- data
+PREVIEW_FLAGS = ("rows", "split", "json")
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    from shardzoo.train.config import SECTIONS, add_arguments
+
+    add_arguments(p, only=SECTIONS["data"] + ("seed",))
+    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (or examples) to show (default: 2)")
+    p.add_argument("--split", default="train", choices=("train", "eval"), help="the split to show (default: train)")
+    p.add_argument("--json", action="store_true", help="print the counts and rows as JSON")
+
+
+def cmd_data(args) -> int:
+    """Show how the data flags (train's) tokenize, pack and mask: counts and the first rows."""
+    import argparse as _argparse
+    import json
+
+    from shardzoo.data.preview import format_preview, preview_labelled, preview_lm
+    from shardzoo.train.config import config_from_args
+    from shardzoo.train.launch import data_config_of
+
+    if args.rows < 0:
+        raise UserError(f"--rows must be 0 or more, got {args.rows}")
+    if not sys.stderr.isatty():  # keep a user error one line on a log
+        import datasets
+
+        datasets.disable_progress_bars()
+    given = _argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in PREVIEW_FLAGS})
+    cfg = config_from_args(given)
+    config = data_config_of(cfg)
+    if args.split == "eval" and not (config.eval_data or config.eval_fraction):
+        raise UserError("--split eval: this data spec holds out no eval split (give --eval-data or --eval-fraction)")
+    if config.labelled:
+        preview = preview_labelled(config, cfg.batch_size, cfg.seed, args.rows, args.split)
+    else:
+        preview = preview_lm(config, cfg.seq_len, cfg.seed, args.rows, args.split)
+    print(json.dumps({"data": cfg.data, **preview}, indent=1) if args.json else format_preview(preview, cfg.data))
+    return 0
+
+
 # --------------------------------------------------------------------------- plot
 def add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT", help="a run directory holding metrics.jsonl")
@@ -263,6 +304,7 @@ COMMANDS = {
     "export-lora": (add_export_lora_args, cmd_export_lora, "write a LoRA run's adapters as a PEFT adapter dir"),
     "eval": (add_eval_args, cmd_eval, "loss, perplexity, accuracy or multiple-choice accuracy of a model"),
     "plot": (add_plot_args, cmd_plot, "draw the loss curves of a run to a PNG"),
+    "data": (add_data_args, cmd_data, "show how data flags tokenize, pack and mask: tokens, which train, rows, truncation"),
 }
 
 

@@ -243,11 +243,13 @@ def _field_type(name: str):
     return args[0] if args else tp
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``shardzoo train`` flags, one per TrainConfig field, plus --config."""
+def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The ``shardzoo train`` flags, one per TrainConfig field (``only``: those fields), plus --config."""
     p.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below (flags win)")
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
+        if only is not None and field.name not in only:
+            continue
         name, tp = field.name, _field_type(field.name)
         group = p
         kw = {"dest": name, "default": argparse.SUPPRESS}

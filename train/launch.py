@@ -112,7 +112,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``."""
     import datasets
 
-    from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
+    from shardzoo.data import load_tokenizer, make_datasets, make_labelled_datasets
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
         datasets.disable_progress_bars()
@@ -149,12 +149,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
-    eval_fraction = cfg.eval_fraction
-    if eval_fraction is None:
-        eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
-    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
-    data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    data_config = DataConfig(**{**data, "eval_fraction": eval_fraction})
+    data_config = data_config_of(cfg)
     if labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
@@ -164,6 +159,18 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
+
+
+def data_config_of(cfg: TrainConfig):
+    """The ``data.DataConfig`` of a run's settings (the held-out fraction defaulted)."""
+    from shardzoo.data import DataConfig
+
+    eval_fraction = cfg.eval_fraction
+    if eval_fraction is None:
+        eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
+    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
+    data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
+    return DataConfig(**{**data, "eval_fraction": eval_fraction})
 
 
 def _check_labelled(cfg, config, data) -> None:
