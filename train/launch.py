@@ -294,6 +294,9 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
+    if model_info.task(p.config) == "classification":  # string labels map back to these names
+        names = p.train_data.label_names
+        meta["classes"] = {"num_classes": p.train_data.num_classes, "names": list(names) if names else None}
     if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
         base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
