@@ -39,6 +39,7 @@ from shardzoo.train.defaults import (
     default_seq_len,
     mesh_and_rules,
 )
+from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import summarize_eval
 
@@ -72,12 +73,9 @@ class EvalSettings:
     out: str | None = None
 
 
-def _progress(total: int, desc: str):
-    """A tqdm bar on stderr (off when stderr is not a terminal, and on every process but 0)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False,
-                disable=None if jax.process_index() == 0 else True)
+def _progress(total: int | None, desc: str):
+    """``metrics.progress``: a bar on stderr when it is a terminal, from process 0 only."""
+    return progress(total, desc, jax.process_index() == 0)
 
 
 # --------------------------------------------------------------------------- language modelling

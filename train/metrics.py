@@ -45,6 +45,15 @@ def _number(value):
     return value if math.isfinite(value) else str(value)  # NaN/Inf as strings: strict JSON
 
 
+def progress(total: int | None, desc: str, active: bool = True):
+    """A tqdm bar with an ETA on stderr, cleared when done; off when stderr is not a terminal
+    (a log or a pipe gets no bar) and where ``active`` is False (every process but 0)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False,
+                disable=None if active else True)
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step, mirrors it to TensorBoard, drives the progress bar.
 

@@ -28,7 +28,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     restore_params,
 )
-from shardzoo.train.metrics import MetricsLogger
+from shardzoo.train.metrics import MetricsLogger, progress
 from shardzoo.train.program import per_device_bytes, run_program
 from shardzoo.train.tasks import summarize_eval
 
@@ -189,14 +189,16 @@ class Trainer:
         self.eval_data.restore(self._eval_start)
         step = self.program.compiled_eval_step()
         totals = None
-        for i, batch in enumerate(self.eval_data):
-            if i >= limit:
-                break
-            # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
-            # queue of hundreds of dispatches on a long split, and the same rounding
-            out = jax.device_get(step(self.state.params, self.program.place(batch)))
-            out = {k: np.float64(v) for k, v in out.items()}
-            totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+        with progress(min(limit, length) if length is not None else limit, "eval", is_main_process()) as bar:
+            for i, batch in enumerate(self.eval_data):
+                if i >= limit:
+                    break
+                # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
+                # queue of hundreds of dispatches on a long split, and the same rounding
+                out = jax.device_get(step(self.state.params, self.program.place(batch)))
+                out = {k: np.float64(v) for k, v in out.items()}
+                totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+                bar.update()
         if totals is None:
             return {}
         summary = summarize_eval(self.program.task, totals)
