@@ -120,7 +120,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
     src.add_argument("--hf", metavar="HF_DIR",
-                     help="a Hugging Face model dir (config.json, safetensors, tokenizer.json)")
+                     help="a Hugging Face model dir (config.json, safetensors, tokenizer.json) or Hub "
+                          "model id ORG/NAME[@REVISION] (from the cache; HF_HUB_OFFLINE, HF_TOKEN)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     what.add_argument("--prompt-file", metavar="FILE",
@@ -170,7 +171,8 @@ def cmd_generate(args) -> int:
 # --------------------------------------------------------------------------- import-hf / export-hf
 def add_import_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR",
-                   help="config.json + model.safetensors (or an index of shards)")
+                   help="config.json + model.safetensors (or an index of shards), or a Hub model id "
+                        "ORG/NAME[@REVISION]")
     p.add_argument("out", metavar="OUT_DIR",
                    help="the shardzoo run dir to write (checkpoints/0, tokenizer/)")
     p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
@@ -222,7 +224,8 @@ def cmd_export_hf(args) -> int:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
-    src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json)")
+    src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json) or "
+                     "Hub model id ORG/NAME[@REVISION]")
     p.add_argument("--data", default=None, metavar="SPEC",
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "

@@ -23,6 +23,7 @@ from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
 from shardzoo.train.defaults import mesh_and_rules
+from shardzoo.train.hub import resolve_model_dir
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import DirLock, check_empty_target
 from shardzoo.train.runmeta import model_meta
@@ -61,6 +62,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     """Convert an HF model dir into a shardzoo run dir at ``out_dir``; return the checkpoint meta.
     Nothing is written until every tensor has been read."""
     mesh, rules = mesh_and_rules(mesh, rules)
+    hf_dir = resolve_model_dir(hf_dir, "HF_DIR")  # a Hub model id: its snapshot in the cache
     model_type = hf.read_hf_config(hf_dir).get("model_type")
     family = hf.family_of_model_type(model_type, os.path.join(hf_dir, "config.json"))
     out_dir = os.path.abspath(out_dir)

@@ -26,6 +26,7 @@ from shardzoo.train.checkpoint import (
 )
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
+from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -298,7 +299,8 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
         names = p.train_data.label_names
         meta["classes"] = {"num_classes": p.train_data.num_classes, "names": list(names) if names else None}
     if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
-        base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
+        base = cfg.model if not cfg.init_from else cfg.init_from if is_hub_id(cfg.init_from) \
+            else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
     if main:  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)

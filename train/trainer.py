@@ -238,7 +238,8 @@ class Trainer:
         """
         cfg = self.cfg
         end = min(cfg.steps, stop_after or cfg.steps)
-        self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process())
+        self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process(),
+                                    getattr(cfg, "wandb", None), cfg.to_sections() if hasattr(cfg, "to_sections") else None)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
