@@ -162,9 +162,12 @@ def cmd_generate(args) -> int:
     _, config, params, tokenizer = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype,
                                                            step=args.step)
     prompt = prompts.render(prompt, tokenizer)
+    # a conversation starts as chat fine-tuning started it: with bos when the run added it
+    add_bos = prompt.messages is not None and args.checkpoint is not None and \
+        bool(prompts.run_adds_bos(args.checkpoint, args.step))
     print(hf_io.generate_text(config, params, tokenizer, prompt.text, mesh, rules, args.max_new_tokens,
                               args.temperature, args.top_k, args.top_p, args.seed,
-                              special_tokens=prompt.special_tokens, what=prompt.source))
+                              special_tokens=prompt.special_tokens, what=prompt.source, add_bos=add_bos))
     return 0
 
 

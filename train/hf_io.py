@@ -161,15 +161,22 @@ def encode_prompt(tokenizer, text: str, special_tokens: bool = True) -> list[int
     return inner.encode(text).ids if inner is not None and special_tokens else list(tokenizer.encode(text))
 
 
+def prompt_ids(tokenizer, text: str, special_tokens: bool = True, add_bos: bool = False) -> list[int]:
+    """``encode_prompt``'s ids, started with bos when ``add_bos`` and the text does not (as chat
+    fine-tuning with ``--add-bos`` starts a conversation)."""
+    ids = encode_prompt(tokenizer, text, special_tokens)
+    return [tokenizer.bos_id] + ids if add_bos and not (ids and ids[0] == tokenizer.bos_id) else ids
+
+
 def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                   top_p: float = 1.0, seed: int = 0, special_tokens: bool = True,
-                  what: str = "--prompt") -> str:
+                  what: str = "--prompt", add_bos: bool = False) -> str:
     """The prompt and its continuation, decoded by the model's Program on ``mesh`` under
     ``rules`` (``params`` placed as that program lays them out); stops at the config's eos
     token(s), if any. ``special_tokens``: see ``encode_prompt``; ``what`` names the prompt's
-    flag in errors."""
-    ids = encode_prompt(tokenizer, prompt, special_tokens)
+    flag in errors; ``add_bos``: start with bos unless the text does (as chat SFT's ``add_bos``)."""
+    ids = prompt_ids(tokenizer, prompt, special_tokens, add_bos)
     if not ids:
         raise UserError(f"{what} encodes to no tokens")
     if max(ids) >= config.vocab_size:

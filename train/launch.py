@@ -155,6 +155,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
         _check_labelled(cfg, config, train_data)
+        _check_same_classes(cfg, out, resume_step, train_data)
     else:
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
@@ -189,6 +190,21 @@ def _check_labelled(cfg, config, data) -> None:
                           f"{'classes' if data.task == 'classification' else 'outputs'}, --model "
                           f"{cfg.model} has num_outputs={config.num_outputs} "
                           f"(--override num_outputs={wanted})")
+
+
+def _check_same_classes(cfg, out, resume_step, data) -> None:
+    """A resumed classification run must see the class names it was trained on: the ids of
+    string labels follow the names present in the data."""
+    if resume_step is None or data.task != "classification":
+        return
+    from shardzoo.train.checkpoint import read_meta
+
+    recorded = (read_meta(os.path.join(out, CHECKPOINTS), resume_step).get("classes") or {}).get("names")
+    names = list(data.label_names) if data.label_names else None
+    if recorded is not None and recorded != names:
+        raise ConfigError(f"--data {cfg.data}: label column {cfg.label_column!r} has the classes "
+                          f"{', '.join(names or ['(class ids)'])}, the run in {out} was trained on "
+                          f"{', '.join(recorded)}: resume with data of those classes or choose another --out")
 
 
 def _model_name(cfg) -> str:

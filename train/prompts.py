@@ -100,3 +100,11 @@ def render(prompt: Prompt, tokenizer) -> Prompt:
     except jinja2.TemplateError as e:
         raise UserError(f"{prompt.source}: chat template {template.path} fails on it: {e}".splitlines()[0]) from None
     return dataclasses.replace(prompt, text=text)
+
+
+def run_adds_bos(checkpoint: str, step: int | None = None) -> bool:
+    """Whether the run ``checkpoint`` trained with ``--add-bos`` (its run.json says; False when it
+    records nothing, e.g. an imported model)."""
+    from shardzoo.train.sources import READS_RUNS, open_source
+
+    return bool(open_source(checkpoint, step=step, what="--checkpoint", accept=READS_RUNS).run_settings().get("add_bos"))

@@ -9,7 +9,7 @@ import pytest
 
 from shardzoo.cli import main
 from shardzoo.data import load_tokenizer
-from shardzoo.data.chat import ChatRenderer
+from shardzoo.data.chat import ChatRenderer, encode_chat
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -109,3 +109,28 @@ def test_prompt_flags_exclude_each_other(cli, reference, tmp_path, capsys):
     assert e.value.code == 2
     line = cli.one_line(capsys.readouterr().err, "generate")
     assert "not allowed with argument" in line, line
+
+
+def test_messages_start_with_bos_when_the_run_trained_with_add_bos(chat_run, tmp_path, capsys):
+    """Chat SFT with --add-bos starts every conversation with bos; so does generate --messages."""
+    from shardzoo.train import hf_io, prompts
+    from shardzoo.train.defaults import mesh_and_rules
+
+    run = tmp_path / "bos_run"
+    shutil.copytree(chat_run, run)
+    settings = json.loads((run / "run.json").read_text())
+    settings["settings"]["data"]["add_bos"] = True
+    (run / "run.json").write_text(json.dumps(settings))
+    (tmp_path / "chat.json").write_text(json.dumps(CHAT))
+    rc, out, err = generate(capsys, "--checkpoint", run, "--messages", tmp_path / "chat.json")
+    assert rc == 0, err
+    mesh, rules = mesh_and_rules(None, None)  # generate's defaults
+    _, config, params, tokenizer = hf_io.load_for_generate(str(run), None, mesh, rules)
+    prompt = ChatRenderer(TEMPLATE, {}, "t", "messages").render(CHAT, add_generation_prompt=True)
+    ids = hf_io.prompt_ids(tokenizer, prompt, special_tokens=False, add_bos=True)
+    trained, _ = encode_chat(ChatRenderer(TEMPLATE, {}, "t", "messages"), tokenizer,
+                             CHAT + [{"role": "assistant", "content": "x"}], 0, add_bos=True)
+    assert ids[0] == tokenizer.bos_id and trained[:len(ids)].tolist() == ids  # SFT's ids start so
+    assert prompts.run_adds_bos(str(run)) and not prompts.run_adds_bos(str(chat_run))  # what the CLI asks
+    assert out == hf_io.generate_text(config, params, tokenizer, prompt, mesh, rules, 8,
+                                      special_tokens=False, add_bos=True) + "\n"

@@ -89,3 +89,22 @@ def test_eval_of_classes_the_run_never_saw_is_one_line(pets_run, snapshot, tmp_p
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1 and err[0].startswith("shardzoo eval: error: ") and expected in err[0], err
     assert (snapshot(out), snapshot(tmp_path)) == before
+
+
+def test_a_resume_on_data_of_other_classes_is_one_line(pets_run, snapshot, tmp_path, capsys):
+    import shutil
+
+    _, out = pets_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    data = write_pets(tmp_path / "two.csv", 40, seed=5, classes=["dog", "eel"])
+    before = snapshot(run)
+    capsys.readouterr()
+    rc = main(["train", "--out", str(run), "--data", str(data), "--label-column", "label",
+               "--model", "mlp-tiny", "--override", "in_features=8", "--override", "num_outputs=3",
+               "--steps", "41", "--batch-size", "16", "--lr", "1e-2", "--warmup-steps", "2",
+               "--log-every", "10", "--eval-every", "0", "--eval-fraction", "0.25"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert "has the classes dog, eel, the run in" in err[0] and "was trained on cat, dog, eel" in err[0], err[0]
+    assert snapshot(run) == before
