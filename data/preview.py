@@ -145,7 +145,8 @@ def format_preview(p: dict, data: str) -> str:
                 counts = p[key].get("class_counts")
                 extra = f"; per class: {', '.join(f'{k} {v}' for k, v in counts.items())}" if counts else ""
                 lines.append(f"{key}: {p[key]['examples']} examples{extra}")
-        lines.append(f"first {len(p['shown'])} {p['split']} examples:")
+        n = len(p["shown"])
+        lines.append(f"first {n} {p['split']} example{'s' if n != 1 else ''}:")
         for item in p["shown"]:
             feats = item["features"]
             head = ", ".join(f"{v:.4g}" for v in feats[:8]) + (f", ... ({len(feats)} in all)" if len(feats) > 8 else "")
@@ -162,7 +163,8 @@ def format_preview(p: dict, data: str) -> str:
             lines.append(f"{key}: {s['documents']} documents, {s['tokens']} tokens -> {s['rows']} rows of "
                          f"{s['seq_len']} ({s['padding_tokens']} padding); {s['train_tokens']} tokens train; "
                          f"{cut}; longest {s['longest_document']}")
-    lines.append(f"first {len(p['shown'])} {p['split']} rows (in packing order; training shuffles them). "
+    n = len(p["shown"])
+    lines.append(f"first {n} {p['split']} row{'s' if n != 1 else ''} (in packing order; training shuffles them). "
                  "Tokens are separated by |, documents by ||; [[ ]] holds tokens that do not train:")
     lines.extend(format_row(r["row"], r["tokens"]) for r in p["shown"])
     return "\n".join(lines)
