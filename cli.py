@@ -65,7 +65,6 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_data(args) -> int:
     """Show how the data flags (train's) tokenize, pack and mask: counts and the first rows."""
-    import argparse as _argparse
     import json
 
     from shardzoo.data.preview import format_preview, preview_labelled, preview_lm
@@ -78,7 +77,7 @@ def cmd_data(args) -> int:
         import datasets
 
         datasets.disable_progress_bars()
-    given = _argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in PREVIEW_FLAGS})
+    given = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in PREVIEW_FLAGS})
     cfg = config_from_args(given)
     config = data_config_of(cfg)
     if args.split == "eval" and not (config.eval_data or config.eval_fraction):
