@@ -187,6 +187,9 @@ def evaluate_labelled_run(s: EvalSettings, recorded: dict, config, params, mesh,
     data_config, split = _data_config(s, recorded, tokenizer, False)
     seed = s.seed if s.seed is not None else recorded.get("seed", 0)
     rows = labelled_rows(data_config, split, seed, names)
+    if rows.num_classes is not None and rows.num_classes > config.num_outputs:
+        raise UserError(f"data {data_config.data!r}: class id {rows.num_classes - 1} of label column "
+                        f"{data_config.label_column!r}, the model has num_outputs={config.num_outputs}")
     batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
     program = Program(config, rules, mesh, batch_size=batch_size)
     params = jax.device_put(params, program.shardings.params)

@@ -108,3 +108,22 @@ def test_a_resume_on_data_of_other_classes_is_one_line(pets_run, snapshot, tmp_p
     assert rc == 2 and len(err) == 1, err
     assert "has the classes dog, eel, the run in" in err[0] and "was trained on cat, dog, eel" in err[0], err[0]
     assert snapshot(run) == before
+
+
+def test_eval_of_a_class_id_beyond_the_model_is_one_line(snapshot, tmp_path, capsys):
+    data = tmp_path / "ids.csv"
+    rows = [",".join(["1" if j == i % 3 else "0" for j in range(8)]) + f",{i % 3}" for i in range(32)]
+    data.write_text("a,b,c,d,e,f,g,h,label\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--data", str(data), "--label-column", "label", "--model", "mlp-tiny",
+                 "--override", "in_features=8", "--override", "num_outputs=3", "--steps", "2",
+                 "--batch-size", "16", "--eval-every", "0"]) == 0
+    assert json.loads((out / "run.json").read_text())["classes"] == {"num_classes": 3, "names": None}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b,c,d,e,f,g,h,label\n1,0,0,0,0,0,0,0,0\n0,1,0,0,0,0,0,0,5\n")
+    before = snapshot(out)
+    capsys.readouterr()
+    rc = main(["eval", "--checkpoint", str(out), "--data", str(bad)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and "class id 5 of label column 'label', the model has num_outputs=3" in err[0], err
+    assert snapshot(out) == before
