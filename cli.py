@@ -50,6 +50,46 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+# --------------------------------------------------------------------------- data
+PREVIEW_FLAGS = ("rows", "split", "json")
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    from shardzoo.train.config import SECTIONS, add_arguments
+
+    add_arguments(p, only=SECTIONS["data"] + ("seed",))
+    p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (or examples) to show (default: 2)")
+    p.add_argument("--split", default="train", choices=("train", "eval"), help="the split to show (default: train)")
+    p.add_argument("--json", action="store_true", help="print the counts and rows as JSON")
+
+
+def cmd_data(args) -> int:
+    """Show how the data flags (train's) tokenize, pack and mask: counts and the first rows."""
+    import json
+
+    from shardzoo.data.preview import format_preview, preview_labelled, preview_lm
+    from shardzoo.train.config import config_from_args
+    from shardzoo.train.launch import data_config_of
+
+    if args.rows < 0:
+        raise UserError(f"--rows must be 0 or more, got {args.rows}")
+    if not sys.stderr.isatty():  # keep a user error one line on a log
+        import datasets
+
+        datasets.disable_progress_bars()
+    given = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in PREVIEW_FLAGS})
+    cfg = config_from_args(given)
+    config = data_config_of(cfg)
+    if args.split == "eval" and not (config.eval_data or config.eval_fraction):
+        raise UserError("--split eval: this data spec holds out no eval split (give --eval-data or --eval-fraction)")
+    if config.labelled:
+        preview = preview_labelled(config, cfg.batch_size, cfg.seed, args.rows, args.split)
+    else:
+        preview = preview_lm(config, cfg.seq_len, cfg.seed, args.rows, args.split)
+    print(json.dumps({"data": cfg.data, **preview}, indent=1) if args.json else format_preview(preview, cfg.data))
+    return 0
+
+
 # --------------------------------------------------------------------------- plot
 def add_plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT", help="a run directory holding metrics.jsonl")
@@ -79,8 +119,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
     src.add_argument("--hf", metavar="HF_DIR",
-                     help="a Hugging Face model dir (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+                     help="a Hugging Face model dir (config.json, safetensors, tokenizer.json) or Hub "
+                          "model id ORG/NAME[@REVISION] (from the cache; HF_HUB_OFFLINE, HF_TOKEN)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    what.add_argument("--prompt-file", metavar="FILE",
+                      help="continue the exact text of FILE (UTF-8; a trailing newline is kept)")
+    what.add_argument("--messages", metavar="FILE",
+                      help="a JSON list of {\"role\", \"content\"} messages, rendered with the model's chat "
+                           "template (as chat fine-tuning renders them) and its generation prompt")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-k", type=int, default=0,
@@ -97,8 +144,8 @@ def _add_step_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    """Print the prompt and its continuation."""
-    from shardzoo.train import hf_io
+    """Print the prompt (a rendered --messages conversation) and its continuation."""
+    from shardzoo.train import hf_io, prompts
     from shardzoo.train.defaults import mesh_and_rules
 
     if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
@@ -107,18 +154,27 @@ def cmd_generate(args) -> int:
                         "0 < --top-p <= 1")
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
+    prompt = (prompts.read_prompt_file(args.prompt_file) if args.prompt_file is not None
+              else prompts.read_messages(args.messages) if args.messages is not None
+              else prompts.Prompt(args.prompt))  # files are checked before the model loads
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
     _, config, params, tokenizer = hf_io.load_for_generate(args.checkpoint, args.hf, mesh, rules, args.dtype,
                                                            step=args.step)
-    print(hf_io.generate_text(config, params, tokenizer, args.prompt, mesh, rules, args.max_new_tokens,
-                              args.temperature, args.top_k, args.top_p, args.seed))
+    prompt = prompts.render(prompt, tokenizer)
+    # a conversation starts as chat fine-tuning started it: with bos when the run added it
+    add_bos = prompt.messages is not None and args.checkpoint is not None and \
+        bool(prompts.run_adds_bos(args.checkpoint, args.step))
+    print(hf_io.generate_text(config, params, tokenizer, prompt.text, mesh, rules, args.max_new_tokens,
+                              args.temperature, args.top_k, args.top_p, args.seed,
+                              special_tokens=prompt.special_tokens, what=prompt.source, add_bos=add_bos))
     return 0
 
 
 # --------------------------------------------------------------------------- import-hf / export-hf
 def add_import_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", metavar="HF_DIR",
-                   help="config.json + model.safetensors (or an index of shards)")
+                   help="config.json + model.safetensors (or an index of shards), or a Hub model id "
+                        "ORG/NAME[@REVISION]")
     p.add_argument("out", metavar="OUT_DIR",
                    help="the shardzoo run dir to write (checkpoints/0, tokenizer/)")
     p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
@@ -170,7 +226,8 @@ def cmd_export_hf(args) -> int:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="a shardzoo run or checkpoint dir")
-    src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json)")
+    src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face model dir (with tokenizer.json) or "
+                     "Hub model id ORG/NAME[@REVISION]")
     p.add_argument("--data", default=None, metavar="SPEC",
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "
@@ -256,6 +313,7 @@ COMMANDS = {
     "export-lora": (add_export_lora_args, cmd_export_lora, "write a LoRA run's adapters as a PEFT adapter dir"),
     "eval": (add_eval_args, cmd_eval, "loss, perplexity, accuracy or multiple-choice accuracy of a model"),
     "plot": (add_plot_args, cmd_plot, "draw the loss curves of a run to a PNG"),
+    "data": (add_data_args, cmd_data, "show how data flags tokenize, pack and mask: tokens, which train, rows, truncation"),
 }
 
 

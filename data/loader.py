@@ -10,6 +10,8 @@ from shardzoo.data.chat import tokenize_chats
 from shardzoo.data.errors import DataError
 from shardzoo.data.labelled import LabelledRows, encode_labels, read_examples
 from shardzoo.data.packing import (
+    Documents,
+    Rows,
     pack_conversations,
     pack_documents,
     pack_examples,
@@ -95,30 +97,26 @@ def _check_eval_split(config: DataConfig) -> None:
         raise DataError("give --eval-data or --eval-fraction, not both")
 
 
-def make_datasets(
-    config: DataConfig,
-    tokenizer,
-    seq_len: int,
-    global_batch_size: int,
-    mesh=None,
-    rules=None,
-    seed: int = 0,
-    process_index: int | None = None,
-    process_count: int | None = None,
-):
-    """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
-    if config.preference:
-        return make_preference_datasets(config, tokenizer, seq_len, global_batch_size, mesh=mesh, rules=rules,
-                                        seed=seed, process_index=process_index, process_count=process_count)
+@dataclasses.dataclass(frozen=True)
+class SplitRows:
+    """The documents of the train and eval splits and the rows they pack into (eval None
+    without eval data): what ``make_datasets`` batches and ``shardzoo data`` shows."""
+
+    train_docs: Documents
+    train_rows: Rows
+    eval_docs: Documents | None
+    eval_rows: Rows | None
+
+
+def split_rows(config: DataConfig, tokenizer, seq_len: int, seed: int = 0) -> SplitRows:
+    """Tokenize ``config``'s data, hold out its eval split and pack both into rows, as training does."""
     if config.labelled:
-        raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
+        raise ValueError("split_rows: a config with label_column goes to make_labelled_datasets")
     if (config.prompt_column is None) != (config.completion_column is None):
         raise DataError("--prompt-column and --completion-column must be given together")
     if config.chat and config.examples:
         raise DataError("--chat-column cannot be combined with --prompt-column/--completion-column")
     _check_eval_split(config)
-    tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
-
     train_docs = _documents(config.data, config, tokenizer)
     eval_docs = None
     if config.eval_data:
@@ -130,9 +128,15 @@ def make_datasets(
                 "least 2 (text files are one document each); give --eval-data instead"
             )
         train_docs, eval_docs = split_documents(train_docs, config.eval_fraction, seed)
-
     pack = _packer(config)
-    train_rows = pack(train_docs, seq_len, tokenizer.pad_id)
+    return SplitRows(train_docs, pack(train_docs, seq_len, tokenizer.pad_id), eval_docs,
+                     None if eval_docs is None else pack(eval_docs, seq_len, tokenizer.pad_id))
+
+
+def check_trainable(config: DataConfig, tokenizer, split: SplitRows, seq_len: int,
+                    global_batch_size: int) -> None:
+    """A DataError when the train split has nothing to train on or less than one global batch."""
+    train_docs, train_rows = split.train_docs, split.train_rows
     if config.chat and not train_rows.loss_mask.any():
         where = (f"within the first --seq-len {seq_len} tokens of any conversation"
                  if train_docs.loss_mask.any() else "in any conversation")
@@ -153,9 +157,31 @@ def make_datasets(
             f"tokenizer {tokenizer.spec}), fewer than one global batch of {global_batch_size} x "
             f"{seq_len} = {global_batch_size * seq_len} tokens"
         )
+
+
+def make_datasets(
+    config: DataConfig,
+    tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    mesh=None,
+    rules=None,
+    seed: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+):
+    """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
+    if config.preference:
+        return make_preference_datasets(config, tokenizer, seq_len, global_batch_size, mesh=mesh, rules=rules,
+                                        seed=seed, process_index=process_index, process_count=process_count)
+    if config.labelled:
+        raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
+    tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
+    split = split_rows(config, tokenizer, seq_len, seed)
+    check_trainable(config, tokenizer, split, seq_len, global_batch_size)
     common = dict(mesh=mesh, rules=rules, process_index=process_index, process_count=process_count)
     train = BatchIterator(
-        train_rows,
+        split.train_rows,
         global_batch_size,
         seed=seed,
         shuffle=True,
@@ -163,9 +189,9 @@ def make_datasets(
         **common,
     )
     evaluation = None
-    if eval_docs is not None:
+    if split.eval_rows is not None:
         evaluation = BatchIterator(
-            pack(eval_docs, seq_len, tokenizer.pad_id),
+            split.eval_rows,
             global_batch_size,
             seed=seed,
             shuffle=False,

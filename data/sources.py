@@ -193,7 +193,7 @@ def _csv_problem(text: str) -> str | None:
 HUB_PROBE_S = 3.0  # how long a Hub spec waits to learn whether the Hub can be reached
 
 
-def _hub_reachable(timeout: float = HUB_PROBE_S) -> bool:
+def hub_reachable(timeout: float = HUB_PROBE_S) -> bool:
     """Whether the Hub endpoint accepts a TCP connection within ``timeout`` seconds (name lookup
     included, which has no timeout of its own: it runs in a thread we stop waiting for)."""
     import socket
@@ -232,7 +232,7 @@ def _offline():
 
 def _load_hub(spec: str, cache_dir: str | None) -> datasets.Dataset:
     name, config, split = parse_hub_spec(spec)
-    unreachable = not datasets.config.HF_HUB_OFFLINE and not _hub_reachable()
+    unreachable = not datasets.config.HF_HUB_OFFLINE and not hub_reachable()
     try:  # without a network, only the cache is tried: no retries for half a minute
         with _offline() if unreachable else contextlib.nullcontext(), _quiet_datasets():
             ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)

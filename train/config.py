@@ -97,6 +97,7 @@ class TrainConfig:
     eval_steps: int = 4
     log_every: int = 10
     tensorboard: bool = False
+    wandb: str | None = None  # a Weights & Biases project to log to (pip install 'shardzoo[wandb]')
     # multi-host
     coordinator: str | None = None
     num_processes: int | None = None
@@ -117,6 +118,14 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         check_seed(self.seed, error=ConfigError)
+        if self.wandb is not None:
+            import importlib.util
+
+            if not self.wandb.strip():
+                raise ConfigError("--wandb needs a project name")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(f"--wandb {self.wandb}: the wandb package is not installed: "
+                                  "pip install 'shardzoo[wandb]' (or drop --wandb)")
         self._check_distributed()
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
@@ -185,7 +194,7 @@ SECTIONS = {
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
     "checkpoint": ("out", "save_every", "keep", "restart"),
-    "logging": ("log_every", "eval_every", "eval_steps", "tensorboard"),
+    "logging": ("log_every", "eval_every", "eval_steps", "tensorboard", "wandb"),
     "distributed": ("coordinator", "num_processes", "process_id", "distributed",
                     "distributed_timeout", "heartbeat_timeout"),
     "runtime": ("compile_cache", "xla_preset"),
@@ -237,7 +246,8 @@ HELP = {
     "clip_norm": "clip gradients to this global norm (0: off)",
     "grad_accum": "microbatches per step (gradient accumulation)",
     "seed": "random seed of init and dropout",
-    "init_from": "initialize params from a shardzoo run or checkpoint dir",
+    "init_from": "initialize params from a shardzoo run or checkpoint dir, an HF model dir or a Hub "
+                 "model id ORG/NAME[@REVISION]",
     "lora_rank": "LoRA: train rank-R adapters on the frozen base (0: full fine-tuning)",
     "lora_alpha": "LoRA: the adapters' scale is alpha / rank (default: alpha = rank)",
     "lora_targets": "LoRA: comma-separated projections to adapt, among q,k,v,o,gate,up,down",
@@ -252,6 +262,8 @@ HELP = {
     "eval_steps": "batches per periodic evaluation (the final one scores the whole eval split)",
     "log_every": "log metrics every N steps",
     "tensorboard": "also write TensorBoard event files to OUT/tensorboard",
+    "wandb": "also log the metrics to this Weights & Biases project (pip install 'shardzoo[wandb]'; "
+             "WANDB_MODE=offline keeps them in OUT/wandb for `wandb sync`)",
     "coordinator": "multi-host: coordinator address HOST:PORT for jax.distributed.initialize",
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's id",
@@ -262,7 +274,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}
@@ -278,11 +290,13 @@ def _field_type(name: str):
     return args[0] if args else tp
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``shardzoo train`` flags, one per TrainConfig field, plus --config."""
+def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The ``shardzoo train`` flags, one per TrainConfig field (``only``: those fields), plus --config."""
     p.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below (flags win)")
     defaults = TrainConfig()
     for field in dataclasses.fields(TrainConfig):
+        if only is not None and field.name not in only:
+            continue
         name, tp = field.name, _field_type(field.name)
         group = p
         kw = {"dest": name, "default": argparse.SUPPRESS}

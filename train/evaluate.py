@@ -42,6 +42,7 @@ from shardzoo.train.defaults import (
     default_seq_len,
     mesh_and_rules,
 )
+from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import summarize_eval
 
@@ -77,12 +78,9 @@ class EvalSettings:
     out: str | None = None
 
 
-def _progress(total: int, desc: str):
-    """A tqdm bar on stderr (off when stderr is not a terminal, and on every process but 0)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False,
-                disable=None if jax.process_index() == 0 else True)
+def _progress(total: int | None, desc: str):
+    """``metrics.progress``: a bar on stderr when it is a terminal, from process 0 only."""
+    return progress(total, desc, jax.process_index() == 0)
 
 
 # --------------------------------------------------------------------------- language modelling
@@ -105,6 +103,109 @@ def evaluate_lm(program: Program, params, batches, total: int | None = None) -> 
             "perplexity": float(math.exp(min(summary["eval_loss"], 700.0))),
             "token_accuracy": summary["eval_accuracy"], "tokens": int(round(totals["weight"])),
             "batches": count}
+
+
+# --------------------------------------------------------------------------- labelled examples
+def run_classes(recorded_meta: dict) -> list[str] | None:
+    """The class names a classification run recorded (None: integer labels, or an older run)."""
+    return ((recorded_meta or {}).get("classes") or {}).get("names")
+
+
+def labelled_rows(config: DataConfig, split: str, seed: int, names: list[str] | None):
+    """The labelled examples of ``split`` of ``config``'s data, their class ids those of the run
+    (``names``, the classes it recorded): a class the run did not train on is a DataError."""
+    from shardzoo.data import DataError, make_labelled_datasets
+
+    if split == "all":
+        config = dataclasses.replace(config, eval_fraction=0.0, eval_data=None)
+    train, held_out = make_labelled_datasets(config, jax.process_count(), seed=seed)
+    rows = held_out.rows if split == "eval" else train.rows
+    found = rows.label_names
+    if rows.num_classes is None or (found is None and names is None):
+        return rows
+    if found is None or names is None:
+        raise DataError(f"data {config.data!r}: label column {config.label_column!r} holds "
+                        f"{'class names' if found else 'class ids'} but the run was trained on "
+                        f"{'class names' if names else 'class ids'}")
+    unknown = [n for n in found if n not in names]
+    if unknown:
+        raise DataError(f"data {config.data!r}: class {unknown[0]!r} of label column {config.label_column!r} "
+                        f"is not one the run was trained on ({', '.join(names)})")
+    ids = np.asarray([names.index(n) for n in found], np.int32)
+    return dataclasses.replace(rows, targets=ids[rows.targets], num_classes=len(names), label_names=tuple(names))
+
+
+def evaluate_labelled(program: Program, params, batches, names) -> dict:
+    """Loss (and accuracy, over all and per class) of a classification or regression model over
+    every batch, by ``program``'s compiled eval step (the trainer's) and its predictions."""
+    import jax.numpy as jnp
+
+    from shardzoo.sharding.partition import activate
+    from shardzoo.train.tasks import forward
+
+    step = program.compiled_eval_step()
+    classify = program.task.name == "classification"
+    predict = jax.jit(lambda p, b: jnp.argmax(forward(program.task, program.module, p, b, jax.random.PRNGKey(0),
+                                                      True)[0], axis=-1))
+    totals, count = {}, 0
+    seen = correct = None
+    with _progress(getattr(batches, "batches_per_epoch", None), "eval") as bar:
+        for batch in batches:
+            placed = program.place(batch)
+            for key, value in jax.device_get(step(params, placed)).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            if classify:
+                with activate(program.mesh):
+                    guess = np.asarray(predict(params, placed))
+                target = np.asarray(batch["targets"])
+                real = np.asarray(batch["weights"]) > 0
+                n = len(names) if names else program.config.num_outputs
+                seen = (0 if seen is None else seen) + np.bincount(target[real], minlength=n)
+                correct = (0 if correct is None else correct) + np.bincount(
+                    target[real & (guess == target)], minlength=n)
+            count += 1
+            bar.update()
+    if not count or totals["weight"] <= 0:
+        raise UserError("the evaluation data has no examples")
+    summary = summarize_eval(program.task, totals)
+    out = {"task": program.task.name, "loss": summary["eval_loss"], "examples": int(round(totals["weight"])),
+           "batches": count}
+    if classify:
+        labels = names or [str(i) for i in range(len(seen))]
+        out["accuracy"] = summary["eval_accuracy"]
+        out["classes"] = list(labels)
+        out["per_class"] = {name: {"examples": int(seen[i]),
+                                   "accuracy": float(correct[i] / seen[i]) if seen[i] else None}
+                            for i, name in enumerate(labels)}
+    return out
+
+
+def evaluate_labelled_run(s: EvalSettings, recorded: dict, config, params, mesh, rules, tokenizer) -> dict:
+    """``shardzoo eval`` of a classification or regression run on its recorded data (or --data)."""
+    from shardzoo.data.batches import LabelledBatchIterator
+    from shardzoo.train.sources import READS_RUNS, open_source
+
+    if s.checkpoint is None or "label_column" not in recorded:
+        raise UserError(f"eval of a {model_info.task(config)} model needs --checkpoint of the run "
+                        "that trained it (its run.json names the label column)")
+    names = run_classes(open_source(s.checkpoint, step=s.step, what="--checkpoint", accept=READS_RUNS).meta)
+    data_config, split = _data_config(s, recorded, tokenizer, False)
+    seed = s.seed if s.seed is not None else recorded.get("seed", 0)
+    rows = labelled_rows(data_config, split, seed, names)
+    if rows.num_classes is not None and rows.num_classes > config.num_outputs:
+        raise UserError(f"data {data_config.data!r}: class id {rows.num_classes - 1} of label column "
+                        f"{data_config.label_column!r}, the model has num_outputs={config.num_outputs}")
+    batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
+    program = Program(config, rules, mesh, batch_size=batch_size)
+    params = jax.device_put(params, program.shardings.params)
+    batches = LabelledBatchIterator(rows, batch_size, seed=seed, shuffle=False, repeat=False, mesh=mesh,
+                                    rules=rules)
+    metrics = {**evaluate_labelled(program, params, batches, names), "split": split}
+    if split != "all":
+        metrics.update(eval_fraction=data_config.eval_fraction, seed=seed)
+    metrics.update(data=data_config.data, model=s.checkpoint, batch_size=batch_size, rules=rules.name,
+                   mesh=describe_mesh(mesh))
+    return metrics
 
 
 # --------------------------------------------------------------------------- multiple choice
@@ -281,7 +382,7 @@ def run(s: EvalSettings) -> dict:
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
     if model_info.task(config) != "lm":
-        raise UserError(f"eval scores language models; this model's task is {model_info.task(config)!r}")
+        return _finish(s, evaluate_labelled_run(s, recorded, config, params, mesh, rules, tokenizer))
     add_bos = s.add_bos or recorded.get("add_bos", adds_bos(tokenizer))
     max_len = model_info.max_positions(config) or DEFAULT_SEQ_LEN
     if s.seq_len is not None and s.seq_len > max_len:
@@ -307,6 +408,11 @@ def run(s: EvalSettings) -> dict:
         data = config.data
     metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
                    add_bos=bool(add_bos), rules=rules.name, mesh=describe_mesh(mesh))
+    return _finish(s, metrics)
+
+
+def _finish(s: EvalSettings, metrics: dict) -> dict:
+    """Write ``metrics`` to ``--out`` (process 0) and return them."""
     if s.out and jax.process_index() == 0:
         try:
             with open(s.out, "w") as f:
@@ -319,6 +425,13 @@ def run(s: EvalSettings) -> dict:
 
 def format_metrics(metrics: dict) -> str:
     """One line of the headline numbers."""
+    if metrics["task"] == "classification":
+        per_class = ", ".join(f"{name} {c['accuracy']:.4f} of {c['examples']}"
+                              for name, c in metrics["per_class"].items() if c["examples"])
+        return (f"classification over {metrics['examples']} examples: accuracy {metrics['accuracy']:.4f}, "
+                f"loss {metrics['loss']:.4f}; per class: {per_class}")
+    if metrics["task"] == "regression":
+        return f"regression over {metrics['examples']} examples: mse {metrics['loss']:.6g}"
     if metrics["task"] == "multiple-choice":
         return (f"multiple-choice over {metrics['rows']} rows: acc {metrics['acc']:.4f}, "
                 f"acc_norm {metrics['acc_norm']:.4f} (log-likelihood / characters)")

@@ -25,6 +25,7 @@ from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
 from shardzoo.train.defaults import mesh_and_rules
+from shardzoo.train.hub import resolve_model_dir
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
 from shardzoo.train.runmeta import model_meta
@@ -63,6 +64,7 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     """Convert an HF model dir into a shardzoo run dir at ``out_dir``; return the checkpoint meta.
     Nothing is written until every tensor has been read."""
     mesh, rules = mesh_and_rules(mesh, rules)
+    hf_dir = resolve_model_dir(hf_dir, "HF_DIR")  # a Hub model id: its snapshot in the cache
     model_type = hf.read_hf_config(hf_dir).get("model_type")
     family = hf.family_of_model_type(model_type, os.path.join(hf_dir, "config.json"))
     out_dir = os.path.abspath(out_dir)
@@ -180,22 +182,32 @@ def load_for_generate(checkpoint: str | None = None, hf_dir: str | None = None, 
     return module, config, params, tokenizer
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, special_tokens: bool = True) -> list[int]:
     """Prompt ids as the model saw text in training: an HF tokenizer adds its own special tokens
-    (e.g. Llama's bos) through its post-processor, as transformers does; others add none."""
+    (e.g. Llama's bos) through its post-processor, as transformers does; others add none.
+    Without ``special_tokens`` (a rendered chat template, which writes its own) none are added."""
     inner = getattr(tokenizer, "tokenizer", None)  # HFTokenizer's tokenizers.Tokenizer
-    return inner.encode(text).ids if inner is not None else tokenizer.encode(text)
+    return inner.encode(text).ids if inner is not None and special_tokens else list(tokenizer.encode(text))
+
+
+def prompt_ids(tokenizer, text: str, special_tokens: bool = True, add_bos: bool = False) -> list[int]:
+    """``encode_prompt``'s ids, started with bos when ``add_bos`` and the text does not (as chat
+    fine-tuning with ``--add-bos`` starts a conversation)."""
+    ids = encode_prompt(tokenizer, text, special_tokens)
+    return [tokenizer.bos_id] + ids if add_bos and not (ids and ids[0] == tokenizer.bos_id) else ids
 
 
 def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0, seed: int = 0) -> str:
+                  top_p: float = 1.0, seed: int = 0, special_tokens: bool = True,
+                  what: str = "--prompt", add_bos: bool = False) -> str:
     """The prompt and its continuation, decoded by the model's Program on ``mesh`` under
     ``rules`` (``params`` placed as that program lays them out); stops at the config's eos
-    token(s), if any."""
-    ids = encode_prompt(tokenizer, prompt)
+    token(s), if any. ``special_tokens``: see ``encode_prompt``; ``what`` names the prompt's
+    flag in errors; ``add_bos``: start with bos unless the text does (as chat SFT's ``add_bos``)."""
+    ids = prompt_ids(tokenizer, prompt, special_tokens, add_bos)
     if not ids:
-        raise UserError("--prompt encodes to no tokens")
+        raise UserError(f"{what} encodes to no tokens")
     if max(ids) >= config.vocab_size:
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")

@@ -26,6 +26,7 @@ from shardzoo.train.checkpoint import (
 )
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
+from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
@@ -113,7 +114,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``."""
     import datasets
 
-    from shardzoo.data import DataConfig, load_tokenizer, make_datasets, make_labelled_datasets
+    from shardzoo.data import load_tokenizer, make_datasets, make_labelled_datasets
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
         datasets.disable_progress_bars()
@@ -152,21 +153,29 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but model "
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
-    eval_fraction = cfg.eval_fraction
-    if eval_fraction is None:
-        eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
-    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
-    data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    data_config = DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task == "dpo"})
+    data_config = data_config_of(cfg)
     if labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
         _check_labelled(cfg, config, train_data)
+        _check_same_classes(cfg, out, resume_step, train_data)
     else:
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
+
+
+def data_config_of(cfg: TrainConfig):
+    """The ``data.DataConfig`` of a run's settings (the held-out fraction defaulted)."""
+    from shardzoo.data import DataConfig
+
+    eval_fraction = cfg.eval_fraction
+    if eval_fraction is None:
+        eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
+    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
+    data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
+    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task == "dpo"})
 
 
 def _check_labelled(cfg, config, data) -> None:
@@ -184,6 +193,21 @@ def _check_labelled(cfg, config, data) -> None:
                           f"{'classes' if data.task == 'classification' else 'outputs'}, --model "
                           f"{cfg.model} has num_outputs={config.num_outputs} "
                           f"(--override num_outputs={wanted})")
+
+
+def _check_same_classes(cfg, out, resume_step, data) -> None:
+    """A resumed classification run must see the class names it was trained on: the ids of
+    string labels follow the names present in the data."""
+    if resume_step is None or data.task != "classification":
+        return
+    from shardzoo.train.checkpoint import read_meta
+
+    recorded = (read_meta(os.path.join(out, CHECKPOINTS), resume_step).get("classes") or {}).get("names")
+    names = list(data.label_names) if data.label_names else None
+    if recorded is not None and recorded != names:
+        raise ConfigError(f"--data {cfg.data}: label column {cfg.label_column!r} has the classes "
+                          f"{', '.join(names or ['(class ids)'])}, the run in {out} was trained on "
+                          f"{', '.join(recorded)}: resume with data of those classes or choose another --out")
 
 
 def _model_name(cfg) -> str:
@@ -290,8 +314,12 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size}
+    if model_info.task(p.config) == "classification":  # string labels map back to these names
+        names = p.train_data.label_names
+        meta["classes"] = {"num_classes": p.train_data.num_classes, "names": list(names) if names else None}
     if model_info.lora_rank(p.config):  # the base the adapters belong to (also stored whole)
-        base = os.path.abspath(cfg.init_from) if cfg.init_from else cfg.model
+        base = cfg.model if not cfg.init_from else cfg.init_from if is_hub_id(cfg.init_from) \
+            else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
     if main:  # validated: from here on we write
         os.makedirs(p.out, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 
 from shardzoo.errors import UserError
@@ -45,6 +46,15 @@ def _number(value):
     return value if math.isfinite(value) else str(value)  # NaN/Inf as strings: strict JSON
 
 
+def progress(total: int | None, desc: str, active: bool = True):
+    """A tqdm bar with an ETA on stderr, cleared when done; off when stderr is not a terminal
+    (a log or a pipe gets no bar) and where ``active`` is False (every process but 0)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False,
+                disable=None if active else True)
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step, mirrors it to TensorBoard, drives the progress bar.
 
@@ -52,10 +62,10 @@ class MetricsLogger:
     """
 
     def __init__(self, out_dir: str, total_steps: int, start_step: int, tensorboard: bool = False,
-                 active: bool = True):
+                 active: bool = True, wandb_project: str | None = None, settings: dict | None = None):
         self.active = active
         self.path = os.path.join(out_dir, METRICS_FILE)
-        self.file = self.bar = self.tb = None
+        self.file = self.bar = self.tb = self.wandb = None
         if not active:
             return
         truncate_metrics(self.path, start_step)
@@ -64,6 +74,8 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        if wandb_project:
+            self.wandb = start_wandb(out_dir, wandb_project, settings or {})
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -82,6 +94,8 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, float)}, step=int(step))
         shown = {k: record[k] for k in ("loss", "eval_loss", "eval_loss_sampled", "eval_accuracy",
                                         "eval_accuracy_sampled", "tokens_per_sec", "examples_per_sec") if k in record}
         if self.bar.disable:
@@ -98,9 +112,39 @@ class MetricsLogger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.file is not None:
             self.file.close()
-        self.file = self.bar = self.tb = None
+        self.file = self.bar = self.tb = self.wandb = None
+
+
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def start_wandb(out_dir: str, project: str, settings: dict):
+    """A Weights & Biases run for ``out_dir`` in ``project``: the same W&B run on every resume
+    (its id kept in ``OUT/wandb-run-id``), its files under ``OUT/wandb``, the run's settings as
+    its config. ``WANDB_MODE=offline`` writes only there; ``WANDB_API_KEY`` logs in."""
+    import wandb
+
+    id_path = os.path.join(out_dir, WANDB_ID_FILE)
+    if os.path.isfile(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = secrets.token_hex(6)  # W&B run ids: lowercase letters and digits
+        with open(id_path, "w") as f:
+            f.write(run_id + "\n")
+    try:
+        run = wandb.init(project=project, id=run_id, resume="allow", name=os.path.basename(out_dir),
+                         dir=out_dir, config=settings, settings=wandb.Settings(silent=True))
+    except Exception as e:  # noqa: BLE001 - login, network or project: one line, the run not started
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"--wandb {project}: cannot start a W&B run: {reason} (WANDB_MODE=offline logs "
+                        "without an account)") from None
+    print(f"wandb: logging to project {project}, run {run_id} ({run.settings.mode})", flush=True)
+    return run
 
 
 def _fmt(v) -> str:

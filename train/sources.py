@@ -7,7 +7,8 @@
 - one checkpoint step (``OUT/checkpoints/<step>``),
 - a PEFT adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``),
 
-and returns a ``Source``: its ``config``, ``meta`` (family, zoo preset, LoRA base), ``tokenizer``
+or a Hugging Face Hub model id where an HF directory is accepted (``train/hub.py``), and returns
+a ``Source``: its ``config``, ``meta`` (family, zoo preset, LoRA base), ``tokenizer``
 spec, and ``load_params(target)``, the params placed like ``target``. A run's params come from
 its newest restorable step (the readers' rule: newer damaged steps are passed over, in place,
 with one warning line each). A bad path is one ``SourceError`` line naming the flag, the path
@@ -34,6 +35,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     restore_params,
 )
+from shardzoo.train.hub import resolve_model_dir
 from shardzoo.train.rundir import RunDirError, read_run_json
 from shardzoo.train.runmeta import config_from_meta, hf_module, lora_base, tokenizer_spec
 
@@ -103,6 +105,8 @@ def open_source(path: str, *, step: int | None = None, what: str = "--init-from"
                 accept=READS_MODELS) -> Source:
     """The model source ``path`` names (see the module docstring); ``step`` picks one step of a
     run; ``what`` names the flag in messages; ``accept`` the kinds this flag takes."""
+    if "hf" in accept:  # a Hugging Face Hub model id: its snapshot in the cache (train/hub.py)
+        path = resolve_model_dir(str(path), what)
     path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.exists(path):
         raise SourceError(f"{what} {path}: no such directory")

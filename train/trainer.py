@@ -28,7 +28,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     restore_params,
 )
-from shardzoo.train.metrics import MetricsLogger
+from shardzoo.train.metrics import MetricsLogger, progress
 from shardzoo.train.program import per_device_bytes, run_program
 from shardzoo.train.tasks import summarize_eval
 
@@ -251,15 +251,17 @@ class Trainer:
         self.eval_data.restore(self._eval_start)
         step = self.program.compiled_eval_step()
         totals = None
-        for i, batch in enumerate(self.eval_data):
-            if i >= limit:
-                break
-            # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
-            # queue of hundreds of dispatches on a long split, and the same rounding
-            placed = self.complete(self.program.place(batch), self.state.params)
-            out = jax.device_get(step(self.state.params, placed))
-            out = {k: np.float64(v) for k, v in out.items()}
-            totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+        with progress(min(limit, length) if length is not None else limit, "eval", is_main_process()) as bar:
+            for i, batch in enumerate(self.eval_data):
+                if i >= limit:
+                    break
+                # each batch's sums to the host, added in float64 (as shardzoo eval adds them): no
+                # queue of hundreds of dispatches on a long split, and the same rounding
+                placed = self.complete(self.program.place(batch), self.state.params)
+                out = jax.device_get(step(self.state.params, placed))
+                out = {k: np.float64(v) for k, v in out.items()}
+                totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+                bar.update()
         if totals is None:
             return {}
         summary = summarize_eval(self.program.task, totals)
@@ -299,7 +301,8 @@ class Trainer:
         """
         cfg = self.cfg
         end = min(cfg.steps, stop_after or cfg.steps)
-        self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process())
+        self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process(),
+                                    getattr(cfg, "wandb", None), cfg.to_sections() if hasattr(cfg, "to_sections") else None)
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
