@@ -77,7 +77,6 @@ def train(corpus, out, steps, *extra):
 
 
 def test_offline_wandb_logs_what_metrics_jsonl_logs_and_resumes_the_same_run(corpus):
-    pytest.importorskip("wandb", reason="the optional extra shardzoo[wandb] is not installed")
     out = corpus / "run"
     env = {**os.environ, "WANDB_MODE": "offline"}
     for steps in (4, 6):  # a resume logs to the same W&B run
