@@ -26,6 +26,7 @@ from shardzoo.models.hf import (
     gpt_oss,
     granite,
     hunyuan,
+    lfm2,
     llama,
     llama4,
     ministral,
@@ -70,6 +71,7 @@ FAMILIES: tuple[Family, ...] = (
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,
+    lfm2.LFM2,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -29,6 +29,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     HunYuanDenseV1Config,
+    Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
     LlamaConfig,
@@ -74,7 +75,7 @@ from shardzoo.train.hf_io import load_hf
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
-                  "deepseek_v3", "gpt_oss", "llama4")  # models/hf/<name>.py
+                  "deepseek_v3", "gpt_oss", "llama4", "lfm2")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -138,6 +139,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "llama4_text": lambda: Llama4TextConfig(**LLAMA4_TEXT),
     # AutoModelForCausalLM builds (and saves) its text model: the llama4_text config, written back as llama4
     "llama4": lambda: Llama4Config(text_config=LLAMA4_TEXT, vision_config=LLAMA4_VISION),
+    "lfm2": lambda: Lfm2Config(**(DIMS | dict(num_hidden_layers=3)), layer_types=["conv", "full_attention", "conv"],
+                               block_auto_adjust_ff_dim=False),  # conv layers beside attention
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
