@@ -89,15 +89,14 @@ def check_ring_chunk(length: int, width: int, placement) -> None:
                          "tokens of the previous chunk: use a longer sequence or a smaller context axis")
 
 
-def _ring_local(x, kernel, seg, *, axes, n):
+def _ring_local(x, kernel, seg, *, axes, n, rows):
     """Per device: x [b, 2C, channels] (chunks d and 2N-1-d), each chunk's taps fed the previous
     chunk's last w - 1 inputs by ppermute (see the module doc)."""
     h, c = kernel.shape[0] - 1, x.shape[1] // 2
     d = jax.lax.axis_index(axes)
-    # the taps as varying as the inputs, so their cotangent (the custom backward's, per device)
-    # is summed over the devices by the transpose of this cast
-    kernel = jax.lax.pcast(kernel, tuple(a for a in jax.typeof(x).mat.varying if a not in jax.typeof(kernel).mat.varying),
-                           to="varying")
+    # the taps varying as the inputs do (over the ring and the batch's axes ``rows``), so their
+    # cotangent (the custom backward's, per device) is summed over the devices by this cast's transpose
+    kernel = jax.lax.pcast(kernel, rows + axes, to="varying")
     forward = [(i, i + 1) for i in range(n - 1)]  # chunk i's tail to chunk i + 1 (device 0 gets zeros)
     backward = [(i + 1, i) for i in range(n - 1)]  # chunk 2N-1-(i+1)'s tail to chunk 2N-1-i
 
@@ -125,7 +124,7 @@ def ring_conv(x, kernel, seg, placement):
     batch = other_axes(placement, ax.BATCH, (x.shape[0],), axes)
     channels = other_axes(placement, ax.CONV_CHANNELS, (x.shape[2],), axes + batch)
     xs, ks = spec_of(batch, axes, channels), spec_of(None, channels)
-    fn = lambda x, k, s: _ring_local(x, k, s, axes=axes, n=n)  # noqa: E731
+    fn = lambda x, k, s: _ring_local(x, k, s, axes=axes, n=n, rows=batch)  # noqa: E731
     if seg is None:
         return jax.shard_map(lambda x, k: fn(x, k, None), mesh=placement.mesh, in_specs=(xs, ks),
                              out_specs=xs)(x, kernel)
@@ -156,6 +155,9 @@ class ShortConv(nn.Module):
             conv = self._continue(bx, kernel, segment_ids)
         elif ring and not self.is_initializing():
             conv = ring_conv(bx, kernel, segment_ids, placement)
+        elif ring:  # init runs the plain path; the length is checked when the program is built
+            check_ring_chunk(bx.shape[1], w, placement)
+            conv = causal_conv(bx, kernel, segment_ids)
         else:
             conv = causal_conv(bx, kernel, segment_ids)
         if a.conv_bias:

@@ -31,6 +31,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
                                  their RMSNorms' 3 float32 intermediates each
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
+    qk_norm 3 (H+K)*Dh, float32  with qk-norm (head, heads, projection): the norms' float32
+                                 intermediates, as attn_norm's (llama-tiny's 4 layers with qk-norm:
+                                 plan/compiled 0.90 without them)
     softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
                                  (such attention always runs in plain XLA)
     attn_context H*Dh            the input of the output projection
@@ -54,8 +57,8 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
       (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each.
 
 A conv layer (LFM2's gated short convolution, ``models/conv_mixer.py``) keeps none of
-attention's terms; instead, d = hidden_size channels each: conv_in 3 d (b, c, x) and conv_proj
-3 d (their fused matmul's output; 0 unfused), conv_input d (b * x), conv_out d (the
+attention's terms; instead, d = hidden_size channels each: conv_in 3 d (b, c, x: slices of the
+fused matmul's output, which jax does not keep), conv_input d (b * x), conv_out d (the
 convolution's output) and attn_context d (c times it, the out projection's input); conv_masks
 conv_kernel float32 (each tap's 0/1 for packed segments).
 
@@ -113,7 +116,7 @@ ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # MoE expert buffers
 ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
-_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "conv_proj", "attn_out", "mlp_gate", "mlp_up",
+_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "attn_out", "mlp_gate", "mlp_up",
          "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj",
          "shared_gate", "shared_up", "shared_proj")
 POLICY_TERMS = {
@@ -266,6 +269,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
                      latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
     if a.attn_logit_softcapping:
         layer["softcap"] = t(2 * h * seq_len, BHL)
+    if a.qk_norm in ("head", "heads", "projection"):  # as attn_norm's, of every query and key head
+        layer["qk_norm"] = t(3 * (h + k) * dq, BLHD, 4)
     if a.norm_position == "both":
         layer.update(post_attn_norm=t(3 * d, BLE, 4), post_mlp_norm=t(3 * d, BLE, 4))
     if a.parallel_residual:  # the MLP reads the attention's norm: no sum between them, no second norm
@@ -302,7 +307,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     for s_ in a.layer_specs():
         terms_ = moe_layer if s_.mlp == "moe" else dense
         key = (s_.mixer, s_.mlp)
-        kinds[key] = (_conv_terms(terms_, t, d, a.conv_kernel, e.fuse_projections) if s_.mixer == "conv" else terms_,
+        kinds[key] = (_conv_terms(terms_, t, d, a.conv_kernel) if s_.mixer == "conv" else terms_,
                       kinds.get(key, (None, 0))[1] + 1)
     n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
@@ -348,17 +353,17 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
 
 
 _ATTENTION_TERMS = ("query", "key", "value", "kv_proj", "scores", "probs", "softcap", "latent", "latent_norm",
-                    "attn_context")
+                    "qk_norm", "attn_context")
 
 
-def _conv_terms(layer: dict, t, d: int, width: int, fused: bool) -> dict:
+def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
     """A conv layer's terms (models/conv_mixer.py): attention's replaced by the projections'
-    outputs b, c, x (and their fused matmul's), b * x (the convolution's input), the
+    outputs b, c, x (the slices of their fused matmul's, which is not kept), b * x (the convolution's input), the
     convolution's output and c times it (the out projection's input), d channels each; and the
     taps' float32 0/1 segment masks, conv_kernel per token."""
     out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
     blc = (ax.BATCH, ax.LENGTH, ax.CONV_CHANNELS)
-    out.update(conv_in=t(3 * d, blc), conv_proj=t(3 * d, blc) if fused else 0, conv_input=t(d, blc),
+    out.update(conv_in=t(3 * d, blc), conv_input=t(d, blc),
                conv_masks=t(width, BL, 4), conv_out=t(d, blc), attn_context=t(d, blc))
     return out
 
