@@ -24,7 +24,9 @@ from shardzoo.models import ModelError, check_fields
 from shardzoo.models.features import feature
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV)
+ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
@@ -45,12 +47,14 @@ ROPE_SCALING_OPTIONAL = {
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One layer's block: its attention window, rotary embedding and MLP kind."""
+    """One layer's block: its token mixer (attention or a short convolution), attention window,
+    rotary embedding and MLP kind."""
 
     window: int | None = None  # a query at i sees keys j with i - j < window (None: all before)
     chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense" or "moe"
+    mixer: str = ATTENTION  # "attention" or "conv" (a gated short convolution: LFM2)
 
 
 def _scaling_feature(value):
@@ -162,6 +166,11 @@ class TransformerArch:
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up
     swiglu_limit: float | None = feature(None, "clamped_swiglu")
     swiglu_alpha: float = 1.702
+    # gated short convolutions (LFM2's "conv" layers of layer_types): in_proj to B, C, x (each
+    # hidden_size wide), y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps
+    # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
+    conv_kernel: int | None = feature(None, "short_conv")  # None: no conv layers
+    conv_bias: bool = feature(False, "conv_bias")
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
     # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
     # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
@@ -192,7 +201,10 @@ class TransformerArch:
         if self.attention_multiplier == (self.query_pre_attn_scalar or self.head_size) ** -0.5:
             set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
-        if types is not None and len(set(types)) == 1:
+        if not self.has_conv_layers:  # no conv layers, no convolution
+            set_("conv_kernel", None)
+            set_("conv_bias", False)
+        if types is not None and len(set(types)) == 1 and types[0] != CONV:
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -252,7 +264,7 @@ class TransformerArch:
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size",
-                      "attention_chunk_size"))
+                      "attention_chunk_size", "conv_kernel"))
         if not _positive(self.floor_scale) or not (math.isfinite(self.attn_scale) and self.attn_scale >= 0):
             raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
                              f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
@@ -298,6 +310,12 @@ class TransformerArch:
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
+        if self.has_conv_layers and (self.conv_kernel is None or self.conv_kernel < 2):
+            raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
+                             ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
+        if self.has_conv_layers and self.latent:
+            raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
+                             "which no family has; remove one")
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
@@ -402,6 +420,10 @@ class TransformerArch:
         return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
 
     @property
+    def has_conv_layers(self) -> bool:
+        return self.layer_types is not None and CONV in self.layer_types
+
+    @property
     def has_chunked_layers(self) -> bool:
         types = self.layer_types
         return bool(self.attention_chunk_size) and (CHUNKED in types if types is not None
@@ -442,7 +464,8 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp))
+            out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
+                                 mixer=CONV if kind == CONV else ATTENTION))
         return tuple(out)
 
 

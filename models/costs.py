@@ -31,6 +31,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
                                  their RMSNorms' 3 float32 intermediates each
     scores H*L                   masked logits [batch, K, H/K, L, L]   } 0 with cuDNN
     probs H*L, float32           the softmax (jax computes it in f32)   } attention
+    qk_norm 3 (H+K)*Dh, float32  with qk-norm (head, heads, projection): the norms' float32
+                                 intermediates, as attn_norm's (llama-tiny's 4 layers with qk-norm:
+                                 plan/compiled 0.90 without them)
     softcap 2 H*L                with attn_logit_softcapping: tanh's output and its derivative
                                  (such attention always runs in plain XLA)
     attn_context H*Dh            the input of the output projection
@@ -55,6 +58,12 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
       swiglu_limit: 3 x E*C*F/L more, measured: gpt-oss-tiny's compiled temp grows by 3.0 of them
       with the clamps, and not measurably with attention sinks); with a shared expert
       (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each.
+
+A conv layer (LFM2's gated short convolution, ``models/conv_mixer.py``) keeps none of
+attention's terms; instead, d = hidden_size channels each: conv_in 3 d (b, c, x: slices of the
+fused matmul's output, which jax does not keep), conv_input d (b * x), conv_out d (the
+convolution's output) and attn_context d (c times it, the out projection's input); conv_masks
+conv_kernel float32 (each tap's 0/1 for packed segments).
 
 The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
 backward pass recomputes one layer whole, hence ``saved("none")`` once more.
@@ -110,7 +119,7 @@ ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # MoE expert buffers
 ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
-_DOTS = ("block_input", "query", "key", "value", "kv_proj", "attn_out", "mlp_gate", "mlp_up",
+_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "attn_out", "mlp_gate", "mlp_up",
          "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj",
          "shared_gate", "shared_up", "shared_proj")
 POLICY_TERMS = {
@@ -151,9 +160,14 @@ def _latent_attention_params(a) -> int:
     return q + kv + h * a.v_head_dim * d
 
 
-def _layer_matmul_params(a, moe: bool, active: bool) -> int:
+def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False) -> int:
+    """A layer's matmul parameters (a conv layer's: in_proj's three and out_proj, and the
+    convolution's taps, each multiplied once per token)."""
     d, hd = a.hidden_size, a.head_size
-    attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+    if conv:
+        attn = 4 * d * d + a.conv_kernel * d
+    else:
+        attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
@@ -169,13 +183,28 @@ def buffers(a) -> tuple[tuple[str, str], ...]:
     return out + ((("moe", "router_bias"),) if a.router_kind == "sigmoid_groups" else ())
 
 
+def _attention_extras(a, per: int) -> int:
+    """An attention layer's parameters beside its projections: qk-norms, biases, sinks."""
+    hd, total = a.head_size, 0
+    if a.qk_norm not in ("none", "l2"):  # l2: no weight
+        qk_per = 1 if a.qk_norm_no_bias else per
+        total += qk_per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
+    if a.attention_bias:
+        total += hd * (a.num_attention_heads + 2 * a.kv_heads)
+    if a.attention_out_bias:
+        total += a.hidden_size
+    if a.attention_sinks:
+        total += a.num_attention_heads
+    return total
+
+
 def transformer_params(a, active: bool = False) -> int:
     """Parameters of a Transformer architecture ``a`` (``active``: only the top-k experts of
     MoE layers); equal to transformers' count of the same config (tests/hf). Not counted, as
     transformers does not: the sigmoid router's correction bias (``moe/router_bias``, a buffer
     there, trained by no gradient), and xIELU's ``beta`` and ``eps`` (buffers there too, fixed:
     ``buffers``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
-    d, hd = a.hidden_size, a.head_size
+    d = a.hidden_size
     total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
     if a.position_embedding == "learned":
         total += a.max_position_embeddings * d
@@ -187,18 +216,11 @@ def transformer_params(a, active: bool = False) -> int:
         total += a.vocab_size
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
-        total += _layer_matmul_params(a, moe, active) + norms * norm
-        if a.latent:  # the latents' RMSNorms
-            total += a.kv_lora_rank + (a.q_lora_rank or 0)
-        if a.qk_norm not in ("none", "l2"):  # l2: no weight
-            qk_per = 1 if a.qk_norm_no_bias else per
-            total += qk_per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
-        if a.attention_bias:
-            total += hd * (a.num_attention_heads + 2 * a.kv_heads)
-        if a.attention_out_bias:
-            total += d
-        if a.attention_sinks:
-            total += a.num_attention_heads
+        total += _layer_matmul_params(a, moe, active, spec.mixer == "conv") + norms * norm
+        if spec.mixer == "conv":  # no attention: the conv's biases (in_proj 3 d, taps d, out_proj d)
+            total += 5 * d * a.conv_bias
+        else:
+            total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
                                             + (a.router_kind == "softmax_bias"))  # its correction bias
@@ -215,11 +237,13 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention, each
     layer with its own window or chunk."""
     specs = a.layer_specs()
-    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs)
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv") for s in specs)
     matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
     keys = 0.0  # keys a query sees on average, summed over layers
     for s in specs:
         w, c = s.window, s.chunk
+        if s.mixer == "conv":  # no attention (its taps are counted with the matmuls)
+            continue
         if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
             keys += c / 2
             continue
@@ -261,6 +285,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
                      latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
     if a.attn_logit_softcapping:
         layer["softcap"] = t(2 * h * seq_len, BHL)
+    if a.qk_norm in ("head", "heads", "projection"):  # as attn_norm's, of every query and key head
+        layer["qk_norm"] = t(3 * (h + k) * dq, BLHD, 4)
     if a.norm_position == "both":
         layer.update(post_attn_norm=t(3 * d, BLE, 4), post_mlp_norm=t(3 * d, BLE, 4))
     if a.parallel_residual:  # the MLP reads the attention's norm: no sum between them, no second norm
@@ -293,21 +319,31 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         if fs:  # the shared expert: a dense gated MLP's terms at its width (its gate: 1 per token)
             moe_layer.update(shared_gate=t(fs, BLF), shared_up=t(fs, BLF), shared_hidden=t(fs, BLF),
                              shared_proj=t(fs, BLF) if e.fuse_projections else 0)
-    n_moe = sum(s.mlp == "moe" for s in a.layer_specs())
+    # each kind of layer (mixer, MLP) and how many the model has; a conv layer keeps the
+    # convolution's arrays in attention's place
+    kinds = {}
+    for s_ in a.layer_specs():
+        terms_ = moe_layer if s_.mlp == "moe" else dense
+        key = (s_.mixer, s_.mlp)
+        kinds[key] = (_conv_terms(terms_, t, d, a.conv_kernel) if s_.mixer == "conv" else terms_,
+                      kinds.get(key, (None, 0))[1] + 1)
+    n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
+    attends = any(mixer != "conv" for mixer, _ in kinds)
+    n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
-    largest = max(_saved(dense, "none") if n_dense else 0, _saved(moe_layer, "none") if n_moe else 0)
-    layers = n_dense * _saved(dense, policy) + (n_moe * _saved(moe_layer, policy) if n_moe else 0)
+    largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
+    layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
     recompute = largest if policy != "none" else 0
     logits = t(a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
     others = {
         "batch": t(5, BL, 4),
-        "mask": 0 if flash or ring > 1 else t(h * seq_len, BHL, 1),
+        "mask": 0 if flash or ring > 1 or not attends else t(h * seq_len, BHL, 1),
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits
         + (t(2 * a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB)) if a.final_logit_softcapping else 0),
     }
-    if ring > 1 and not gathered:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
+    if ring > 1 and not gathered and attends:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
         others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring
     if pipeline is not None:  # one stage's layers on one microbatch at a time (models/pipeline.py)
         m, iters = pipeline["microbatches"], pipeline["iterations"]
@@ -325,12 +361,29 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     else:
         formula = (
             f"batch + mask + {n_dense} dense + {n_moe} MoE layers x saved({policy})"
+            + (f" ({n_conv} of them conv layers)" if n_conv else "")
             + (" + one layer recomputed" if policy != "none" else "")
             + " + one layer's backward + final norm and logits"
             + (f" (ring attention over {ring} devices)" if ring > 1 else "")
         )
-    terms = {**(moe_layer if n_moe and not n_dense else dense), **others}
+    terms = {**next(iter(kinds.values()))[0], **others}
     return ActivationEstimate(int(total), policy, formula, terms)
+
+
+_ATTENTION_TERMS = ("query", "key", "value", "kv_proj", "scores", "probs", "softcap", "latent", "latent_norm",
+                    "qk_norm", "attn_context")
+
+
+def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
+    """A conv layer's terms (models/conv_mixer.py): attention's replaced by the projections'
+    outputs b, c, x (the slices of their fused matmul's, which is not kept), b * x (the convolution's input), the
+    convolution's output and c times it (the out projection's input), d channels each; and the
+    taps' float32 0/1 segment masks, conv_kernel per token."""
+    out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
+    blc = (ax.BATCH, ax.LENGTH, ax.CONV_CHANNELS)
+    out.update(conv_in=t(3 * d, blc), conv_input=t(d, blc),
+               conv_masks=t(width, BL, 4), conv_out=t(d, blc), attn_context=t(d, blc))
+    return out
 
 
 def mlp_activations(cfg, batch_size, shards) -> ActivationEstimate:

@@ -3,9 +3,12 @@
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
-leaf has a leading layers axis. The arrays carry logical axes (``ax.BATCH``,
-``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``), so the Program shards them under the
-same rules as everything else (``Program.generate``).
+leaf has a leading layers axis. A conv layer (LFM2's short convolution, models/conv_mixer.py)
+keeps its own state instead: ``conv_state`` [batch, conv_width, conv_channels], its last
+conv_kernel - 1 inputs, and their ``conv_segment_ids``. The arrays carry logical axes
+(``ax.BATCH``, ``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``,
+``ax.CONV_CHANNELS``), so the Program shards them under the same rules as everything else
+(``Program.generate``).
 """
 
 from __future__ import annotations

@@ -66,6 +66,9 @@ FEATURES = {
                              "(Ernie 4.5 MoE)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
+    "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "
+                  "y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps",
+    "conv_bias": "biases on the short convolution's projections and taps (conv_bias)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

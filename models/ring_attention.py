@@ -68,7 +68,7 @@ def enter_ring(placement, decode: bool, initializing: bool, *rows):
     return True, tuple(None if r is None else next(moved).astype(r.dtype) for r in rows)
 
 
-def _other_axes(placement, names, dims: tuple[int, ...], exclude) -> tuple[str, ...]:
+def other_axes(placement, names, dims: tuple[int, ...], exclude) -> tuple[str, ...]:
     """The mesh axes (size > 1, not in ``exclude``) the rules give a logical name, when they
     divide every one of ``dims``; else () (replicated inside the shard_map)."""
     found = tuple(a for a in placement.mesh_axes(names) if a not in exclude)
@@ -76,7 +76,7 @@ def _other_axes(placement, names, dims: tuple[int, ...], exclude) -> tuple[str, 
     return found if all(d % size == 0 for d in dims) else ()
 
 
-def _spec(*dims):
+def spec_of(*dims):
     return P(*(d if d else None for d in dims))
 
 
@@ -106,8 +106,8 @@ def _move(x, axes, n, src_home, dst_home):
 def _reorder(x, placement, src_home, dst_home):
     axes = placement.ring_axes
     n = placement.size(axes)
-    batch = _other_axes(placement, ax.BATCH, (x.shape[0],), axes)
-    spec = _spec(batch, axes, *([None] * (x.ndim - 2)))
+    batch = other_axes(placement, ax.BATCH, (x.shape[0],), axes)
+    spec = spec_of(batch, axes, *([None] * (x.ndim - 2)))
     fn = lambda y: _move(y, axes, n, src_home, dst_home)  # noqa: E731
     return jax.shard_map(fn, mesh=placement.mesh, in_specs=spec, out_specs=spec)(x)
 
@@ -245,16 +245,16 @@ def ring_attention(q, k, v, segment_ids, placement, *, sliding_window=None, scal
     axes = placement.ring_axes
     n = placement.size(axes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    batch = _other_axes(placement, ax.BATCH, (q.shape[0],), axes)
-    heads = _other_axes(placement, ax.HEADS, (q.shape[2], k.shape[2]), axes + batch)
-    if heads != _other_axes(placement, ax.KV_HEADS, (q.shape[2], k.shape[2]), axes + batch):
+    batch = other_axes(placement, ax.BATCH, (q.shape[0],), axes)
+    heads = other_axes(placement, ax.HEADS, (q.shape[2], k.shape[2]), axes + batch)
+    if heads != other_axes(placement, ax.KV_HEADS, (q.shape[2], k.shape[2]), axes + batch):
         heads = ()  # query and kv heads split alike, or neither
-    qkv = _spec(batch, axes, heads, None)
+    qkv = spec_of(batch, axes, heads, None)
     local = _ring_local if strategy == "ring" else _gathered_local
     fn = lambda q, k, v, seg: local(  # noqa: E731
         q, k, v, seg, axes=axes, n=n, window=sliding_window, scale=scale)
     if segment_ids is None:
         return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=placement.mesh,
                              in_specs=(qkv, qkv, qkv), out_specs=qkv)(q, k, v)
-    return jax.shard_map(fn, mesh=placement.mesh, in_specs=(qkv, qkv, qkv, _spec(batch, axes)),
+    return jax.shard_map(fn, mesh=placement.mesh, in_specs=(qkv, qkv, qkv, spec_of(batch, axes)),
                          out_specs=qkv)(q, k, v, segment_ids)

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.arch import MOE, LayerSpec, TransformerArch
+from shardzoo.models.arch import CONV, MOE, LayerSpec, TransformerArch
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
+from shardzoo.models.conv_mixer import ShortConv
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
@@ -170,7 +171,8 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 
 
 class Block(nn.Module):
-    """Residual block: x + attn(norm(x)), then x + mlp(norm(x)); with ``norm_position="post"``
+    """Residual block: x + attn(norm(x)), then x + mlp(norm(x)) (a "conv" layer mixes tokens
+    by a gated short convolution in attention's place, ``models/conv_mixer.py``); with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
     x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
     norm side by side: x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere). The residual adds
@@ -203,7 +205,10 @@ class Block(nn.Module):
             return MLP(self.config, placement, name="mlp")(h)
 
         h = make_norm(self.config, "attn_norm")(x) if pre else x
-        attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
+        if self.spec.mixer == CONV:  # a gated short convolution in attention's place (LFM2)
+            attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
+        else:
+            attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
         if a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
             x = residual(x, attn + mlp(h))

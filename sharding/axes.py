@@ -21,6 +21,8 @@ CACHE_LENGTH = "cache_length"  # positions of a decoding KV cache
 LORA_RANK = "lora_rank"  # the low-rank axis of LoRA adapters (replicated in every preset)
 Q_LORA = "q_lora"  # latent attention: the query's compressed latent (q_lora_rank; replicated)
 KV_LORA = "kv_lora"  # latent attention: the keys' and values' compressed latent (kv_lora_rank; replicated)
+CONV_CHANNELS = "conv_channels"  # channels of a short convolution (LFM2's conv layers); tensor-parallel shards them
+CONV_WIDTH = "conv_width"  # a short convolution's taps, and the previous inputs a decoding cache keeps (replicated)
 
 ALL = (
     BATCH,
@@ -39,6 +41,8 @@ ALL = (
     LORA_RANK,
     Q_LORA,
     KV_LORA,
+    CONV_CHANNELS,
+    CONV_WIDTH,
 )
 
 MEANINGS = {
@@ -58,4 +62,6 @@ MEANINGS = {
     LORA_RANK: "the low-rank axis of LoRA adapters (A: [inputs..., rank], B: [rank, outputs...])",
     Q_LORA: "latent attention's query latent (q_lora_rank)",
     KV_LORA: "latent attention's key/value latent (kv_lora_rank)",
+    CONV_CHANNELS: "channels of a short convolution (LFM2's gated conv layers)",
+    CONV_WIDTH: "a short convolution's taps (conv_kernel) and the inputs a decoding cache keeps for them",
 }

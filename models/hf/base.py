@@ -28,7 +28,8 @@ class Weight:
     """One shardzoo leaf and the HF tensor(s) it is made of.
 
     ``op``: "copy" (same shape), "vec" (a bias, flat in HF), "linear" (HF ``nn.Linear`` (out, in))
-    or "conv1d" (GPT-2 ``Conv1D`` (in, out)); the leaf's first ``n_in`` dims are the inputs.
+    or "conv1d" (GPT-2 ``Conv1D`` (in, out)), or "depthwise" (a depthwise ``nn.Conv1d``'s
+    (channels, 1, width), the leaf (width, channels)); the leaf's first ``n_in`` dims are the inputs.
     ``part`` (j, n): the leaf is the j-th of n column blocks of a fused tensor (GPT-2's c_attn,
     Phi-3's qkv_proj and gate_up_proj); ``widths``: the n blocks' relative widths where they
     differ (Phi-3's q|k|v under GQA: heads, kv_heads, kv_heads), else equal.

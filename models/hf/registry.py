@@ -31,6 +31,7 @@ from shardzoo.models.hf import (
     gpt_oss,
     granite,
     hunyuan,
+    lfm2,
     llama,
     llama4,
     ministral,
@@ -80,6 +81,7 @@ FAMILIES: tuple[Family, ...] = (
     llama4.LLAMA4, llama4.LLAMA4_MM,
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
     apertus.APERTUS,
+    lfm2.LFM2,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

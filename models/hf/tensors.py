@@ -61,6 +61,8 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
         return lead + shape[:-1] + (shape[-1] * sum(widths) // widths[w.part[0]],)
     if w.op == "vec":
         return lead + (math.prod(shape) * sum(widths) // widths[w.part[0]],)
+    if w.op == "depthwise":  # [width, channels] here, torch's Conv1d [channels, 1, width] there
+        return lead + (shape[1], 1, shape[0])
     fan_in = math.prod(shape[: w.n_in])
     fan_out = math.prod(shape[w.n_in:]) * sum(widths) // widths[w.part[0]]
     return lead + ((fan_out, fan_in) if w.op == "linear" else (fan_in, fan_out))
@@ -71,6 +73,7 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     out = []
     for t in tensors:
         t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
+        t = t[:, 0, :].T if w.op == "depthwise" else t
         if w.part[1] > 1:
             t = t[..., w.part[0]::w.part[1]] if w.interleaved else t[..., _block(w, t.shape[-1])]
         out.append(t)
@@ -89,6 +92,8 @@ def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
             a = a.reshape(lead + (-1,))
         elif w.op in ("linear", "conv1d"):
             a = a.reshape(lead + (math.prod(body[: w.n_in]), -1))
+        elif w.op == "depthwise":
+            a = np.ascontiguousarray(a.T[:, None, :])
         out.append(a)
     return out
 
