@@ -3,7 +3,8 @@
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
-leaf has a leading layers axis. The arrays carry logical axes (``ax.BATCH``,
+leaf has a leading layers axis (``Program.generate`` decodes with the layers unrolled:
+``unrolled_params``). The arrays carry logical axes (``ax.BATCH``,
 ``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``), so the Program shards them under the
 same rules as everything else (``Program.generate``).
 """
@@ -27,6 +28,21 @@ def cache_init_fn(module, batch_size: int, max_length: int):
         return jax.tree.map(jnp.zeros_like, variables["cache"])  # boxed: logical axes kept
 
     return first_call
+
+
+def unrolled_params(layout, params):
+    """``params`` of a model with scanned layers as the same model with every layer unrolled
+    (``layers_i``) takes them: each stacked leaf cut into its layers. Decoding runs the layers
+    unrolled: each layer's cache is then its own array, updated in place by the sampling loop,
+    where a scan over the stacked cache would write the whole cache anew every step."""
+    out = {k: v for k, v in params.items() if k != "layers" and not k.startswith("layers_")}
+    for path, layers, stacked in layout.param_layout():
+        tree = params
+        for name in path:
+            tree = tree[name]
+        for k, layer in enumerate(layers):
+            out[f"layers_{layer}"] = jax.tree.map(lambda x, k=k: x[k], tree) if stacked else tree
+    return out
 
 
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):
