@@ -6,9 +6,10 @@ shardzoo loads that directory (``train.hf_io.load_hf``), so both libraries run t
 For batch 1, 16 and 64, a 32-token prompt continued by 128 new tokens, greedy (and, at batch
 16, sampled at temperature 1 with top-k 50 and top-p 0.9): ``Program.generate`` (prefill and
 the sampling loop in one compiled program, ``models/decode.py``) against
-``LlamaForCausalLM.generate`` (torch CPU, its KV cache, as many threads as this machine's
-cores), in interleaved rounds (shardzoo, transformers, shardzoo, ...) after a warm-up each;
-medians and their ratio. Model FLOPs per generated token: 2 x matmul params + q.k and probs.v
+``LlamaForCausalLM.generate`` (torch CPU, its KV cache, one thread: on a shared machine torch's
+OpenMP threads wait on each other, two threads ran 5x slower than one here), in interleaved rounds (shardzoo, transformers, shardzoo, ...) after a warm-up each;
+medians and their ratio, in wall time and in CPU time (all of the process's threads: the
+fairer measure where the two use different thread counts). Model FLOPs per generated token: 2 x matmul params + q.k and probs.v
 over the keys it attends (``models.costs.decode_flops``); their rate as a fraction of the
 matmul peak (jnp.dot 2048x2048 float32) measured in the same run. Greedy tokens are compared
 with transformers' (the same model, so they must agree).
@@ -43,19 +44,21 @@ DIMS = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden
 SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.9)
 
 
-def matmul_peak(reps: int = 10) -> float:
-    """FLOP/s of a jitted float32 2048x2048 jnp.dot (median of ``reps``)."""
+def matmul_peak(reps: int = 10) -> tuple[float, float]:
+    """FLOP per wall second and per CPU second (all threads) of a jitted float32 2048x2048
+    jnp.dot (medians of ``reps``)."""
     n = 2048
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     dot = jax.jit(jnp.dot)
     dot(a, b).block_until_ready()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         dot(a, b).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
+        cpu.append(time.process_time() - c)
+    return 2 * n**3 / statistics.median(times), 2 * n**3 / statistics.median(cpu)
 
 
 def hf_model(path: str):
@@ -108,12 +111,12 @@ def main() -> None:
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(1)
     batches, new, prompt_len = ((1, 4), 16, 8) if args.quick else ((1, 16, 64), 128, 32)
     rounds = 1 if args.quick else args.rounds
     cases = [(b, False) for b in batches] + [(batches[1], True)]
     load_start = os.getloadavg()[0]
-    peak = matmul_peak()
+    peak, peak_cpu = matmul_peak()
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as path:
         model = hf_model(path)
@@ -124,12 +127,15 @@ def main() -> None:
             compile_s = time.perf_counter() - t
             want = theirs()
             times = {"ours": [], "theirs": []}
+            cpu = {"ours": [], "theirs": []}
             for _ in range(rounds):
                 for name, run in (("ours", ours), ("theirs", theirs)):
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     run()
                     times[name].append(time.perf_counter() - t)
+                    cpu[name].append(time.process_time() - c)
             med = {k: statistics.median(v) for k, v in times.items()}
+            med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
             tokens = batch * new
             context = prompt_len + (new - 1) / 2  # keys a new token attends, on average
             flops = decode_flops(config.arch, context) * tokens
@@ -137,8 +143,10 @@ def main() -> None:
             what = "sampled (T 1, top-k 50, top-p 0.9)" if sampled else "greedy"
             rows.append(f"| {batch} | {what} | {med['ours']:.2f} | {tokens / med['ours']:,.0f} | "
                         f"{med['theirs']:.2f} | {tokens / med['theirs']:,.0f} | "
-                        f"**{med['theirs'] / med['ours']:.2f}x** | {flops / med['ours'] / 1e9:.1f} G | "
-                        f"{flops / med['ours'] / peak:.0%} | {same} |")
+                        f"**{med['theirs'] / med['ours']:.2f}x** | {med_cpu['ours']:.2f} | "
+                        f"{med_cpu['theirs']:.2f} | {med_cpu['theirs'] / med_cpu['ours']:.2f}x | "
+                        f"{flops / med['ours'] / 1e9:.1f} G | {flops / med['ours'] / peak:.0%} | "
+                        f"{flops / med_cpu['ours'] / peak_cpu:.0%} | {same} |")
             notes.append(f"batch {batch} {what}: shardzoo " + ", ".join(f"{x:.2f}" for x in times["ours"])
                          + "; transformers " + ", ".join(f"{x:.2f}" for x in times["theirs"])
                          + f" (shardzoo's first call, compile included: {compile_s:.1f})")
@@ -159,9 +167,13 @@ def main() -> None:
         f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores (a shared machine: the ratios are the figure, absolute times are noisy).", "",
         "| batch | decoding | shardzoo (s) | tokens/s | transformers (s) | tokens/s | speed-up | "
-        "model FLOP/s | of matmul peak | greedy tokens equal |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
-        f"- Matmul peak (jnp.dot 2048x2048 float32, this run): {peak / 1e9:.1f} GFLOP/s. Model FLOPs "
+        "shardzoo CPU s | transformers CPU s | speed-up in CPU time | model FLOP/s | of matmul peak | "
+        "of matmul peak, CPU time | greedy tokens equal |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
+        f"- Matmul peak (jnp.dot 2048x2048 float32, this run): {peak / 1e9:.1f} GFLOP/s of wall time, "
+        f"{peak_cpu / 1e9:.1f} GFLOP per CPU second (all threads); 'of matmul peak' divides shardzoo's "
+        "model FLOP/s by the first, 'CPU time' its FLOPs per CPU second by the second (what the "
+        "load of other processes distorts least). Model FLOPs "
         f"per generated token: {decode_flops(a, prompt_len + (new - 1) / 2) / 1e6:.1f}M (2 x "
         f"{(decode_flops(a, 0) / 2) / 1e6:.1f}M matmul params, the output head included, + q.k and "
         f"probs.v over the {prompt_len + (new - 1) / 2:.0f} keys a new token attends on average); "

@@ -64,11 +64,13 @@ def sample_logits(logits, key, temperature: float = 1.0, top_k: int = 0, top_p: 
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
+    ordered = None  # the logits in descending order, as far as top-p needs them
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
+        ordered = jax.lax.top_k(logits, top_k)[0]  # the rest are masked below: only these sorted
+        logits = jnp.where(logits < ordered[..., -1:], neg, logits)
     if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+        if ordered is None:
+            ordered = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
         keep = before < top_p  # always keeps the most likely token
