@@ -196,3 +196,23 @@ def test_unrolled_params_feed_the_unrolled_model_the_same_layers():
     got = jax.jit(program.decoder.apply, compiler_options=FAST)({"params": unrolled}, x)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert float(jnp.abs(want).max()) > 0.1  # not all zeros
+
+
+def test_top_k_and_top_p_thresholds_equal_sorting():
+    """The sampler's thresholds come from bisections over the logits' bits (no sort of the
+    vocabulary): the k-th largest and the top-p cut of sorted rows, negatives, ties and -0 too."""
+    x = np.array(jax.random.normal(jax.random.key(7), (64, 500)) * 3, np.float32)
+    x[:, :40] = np.round(x[:, :40])  # ties
+    x[0, :3] = [-0.0, 0.0, -0.0]
+    keys = dec._order_keys(jnp.asarray(x))
+    for k in (1, 7, 50):
+        kth = dec._largest_key(keys, lambda at_least, k=k: at_least.sum(-1) >= k)
+        want = np.sort(x, -1)[:, ::-1][:, k - 1:k]
+        np.testing.assert_array_equal(np.asarray(keys >= kth), x >= want)
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(x), -1), np.float64)
+    for p in (0.1, 0.5, 0.9):
+        cut = dec._largest_key(keys, lambda at_least, p=p: jnp.sum(
+            jnp.where(at_least, jnp.asarray(probs, jnp.float32), 0.0), -1) >= p)
+        # keep a token when the tokens strictly more likely than it hold less than p
+        above = np.array([[probs[r][x[r] > v].sum() for v in x[r]] for r in range(len(x))])
+        np.testing.assert_array_equal(np.asarray(keys >= cut), above < p)
