@@ -62,6 +62,8 @@ BENCHES = (
           quick=("--rounds", "2", "--iters", "1", "--length", "128")),
     Bench("lora", "LoRA against full fine-tuning: the plan of llama3-8b, and the train step on this CPU",
           "bench_lora.py", quick=("--rounds", "1")),
+    Bench("decode", "sampling throughput of the Program's decoding against transformers' generate, batch "
+          "1, 16, 64, 128 new tokens; model FLOP/s of the matmul peak", "bench_decode.py", quick=("--quick",)),
     Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
           "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",

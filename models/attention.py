@@ -261,6 +261,24 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
     return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
 
+def one_query_attention(q, k, v, mask, scale):
+    """Attention of one new token per row over the cache (a decoding step) as multiply-and-sum
+    over the cache's own layout: a dot_general would transpose the whole cache to put its
+    batch and head axes first, every layer and every step. Softmax in float32.
+
+    q: [batch, 1, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim]; mask: bool
+    [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
+    """
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, 1, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
+    scores = jnp.sum(q * k[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, k_len, kv_heads, group]
+    scores = jnp.where(mask[:, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+    ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
+    return ctx.reshape(batch, 1, heads, v.shape[-1])
+
+
 class Attention(nn.Module):
     """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
 
@@ -321,6 +339,8 @@ class Attention(nn.Module):
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
         if plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
+        elif decode and length == 1:
+            ctx = one_query_attention(q, k, v, mask, scale)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism

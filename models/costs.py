@@ -252,6 +252,16 @@ def transformer_flops(a, seq_len: int) -> float:
     return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
+def decode_flops(a, context: float) -> float:
+    """FLOPs of one generated token (forward only): 2 x matmul params (active, the output head
+    included) + q.k and probs.v over the ``context`` keys the token attends (each layer's
+    window or chunk capping it)."""
+    specs = a.layer_specs()
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs) + a.vocab_size * a.hidden_size
+    keys = sum(min(context, s.window or context, s.chunk or context) for s in specs)
+    return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
+
+
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
     a, e = cfg.arch, cfg.execution
     d, f, h = a.hidden_size, a.intermediate_size, a.num_attention_heads

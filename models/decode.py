@@ -3,12 +3,12 @@
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
-leaf has a leading layers axis. A conv layer (LFM2's short convolution, models/conv_mixer.py)
-keeps its own state instead: ``conv_state`` [batch, conv_width, conv_channels], its last
-conv_kernel - 1 inputs, and their ``conv_segment_ids``. The arrays carry logical axes
-(``ax.BATCH``, ``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``,
-``ax.CONV_CHANNELS``), so the Program shards them under the same rules as everything else
-(``Program.generate``).
+leaf has a leading layers axis (``Program.generate`` decodes with the layers unrolled:
+``unrolled_params``). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
+state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
+inputs, and their ``conv_segment_ids``. The arrays carry logical axes (``ax.BATCH``,
+``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``), so
+the Program shards them under the same rules as everything else (``Program.generate``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,21 @@ def cache_init_fn(module, batch_size: int, max_length: int):
     return first_call
 
 
+def unrolled_params(layout, params):
+    """``params`` of a model with scanned layers as the same model with every layer unrolled
+    (``layers_i``) takes them: each stacked leaf cut into its layers. Decoding runs the layers
+    unrolled: each layer's cache is then its own array, updated in place by the sampling loop,
+    where a scan over the stacked cache would write the whole cache anew every step."""
+    out = {k: v for k, v in params.items() if k != "layers" and not k.startswith("layers_")}
+    for path, layers, stacked in layout.param_layout():
+        tree = params
+        for name in path:
+            tree = tree[name]
+        for k, layer in enumerate(layers):
+            out[f"layers_{layer}"] = jax.tree.map(lambda x, k=k: x[k], tree) if stacked else tree
+    return out
+
+
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):
     """Run ``tokens`` [batch, length] (a prompt or one new token) through the cache.
 
@@ -45,22 +60,41 @@ def decode_step(module, params, cache, tokens, positions, segment_ids=None):
 
 
 # ------------------------------------------------------------------------------------ sampler
+def _order_keys(x):
+    """uint32 keys in the order of the float32 values ``x`` (their bits, the negatives' flipped)."""
+    bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.int32)  # + 0.0: -0 as +0
+    flipped = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jax.lax.bitcast_convert_type(flipped, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _largest_key(keys, enough):
+    """Per row of ``keys`` [rows, n], the largest T with ``enough(keys >= T)`` (a mask -> bool
+    [rows], true at T = 0, monotone): bit by bit from the top, 32 masked reductions. Top-k and
+    top-p thresholds without sorting the vocabulary (XLA:CPU sorts the whole row for top_k)."""
+    def step(b, t):
+        candidate = t | (jnp.uint32(1) << (31 - b).astype(jnp.uint32))
+        return jnp.where(enough(keys >= candidate)[..., None], candidate, t)
+
+    return jax.lax.fori_loop(0, 32, step, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
+
+
 def sample_logits(logits, key, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """One token per row from logits [batch, vocab]; greedy (argmax) when temperature is 0."""
+    """One token per row from logits [batch, vocab]; greedy (argmax) when temperature is 0.
+
+    Top-k keeps the tokens at least as likely as the k-th; top-p then keeps each token whose
+    more likely tokens (among those kept) hold less than ``top_p`` of the mass."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
+    keys = _order_keys(logits) if top_k or top_p < 1.0 else None
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
+        kth = _largest_key(keys, lambda at_least: at_least.sum(-1) >= top_k)
+        logits = jnp.where(keys >= kth, logits, neg)
     if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        keep = before < top_p  # always keeps the most likely token
-        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, neg, logits)
+        probs = jax.nn.softmax(logits, axis=-1)  # the masked ones: exactly 0
+        threshold = _largest_key(keys, lambda at_least: jnp.sum(jnp.where(at_least, probs, 0.0), -1) >= top_p)
+        logits = jnp.where(keys >= threshold, logits, neg)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

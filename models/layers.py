@@ -231,9 +231,14 @@ def fused(linears, x):
 
     The kernels are stacked on a new leading axis (not concatenated), so a sharded output axis
     stays sharded as it is and the parameters keep their own names; on CPU one wide matmul
-    beats two narrow ones (``bench/bench_transformer.py``).
+    beats two narrow ones (``bench/bench_transformer.py``). A decoding step (one token per row:
+    a length axis of 1) runs them apart: there the kernels' reads are the cost, and stacking
+    them would copy every kernel once per step (``bench/bench_decode.py``).
     """
     first = linears[0]
+    lead = x.shape[:x.ndim - first.n_in]  # [batch, length, ...] before the inputs
+    if len(lead) >= 2 and lead[-1] == 1:
+        return [lin(x) for lin in linears]
     weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
     kernel = jnp.stack([k for k, _, _ in weights])  # [n, inputs..., features...]
     x = x.astype(kernel.dtype)

@@ -149,10 +149,11 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
     program = Program(config, get_rules("tp"), make_mesh("data=4,tensor=2"))
-    cache = program.new_cache(4, 16)
-    key = cache["layers"]["attn"]["cached_key"]
-    assert key.shape == (2, 4, 16, 2, 8)
-    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2
+    cache = program.new_cache(4, 16)  # decoding's: one per layer (its layers unrolled)
+    assert sorted(cache) == ["layers_0", "layers_1"]
+    key = cache["layers_1"]["attn"]["cached_key"]
+    assert key.shape == (4, 16, 2, 8)
+    assert key.addressable_shards[0].data.shape == (1, 16, 1, 8)  # batch/4, kv_heads/2
 
 
 def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
@@ -170,10 +171,48 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
         got = program.generate(placed, prompt, max_new_tokens=7, **kw)
         np.testing.assert_array_equal(got, want)
     _, shardings = program.cache_shardings(4, 12)
-    attn = shardings["layers"]["attn"]
-    assert attn["cached_key"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    assert attn["cached_segment_ids"].spec == P(None, ("data", "fsdp"), None)
+    attn = shardings["layers_0"]["attn"]
+    assert attn["cached_key"].spec == P(("data", "fsdp"), None, "tensor", None)
+    assert attn["cached_segment_ids"].spec == P(("data", "fsdp"), None)
     cache = program.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
-        assert cache["layers"]["attn"][name].sharding == attn[name], name
-    assert cache["layers"]["attn"]["cached_key"].addressable_shards[0].data.shape == (2, 1, 12, 1, 8)
+        assert cache["layers_0"]["attn"][name].sharding == attn[name], name
+    assert cache["layers_0"]["attn"]["cached_key"].addressable_shards[0].data.shape == (1, 12, 1, 8)
+
+
+def test_unrolled_params_feed_the_unrolled_model_the_same_layers():
+    """Decoding runs the layers unrolled: the scanned params cut per layer (an unrolled prefix,
+    two-layer periods and an unrolled rest) give the unrolled model the scanned one's logits."""
+    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=6, scan_layout=(1, 2, 2))
+    program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    params = program.init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
+    assert sorted(params) == ["embed", "final_norm", "layers", "layers_0", "layers_5", "lm_head"]
+    unrolled = program.decoding_params(params)
+    assert sorted(k for k in unrolled if k.startswith("layers")) == [f"layers_{i}" for i in range(6)]
+    np.testing.assert_array_equal(unrolled["layers_3"]["attn"]["q"]["kernel"],
+                                  params["layers"]["sub_0"]["attn"]["q"]["kernel"][1])  # layer 1 + 2*1 + 0
+    x = jax.random.randint(jax.random.key(6), (B, L), 0, config.vocab_size)
+    want = jax.jit(program.module.apply, compiler_options=FAST)({"params": params}, x)
+    got = jax.jit(program.decoder.apply, compiler_options=FAST)({"params": unrolled}, x)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert float(jnp.abs(want).max()) > 0.1  # not all zeros
+
+
+def test_top_k_and_top_p_thresholds_equal_sorting():
+    """The sampler's thresholds come from bisections over the logits' bits (no sort of the
+    vocabulary): the k-th largest and the top-p cut of sorted rows, negatives, ties and -0 too."""
+    x = np.array(jax.random.normal(jax.random.key(7), (64, 500)) * 3, np.float32)
+    x[:, :40] = np.round(x[:, :40])  # ties
+    x[0, :3] = [-0.0, 0.0, -0.0]
+    keys = dec._order_keys(jnp.asarray(x))
+    for k in (1, 7, 50):
+        kth = dec._largest_key(keys, lambda at_least, k=k: at_least.sum(-1) >= k)
+        want = np.sort(x, -1)[:, ::-1][:, k - 1:k]
+        np.testing.assert_array_equal(np.asarray(keys >= kth), x >= want)
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(x), -1), np.float64)
+    for p in (0.1, 0.5, 0.9):
+        cut = dec._largest_key(keys, lambda at_least, p=p: jnp.sum(
+            jnp.where(at_least, jnp.asarray(probs, jnp.float32), 0.0), -1) >= p)
+        # keep a token when the tokens strictly more likely than it hold less than p
+        above = np.array([[probs[r][x[r] > v].sum() for v in x[r]] for r in range(len(x))])
+        np.testing.assert_array_equal(np.asarray(keys >= cut), above < p)
