@@ -145,7 +145,8 @@ def test_cache_is_sharded_by_its_logical_axes(built):
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
     _, shardings = program.cache_shardings(8, 16)
     assert shardings["layers_0"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
-    assert shardings["layers"]["conv"]["conv_state"].spec == P(None, ("data", "fsdp"), None, "tensor")
+    # decoding runs the layers unrolled: every layer's cache its own array (no leading layers axis)
+    assert shardings["layers_3"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
     assert shardings["layers_1"]["attn"]["cached_key"].spec == P(("data", "fsdp"), None, "tensor", None)
 
 
