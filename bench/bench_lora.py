@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ from shardzoo.sharding.plan import format_bytes  # noqa: E402
 from shardzoo.train.program import plan  # noqa: E402
 
 RANK = 16
-STEP_CONFIG = TransformerConfig(
+STEP_CONFIG = TransformerConfig.from_fields(
     vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
     tie_word_embeddings=False, rms_norm_eps=1e-5,
@@ -46,8 +45,8 @@ def plan_rows(batch: int, seq_len: int) -> list[str]:
     base = get_config("llama3-8b", dtype="bfloat16", remat_policy="full")
     variants = (
         ("full fine-tuning, float32 params", base),
-        ("full fine-tuning, bfloat16 params", dataclasses.replace(base, param_dtype="bfloat16")),
-        (f"LoRA r={RANK}, bfloat16 base", dataclasses.replace(base, param_dtype="bfloat16", lora_rank=RANK)),
+        ("full fine-tuning, bfloat16 params", base.replace(param_dtype="bfloat16")),
+        (f"LoRA r={RANK}, bfloat16 base", base.replace(param_dtype="bfloat16", lora_rank=RANK)),
     )
     rows = []
     for mesh, rules in (("data=1", "dp"), ("fsdp=8", "fsdp")):
@@ -65,9 +64,9 @@ def plan_rows(batch: int, seq_len: int) -> list[str]:
 
 VARIANTS = (  # (row, config): full and LoRA, with scanned layers (the default) and unrolled
     ("full fine-tuning", STEP_CONFIG),
-    (f"LoRA r={RANK}", dataclasses.replace(STEP_CONFIG, lora_rank=RANK)),
-    ("full fine-tuning, unrolled layers", dataclasses.replace(STEP_CONFIG, scan_layers=False)),
-    (f"LoRA r={RANK}, unrolled layers", dataclasses.replace(STEP_CONFIG, lora_rank=RANK, scan_layers=False)),
+    (f"LoRA r={RANK}", STEP_CONFIG.replace(lora_rank=RANK)),
+    ("full fine-tuning, unrolled layers", STEP_CONFIG.replace(scan_layers=False)),
+    (f"LoRA r={RANK}, unrolled layers", STEP_CONFIG.replace(lora_rank=RANK, scan_layers=False)),
 )
 
 

@@ -12,7 +12,6 @@ Prints a markdown section (redirect it to bench/results/transformer.md).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import statistics
@@ -28,7 +27,7 @@ from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
 
-CONFIG = TransformerConfig(
+CONFIG = TransformerConfig.from_fields(
     vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
     tie_word_embeddings=False, rms_norm_eps=1e-5,
@@ -85,7 +84,7 @@ def matmul_peak(reps: int = 10) -> float:
 
 def compile_seconds(layers: int) -> float:
     """Lower + compile of the scanned train step at ``layers`` layers (abstract inputs)."""
-    program = jax_program(dataclasses.replace(CONFIG, num_hidden_layers=layers))
+    program = jax_program(CONFIG.replace(num_hidden_layers=layers))
     t = time.perf_counter()
     program.lower().compile()
     return time.perf_counter() - t
@@ -119,8 +118,8 @@ def main():
     runs = {}  # name -> one step, run to completion
     for name, config in [
         ("shardzoo (JAX), scanned layers: the default", CONFIG),
-        ("shardzoo, unrolled layers", dataclasses.replace(CONFIG, scan_layers=False)),
-        ("shardzoo, fuse_projections=false (before)", dataclasses.replace(CONFIG, fuse_projections=False)),
+        ("shardzoo, unrolled layers", CONFIG.replace(scan_layers=False)),
+        ("shardzoo, fuse_projections=false (before)", CONFIG.replace(fuse_projections=False)),
     ]:
         program = jax_program(config)
         runs[name] = stepper(program, program.init(jax.random.key(0)), batch)
