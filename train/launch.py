@@ -16,6 +16,7 @@ import sys
 import jax
 import numpy as np
 
+from shardzoo import interrupt
 from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
@@ -321,16 +322,17 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
         base = cfg.model if not cfg.init_from else cfg.init_from if is_hub_id(cfg.init_from) \
             else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
-    if main:  # validated: from here on we write
-        os.makedirs(p.out, exist_ok=True)
-        tokenizer_dir = os.path.join(p.out, "tokenizer")
-        # a resume keeps the run's tokenizer files (checked equal above)
-        if p.tokenizer is not None and (p.resume_step is None or not os.path.isdir(tokenizer_dir)):
-            p.tokenizer.save(tokenizer_dir)
-        _write_json(os.path.join(p.out, "run.json"), {
-            **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
-            "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
-        })
+    if main:  # validated: from here on we write (a Ctrl-C waits for these writes: the resume reads them)
+        with interrupt.uncut():
+            os.makedirs(p.out, exist_ok=True)
+            tokenizer_dir = os.path.join(p.out, "tokenizer")
+            # a resume keeps the run's tokenizer files (checked equal above)
+            if p.tokenizer is not None and (p.resume_step is None or not os.path.isdir(tokenizer_dir)):
+                p.tokenizer.save(tokenizer_dir)
+            _write_json(os.path.join(p.out, "run.json"), {
+                **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
+                "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
+            })
     reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
     if cfg.reference:
         reference_params = lambda target: load_reference(cfg.reference, target, p.config)

@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 
+from shardzoo import interrupt
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import replicated
 from shardzoo.train.checkpoint import (
@@ -307,7 +308,8 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._loop(end)
+            with interrupt.stoppable(lambda signum: self._on_signal(signum, None)):
+                self._loop(end)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -316,10 +318,11 @@ class Trainer:
         return self.history
 
     def _on_signal(self, signum, frame) -> None:
-        """SIGTERM or a first Ctrl-C: save at the current step and stop; a second Ctrl-C aborts."""
+        """SIGTERM or a first Ctrl-C: save at the current step and stop; a second Ctrl-C aborts
+        (``shardzoo.interrupt`` calls this from its own thread under ``python -m shardzoo``)."""
         self.stop_signal = signum
         self._stop.set()
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _loop(self, end: int) -> None:

@@ -21,6 +21,8 @@ import pytest
 LAUNCHER = textwrap.dedent(
     """
     import os, runpy, sys, time
+    from shardzoo import interrupt
+    interrupt.watch(sys.argv[1])  # as the shardzoo command does, before jax starts its threads
     import jax
 
     delay = float(os.environ.get("SZ_TEST_STEP_DELAY", "0"))

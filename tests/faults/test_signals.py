@@ -49,3 +49,57 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(cli, tmp_path):
     lines = [line for line in cli.err("sigint2").splitlines() if line.strip()]
     assert lines[-1] == "shardzoo train: interrupted (Ctrl-C); nothing more was saved", lines
     assert latest_step(str(out / "checkpoints")) is None  # no save at step 1 or 2
+
+
+def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes(cli, reference, tmp_path):
+    """Ctrl-C at 20 moments of a run (8 steps of 0.3 s, a save every 2 steps): 10 spread over its
+    start-up and compilation (as long as a run measured first took to log its first step), and
+    10 in its loop (0, 0.1 or 0.2 s after it logged steps 1 to 7: in a step, its save or its
+    log). Each process ends within 10 s with exit 130 and one line, never a crash, and the same
+    command then trains the run to its end. Before the training loop nothing is saved (the run
+    directory is as a resume expects it); in it, the step reached is saved."""
+    delay = dict(SZ_TEST_STEP_DELAY="0.3")
+    timed = tmp_path / "timed"  # the compile cache is warm (``reference`` ran the same program)
+    started = time.monotonic()
+    proc = cli.start("ctrl_c_timed", *cli.args(timed, 8, "--save-every", "2"), **delay)
+    try:
+        cli.wait_for(lambda: cli.logged_step(timed) >= 1, proc)
+        loop = time.monotonic() - started  # start-up and compilation
+        assert proc.wait(timeout=300) == 0, cli.err("ctrl_c_timed")
+    finally:
+        cli.stop(proc)
+    moments = [(0, loop * (k + 0.5) / 10) for k in range(10)]  # (logged step to wait for, then seconds)
+    moments += [(1 + k * 6 // 9, 0.1 * (k % 3)) for k in range(10)]
+    kinds = []
+    for k, (step, wait) in enumerate(moments):
+        out, name = tmp_path / f"run{k}", f"ctrl_c_{k}"
+        proc = cli.start(name, *cli.args(out, 8, "--save-every", "2"), **delay)
+        try:
+            if step:
+                cli.wait_for(lambda out=out, step=step: cli.logged_step(out) >= step, proc)
+            time.sleep(wait)
+            proc.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            cli.stop(proc)
+        err = cli.err(name)
+        assert rc == 130, f"moment {k} (step {step} + {wait:.1f} s): exit {rc}\n{err}"
+        assert took < 10, f"moment {k}: {took:.1f} s"
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1, f"moment {k}:\n{err}"
+        if lines[0] == "shardzoo train: interrupted (Ctrl-C); nothing more was saved":
+            kinds.append("before the loop")
+            assert not (out / "checkpoints").exists() or latest_step(str(out / "checkpoints")) is None
+        else:
+            saved = latest_step(str(out / "checkpoints"))
+            assert lines[0] == (f"shardzoo train: interrupted: saved step {saved} to {out}/checkpoints/{saved}; "
+                                "run the same command to resume"), lines[0]
+            assert not step or saved >= step
+            kinds.append(f"saved {saved}")
+        resumed = cli.train(out, 8, "--save-every", "2")
+        assert resumed.returncode == 0, f"moment {k}: the resume failed\n{resumed.stderr}"
+        assert latest_step(str(out / "checkpoints")) == 8
+    # the start-up moments reach before the loop, and the loop's more than one step
+    assert kinds.count("before the loop") >= 3 and len(set(kinds) - {"before the loop"}) >= 3, kinds
