@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import sys
 
 import jax
 import numpy as np
@@ -233,7 +234,7 @@ def load_hf_params(hf_dir: str, target, config=None):
     plan += [(prefix + w.path, layers, stacked, w) for prefix, layers, stacked, ws in groups for w in ws]
     _check(plan, flat, reader, hf_dir)
     params = {}
-    for path, layers, stacked, w in plan:
+    for path, layers, stacked, w in _bar(plan, "import"):
         leaf = flat[path]
         if stacked:  # scanned: per-layer reads stacked on the device
             read = functools.partial(_read_stacked, reader, w, leaf.shape[1:], layers)
@@ -242,6 +243,15 @@ def load_hf_params(hf_dir: str, target, config=None):
             read = functools.partial(_read, reader, w, leaf.shape, layers[0])
             params[path] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read)
     return traverse_util.unflatten_dict(params)
+
+
+def _bar(items: list, desc: str):
+    """``items`` with a tqdm bar (an ETA) on stderr while a large checkpoint is read or written:
+    only on a terminal (a log or a pipe gets none) and on process 0."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="leaf", file=sys.stderr, leave=False,
+                disable=None if jax.process_index() == 0 else True)
 
 
 def _read(reader, w: Weight, shape, i: int | None) -> np.ndarray:
@@ -339,11 +349,11 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
 
     for w in glob:
         emit(w, None, _to_host(flat[w.path]))
-    for prefix, layers, stacked, ws in groups:
-        for w in ws:
-            leaf = _to_host(flat[prefix + w.path])
-            for j, layer in (zip(layers, leaf, strict=True) if stacked else [(layers[0], leaf)]):
-                emit(w, j, layer)
+    leaves = [(prefix, layers, stacked, w) for prefix, layers, stacked, ws in groups for w in ws]
+    for prefix, layers, stacked, w in _bar(leaves, "export"):
+        leaf = _to_host(flat[prefix + w.path])
+        for j, layer in (zip(layers, leaf, strict=True) if stacked else [(layers[0], leaf)]):
+            emit(w, j, layer)
     flush()
     if not write:
         return hf_config

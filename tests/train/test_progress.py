@@ -82,3 +82,25 @@ def test_bars_on_a_terminal_and_none_on_a_pipe(corpus):
     piped = subprocess.run(evaluate, capture_output=True, text=True, timeout=300)
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
     assert piped.stdout.startswith("eval over")
+
+
+IMPORT_BAR = re.compile(r"import: +\d+%\|[^|]*\| *\d+/(\d+) \[")
+EXPORT_BAR = re.compile(r"export: +\d+%\|[^|]*\| *\d+/(\d+) \[")
+
+
+def test_import_and_export_show_a_bar_on_a_terminal_and_none_on_a_pipe(corpus):
+    """export-hf and import-hf go leaf by leaf through the checkpoint: a bar of leaves on a
+    terminal, nothing on a pipe."""
+    run, hf_dir = corpus / "ie_run", corpus / "ie_hf"
+    done = subprocess.run(train(corpus, run, 2), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    piped = subprocess.run(command("export-hf", run, hf_dir), capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert not EXPORT_BAR.search(piped.stderr) and "\r" not in piped.stderr + piped.stdout
+    rc, seen = under_pty(command("export-hf", run, corpus / "ie_hf2"))
+    assert rc == 0 and EXPORT_BAR.search(seen), seen
+    rc, seen = under_pty(command("import-hf", hf_dir, corpus / "ie_imported"))
+    assert rc == 0 and IMPORT_BAR.search(seen), seen
+    piped = subprocess.run(command("import-hf", hf_dir, corpus / "ie_imported2"), capture_output=True, text=True,
+                           timeout=300)
+    assert piped.returncode == 0 and not IMPORT_BAR.search(piped.stderr) and "\r" not in piped.stderr, piped.stderr
