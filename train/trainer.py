@@ -302,19 +302,21 @@ class Trainer:
         """
         cfg = self.cfg
         end = min(cfg.steps, stop_after or cfg.steps)
-        self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process(),
-                                    getattr(cfg, "wandb", None), cfg.to_sections() if hasattr(cfg, "to_sections") else None)
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            with interrupt.stoppable(lambda signum: self._on_signal(signum, None)):
+        # a first Ctrl-C from here to the last save's end asks for a save and a stop, never cuts one
+        with interrupt.stoppable(lambda signum: self._on_signal(signum, None)):
+            self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process(),
+                                        getattr(cfg, "wandb", None),
+                                        cfg.to_sections() if hasattr(cfg, "to_sections") else None)
+            previous = {}
+            if threading.current_thread() is threading.main_thread():
+                previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+            try:
                 self._loop(end)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.checkpointer.close()
-            self.logger.close()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                self.checkpointer.close()
+                self.logger.close()
         return self.history
 
     def _on_signal(self, signum, frame) -> None:
