@@ -53,7 +53,8 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(cli, tmp_path):
 
 def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes(cli, reference, tmp_path):
     """Ctrl-C at 20 moments of a run (8 steps of 0.3 s, a save every 2 steps): 10 spread over its
-    start-up and compilation (as long as a run measured first took to log its first step), and
+    start-up and compilation (as long as a run measured first took to log its first step, and
+    no later than this run's first logged step), and
     10 in its loop (0, 0.1 or 0.2 s after it logged steps 1 to 7: in a step, its save or its
     log). Each process ends within 10 s with exit 130 and one line, never a crash, and the same
     command then trains the run to its end. Before the training loop nothing is saved (the run
@@ -77,7 +78,11 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
         try:
             if step:
                 cli.wait_for(lambda out=out, step=step: cli.logged_step(out) >= step, proc)
-            time.sleep(wait)
+                time.sleep(wait)
+            else:  # a start-up moment, or the loop's first step if this run starts faster than the timed one
+                deadline = time.monotonic() + wait
+                while time.monotonic() < deadline and cli.logged_step(out) < 1:
+                    time.sleep(0.02)
             proc.send_signal(signal.SIGINT)
             sent = time.monotonic()
             rc = proc.wait(timeout=60)
