@@ -232,9 +232,14 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "
                         "choices, label} (e.g. JSONL)")
-    p.add_argument("--task", default="lm", choices=("lm", "multiple-choice"),
+    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
-                        "accuracy by each choice's log-likelihood (default: lm)")
+                        "accuracy by each choice's log-likelihood; dpo: the preference loss and TRL's "
+                        "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference "
+                        "(default: the --checkpoint run's task: dpo for a preference run, else lm)")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="--task dpo: the reference model, a run or HF dir (default: the run's --reference, "
+                        "else its --init-from)")
     p.add_argument("--target-delimiter", default=None, metavar="TEXT",
                    help="multiple-choice: what joins context and choice, as lm-evaluation-harness's "
                         "target_delimiter; spaces the data writes at that seam are replaced by it "

@@ -29,7 +29,8 @@ The API the trainer codes against::
 ``make_eval_dataset(config, tokenizer, seq_len, global_batch_size, split="all", seed=0, mesh=None,
 rules=None)``: one in-order pass over every row of ``config.data`` (``split="all"``) or over the
 documents ``make_datasets`` keeps (``"train"``) or holds out (``"eval"``) under ``eval_fraction``
-and ``seed`` (``shardzoo eval``).
+and ``seed`` (``shardzoo eval``); ``make_preference_eval_dataset`` (same arguments) the same of
+preference pairs (``config.preference``).
 
 ``tokenizer=None`` loads ``config.tokenizer``. ``eval_iter`` is None without eval data. Text
 files are one document per file; ``eval_fraction`` holds out whole documents (seeded by ``seed``).
@@ -110,6 +111,7 @@ from shardzoo.data.loader import (
     make_datasets,
     make_eval_dataset,
     make_labelled_datasets,
+    make_preference_eval_dataset,
 )
 from shardzoo.data.sources import load_source
 from shardzoo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -126,4 +128,5 @@ __all__ = [
     "make_datasets",
     "make_eval_dataset",
     "make_labelled_datasets",
+    "make_preference_eval_dataset",
 ]

@@ -294,6 +294,45 @@ def make_labelled_datasets(
     return train_iter, eval_iter
 
 
+def _pair_readers(config: DataConfig, tokenizer, seq_len: int):
+    """``(pairs(spec), pack(pairs))``: a source's tokenized preference pairs, and their rows."""
+    if config.examples or config.chat or config.labelled:
+        raise DataError("preference pairs are read from 'prompt'/'chosen'/'rejected' columns: drop "
+                        "--prompt-column/--completion-column/--chat-column/--label-column")
+    for name in ("max_prompt_length", "max_completion_length"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise DataError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    def pairs(spec):
+        ds = load_source(spec, cache_dir=config.cache_dir)
+        return tokenize_pairs(ds, tokenizer, spec, add_bos=config.add_bos, skip_bad=config.skip_missing)
+
+    def pack(p):
+        return pack_pairs(p, seq_len, tokenizer.pad_id, config.max_prompt_length, config.max_completion_length)
+
+    return pairs, pack
+
+
+def make_preference_eval_dataset(config: DataConfig, tokenizer, seq_len: int, global_batch_size: int, *,
+                                 split: str = "all", seed: int = 0, mesh=None, rules=None) -> BatchIterator:
+    """One in-order pass over the preference pairs of ``config.data`` (``split="all"``), or of
+    the pairs ``make_preference_datasets`` trains on (``"train"``) or holds out (``"eval"``)
+    under ``config.eval_fraction`` and ``seed``; the last batch filled up with pairs of weight 0."""
+    if split not in ("all", "train", "eval"):
+        raise DataError(f"--split {split!r}: expected all, train or eval")
+    if split != "all" and not 0.0 < config.eval_fraction < 1.0:
+        raise DataError(f"--split {split} needs the --eval-fraction in (0, 1) the run held out")
+    pairs, pack = _pair_readers(config, tokenizer, seq_len)
+    rows = pairs(config.data)
+    if split != "all":
+        if len(rows) < 2:
+            raise DataError(f"data {config.data!r} has {len(rows)} pair: nothing to split")
+        rows = rows.select(split_indices(len(rows), config.eval_fraction, seed)[split == "eval"])
+    return BatchIterator(pack(rows), global_batch_size, seed=seed, shuffle=False, repeat=False, mesh=mesh,
+                         rules=rules)
+
+
 def make_preference_datasets(
     config: DataConfig,
     tokenizer,
@@ -307,23 +346,9 @@ def make_preference_datasets(
 ):
     """(train iterator, eval iterator or None) over preference pairs (``preference.py``): one
     pair per row, ``[2, seq_len]`` tokens (chosen, rejected); resumable like every iterator."""
-    if config.examples or config.chat or config.labelled:
-        raise DataError("preference pairs are read from 'prompt'/'chosen'/'rejected' columns: drop "
-                        "--prompt-column/--completion-column/--chat-column/--label-column")
-    for name in ("max_prompt_length", "max_completion_length"):
-        value = getattr(config, name)
-        if value is not None and value < 1:
-            raise DataError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     _check_eval_split(config)
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
-
-    def pairs(spec):
-        ds = load_source(spec, cache_dir=config.cache_dir)
-        return tokenize_pairs(ds, tokenizer, spec, add_bos=config.add_bos, skip_bad=config.skip_missing)
-
-    def pack(p):
-        return pack_pairs(p, seq_len, tokenizer.pad_id, config.max_prompt_length, config.max_completion_length)
-
+    pairs, pack = _pair_readers(config, tokenizer, seq_len)
     train_pairs, eval_pairs = pairs(config.data), None
     if config.eval_data:
         eval_pairs = pairs(config.eval_data)

@@ -46,7 +46,7 @@ from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import summarize_eval
 
-TASKS = ("lm", "multiple-choice")
+TASKS = ("lm", "multiple-choice", "dpo")
 MC_COLUMNS = ("context", "choices", "label")
 TARGET_DELIMITER = " "  # lm-evaluation-harness's default target_delimiter
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
@@ -59,7 +59,8 @@ class EvalSettings:
     data: str | None = None  # None: the data the run (--checkpoint) trained on
     checkpoint: str | None = None
     hf: str | None = None
-    task: str = "lm"
+    task: str | None = None  # None: the run's (dpo for a preference run), else lm
+    reference: str | None = None  # --task dpo: the reference model (default: the run's)
     target_delimiter: str | None = None  # None: TARGET_DELIMITER (multiple choice only)
     split: str = "all"
     eval_fraction: float | None = None  # None (and seed, columns, add_bos, seq_len): the run's
@@ -208,6 +209,100 @@ def evaluate_labelled_run(s: EvalSettings, recorded: dict, config, params, mesh,
     return metrics
 
 
+# --------------------------------------------------------------------------- preference pairs
+def evaluate_preference(program: Program, params, reference, batches) -> dict:
+    """A preference task's loss and TRL's ``rewards/*`` and ``logps/*`` over every pair of
+    ``batches``, against ``reference`` (a frozen copy's params; None: ``params`` themselves, whose
+    LoRA adapters the reference step switches off), summed in float64 on the host."""
+    step, totals, count = program.compiled_eval_step(), {}, 0
+    ref_step = program.compiled_reference_step() if program.task.reference_keys else None
+    with _progress(getattr(batches, "batches_per_epoch", None), "eval") as bar:
+        for batch in batches:
+            placed = program.place(batch)
+            if ref_step is not None:
+                placed = {**placed, **ref_step(params if reference is None else reference, placed)}
+            for key, value in jax.device_get(step(params, placed)).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+            count += 1
+            bar.update()
+    if not count or totals["weight"] <= 0:
+        raise UserError("the evaluation data has no preference pairs")
+    summary = summarize_eval(program.task, totals)
+    return {"task": "dpo", "loss": summary.pop("eval_loss"), "pairs": int(round(totals["weight"])),
+            "batches": count, **{k.removeprefix("eval_"): v for k, v in summary.items()}}
+
+
+def _reference_params(program: Program, task_settings: dict, model_settings: dict, seed: int, s: EvalSettings):
+    """The reference a DPO run trained against, placed as ``program``'s params: ``--reference``
+    (eval's, else the run's), else its ``--init-from``, else the seed's initial params; None
+    where the reference step runs the policy itself (``program.reference`` "adapters") or the
+    loss has no reference."""
+    from shardzoo.train.hub import is_hub_id
+    from shardzoo.train.preference import load_reference
+
+    if program.reference in (None, "adapters"):
+        return None
+    target = program.abstract.params
+    path = s.reference or task_settings.get("reference") or model_settings.get("init_from")
+    given = None
+    if path is not None:
+        if not os.path.exists(path) and not is_hub_id(path):
+            raise UserError(f"the run's reference model {path} is not there (relative to {os.getcwd()}): "
+                            "name it with --reference DIR")
+        given = load_reference(path, target, program.config)
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed)), np.uint32)  # the trainer's init key
+    return program.init(keys[1], params=given).params
+
+
+def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, rules, tokenizer) -> dict:
+    """``shardzoo eval`` of a preference (``--task dpo``) run, or of a model with ``--task dpo``:
+    its loss and reward metrics on preference pairs (the run's held-out pairs with ``--split
+    eval``), against the reference it trained with."""
+    from shardzoo.data import make_preference_eval_dataset
+    from shardzoo.train.preference import preference_task
+
+    settings = run.get("settings") or {}
+    task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
+    model_settings = settings.get("model") or {}
+    if task_settings.get("task") != "dpo" and s.reference is None:
+        raise UserError("--task dpo of a model that did not train on preference pairs needs --reference DIR")
+    names = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha")
+    task = preference_task(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
+    recorded = {k: v for k, v in data_settings.items() if v is not None}
+    data, split = s.data or recorded.get("data"), s.split
+    if data is None:
+        raise UserError("--data SPEC of preference pairs is required (only a run that records its data defaults to it)")
+    if split == "eval" and s.data is None and s.eval_fraction is None and recorded.get("eval_data"):
+        data, split = recorded["eval_data"], "all"
+    same = data == recorded.get("data")
+    fraction = s.eval_fraction if s.eval_fraction is not None else recorded.get("eval_fraction", 0.0) if same else 0.0
+    seed = s.seed if s.seed is not None else (settings.get("optimizer") or {}).get("seed", 0)
+    add_bos = s.add_bos or recorded.get("add_bos", False)
+    data_config = DataConfig(data=data, eval_fraction=fraction or 0.0, tokenizer=tokenizer.spec, add_bos=add_bos,
+                             preference=True, skip_missing=recorded.get("skip_missing", False),
+                             max_prompt_length=recorded.get("max_prompt_length"),
+                             max_completion_length=recorded.get("max_completion_length"))
+    seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
+    batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
+    reference = None
+    if task.uses_reference:
+        reference = "adapters" if model_info.lora_rank(config) and not (s.reference or task_settings.get("reference")) \
+            else "copy"
+    program = Program(config, rules, mesh, task=task, batch_size=batch_size, seq_len=seq_len, reference=reference)
+    params = jax.device_put(params, program.shardings.params)
+    ref_params = _reference_params(program, task_settings, model_settings, seed, s)
+    batches = make_preference_eval_dataset(data_config, tokenizer, seq_len, batch_size, split=split, seed=seed,
+                                           mesh=mesh, rules=rules)
+    metrics = {**evaluate_preference(program, params, ref_params, batches), "split": split,
+               "loss_type": task.loss, "beta": task.beta,
+               "reference": {"copy": "frozen copy", "adapters": "the base (adapters off)"}.get(reference, "none")}
+    if split != "all":
+        metrics.update(eval_fraction=fraction, seed=seed)
+    metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
+                   rules=rules.name, mesh=describe_mesh(mesh))
+    return metrics
+
+
 # --------------------------------------------------------------------------- multiple choice
 def read_choices(spec: str, target_delimiter: str = TARGET_DELIMITER) -> list[dict]:
     """The rows ``{context, choices, label, continuations}`` of a data spec (e.g. a JSONL file),
@@ -326,6 +421,19 @@ def run_settings(checkpoint: str) -> dict:
     return open_source(checkpoint, what="--checkpoint", accept=READS_RUNS).run_settings()
 
 
+def _run_json(checkpoint: str) -> dict:
+    """The whole run.json of a --checkpoint run ({} for a source without one)."""
+    from shardzoo.train.rundir import RunDirError, read_run_json
+    from shardzoo.train.sources import READS_RUNS, open_source
+
+    source = open_source(checkpoint, what="--checkpoint", accept=READS_RUNS)
+    try:
+        run = read_run_json(source.run_dir)
+    except RunDirError:
+        return {}  # run_settings (next) names a damaged run.json
+    return run if isinstance(run, dict) else {}
+
+
 def _data_config(s: EvalSettings, run: dict, tokenizer, add_bos: bool):
     """``(data config, split)`` of an lm eval: the flags, else what the run recorded (its eval
     fraction only for the run's own data); ``--split eval`` of a run that held out
@@ -361,8 +469,14 @@ def run(s: EvalSettings) -> dict:
         datasets.disable_progress_bars()
     if (s.checkpoint is None) == (s.hf is None):
         raise UserError("give one of --checkpoint DIR or --hf DIR")
+    whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
+    if s.task is None:  # the run's own task
+        s = dataclasses.replace(s, task="dpo" if ((whole_run.get("settings") or {}).get("task") or {}).get("task")
+                                == "dpo" else "lm")
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
+    if s.reference is not None and s.task != "dpo":
+        raise UserError("--reference goes with --task dpo")
     if s.step is not None and s.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
     if (s.batch_size is not None and s.batch_size < 1) or (s.seq_len is not None and s.seq_len < 1):
@@ -381,6 +495,10 @@ def run(s: EvalSettings) -> dict:
     mesh, rules = mesh_and_rules(s.mesh, s.rules)
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
+    if s.task == "dpo":
+        if model_info.task(config) != "lm":
+            raise UserError(f"--task dpo scores a language model; this model does {model_info.task(config)}")
+        return _finish(s, evaluate_preference_run(s, whole_run, config, params, mesh, rules, tokenizer))
     if model_info.task(config) != "lm":
         return _finish(s, evaluate_labelled_run(s, recorded, config, params, mesh, rules, tokenizer))
     add_bos = s.add_bos or recorded.get("add_bos", adds_bos(tokenizer))
@@ -432,6 +550,11 @@ def format_metrics(metrics: dict) -> str:
                 f"loss {metrics['loss']:.4f}; per class: {per_class}")
     if metrics["task"] == "regression":
         return f"regression over {metrics['examples']} examples: mse {metrics['loss']:.6g}"
+    if metrics["task"] == "dpo":
+        return (f"dpo ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
+                f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "
+                f"{metrics['rewards/accuracies']:.4f}, rewards/margins {metrics['rewards/margins']:.4f}, "
+                f"logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected {metrics['logps/rejected']:.4f}")
     if metrics["task"] == "multiple-choice":
         return (f"multiple-choice over {metrics['rows']} rows: acc {metrics['acc']:.4f}, "
                 f"acc_norm {metrics['acc_norm']:.4f} (log-likelihood / characters)")

@@ -121,3 +121,48 @@ def test_a_reference_of_another_architecture_is_refused_before_anything_is_writt
     with pytest.raises(UserError, match=r"--reference .*other: not the policy's architecture: vocab_size 200"):
         prepare(settings(root, pairs, "bad-ref", reference=str(tmp_path / "other")))
     assert not os.path.exists(root / "bad-ref")
+
+
+# ------------------------------------------------------------------ shardzoo eval of DPO runs
+def eval_metrics(**kw):
+    from shardzoo.train import evaluate
+
+    return evaluate.run(evaluate.EvalSettings(**kw))
+
+
+@pytest.mark.parametrize("kind", ["frozen copy", "lora"])
+def test_eval_of_a_dpo_run_equals_its_final_held_out_metrics(dirs, kind):
+    """``shardzoo eval --checkpoint RUN --split eval`` scores the run's held-out pairs against the
+    reference it trained with (a --reference dir; under LoRA the base, adapters off) and gives the
+    trainer's last eval_* within 1e-5."""
+    root, pairs = dirs
+    out = f"held-{kind.split()[0]}"
+    extra = dict(lora_rank=4, lora_alpha=8.0) if kind == "lora" else dict(reference=str(root / "reference"))
+    quiet(settings(root, pairs, out, steps=3, eval_fraction=0.25, **extra))
+    final = [r for r in map(json.loads, open(root / out / "metrics.jsonl")) if "eval_loss" in r][-1]
+    metrics = eval_metrics(checkpoint=str(root / out), split="eval")
+    assert metrics["task"] == "dpo" and metrics["pairs"] == 4 and metrics["split"] == "eval"
+    assert metrics["reference"] == ("the base (adapters off)" if kind == "lora" else "frozen copy")
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected"):
+        assert metrics[key] == pytest.approx(final[f"eval_{key}"], abs=1e-5), key
+    assert metrics["rewards/margins"] != 0.0  # the policy moved away from its reference
+
+
+def test_eval_task_dpo_of_hf_models_names_its_reference(dirs):
+    from shardzoo.errors import UserError
+    from shardzoo.train.evaluate import format_metrics
+
+    root, pairs = dirs
+    # a model against itself: every reward 0, the sigmoid loss log 2 on every pair
+    same = eval_metrics(hf=str(root / "policy"), task="dpo", reference=str(root / "policy"), data=pairs, seq_len=SEQ)
+    assert same["pairs"] == 16 and same["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert same["rewards/margins"] == pytest.approx(0.0, abs=1e-6) and same["logps/chosen"] < 0
+    other = eval_metrics(hf=str(root / "policy"), task="dpo", reference=str(root / "reference"), data=pairs,
+                         seq_len=SEQ)
+    assert abs(other["rewards/margins"]) > 0.05 and other["logps/chosen"] == pytest.approx(same["logps/chosen"],
+                                                                                          abs=1e-4)
+    assert format_metrics(other).startswith("dpo (sigmoid, beta 0.1, reference: frozen copy) over 16 pairs")
+    with pytest.raises(UserError, match=r"--task dpo of a model that did not train on preference pairs needs "
+                                        r"--reference DIR"):
+        eval_metrics(hf=str(root / "policy"), task="dpo", data=pairs)
