@@ -76,7 +76,7 @@ def time_steps(rounds: int) -> tuple[dict, dict, dict]:
     batch = packed_batch(STEP_CONFIG.vocab_size, BATCH, LENGTH)
     runs, costs = {}, {}
     for name, config in VARIANTS:
-        program = one_device_program(config.build(), config, BATCH, LENGTH, lr=1e-4)
+        program = one_device_program(config, BATCH, LENGTH, lr=1e-4)
         state = program.init(np.asarray(jax.random.PRNGKey(0), np.uint32))
         runs[name] = stepper(program, state, batch)
         runs[name]()  # warm-up (compiled above; first run allocates)

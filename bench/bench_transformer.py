@@ -37,7 +37,7 @@ BATCH, LENGTH, LR = 8, 256, 1e-4
 
 def jax_program(config: TransformerConfig):
     """The Program of ``shardzoo train`` for ``config`` at BATCH x LENGTH, adamw at LR, one device."""
-    return one_device_program(config.build(), config, BATCH, LENGTH, lr=LR)
+    return one_device_program(config, BATCH, LENGTH, lr=LR)
 
 
 def torch_train_step(config: TransformerConfig):

@@ -1,21 +1,23 @@
-"""Model FLOPs utilization of a ~1B Llama training step on one GPU (bf16, cuDNN attention).
+"""Model FLOPs utilization of a ~1B Llama training step on one GPU or TPU chip (bf16).
 
 llama3.2-1b (16 layers, hidden 2048, GQA 32/8 heads of 64, SwiGLU 8192, vocab 128256, tied
 embeddings) with bfloat16 compute and float32 parameters, one adamw step per call, jitted on
-one device. The first (batch, seq, remat) candidate whose compiled step fits the device's memory
+one device (a GPU with cuDNN attention; a TPU with XLA's attention and, where the float32
+params and adam state do not fit its memory, ``--param-dtype bfloat16``). The first (batch, seq, remat) candidate whose compiled step fits the device's memory
 (XLA's ``memory_analysis``) is timed: warm-up steps, then ``--steps`` timed steps.
 
 MFU follows MaxText (``calculate_tflops_training_per_device``), as ``TransformerConfig.
 flops_per_token`` computes it: 6 x the matmul parameters per token (q, k, v, o, the gated MLP's
 three matrices per layer, the vocab projection) plus the causal attention term
 (12 * layers * heads * head_dim * seq/2 per token), over the measured step time, against the
-dense bf16 peak (989 TFLOP/s for H100/H200 SXM). Remat recomputation is not counted (it is
+dense bf16 peak (989 TFLOP/s for H100/H200 SXM, 197 for a TPU v5e chip). Remat recomputation is not counted (it is
 not model work). The step is the program's own (``train/program.py``: the one ``shardzoo
 train`` runs, adamw with its clipping and schedule, ``bench/program_step.py``) on a packed
 batch of two documents per row with segment ids, positions and loss weights, so the attention
 takes the masked branch that training takes.
 
     python bench/gpu_mfu.py                 # on a GPU; a few minutes including compilation
+    python bench/gpu_mfu.py --param-dtype bfloat16 --out bench/results/tpu_mfu.md   # one TPU v5e chip
     python bench/gpu_mfu.py --tiny          # on CPU: a tiny config through the same code path
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import sys
 import time
 
@@ -37,7 +41,8 @@ from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 from shardzoo.models import get_model  # noqa: E402
 from shardzoo.train.xla_flags import XLA_PRESETS, apply_xla_preset  # noqa: E402
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
+# dense bf16 peaks: SXM GPUs; a TPU v5e chip (jax names it "TPU v5 lite")
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0}
 # (batch, seq_len, remat_policy), fastest first; the first that fits is timed.
 CANDIDATES = ((8, 4096, "none"), (8, 4096, "save_attn_mlp"), (8, 4096, "full"), (4, 4096, "full"))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -57,11 +62,11 @@ def device_bytes_limit(device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def compile_candidate(overrides: dict, batch: int, seq_len: int, remat: str):
+def compile_candidate(model: str, overrides: dict, batch: int, seq_len: int, remat: str):
     """``(config, program, bytes the step needs)``: the Program ``shardzoo train`` would run
     (adamw, lr 1e-4, weight decay 0.1; one device), its step compiled."""
-    module, config = get_model("llama3.2-1b", **overrides, remat_policy=remat)
-    program = one_device_program(module, config, batch, seq_len, lr=1e-4, weight_decay=0.1)
+    _, config = get_model(model, **overrides, remat_policy=remat)
+    program = one_device_program(config, batch, seq_len, lr=1e-4, weight_decay=0.1)
     used = program.compile_report()["memory"].get("total")
     return config, program, used
 
@@ -73,7 +78,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, help="fix the batch (default: try the candidates)")
     parser.add_argument("--seq-len", type=int, help="fix the sequence length")
     parser.add_argument("--remat", help="fix the remat policy (none, save_attn_mlp, full, ...)")
-    parser.add_argument("--attention", default=None, help="attention_impl (default: cudnn; xla with --tiny)")
+    parser.add_argument("--candidates", default=None, metavar="BxS:REMAT,...",
+                        help="the (batch, seq, remat) candidates to try in order, e.g. 4x2048:full,2x2048:full")
+    parser.add_argument("--model", default="llama3.2-1b", help="a zoo preset (default: llama3.2-1b)")
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the params' (and so adam's) dtype; compute is bf16 (default: float32)")
+    parser.add_argument("--attention", default=None,
+                        help="attention_impl (default: cudnn on a GPU, xla on a TPU or with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -81,21 +92,30 @@ def main(argv=None) -> int:
     parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
                         help="memory a step may use (default: the device's allocator limit)")
     parser.add_argument("--out", default=None, help="markdown file to write (default: bench/results/gpu_mfu[_tiny].md)")
-    parser.add_argument("--xla-preset", default="gpu-overlap", choices=tuple(XLA_PRESETS),
+    parser.add_argument("--xla-preset", default=None, choices=tuple(XLA_PRESETS),
                         help="XLA flags added to XLA_FLAGS before JAX starts (train/xla_flags.py; "
-                             "`shardzoo train --xla-preset` sets the same)")
+                             "`shardzoo train --xla-preset` sets the same; default gpu-overlap on a GPU, "
+                             "else none)")
     args = parser.parse_args(argv)
+    gpu = not args.tiny and shutil.which("nvidia-smi") is not None  # asked before XLA starts
+    args.xla_preset = args.xla_preset or ("gpu-overlap" if gpu else "none")
     xla_flags = apply_xla_preset(args.xla_preset)  # before the first device query starts XLA
 
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
-    overrides = dict(dtype="bfloat16", param_dtype="float32",
-                     attention_impl=args.attention or ("xla" if args.tiny else "cudnn"))
+    overrides = dict(dtype="bfloat16", param_dtype=args.param_dtype,
+                     attention_impl=args.attention or ("cudnn" if gpu else "xla"))
     if args.tiny:
         overrides.update(TINY)
         candidates = [(2, 64, "none")]
     else:
         candidates = list(CANDIDATES)
+    if args.candidates:
+        candidates = []
+        for item in args.candidates.split(","):
+            shape, remat = item.split(":")
+            b, seq = shape.split("x")
+            candidates.append((int(b), int(seq), remat))
     if args.batch or args.seq_len or args.remat:
         b, s, r = candidates[0]
         candidates = [(args.batch or b, args.seq_len or s, args.remat or r)]
@@ -110,7 +130,7 @@ def main(argv=None) -> int:
     for batch, seq_len, remat in candidates:
         t0 = time.perf_counter()
         try:
-            config, program, used = compile_candidate(overrides, batch, seq_len, remat)
+            config, program, used = compile_candidate(args.model, overrides, batch, seq_len, remat)
         except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: next one
             print(f"batch {batch} x {seq_len}, remat {remat}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
             continue
@@ -141,13 +161,13 @@ def main(argv=None) -> int:
     flops = config.flops_per_token(seq_len) * batch * seq_len  # MaxText's accounting
     mfu = f"{100 * flops / step_s / (peak * 1e12):.3g}%" if peak else "n/a (unknown peak)"
     params_count = sum(x.size for x in jax.tree.leaves(run.state.params))
-    label = "llama3.2-1b (tiny config, code-path check)" if args.tiny else "llama3.2-1b"
+    label = f"{args.model} (tiny config, code-path check)" if args.tiny else args.model
     header = ("| model | device | params | batch x seq | attention | remat | step ms | tokens/s | "
               "model FLOP/s | MFU |\n|---|---|---:|---|---|---|---:|---:|---:|---:|")
     line = (f"| {label} | {kind} | {si(params_count)} | {batch} x {seq_len} | "
             f"{overrides['attention_impl']} | {remat} | {step_s * 1e3:.1f} | {batch * seq_len / step_s:,.0f} | "
             f"{si(flops / step_s)} | {mfu} |")
-    notes = (f"bf16 compute, float32 params; the step `shardzoo train` runs (adamw, packed rows "
+    notes = (f"bf16 compute, {args.param_dtype} params and adam state; the step `shardzoo train` runs (adamw, packed rows "
              f"of two documents, loss weights); {warmup} warm-up + {steps} timed steps; "
              f"model FLOP per step {si(flops)} (`TransformerConfig.flops_per_token`: 6 x matmul "
              f"params + causal attention)"
@@ -160,7 +180,10 @@ def main(argv=None) -> int:
                                    "gpu_mfu_tiny.md" if args.tiny else "gpu_mfu.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        f.write(f"`python bench/gpu_mfu.py{' --tiny' if args.tiny else ''}`\n\n{header}\n{line}\n\n{notes}\n")
+        given = list(argv if argv is not None else sys.argv[1:])
+        if "--out" in given:  # the command as one would type it, without where the section goes
+            del given[given.index("--out"):given.index("--out") + 2]
+        f.write(f"`{shlex.join(['python', 'bench/gpu_mfu.py', *given])}`\n\n{header}\n{line}\n\n{notes}\n")
     return 0
 
 

@@ -17,12 +17,12 @@ from shardzoo.train.config import TrainConfig
 from shardzoo.train.program import run_program
 
 
-def one_device_program(module, config, batch: int, seq_len: int, **settings):
+def one_device_program(config, batch: int, seq_len: int, **settings):
     """The Program of ``shardzoo train --batch-size batch --seq-len seq_len`` (plus ``settings``,
     TrainConfig fields) on one device."""
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     return run_program(TrainConfig(batch_size=batch, seq_len=seq_len, **settings), config,
-                       get_rules("dp"), mesh, module=module)
+                       get_rules("dp"), mesh)
 
 
 def packed_batch(vocab: int, batch: int, seq_len: int, seed: int = 0) -> dict:

@@ -209,6 +209,10 @@ def write_report(path: str, results: str, runs: dict, command: str, load: tuple)
             lines.append(f"| {b.name} | {b.what} | `{r['command']}` | {r['seconds']:.0f} | {status} | "
                          f"{r['date']} |")
     body = [section(b, results, runs) for b in BENCHES if not b.name.startswith("gpu_mfu")]
+    tpu = os.path.join(results, "tpu_mfu.md")  # measured on a lent TPU machine, not by this run
+    if os.path.exists(tpu):
+        with open(tpu) as f:
+            body.append(f.read())
     body.append(gpu_section(results, runs))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n\n" + "\n".join(body))
