@@ -64,6 +64,8 @@ BENCHES = (
           "bench_lora.py", quick=("--rounds", "1")),
     Bench("decode", "sampling throughput of the Program's decoding against transformers' generate, batch "
           "1, 16, 64, 128 new tokens; model FLOP/s of the matmul peak", "bench_decode.py", quick=("--quick",)),
+    Bench("grpo", "GRPO: rollout tokens/s on the training mesh against the standalone decoding, and a step's "
+          "time split into sampling, scoring and update", "bench_grpo.py", quick=("--quick",)),
     Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
           "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",
