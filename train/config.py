@@ -151,7 +151,7 @@ class TrainConfig:
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
         if self.task not in ("dpo", "grpo"):
-            tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length", "loss", "beta")
+            tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
                      if getattr(self, n) not in (None, False)]
             if tuned:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo or grpo")

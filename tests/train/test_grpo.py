@@ -37,6 +37,7 @@ from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
 from shardzoo.train.tasks import forward  # noqa: E402
+from shardzoo.train.trainer import Hook  # noqa: E402
 
 G, WIDTH, COMPLETION = 3, 6, 5
 PROMPTS = [[1, 7, 9], [1, 12, 5, 8, 20, 3]]
@@ -243,8 +244,8 @@ def records(hf, out):
         return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
 
 
-def quiet(cfg):
-    result = run(cfg, log=lambda line: None)
+def quiet(cfg, hooks=()):
+    result = run(cfg, log=lambda line: None, hooks=hooks)
     assert result.status == DONE, result.message
     return result
 
@@ -252,7 +253,15 @@ def quiet(cfg):
 def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
     """Two iterations per rollout: the run stops after step 3, inside the rollout of steps 3-4
     (stored with the checkpoint), and step 5 samples anew with the checkpoint's sampler key."""
-    quiet(settings(hf, "straight", num_iterations=2, beta=0.02))
+    class Watch(Hook):  # what the sampler and the train step see, step by step
+        seen = []
+
+        def after_step(self, trainer, step, batch, record):
+            self.seen.append((len(trainer.program._decoders), trainer.program._train_step))
+
+    quiet(settings(hf, "straight", num_iterations=2, beta=0.02), hooks=(Watch(),))
+    decoders, steps = zip(*Watch.seen, strict=True)
+    assert set(decoders) == {1} and len(set(map(id, steps))) == 1  # the sampler compiled once, the step once
     quiet(settings(hf, "resumed", num_iterations=2, beta=0.02, steps=3))
     quiet(settings(hf, "resumed", num_iterations=2, beta=0.02))
     straight, resumed = records(hf, "straight"), records(hf, "resumed")
