@@ -460,7 +460,15 @@ class Program:
         rows = 2 if self.task.name == "dpo" else 1  # a preference pair is two sequences
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
-                         name=name, workload=workload, reference_bytes=self.reference_bytes())
+                         name=name, workload=workload, reference_bytes=self.reference_bytes(),
+                         rollout_bytes=self.rollout_bytes())
+
+    def rollout_bytes(self) -> int | None:
+        """GRPO: what the decoding cache that samples a step's completions (a batch of
+        ``seq_len`` positions) costs one device; None for other tasks."""
+        if self.task.name != "grpo":
+            return None
+        return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 
     @property
     def is_abstract(self) -> bool:

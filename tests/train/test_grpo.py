@@ -287,11 +287,19 @@ def test_reward_function_failures_are_one_line():
         assert "\n" not in message and f"reward function {name} (r.py:{name})" in message and words in message
 
 
-def test_a_failing_reward_function_stops_the_run_with_one_line(hf):
+def test_a_failing_reward_function_stops_the_run_with_one_line(hf, capsys):
+    from shardzoo.cli import main
     from shardzoo.errors import UserError
 
-    with pytest.raises(RewardError, match=r"^reward function raises \(.*rewards.py:raises\) raised KeyError"):
-        run(settings(hf, "raising", reward_funcs=(f"{hf.reward}:raises",), steps=1), log=lambda line: None)
+    args = ["train", "--task", "grpo", "--init-from", str(hf.root / "policy"), "--data", hf.prompts,
+            "--reward-funcs", f"{hf.reward}:raises", "--batch-size", "8", "--num-generations", "4", "--seq-len", "24",
+            "--max-completion-length", "10", "--steps", "2", "--out", str(hf.root / "raising")]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("shardzoo train: error: reward function raises ("), err
+    assert last.endswith("rewards.py:raises) raised KeyError: 'no such column'"), last
     assert not os.path.exists(hf.root / "raising" / "checkpoints" / "1")  # nothing trained on garbage
     with pytest.raises(UserError, match=r"--reward-funcs .*rewards.py:nothing: .* defines no function 'nothing'"):
         prepare(settings(hf, "missing", reward_funcs=(f"{hf.reward}:nothing",)))
@@ -302,6 +310,7 @@ def test_lora_grpo_reference_costs_no_parameter_bytes_and_its_merged_export_load
     lora = dict(lora_rank=4, lora_alpha=8.0, beta=0.04)
     plan = prepare(settings(hf, "plan-lora", **lora)).program.plan()
     assert plan.totals["reference"] == 0 and "reference model" in plan.format()
+    assert plan.totals["rollouts"] > 0 and "rollouts (KV cache)" in plan.format()  # what sampling holds
     full = prepare(settings(hf, "plan-full", beta=0.04)).program.plan()
     assert full.totals["reference"] == full.totals["params"] > 0  # a frozen copy
     assert prepare(settings(hf, "plan-none")).program.plan().totals.get("reference") in (None, 0)
