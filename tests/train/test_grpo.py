@@ -52,6 +52,9 @@ def words(prompts, completions, completion_ids, **columns):
 
 def raises(prompts, completions, **columns):
     raise KeyError("no such column")
+
+def length(prompts, completions, completion_ids, **columns):
+    return [len(ids) / 10 for ids in completion_ids]
 '''
 
 
@@ -259,16 +262,19 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
         def after_step(self, trainer, step, batch, record):
             self.seen.append((len(trainer.program._decoders), trainer.program._train_step))
 
-    quiet(settings(hf, "straight", num_iterations=2, beta=0.02), hooks=(Watch(),))
+    two = dict(reward_funcs=(f"{hf.reward}:words", f"{hf.reward}:length"), reward_weights=(1.0, 0.5))
+    quiet(settings(hf, "straight", num_iterations=2, beta=0.02, **two), hooks=(Watch(),))
     decoders, steps = zip(*Watch.seen, strict=True)
     assert set(decoders) == {1} and len(set(map(id, steps))) == 1  # the sampler compiled once, the step once
-    quiet(settings(hf, "resumed", num_iterations=2, beta=0.02, steps=3))
-    quiet(settings(hf, "resumed", num_iterations=2, beta=0.02))
+    quiet(settings(hf, "resumed", num_iterations=2, beta=0.02, steps=3, **two))
+    quiet(settings(hf, "resumed", num_iterations=2, beta=0.02, **two))
     straight, resumed = records(hf, "straight"), records(hf, "resumed")
     for step in (4, 5):
         for key in ("loss", "reward", "rewards/words/mean", "completions/mean_length", "kl", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
     assert straight[5]["reward"] != straight[3]["reward"]  # new samples every other step
+    for r in straight.values():  # the weighted sum of the functions' rewards
+        assert r["reward"] == pytest.approx(r["rewards/words/mean"] + 0.5 * r["rewards/length/mean"], abs=1e-6)
     assert straight[2]["clip_ratio/region_mean"] >= 0 and straight[2]["kl"] > 0  # the second pass moved off 1
 
 
@@ -325,3 +331,25 @@ def test_lora_grpo_reference_costs_no_parameter_bytes_and_its_merged_export_load
     assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])
     with torch.no_grad():
         assert torch.isfinite(merged(torch.tensor([[1, 5, 9]])).logits).all()
+
+
+def test_conversational_prompts_are_rendered_with_the_chat_template_as_trl_does(hf):
+    from datasets import Dataset
+
+    from shardzoo.data import DataError, load_tokenizer
+    from shardzoo.data.prompts import tokenize_prompts
+
+    rows = [{"prompt": [{"role": "user", "content": "What color is the sky?"}], "answer": "blue"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say yes"}],
+             "answer": "yes"}]
+    tok = load_tokenizer(str(hf.root / "policy"))
+    prompts = tokenize_prompts(Dataset.from_list(rows), tok, "rows", max_prompt_length=64)
+    assert prompts.conversational and prompts.columns == {"answer": ["blue", "yes"]}
+    for got, row in zip(prompts.ids, rows, strict=True):  # TRL: the template's text, tokenized plainly
+        text = hf.tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        assert text.endswith("<|assistant|>\n")
+        assert got.tolist() == hf.tok(text, add_special_tokens=False)["input_ids"]
+    cut = tokenize_prompts(Dataset.from_list(rows), tok, "rows", max_prompt_length=5)
+    assert [c.tolist() for c in cut.ids] == [p[-5:].tolist() for p in prompts.ids] and cut.truncated.all()
+    with pytest.raises(DataError, match=r"^data 'bad': row 2, column 'prompt': empty prompt"):
+        tokenize_prompts(Dataset.from_list([{"prompt": "ok"}, {"prompt": " "}]), tok, "bad", max_prompt_length=8)
