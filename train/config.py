@@ -183,8 +183,6 @@ class TrainConfig:
             raise ConfigError(f"--loss {self.loss!r}: --task grpo takes one of {', '.join(GRPO_LOSSES)}")
         if self.beta is not None and not (math.isfinite(self.beta) and self.beta >= 0):
             raise ConfigError(f"--beta must be a finite number >= 0 for --task grpo, got {self.beta}")
-        if not self.reward_funcs:
-            raise ConfigError("--task grpo needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
                               f"{len(self.reward_funcs)} --reward-funcs")

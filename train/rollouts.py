@@ -105,6 +105,8 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
 
     if jax.process_count() > 1:
         raise UserError("--task grpo runs on one process for now (its rollouts are scored on the host)")
+    if not cfg.reward_funcs:
+        raise UserError("--task grpo needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
     completion = completion_length(cfg)
     width = cfg.seq_len - completion

@@ -353,3 +353,16 @@ def test_conversational_prompts_are_rendered_with_the_chat_template_as_trl_does(
     assert [c.tolist() for c in cut.ids] == [p[-5:].tolist() for p in prompts.ids] and cut.truncated.all()
     with pytest.raises(DataError, match=r"^data 'bad': row 2, column 'prompt': empty prompt"):
         tokenize_prompts(Dataset.from_list([{"prompt": "ok"}, {"prompt": " "}]), tok, "bad", max_prompt_length=8)
+
+
+def test_shardzoo_plan_shows_the_reference_and_the_rollouts_of_a_grpo_run(capsys):
+    from shardzoo.cli import main
+
+    base = ["plan", "--model", "llama-tiny", "--task", "grpo", "--batch-size", "32", "--num-generations", "8",
+            "--seq-len", "64", "--rules", "fsdp", "--mesh", "fsdp=8"]
+    assert main(base + ["--beta", "0.04"]) == 0
+    shown = capsys.readouterr().out
+    assert "reference model" in shown and "rollouts (KV cache)" in shown
+    assert main(base) == 0  # --beta 0: no reference model
+    shown = capsys.readouterr().out
+    assert "reference model" not in shown and "rollouts (KV cache)" in shown
