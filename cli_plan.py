@@ -36,9 +36,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo"),
-                   help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes")
-    p.add_argument("--loss", default="sigmoid", help="--task dpo: sigmoid, ipo, hinge, simpo or orpo")
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "grpo"),
+                   help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
+                        "grpo: sampled completions (--batch-size counts them), the reference model's bytes "
+                        "(with --beta > 0) and the rollouts' decoding cache")
+    p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default), ipo, hinge, simpo or orpo; "
+                                                "--task grpo: grpo (default), bnpo or dr_grpo")
+    p.add_argument("--beta", type=float, default=None,
+                   help="--task grpo: the KL coefficient (default 0: no reference model); --task dpo: its beta")
+    p.add_argument("--num-generations", type=int, default=None,
+                   help="--task grpo: completions per prompt (default: TrainConfig's)")
     p.add_argument("--precompute-reference", action="store_true",
                    help="--task dpo: reference log-probs stored with the run (no reference model)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of a table")
@@ -97,8 +104,9 @@ def cmd_plan(args) -> int:
         raise UserError(f"--seq-len {seq_len} exceeds the model's {positions} positions "
                         f"(max_position_embeddings): use --seq-len {positions} or less")
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
-                           grad_accum=args.grad_accum, task=args.task, loss=args.loss,
-                           precompute_reference=args.precompute_reference)
+                           grad_accum=args.grad_accum, task=args.task, loss=args.loss, beta=args.beta,
+                           precompute_reference=args.precompute_reference,
+                           **({"num_generations": args.num_generations} if args.num_generations else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them
         try:

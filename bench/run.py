@@ -67,6 +67,8 @@ BENCHES = (
     Bench("mixers", "token mixers (attention, short convolution, Gated DeltaNet, Mamba2): forward+backward "
           "tokens/s of one layer at sequence 512, 2048, 8192", "bench_mixers.py",
           quick=("--lengths", "256,512", "--rounds", "1")),
+    Bench("grpo", "GRPO: rollout tokens/s on the training mesh against the standalone decoding, and a step's "
+          "time split into sampling, scoring and update", "bench_grpo.py", quick=("--quick",)),
     Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
           "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",

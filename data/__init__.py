@@ -73,6 +73,11 @@ sequences (chosen first) with a completion-token ``loss_mask``, pair ``weights``
 ``truncated`` flags; ``max_prompt_length``/``max_completion_length`` truncate; bad rows are a
 ``DataError`` naming file, row and column, or skipped and counted with ``skip_missing``.
 
+Prompts for reinforcement learning (GRPO; ``prompts.py``): TRL's ``prompt`` column as text or as
+conversations (rendered with the chat template and its generation prompt), each kept to its last
+``max_prompt_length`` tokens, the other columns kept for the reward functions
+(``tokenize_prompts``); ``PromptIterator`` picks a step's prompts, resumable like the others.
+
 Labelled examples (``label_column`` given; no tokenizer, no text)::
 
     train_iter, eval_iter = make_labelled_datasets(

@@ -26,7 +26,10 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo")
+TASKS = (None, "lm", "dpo", "grpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -68,15 +71,27 @@ class TrainConfig:
     add_bos: bool = False
     batch_size: int = 16  # global, over all devices and microbatches
     seq_len: int = 128
-    # task: None trains what the model does (next tokens, or its labels); "dpo": preference pairs
+    # task: None trains what the model does (next tokens, or its labels); "dpo": preference pairs;
+    # "grpo": reinforcement learning on sampled completions scored by reward functions
     task: str | None = None
-    loss: str = "sigmoid"  # dpo: sigmoid | ipo | hinge | simpo | orpo (TRL's loss_type)
-    beta: float = 0.1
+    loss: str | None = None  # dpo: sigmoid (default) | ipo | hinge | simpo | orpo; grpo: grpo (default) | bnpo | dr_grpo
+    beta: float | None = None  # dpo: 0.1 by default; grpo: the KL coefficient, 0 by default (no reference)
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0  # simpo: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
+    # grpo (TRL's GRPOConfig names and defaults)
+    reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
+    reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
+    num_generations: int = 8  # completions sampled per prompt (a group)
+    num_iterations: int = 1  # optimisation passes per batch of completions
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # default: epsilon (DAPO: 0.28)
+    scale_rewards: str = "group"  # group | batch | none
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     # optimization
     steps: int = 200
     optimizer: str = "adamw"
@@ -135,11 +150,14 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        if self.task != "dpo":
-            dpo_only = [n for n in ("reference", "precompute_reference", "max_prompt_length", "max_completion_length")
-                        if getattr(self, n) not in (None, False)]
-            if dpo_only:
-                raise ConfigError(f"--{_flag(dpo_only[0])} is a setting of --task dpo")
+        if self.task not in ("dpo", "grpo"):
+            tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
+                     if getattr(self, n) not in (None, False)]
+            if tuned:
+                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo or grpo")
+        if self.task != "dpo" and self.precompute_reference:
+            raise ConfigError("--precompute-reference is a setting of --task dpo")
+        self._check_grpo()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.xla_preset not in XLA_PRESETS:
@@ -150,6 +168,50 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
             )
+
+    def _check_grpo(self) -> None:
+        """The GRPO settings: each in range, and none changed from its default without --task grpo."""
+        defaults = TrainConfig.__dataclass_fields__
+        names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
+                 "scale_rewards", "temperature", "top_k", "top_p")
+        if self.task != "grpo":
+            changed = [n for n in names if getattr(self, n) != defaults[n].default]
+            if changed:
+                raise ConfigError(f"--{_flag(changed[0])} is a setting of --task grpo")
+            return
+        if self.loss is not None and self.loss not in GRPO_LOSSES:
+            raise ConfigError(f"--loss {self.loss!r}: --task grpo takes one of {', '.join(GRPO_LOSSES)}")
+        if self.beta is not None and not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ConfigError(f"--beta must be a finite number >= 0 for --task grpo, got {self.beta}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
+                              f"{len(self.reward_funcs)} --reward-funcs")
+        if self.num_generations < 2:
+            raise ConfigError(f"--num-generations must be at least 2 (a group), got {self.num_generations}")
+        if self.batch_size % self.num_generations:
+            raise ConfigError(f"--batch-size {self.batch_size} (completions per step) is not divisible by "
+                              f"--num-generations {self.num_generations}")
+        if self.num_iterations < 1:
+            raise ConfigError(f"--num-iterations must be at least 1, got {self.num_iterations}")
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(f"--scale-rewards {self.scale_rewards!r}: choose one of {', '.join(SCALE_REWARDS)}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"--temperature must be > 0 (GRPO samples), got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-k must be >= 0 and --top-p in (0, 1], got {self.top_k} and {self.top_p}")
+        completion = self.max_completion_length
+        if completion is not None and not 1 <= completion < self.seq_len:
+            raise ConfigError(f"--max-completion-length {completion} must be from 1 to --seq-len - 1 "
+                              f"({self.seq_len - 1}): each row holds the prompt and its completion")
+        if self.eval_data or self.eval_fraction:
+            raise ConfigError("--task grpo has no held-out evaluation: drop --eval-data/--eval-fraction")
+        if self.precompute_reference:
+            raise ConfigError("--precompute-reference: GRPO's completions are sampled while training; "
+                              "the reference scores them as they come")
 
     def _check_distributed(self) -> None:
         """The multi-host flags, checked before anything starts (jax would abort or raise)."""
@@ -189,7 +251,8 @@ SECTIONS = {
              "batch_size",
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
-             "precompute_reference"),
+             "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
+             "epsilon", "epsilon_high", "scale_rewards", "temperature", "top_k", "top_p"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
@@ -221,11 +284,27 @@ HELP = {
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
     "skip_missing": "skip rows whose text, prompt or completion is missing (null), and bad preference pairs "
                     "(empty completion, chosen = rejected), with a count; default: refuse them",
-    "max_prompt_length": "--task dpo: keep the last N tokens of each prompt",
-    "max_completion_length": "--task dpo: keep the first N tokens of each completion",
-    "task": "what to train: the model's own task (default), lm, or dpo (preference pairs: prompt/chosen/rejected)",
-    "loss": "--task dpo: sigmoid (DPO), ipo, hinge, simpo or orpo (TRL's loss_type)",
-    "beta": "--task dpo: the loss's beta (temperature)",
+    "max_prompt_length": "--task dpo/grpo: keep the last N tokens of each prompt",
+    "max_completion_length": "--task dpo: keep the first N tokens of each completion; --task grpo: tokens "
+                             "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
+    "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected) "
+            "or grpo (prompts, sampled completions, --reward-funcs)",
+    "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), ipo, hinge, simpo or orpo; --task grpo: "
+            "grpo (default), bnpo or dr_grpo",
+    "beta": "--task dpo: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
+            "(default 0: no reference model)",
+    "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
+                    "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
+    "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
+    "num_generations": "--task grpo: completions sampled per prompt; --batch-size counts completions",
+    "num_iterations": "--task grpo: optimisation steps on each batch of completions (old log-probs once per batch)",
+    "epsilon": "--task grpo: the ratio's clipping range 1 - epsilon",
+    "epsilon_high": "--task grpo: the ratio's upper clipping 1 + epsilon-high (DAPO; default: epsilon)",
+    "scale_rewards": "--task grpo: divide the group-centred rewards by the group's std (group), the batch's "
+                     "(batch), or not (none, Dr. GRPO)",
+    "temperature": "--task grpo: sampling temperature",
+    "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
+    "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
     "label_smoothing": "--task dpo: label smoothing of sigmoid and simpo (conservative DPO), in [0, 0.5)",
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
@@ -274,7 +353,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"reward_funcs": "FILE.py:FN,...", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}
@@ -310,7 +389,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
-                       "loss": ("sigmoid", "ipo", "hinge", "simpo", "orpo")}.get(name)
+                       "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)
 

@@ -155,7 +155,11 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
     data_config = data_config_of(cfg)
-    if labelled:
+    if cfg.task == "grpo":  # prompts, sampled and scored while training (train/rollouts.py)
+        from shardzoo.train.rollouts import rollout_data
+
+        train_data, eval_data = rollout_data(cfg, tokenizer), None
+    elif labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
         _check_labelled(cfg, config, train_data)
@@ -349,7 +353,10 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     if p.opt_rules is not None:
         log(f"optimizer state: {p.opt_rules}")
     log(p.program.plan(name=_model_name(cfg)).format())
-    trainer = Trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
+    trainer_class = Trainer
+    if cfg.task == "grpo":
+        from shardzoo.train.rollouts import GRPOTrainer as trainer_class
+    trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                       opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
                       program=p.program, log=log, reference_params=reference_params)
     log(trainer.describe())

@@ -187,19 +187,41 @@ def run_task(cfg, config):
     from shardzoo.train.tasks import get_task
 
     name = getattr(cfg, "task", None)
+    if name == "grpo":
+        return _grpo_run_task(cfg, config)
     if name != "dpo":
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")
         return get_task(config), None
     if getattr(config, "task", "lm") != "lm":
         raise UserError(f"--task dpo trains a language model; the model does {config.task}")
-    task = preference_task(cfg.loss, cfg.beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha)
+    beta = 0.1 if cfg.beta is None else cfg.beta
+    task = preference_task(cfg.loss or "sigmoid", beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha)
     if not task.uses_reference:
         if cfg.reference or cfg.precompute_reference:
             raise UserError(f"--loss {cfg.loss} uses no reference model: drop --reference/--precompute-reference")
         return task, None
     if cfg.precompute_reference:
         return task, "stored"
+    if model_info.lora_rank(config) and not cfg.reference:
+        return task, "adapters"
+    return task, "copy"
+
+
+def _grpo_run_task(cfg, config):
+    """``--task grpo``'s task and reference: none with ``--beta 0``, else the LoRA base (adapters
+    off) or a frozen copy, as DPO's."""
+    from shardzoo.train import model_info
+    from shardzoo.train.grpo import grpo_task
+    from shardzoo.train.rollouts import completion_length
+
+    if getattr(config, "task", "lm") != "lm":
+        raise UserError(f"--task grpo trains a language model; the model does {config.task}")
+    task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations, completion_length(cfg))
+    if not task.beta:
+        if cfg.reference:
+            raise UserError("--reference: --beta 0 uses no reference model (give --beta > 0 or drop --reference)")
+        return task, None
     if model_info.lora_rank(config) and not cfg.reference:
         return task, "adapters"
     return task, "copy"

@@ -49,7 +49,7 @@ from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
 from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
-from shardzoo.train.step import eval_step, reference_step, score_step, train_step
+from shardzoo.train.step import eval_step, old_logps_step, reference_step, score_step, train_step
 from shardzoo.train.tasks import get_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -177,6 +177,7 @@ class Program:
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
+        self._old_logps_step = None
         self._decoders: dict = {}
 
     # ------------------------------------------------------------------ the one init
@@ -302,15 +303,30 @@ class Program:
         adapters are switched off inside the step)."""
         if self._reference_step is None:
             keys = self.task.reference_keys
-            batch = {k: v for k, v in self.batch_shardings.items() if k not in keys}
-            fn = jax.jit(functools.partial(reference_step, module=self.module, task=self.task,
-                                           adapters_off=bool(getattr(self.config, "lora_rank", 0))),
-                         in_shardings=(self.shardings.params, batch),
-                         out_shardings={k: self.batch_shardings[k] for k in keys})
-            abstract = {k: v for k, v in self.abstract_batch.items() if k not in keys}
-            with activate(self.mesh):
-                self._reference_step = fn.lower(self.abstract.params, abstract).compile()
+            fn = functools.partial(reference_step, module=self.module, task=self.task,
+                                   adapters_off=bool(getattr(self.config, "lora_rank", 0)))
+            self._reference_step = self._compile_filler(fn, keys)
         return self._reference_step
+
+    def compiled_old_logps_step(self):
+        """GRPO's compiled old-policy step: ``(params, batch) -> {old_logps}`` per token, the
+        batch without its later entries (``task.later_keys``)."""
+        if self._old_logps_step is None:
+            fn = functools.partial(old_logps_step, module=self.module, task=self.task)
+            self._old_logps_step = self._compile_filler(fn, ("old_logps",))
+        return self._old_logps_step
+
+    def _compile_filler(self, fn, keys):
+        """``fn(params, batch) -> {key: array for keys}``, compiled for the batch without
+        ``task.later_keys`` (those a batch holds already are left out of the call)."""
+        later = self.task.later_keys
+        batch = {k: v for k, v in self.batch_shardings.items() if k not in later}
+        jitted = jax.jit(fn, in_shardings=(self.shardings.params, batch),
+                         out_shardings={k: self.batch_shardings[k] for k in keys})
+        abstract = {k: v for k, v in self.abstract_batch.items() if k not in later}
+        with activate(self.mesh):
+            compiled = jitted.lower(self.abstract.params, abstract).compile()
+        return lambda params, placed: compiled(params, {k: v for k, v in placed.items() if k not in later})
 
     def reference_bytes(self) -> int | None:
         """What the reference model costs one device: a frozen copy's parameters, else 0 (the
@@ -349,13 +365,14 @@ class Program:
             return make()
 
     def generate(self, params, prompt, prompt_lengths=None, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=(), pad_id: int | None = None):
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=(), pad_id: int | None = None,
+                 key=None):
         """Continue ``prompt`` int32 [batch, prompt_len] (left-padded; ``prompt_lengths`` each
         row's real length, default all) by ``max_new_tokens``: prefill and the sampling loop in
         one compiled program, params, prompt and cache sharded under the rules (compiled once per
         shape and sampling settings). Greedy at temperature 0. Returns int32 [batch, prompt_len +
         max_new_tokens] on the host; rows end at an eos id, padded with ``pad_id`` (default the
-        first eos id, else 0)."""
+        first eos id, else 0). ``key``: the sampler's raw key (uint32 [2]) in place of ``seed``'s."""
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 2:
             raise UserError(f"a prompt must be [batch, prompt_len] tokens, got shape {prompt.shape}")
@@ -367,12 +384,13 @@ class Program:
         lengths = np.full(prompt.shape[:1], prompt.shape[1], np.int32) if prompt_lengths is None \
             else np.asarray(prompt_lengths, np.int32)
         check_rope_decoding(self.config.arch, int(lengths.max(initial=0)), int(max_new_tokens))
-        key = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
-        if key not in self._decoders:
-            self._decoders[key] = self._compile_generate(prompt.shape, *key[1:])
-        fn, (prompt_sharding, rows_sharding) = self._decoders[key]
+        settings = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
+        if settings not in self._decoders:
+            self._decoders[settings] = self._compile_generate(prompt.shape, *settings[1:])
+        fn, (prompt_sharding, rows_sharding) = self._decoders[settings]
         args = (jax.device_put(prompt, prompt_sharding), jax.device_put(lengths, rows_sharding),
-                jax.random.key_data(jax.random.key(seed)))
+                jax.random.key_data(jax.random.key(seed)) if key is None
+                else jax.device_put(np.asarray(key, np.uint32), replicated(self.mesh)))
         return np.asarray(jax.device_get(fn(params, *args)))
 
     def _divisible_sharding(self, shape, names):
@@ -408,8 +426,8 @@ class Program:
         process's rows); a preference batch may lack its reference entries."""
         out = {}
         for k, field in self.fields.items():
-            if k not in batch and k in self.task.reference_keys:
-                continue  # the reference step fills it in
+            if k not in batch and k in self.task.later_keys:
+                continue  # the reference (or old-policy) step fills it in
             v, sharding = batch[k], self.batch_shardings[k]
             if isinstance(v, jax.Array):
                 out[k] = v if v.sharding == sharding else jax.device_put(v, sharding)
@@ -434,7 +452,7 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo") else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "grpo") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
@@ -442,7 +460,15 @@ class Program:
         rows = 2 if self.task.name == "dpo" else 1  # a preference pair is two sequences
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
-                         name=name, workload=workload, reference_bytes=self.reference_bytes())
+                         name=name, workload=workload, reference_bytes=self.reference_bytes(),
+                         rollout_bytes=self.rollout_bytes())
+
+    def rollout_bytes(self) -> int | None:
+        """GRPO: what the decoding cache that samples a step's completions (a batch of
+        ``seq_len`` positions) costs one device; None for other tasks."""
+        if self.task.name != "grpo":
+            return None
+        return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 
     @property
     def is_abstract(self) -> bool:

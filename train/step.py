@@ -158,6 +158,13 @@ def reference_step(params, batch, *, module, task, adapters_off=False):
     return {"ref_logps": jax.lax.stop_gradient(task.reference_logps(outputs, batch))}
 
 
+def old_logps_step(params, batch, *, module, task):
+    """GRPO's old policy log-probs of a rollout: the per-token log-probs of ``params`` (those
+    that sampled it), computed once and held fixed while the rollout is reused."""
+    outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    return {"old_logps": jax.lax.stop_gradient(task.reference_logps(outputs, batch))}
+
+
 def score_step(params, batch, *, module, task):
     """Per row of ``batch``: the summed log-probability of its weighted targets, and whether
     each of them is the model's greedy guess (multiple choice, ``train/evaluate.py``)."""

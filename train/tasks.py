@@ -14,6 +14,9 @@ and multi-device reductions all divide once, by the total weight, at the end.
 - ``dpo``: preference pairs (``train/preference.py``): ``[batch, 2, length]`` sequences, a pair
   weight, and the reference model's log-probabilities, which a reference step of the program
   fills in before the train step (``reference_keys``).
+- ``grpo``: completions sampled from prompts and scored by reward functions (``train/grpo.py``):
+  ``[batch, length]`` sequences, a completion-token mask, each completion's advantage, and the
+  old policy's and the reference's per-token log-probabilities where the loss uses them.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class Task:
     def reference_keys(self) -> tuple[str, ...]:
         """Batch entries a reference model fills in before the step (preference tasks)."""
         return ()
+
+    @property
+    def later_keys(self) -> tuple[str, ...]:
+        """Batch entries the program computes on the device before the train step (a batch from
+        the host may lack them): the reference's, and GRPO's old policy log-probs."""
+        return self.reference_keys
 
     def sums(self, outputs, batch) -> dict:
         """``loss`` (weighted sum of per-example/token losses), ``weight``, and ``correct``."""

@@ -1,0 +1,284 @@
+"""GRPO as a task: completions sampled on the training mesh, scored by reward functions, and the
+clipped-ratio loss of TRL's ``GRPOTrainer`` (its names, its formulas).
+
+A step (``GRPOTrainer.train_step``): every ``num_iterations`` steps a *rollout*: the next
+``batch_size / G`` prompts, each repeated ``G = num_generations`` times, are continued by the
+Program's compiled decoding (``Program.generate``) on the params the train step updates (the same
+arrays, the same mesh and rules; the sampler compiles once), with the key
+``fold_in(sampler_key, step)``; the completions are decoded, scored by every reward function,
+and their weighted sum ``r`` becomes the advantage ``A = r - mean_group(r)`` (divided by the
+group's std + 1e-4 with ``scale_rewards="group"``, the batch's with ``"batch"``; not with
+``"none"``). The old policy's per-token log-probs (``num_iterations > 1``) and the reference's
+(``beta > 0``) are computed once per rollout. The rollout is reused by ``num_iterations`` steps.
+
+The batch (``[rows, length]``, a row = left-padded prompt + completion, ``length = seq_len``):
+``inputs``, ``targets``, ``positions``, ``segment_ids`` (int32), ``loss_mask`` (float32: 1 where
+the target is a completion token, its eos included), ``advantages``, ``weights`` ``[rows]`` and
+``old_logps`` / ``ref_logps`` ``[rows, length]`` when used.
+
+The loss (TRL's ``_compute_loss``, token-level importance sampling), per completion token ``t``
+with ``p_t`` the policy's log-prob, ``o_t`` the old policy's (``stop_gradient(p_t)`` with one
+iteration: the ratio is exactly 1), ``q_t`` the reference's::
+
+    ratio = exp(p_t - o_t);  l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)
+    l_t += beta (exp(q_t - p_t) - (q_t - p_t) - 1)            # k3 estimator of KL, beta > 0
+
+aggregated by ``loss`` (TRL's ``loss_type``): ``grpo`` the mean over completions of each one's
+mean over its tokens; ``bnpo`` the mean over the batch's completion tokens; ``dr_grpo`` the sum
+over tokens divided by ``completions * max_completion_length``.
+
+Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
+``frac_reward_zero_std``, ``completions/mean_length`` (``min``, ``max``, ``clipped_ratio``),
+``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``;
+and ``time/sampling_s``, ``time/scoring_s`` of the step's rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
+from shardzoo.train.tasks import Field, Task
+
+LOSSES = ("grpo", "bnpo", "dr_grpo")
+SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids")
+
+
+class RewardError(UserError):
+    """A reward function raised, or returned the wrong count or a value that is not a finite number."""
+
+
+def token_logps(logits, targets):
+    """Each target's log-probability ``[rows, length]`` from logits ``[rows, length, vocab]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], logp
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOTask(Task):
+    """The GRPO loss on a rollout batch (see the module docstring)."""
+
+    loss: str = "grpo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    num_iterations: int = 1
+    max_completion_length: int = 64
+
+    @property
+    def reference_keys(self) -> tuple[str, ...]:
+        return ("ref_logps",) if self.beta else ()
+
+    @property
+    def later_keys(self) -> tuple[str, ...]:
+        """Batch entries computed on the device after the rollout: old and reference log-probs."""
+        return (("old_logps",) if self.num_iterations > 1 else ()) + self.reference_keys
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        rows, names = (batch_size, seq_len), (ax.BATCH, ax.LENGTH)
+        fields = {k: Field(rows, "int32", names) for k in SEQ_KEYS}
+        fields["loss_mask"] = Field(rows, "float32", names)
+        fields["advantages"] = Field((batch_size,), "float32", (ax.BATCH,))
+        fields["weights"] = Field((batch_size,), "float32", (ax.BATCH,))
+        for key in self.later_keys:
+            fields[key] = Field(rows, "float32", names)
+        return fields
+
+    def model_args(self, batch) -> tuple[tuple, dict]:
+        return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+
+    def step_totals(self, batch) -> dict:
+        """The step's completions and completion tokens (bnpo and dr_grpo divide by them)."""
+        w = batch["weights"].astype(jnp.float32)
+        tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32) * w[:, None])
+        return {"rows": jnp.maximum(jnp.sum(w), 1e-8), "tokens": jnp.maximum(tokens, 1.0)}
+
+    def per_token(self, logps, batch):
+        """``(per-token loss, ratio, kl or None)``, each ``[rows, length]``."""
+        old = batch["old_logps"] if self.num_iterations > 1 else jax.lax.stop_gradient(logps)
+        ratio = jnp.exp(logps - old)
+        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
+        advantages = batch["advantages"].astype(jnp.float32)[:, None]
+        loss = -jnp.minimum(ratio * advantages, clipped * advantages)
+        kl = None
+        if self.beta:
+            delta = batch["ref_logps"] - logps
+            kl = jnp.exp(delta) - delta - 1.0
+            loss = loss + self.beta * kl
+        return loss, ratio, kl
+
+    def sums(self, outputs, batch, totals=None) -> dict:
+        """Sums over the rows; ``sums["loss"] / sum(weights)`` is the step's loss (see the module
+        docstring: bnpo and dr_grpo scale by the step's totals)."""
+        totals = self.step_totals(batch) if totals is None else totals
+        w = batch["weights"].astype(jnp.float32)
+        mask = batch["loss_mask"].astype(jnp.float32) * w[:, None]  # [rows, length]
+        logps, logp = token_logps(outputs, batch["targets"])
+        per_token, ratio, kl = self.per_token(logps, batch)
+        masked = per_token * mask
+        if self.loss == "grpo":
+            loss = jnp.sum(jnp.sum(masked, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0) * w)
+        elif self.loss == "bnpo":
+            loss = jnp.sum(masked) * totals["rows"] / totals["tokens"]
+        else:  # dr_grpo
+            loss = jnp.sum(masked) / self.max_completion_length
+        advantages = batch["advantages"].astype(jnp.float32)[:, None]
+        low = ((ratio < 1.0 - self.epsilon) & (advantages < 0)).astype(jnp.float32)
+        high = ((ratio > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [rows, length]
+        out = {"loss": loss, "weight": jnp.sum(w), "completion_tokens": jnp.sum(mask),
+               "entropy": jnp.sum(entropy * mask), "clip_ratio/low_mean": jnp.sum(low * mask),
+               "clip_ratio/high_mean": jnp.sum(high * mask),
+               "clip_ratio/region_mean": jnp.sum(jnp.maximum(low, high) * mask)}
+        if kl is not None:
+            out["kl"] = jnp.sum(kl * mask)
+        return out
+
+    def extra_metrics(self, sums, total_weight) -> dict:
+        """Means over the step's completion tokens, as TRL's ``global_masked_mean``."""
+        tokens = jnp.maximum(sums["completion_tokens"], 1.0)
+        names = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+        return {k: sums[k] / tokens for k in names if k in sums}
+
+    def reference_logps(self, outputs, batch):
+        """Per-token log-probs ``[rows, length]`` (the reference's, or the old policy's)."""
+        return token_logps(outputs, batch["targets"])[0]
+
+
+def grpo_task(loss: str | None = None, beta: float | None = None, epsilon: float = 0.2,
+              epsilon_high: float | None = None, num_iterations: int = 1,
+              max_completion_length: int = 64) -> GRPOTask:
+    """The ``grpo`` task; bad settings are one-line UserErrors."""
+    loss = loss or "grpo"
+    if loss not in LOSSES:
+        raise UserError(f"--loss {loss!r}: --task grpo takes one of {', '.join(LOSSES)}")
+    beta = 0.0 if beta is None else float(beta)
+    if not (math.isfinite(beta) and beta >= 0):
+        raise UserError(f"--beta must be a finite number >= 0, got {beta}")
+    high = epsilon if epsilon_high is None else epsilon_high
+    return GRPOTask("grpo", "completions", "policy_loss", has_accuracy=False, has_perplexity=False, loss=loss,
+                    beta=beta, epsilon=float(epsilon), epsilon_high=float(high), num_iterations=int(num_iterations),
+                    max_completion_length=int(max_completion_length))
+
+
+# ------------------------------------------------------------------------------ rewards
+@dataclasses.dataclass(frozen=True)
+class RewardFunction:
+    """A user's reward function and where it came from (``FILE.py:NAME``)."""
+
+    name: str
+    fn: object
+    spec: str
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """``FILE.py:FUNCTION`` imported; a one-line UserError naming the spec when it cannot be."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise UserError(f"--reward-funcs {spec!r}: expected FILE.py:FUNCTION")
+    if not os.path.isfile(path):
+        raise UserError(f"--reward-funcs {spec}: no file {path}")
+    module_name = f"shardzoo_reward_{abs(hash(os.path.abspath(path)))}"
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: any failure is one line naming it
+        raise UserError(f"--reward-funcs {spec}: importing {path} raised {type(e).__name__}: {e}".splitlines()[0]) \
+            from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"--reward-funcs {spec}: {path} defines no function {name!r}")
+    return RewardFunction(name, fn, spec)
+
+
+def score(functions, prompts, completions, completion_ids, columns) -> np.ndarray:
+    """``[completions, functions]`` float32 rewards, each function called as TRL calls it:
+    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``. A function that raises or
+    returns anything but one finite number per completion is a one-line ``RewardError``."""
+    n = len(completions)
+    out = np.zeros((n, len(functions)), np.float32)
+    for j, f in enumerate(functions):
+        where = f"reward function {f.name} ({f.spec})"
+        try:
+            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:  # noqa: BLE001 - the user's function: any failure stops the run, one line
+            raise RewardError(f"{where} raised {type(e).__name__}: {e}".splitlines()[0]) from None
+        try:
+            count = len(values)
+        except TypeError:
+            raise RewardError(f"{where} returned a {type(values).__name__}, not a list of {n} floats") from None
+        if count != n:
+            raise RewardError(f"{where} returned {count} rewards for {n} completions (one per completion)")
+        for i, v in enumerate(values):
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise RewardError(f"{where} returned {v!r} for completion {i}, not a number") from None
+            if not math.isfinite(x):
+                raise RewardError(f"{where} returned {x} for completion {i}: rewards must be finite numbers")
+            out[i, j] = x
+    return out
+
+
+def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(advantages, std)`` of summed rewards ``[completions]`` (groups of ``group`` in a row):
+    ``r - mean_group(r)``, divided by ``std + 1e-4`` (unbiased std of the group, or of the batch)
+    unless ``scale="none"``, as TRL's GRPOTrainer (float32)."""
+    r = np.asarray(rewards, np.float32)
+    grouped = r.reshape(-1, group)
+    mean = np.repeat(grouped.mean(1, dtype=np.float32), group)
+    if scale == "batch":
+        std = np.full_like(r, r.std(ddof=1, dtype=np.float32))
+    else:
+        std = np.repeat(grouped.std(1, ddof=1, dtype=np.float32), group)
+    centred = r - mean
+    return (centred if scale == "none" else centred / (std + np.float32(1e-4))).astype(np.float32), std
+
+
+# ------------------------------------------------------------------------------ rollout rows
+def left_pad(prompts, width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [rows, width], lengths [rows])``: each prompt right-aligned (decoding's layout)."""
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    lengths = np.zeros(len(prompts), np.int32)
+    for i, p in enumerate(prompts):
+        p = np.asarray(p, np.int32)[-width:]
+        tokens[i, width - len(p):] = p
+        lengths[i] = len(p)
+    return tokens, lengths
+
+
+def completion_lengths(completions: np.ndarray, eos_ids) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths, ended)`` per row: tokens up to and including the first eos, and whether one came."""
+    is_eos = np.isin(completions, np.asarray(list(eos_ids) or [-1]))
+    ended = is_eos.any(1)
+    lengths = np.where(ended, is_eos.argmax(1) + 1, completions.shape[1])
+    return lengths.astype(np.int32), ended
+
+
+def rollout_rows(tokens: np.ndarray, prompt_lengths: np.ndarray, lengths: np.ndarray, prompt_width: int,
+                 pad_id: int) -> dict:
+    """The batch's sequence entries of sampled rows ``tokens [rows, prompt_width + completion]``
+    (prompt right-aligned in the first ``prompt_width`` slots, ``lengths`` completion tokens
+    after it): positions from 0 at each prompt's first token, segment 1 on the real tokens, a
+    target that scores where it is a completion token."""
+    rows, width = tokens.shape
+    cols = np.arange(width)[None, :]
+    start = (prompt_width - prompt_lengths)[:, None]
+    valid = (cols >= start) & (cols < prompt_width + lengths[:, None])
+    inputs = np.where(valid, tokens, pad_id)
+    targets = np.full_like(inputs, pad_id)
+    targets[:, :-1] = np.where(valid[:, 1:], inputs[:, 1:], pad_id)
+    loss_mask = np.zeros((rows, width), np.float32)
+    loss_mask[:, :-1] = valid[:, 1:] & (cols[:, 1:] >= prompt_width)
+    return {"inputs": inputs.astype(np.int32), "targets": targets.astype(np.int32),
+            "positions": np.where(valid, cols - start, 0).astype(np.int32),
+            "segment_ids": valid.astype(np.int32), "loss_mask": loss_mask}
