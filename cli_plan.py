@@ -105,7 +105,7 @@ def cmd_plan(args) -> int:
                         f"(max_position_embeddings): use --seq-len {positions} or less")
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum, task=args.task, loss=args.loss, beta=args.beta,
-                           precompute_reference=args.precompute_reference,
+                           precompute_reference=args.precompute_reference, override=list(args.override),
                            **({"num_generations": args.num_generations} if args.num_generations else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them

@@ -108,3 +108,57 @@ def layout_of(specs, scan: bool, explicit: tuple[int, int, int] | None) -> Layou
     if not scan:
         return Layout(len(specs), len(specs), 1, 0)
     return check_layout(explicit, specs) if explicit is not None else auto_layout(specs)
+
+
+# ------------------------------------------------------------------------------ moving layers
+def _at(tree, path):
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def relayout(params, source: Layout, target: Layout, index=None, stack=None):
+    """``params`` of a model whose layers are laid out as ``source``, in ``target``'s layout:
+    each layer's subtree cut out of its stack (``index(leaf, k)``, default ``leaf[k]``) and put
+    where ``target`` keeps it, stacked with its period's other layers (``stack(leaves)``,
+    default ``jnp.stack``); the other params as they are. ``index`` and ``stack`` given, it
+    moves anything shaped like params (e.g. ShapeDtypeStructs)."""
+    import jax
+    import jax.numpy as jnp
+
+    index = index or (lambda x, k: x[k])
+    stack = stack or (lambda xs: jnp.stack(xs))
+    tops = {path[0] for path, _, _ in source.param_layout()}
+    out = {k: v for k, v in params.items() if k not in tops}
+    layers = {}
+    for path, indices, stacked in source.param_layout():
+        tree = _at(params, path)
+        for k, layer in enumerate(indices):
+            layers[layer] = jax.tree.map(lambda x, k=k: index(x, k), tree) if stacked else tree
+    for path, indices, stacked in target.param_layout():
+        tree = jax.tree.map(lambda *xs: stack(xs), *[layers[i] for i in indices]) if stacked else layers[indices[0]]
+        parent = out
+        for name in path[:-1]:
+            parent = parent.setdefault(name, {})
+        parent[path[-1]] = tree
+    return out
+
+
+def relayout_abstract(target, source: Layout, dest: Layout):
+    """``relayout`` of ShapeDtypeStructs with NamedShardings: a stacked axis is unsharded."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def spec(x):
+        return tuple(x.sharding.spec) + (None,) * (len(x.shape) - len(x.sharding.spec))
+
+    def index(x, k):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
+                                    sharding=NamedSharding(x.sharding.mesh, PartitionSpec(*spec(x)[1:])))
+
+    def stack(xs):
+        x = xs[0]
+        return jax.ShapeDtypeStruct((len(xs),) + x.shape, x.dtype,
+                                    sharding=NamedSharding(x.sharding.mesh, PartitionSpec(None, *spec(x))))
+
+    return relayout(target, source, dest, index, stack)

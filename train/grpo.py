@@ -179,6 +179,21 @@ class RewardFunction:
     spec: str
 
 
+def rollout_layout(cfg, config):
+    """The model GRPO trains: its layers unrolled unless ``--override scan_layers=...`` says
+    otherwise. The rollouts decode the train state's own params, and decoding runs the layers
+    unrolled (``models/decode.py``): params stacked by a scan would be cut into a copy of the
+    layer weights by every rollout, unrolled ones are read where they are."""
+    from shardzoo.models import parse_overrides
+
+    execution = getattr(config, "execution", None)
+    if getattr(cfg, "task", None) != "grpo" or not getattr(execution, "scan_layers", False):
+        return config
+    if "scan_layers" in parse_overrides(getattr(cfg, "override", None) or []):
+        return config
+    return config.replace(scan_layers=False)
+
+
 def load_reward_function(spec: str) -> RewardFunction:
     """``FILE.py:FUNCTION`` imported; a one-line UserError naming the spec when it cannot be."""
     path, sep, name = spec.rpartition(":")

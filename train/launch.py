@@ -27,6 +27,7 @@ from shardzoo.train.checkpoint import (
 )
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
+from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.preference import check_reference, load_reference
@@ -131,7 +132,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     outdir.check_fresh_start(cfg, out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
-    config = with_lora(cfg, config)  # --lora-*: the adapted model
+    config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
     labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(

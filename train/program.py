@@ -479,10 +479,12 @@ class Program:
 def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Program:
     """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
     ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
+    from shardzoo.train.grpo import rollout_layout
     from shardzoo.train.optim import make_optimizer
     from shardzoo.train.preference import run_task
 
     task, reference = run_task(cfg, config)
+    config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,

@@ -24,6 +24,7 @@ import os
 
 import jax
 
+from shardzoo.models.layout import relayout, relayout_abstract
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
@@ -248,9 +249,17 @@ class RunSource(Source):
         return tokenizer_spec(self._meta, self.run_dir)
 
     def load_params(self, target, config=None):
-        """The params of the newest restorable step (or the one named), placed like ``target``."""
+        """The params of the newest restorable step (or the one named), placed like ``target``;
+        for a ``config`` that scans its layers otherwise than the run did (``scan_layers``,
+        ``scan_layout``), moved into its layout (``models.layout.relayout``)."""
         def load(step):
-            return read_meta(self.root, step), restore_params(self.root, step, target)
+            meta = read_meta(self.root, step)
+            moved = _layouts(config_from_meta(meta, self.what), config)
+            if moved is None:
+                return meta, restore_params(self.root, step, target)
+            params = restore_params(self.root, step, relayout_abstract(target, *moved[::-1]))
+            shardings = jax.tree.map(lambda t: t.sharding, target)
+            return meta, jax.jit(lambda p: relayout(p, *moved), out_shardings=shardings)(params)
 
         try:
             step, (meta, params) = newest_restorable(self.root, self.steps, load)
@@ -312,6 +321,14 @@ class AdapterSource(Source):
         from shardzoo.train.lora_io import load_adapters
 
         return load_adapters(self.path, target, config, family)
+
+
+def _layouts(stored, config):
+    """``(the run's layer layout, config's)`` where they differ, else None."""
+    if config is None or not hasattr(stored, "layout") or not hasattr(config, "layout"):
+        return None
+    source, target = stored.layout(), config.layout()
+    return None if source.param_layout() == target.param_layout() else (source, target)
 
 
 # ------------------------------------------------------------------------------ loading

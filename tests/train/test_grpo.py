@@ -366,3 +366,23 @@ def test_shardzoo_plan_shows_the_reference_and_the_rollouts_of_a_grpo_run(capsys
     assert main(base) == 0  # --beta 0: no reference model
     shown = capsys.readouterr().out
     assert "reference model" not in shown and "rollouts (KV cache)" in shown
+
+
+def test_rollouts_decode_the_train_state_params_without_a_copy(hf):
+    """GRPO trains its layers unrolled (unless --override scan_layers=... says otherwise), so
+    the compiled sampler reads the train state's params where they are: scanned layers would be
+    cut into a copy of the layer weights inside every rollout (XLA's temporaries show it). Under
+    fsdp rules decoding gathers the sharded weights in either layout."""
+    def sampler_temp(program):
+        fn, _ = program._compile_generate((6, WIDTH), 10, 1.0, 0, 1.0, (2,), 0)
+        return fn.memory_analysis().temp_size_in_bytes
+
+    # rules dp: the params whole on every device (under fsdp decoding gathers them, either way)
+    ours = prepare(settings(hf, "layout-unrolled", rules="dp")).program
+    scanned = prepare(settings(hf, "layout-scanned", rules="dp", override=["scan_layers=true"])).program
+    assert not ours.config.execution.scan_layers and scanned.config.execution.scan_layers
+    params = ours.abstract.params
+    layer_bytes = sum(x.size * x.dtype.itemsize for k, v in params.items() if k.startswith("layers")
+                      for x in jax.tree.leaves(v))
+    extra = sampler_temp(scanned) - sampler_temp(ours)
+    assert extra >= 0.9 * layer_bytes, (extra, layer_bytes)

@@ -51,6 +51,26 @@ def test_a_step_and_a_whole_run_load_the_same_params(runs):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("layout", [dict(scan_layers=False), dict(scan_layout=(1, 1, 1))])
+def test_a_run_loads_into_another_layer_layout_with_its_logits(runs, layout):
+    """A run of scanned layers loads into a model that unrolls them (or scans fewer): each
+    layer's params moved out of the stack, the logits those of the run's own layout (1e-6)."""
+    from shardzoo.sharding import get_rules, make_mesh
+    from shardzoo.train.program import Program
+
+    module, config, params, _ = load_model_and_params(str(runs / "llama_run"))
+    assert config.layout().repeats == 2  # the run scanned its two layers
+    other = config.replace(**layout)
+    program = Program(other, get_rules("fsdp"), make_mesh("fsdp=2", devices=jax.devices()[:2]))
+    moved = open_source(runs / "llama_run").load_params(program.params_target(), other)
+    expected = "layers_0" if layout.get("scan_layers") is False else "layers"
+    assert expected in moved and set(moved) != set(params)
+    tokens = np.arange(1, 33, dtype=np.int32).reshape(2, 16) % config.vocab_size
+    want = module.apply({"params": params}, tokens)
+    got = program.module.apply({"params": moved}, tokens)
+    assert np.max(np.abs(np.asarray(want) - np.asarray(got))) < 1e-6
+
+
 @pytest.mark.parametrize("path, kwargs, expected", [
     ("nope", {}, "--init-from {root}/nope: no such directory"),
     ("llama_run/run.json", {}, "is a file, not a directory"),
