@@ -34,6 +34,7 @@ from shardzoo.models.hf import (
     lfm2,
     llama,
     llama4,
+    mamba2,
     ministral,
     mixtral,
     olmo2,
@@ -82,6 +83,7 @@ FAMILIES: tuple[Family, ...] = (
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
     apertus.APERTUS,
     lfm2.LFM2,
+    mamba2.MAMBA2,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
