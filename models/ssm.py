@@ -98,7 +98,8 @@ def ssd(x, dt, A, B, C, chunk: int, seg=None, state=None, state_seg=None):
         a, own = inputs
         return a[..., None, None] * s + own, s
 
-    s0 = state.astype(f32).reshape(b, groups, r, p, n)
+    # (+ 0 x a chunk's state: inside a shard_map the carry varies over the devices as the inputs do)
+    s0 = state.astype(f32).reshape(b, groups, r, p, n) + 0.0 * local[:, 0]
     final, entering = jax.lax.scan(step, s0, (jnp.moveaxis(through, 1, 0), jnp.moveaxis(local, 1, 0)))
     entering = jnp.moveaxis(entering, 0, 1)  # [b, c, g, r, p, n]
     # the entering state's part of each output: exp(cum_l) C_l . S_in, within the entering segment
