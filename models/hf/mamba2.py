@@ -31,13 +31,14 @@ _INIT = ("time_step_rank", "time_step_min", "time_step_max", "time_step_floor", 
 
 def mamba_fields(hf: HFConfig, names: dict) -> dict:
     """The mixer's architecture fields from config.json; ``names``: the family's name of each
-    (heads, head_dim, groups, state, conv, chunk, conv_bias, proj_bias, expand, act)."""
+    (heads, head_dim, groups, state, conv, chunk, conv_bias, proj_bias, expand, act, limit;
+    expand None: the family has none, its inner width is heads x head_dim)."""
     get = lambda key: hf.get(names[key])  # noqa: E731
-    heads, head_dim, expand = get("heads"), get("head_dim"), get("expand")
-    hidden = hf.get("hidden_size")
+    heads, head_dim, hidden = get("heads"), get("head_dim"), hf.get("hidden_size")
+    expand = get("expand") if names["expand"] else None
     if head_dim == "auto":  # Bamba's default: the inner width over the heads
         head_dim = expand * hidden // heads
-    if heads * head_dim != expand * hidden:
+    if expand is not None and heads * head_dim != expand * hidden:
         raise hf.refuse(names["heads"], f"{names['heads']} x {names['head_dim']} = {heads * head_dim} must be "
                                         f"{names['expand']} x hidden_size = {expand * hidden}")
     if get("act") != "silu":
@@ -58,8 +59,8 @@ def mamba_to_hf(a, names: dict) -> dict:
     return {names["heads"]: a.mamba_num_heads, names["head_dim"]: a.mamba_head_dim,
             names["groups"]: a.mamba_n_groups, names["state"]: a.ssm_state_size, names["conv"]: a.mamba_conv_kernel,
             names["chunk"]: a.mamba_chunk_size, names["conv_bias"]: a.mamba_conv_bias,
-            names["proj_bias"]: a.mamba_proj_bias, names["expand"]: a.mamba_inner // a.hidden_size,
-            names["limit"]: list(a.time_step_limit)}  # infinity: JSON's Infinity
+            names["proj_bias"]: a.mamba_proj_bias, names["limit"]: list(a.time_step_limit),  # inf: JSON's Infinity
+            **({names["expand"]: a.mamba_inner // a.hidden_size} if names["expand"] else {})}
 
 
 def mamba_weights(a, m: str) -> list[Weight]:
