@@ -449,16 +449,17 @@ def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
 
 def _mamba_terms(layer: dict, t, a, seq_len: int) -> dict:
     """A mamba layer's terms (models/ssm.py): attention's replaced by in_proj's outputs (z, x,
-    B, C, dt), the convolutions' outputs, and the chunked scan's float32 arrays: the masked
-    decay [chunk] per head and token, its product with C.B, the per-chunk states and the
-    output; then the gated norm's (3 per feature, float32) and the out projection's input."""
+    B, C, dt), the convolutions' outputs, and the chunked scan's float32 arrays of [chunk] per
+    head and token (the decays' differences, their exponential, the masked decay, its products
+    with C.B and dt: 6 counting the masks' where), the per-chunk states and the output; then
+    the gated norm's (3 per feature, float32) and the out projection's input."""
     out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
     inner, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
     q = min(a.mamba_chunk_size, seq_len)
     blh = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
     per_chunk_state = h * a.mamba_head_dim * a.ssm_state_size / q  # a chunk's state, per token
     out.update(mamba_in=t(2 * inner + 2 * gn + h, blh), mamba_conv=t(inner + 2 * gn, blh),
-               ssm_decay=t(2 * h * q, blh, 4), ssm_states=t(2 * per_chunk_state, blh, 4),
+               ssm_decay=t(6 * h * q, blh, 4), ssm_states=t(2 * per_chunk_state, blh, 4),
                ssm_out=t(inner, blh), ssm_norm=t(3 * inner, blh, 4), attn_context=t(inner, blh))
     return out
 
