@@ -127,10 +127,17 @@ def _pattern(pattern: str) -> dict:
 
 
 # --------------------------------------------------------------------------------- presets
+NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NEMOTRON_H = Family(
     "nemotron_h", ("nemotron_h",), "NemotronHForCausalLM", SCHEMA, FEATURES, from_hf, to_hf, global_weights,
     layer_weights,
     presets={
+        # nvidia/Nemotron-H-8B-Base-8K/config.json: 24 mamba, 4 attention and 24 MLP layers
+        "nemotron-h-8b": _pattern(NEMOTRON_H_8B) | dict(
+            vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, mlp_type="plain",
+            hidden_act="relu2", bos_token_id=1, eos_token_id=2, mamba_num_heads=128, mamba_head_dim=64,
+            mamba_n_groups=8, ssm_state_size=128, mamba_conv_kernel=4, mamba_chunk_size=128),
         "nemotron-h-tiny": llama.TINY | _pattern("M-M*-") | dict(
             mlp_type="plain", hidden_act="relu2", rms_norm_eps=1e-5, mamba_num_heads=8, mamba_head_dim=16,
             mamba_n_groups=2, ssm_state_size=16, mamba_chunk_size=64),

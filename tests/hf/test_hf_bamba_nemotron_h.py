@@ -199,3 +199,29 @@ def test_the_presets_count_as_transformers_counts():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
         assert get_config(name).num_params() == sum(p.numel() for p in model.parameters()), name
+
+
+def test_the_published_nemotron_h_8b_config_reads_as_the_preset(tmp_path):
+    """nvidia/Nemotron-H-8B-Base-8K's config.json (its older keys: hybrid_override_pattern,
+    attention_head_dim) reads as the ``nemotron-h-8b`` preset, whose parameter count is
+    transformers' count of that config."""
+    from shardzoo.models import get_config
+
+    raw = dict(architectures=["NemotronHForCausalLM"], attention_bias=False, attention_dropout=0.0,
+               attention_head_dim=128, bos_token_id=1, chunk_size=128, conv_kernel=4, eos_token_id=2, expand=2,
+               hidden_act="relu2", hidden_dropout=0.0, hidden_size=4096,
+               hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", initializer_range=0.02,
+               intermediate_size=21504, layer_norm_epsilon=1e-05, mamba_head_dim=64, mamba_hidden_act="silu",
+               mamba_num_heads=128, mamba_proj_bias=False, max_position_embeddings=8192, mlp_bias=False,
+               mlp_hidden_act="relu2", model_type="nemotron_h", n_groups=8, num_attention_heads=32,
+               num_hidden_layers=52, num_key_value_heads=8, num_logits_to_keep=1, pad_token_id=0,
+               rescale_prenorm_residual=True, residual_in_fp32=False, rms_norm_eps=1e-05, ssm_state_size=128,
+               tie_word_embeddings=False, use_bias=False, use_cache=True, use_conv_bias=True, vocab_size=131072)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    preset = get_config("nemotron-h-8b")
+    assert load_hf_config(str(tmp_path)).arch == preset.arch
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(NemotronHConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in model.parameters())
+    assert preset.num_params() == count
+    print(f"nemotron-h-8b: {count:,} parameters")
