@@ -225,3 +225,11 @@ def test_the_published_nemotron_h_8b_config_reads_as_the_preset(tmp_path):
     count = sum(p.numel() for p in model.parameters())
     assert preset.num_params() == count
     print(f"nemotron-h-8b: {count:,} parameters")
+
+
+def test_training_from_a_tiny_nemotron_h_lowers_the_loss_and_exports(tmp_path, parity):
+    """``train --init-from`` a random Nemotron-H (mamba, MLP and attention layers) under fsdp on
+    8 devices, sequences of 16 in chunks of 4: the loss falls, the export loads in transformers
+    and computes what the run computes (1e-4)."""
+    model = randomized(CONFIGS["nemotron_h"](), seed=3)
+    parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], False, TOL)
