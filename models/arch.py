@@ -65,10 +65,11 @@ class LayerSpec:
 
 
 def _mlp_pattern_feature(value):
-    """mlp_layer_types: dense and MoE layers mixed, or layers without an MLP."""
+    """mlp_layer_types: layers without an MLP beside dense ones ("mlp_free_layers"), else a MoE
+    model's pattern of dense and MoE layers."""
     if value is None:
         return None
-    return "moe_pattern" if MOE in value and DENSE in value else "mlp_free_layers" if NONE in value else None
+    return "mlp_free_layers" if NONE in value and MOE not in value else "moe_pattern"
 
 
 def _scaling_feature(value):
