@@ -25,9 +25,15 @@ from shardzoo.models.features import feature
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV)
+MAMBA = "mamba"  # a Mamba2 state-space mixer in place of attention (Mamba2, Bamba, Nemotron-H; models/ssm.py)
+# "none" in layer_types: a layer without a token mixer (its block is x + mlp(norm(x)): Nemotron-H's
+# MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
+# Nemotron-H's mamba and attention layers)
+NONE = "none"
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, MAMBA, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
+MLP_TYPES = (DENSE, MOE, NONE)
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
 # rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
@@ -53,8 +59,17 @@ class LayerSpec:
     window: int | None = None  # a query at i sees keys j with i - j < window (None: all before)
     chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
-    mlp: str = DENSE  # "dense" or "moe"
-    mixer: str = ATTENTION  # "attention" or "conv" (a gated short convolution: LFM2)
+    mlp: str = DENSE  # "dense", "moe" or "none" (no MLP)
+    # "attention", "conv" (a gated short convolution: LFM2), "mamba" (Mamba2) or "none" (no mixer)
+    mixer: str = ATTENTION
+
+
+def _mlp_pattern_feature(value):
+    """mlp_layer_types: layers without an MLP beside dense ones ("mlp_free_layers"), else a MoE
+    model's pattern of dense and MoE layers."""
+    if value is None:
+        return None
+    return "mlp_free_layers" if NONE in value and MOE not in value else "moe_pattern"
 
 
 def _scaling_feature(value):
@@ -138,7 +153,7 @@ class TransformerArch:
     num_local_experts: int = feature(0, "moe")  # 0: dense MLPs
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = feature(None, "expert_width")  # None: intermediate_size
-    mlp_layer_types: tuple[str, ...] | None = feature(None, "moe_pattern")  # per layer; None: uniform
+    mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities
     router_aux_loss_coef: float = 0.01
     router_jitter_noise: float = feature(0.0, "router_jitter")
@@ -171,6 +186,20 @@ class TransformerArch:
     # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
     conv_kernel: int | None = feature(None, "short_conv")  # None: no conv layers
     conv_bias: bool = feature(False, "conv_bias")
+    # Mamba2 mixers (the "mamba" layers of layer_types, models/ssm.py): in_proj to z, x (heads x
+    # head_dim each), B, C (n_groups x ssm_state_size each) and dt (heads); x, B, C through a
+    # causal depthwise conv of mamba_conv_kernel taps (with bias: mamba_conv_bias) and SiLU; the
+    # selective scan in chunks of mamba_chunk_size tokens, dt = clamp(softplus(dt + dt_bias),
+    # time_step_limit); the gated RMSNorm over groups; out_proj (biases: mamba_proj_bias)
+    mamba_num_heads: int = feature(0, "mamba2")  # 0: no mamba layers
+    mamba_head_dim: int = 64
+    mamba_n_groups: int = 1
+    ssm_state_size: int = 128
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = feature(False, "mamba_proj_bias")
+    time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
     # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
     # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
@@ -183,7 +212,7 @@ class TransformerArch:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -204,7 +233,11 @@ class TransformerArch:
         if not self.has_conv_layers:  # no conv layers, no convolution
             set_("conv_kernel", None)
             set_("conv_bias", False)
-        if types is not None and len(set(types)) == 1 and types[0] != CONV:
+        if not self.has_mamba_layers:  # no mamba layers, no mamba settings
+            for f in dataclasses.fields(self):
+                if f.name in _MAMBA_FIELDS:
+                    set_(f.name, f.default)
+        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, MAMBA, NONE):
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -234,7 +267,7 @@ class TransformerArch:
             set_("attn_scale", 0.1)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
-                if f.name in _MOE_FIELDS:
+                if f.name in _MOE_FIELDS and not (f.name == "mlp_layer_types" and NONE in (self.mlp_layer_types or ())):
                     set_(f.name, f.default)
         if not self.shared_expert_intermediate_size:
             set_("shared_expert_gate", False)  # no shared expert, nothing to gate
@@ -296,7 +329,7 @@ class TransformerArch:
             raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
                              f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
         n = self.num_hidden_layers
-        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", (DENSE, MOE))):
+        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES)):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -316,6 +349,7 @@ class TransformerArch:
         if self.has_conv_layers and self.latent:
             raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
                              "which no family has; remove one")
+        self._check_mamba()
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
@@ -337,6 +371,30 @@ class TransformerArch:
         self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
+
+    def _check_mamba(self) -> None:
+        types, mlps = self.layer_types or (), self.mlp_layer_types or ()
+        if any(t == NONE and m == NONE for t, m in zip(types, mlps, strict=False)):
+            raise ModelError("a layer with neither a mixer (layer_types 'none') nor an MLP (mlp_layer_types 'none') "
+                             "does nothing; remove it")
+        if self.parallel_residual and (NONE in types or NONE in mlps):
+            raise ModelError("parallel_residual runs a mixer and an MLP side by side: every layer needs both "
+                             "(no 'none' in layer_types or mlp_layer_types)")
+        if not self.has_mamba_layers:
+            return
+        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
+        if not isinstance(self.mamba_conv_kernel, int) or self.mamba_conv_kernel < 2:
+            raise ModelError(f"mamba_conv_kernel={self.mamba_conv_kernel!r} must be an integer >= 2 (the "
+                             "convolution's taps)")
+        if self.mamba_num_heads % self.mamba_n_groups:
+            raise ModelError(f"mamba_n_groups={self.mamba_n_groups} must divide mamba_num_heads={self.mamba_num_heads}")
+        limit = self.time_step_limit
+        if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
+                or not 0 <= limit[0] <= limit[1]):
+            raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
 
     def _check_latent(self) -> None:
         if self.kv_lora_rank is None:
@@ -424,6 +482,15 @@ class TransformerArch:
         return self.layer_types is not None and CONV in self.layer_types
 
     @property
+    def has_mamba_layers(self) -> bool:
+        return self.layer_types is not None and MAMBA in self.layer_types
+
+    @property
+    def mamba_inner(self) -> int:
+        """Features of a mamba layer's x (and z): heads x head_dim."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
     def has_chunked_layers(self) -> bool:
         types = self.layer_types
         return bool(self.attention_chunk_size) and (CHUNKED in types if types is not None
@@ -464,8 +531,9 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
+            mixer = kind if kind in (CONV, MAMBA, NONE) else ATTENTION
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=CONV if kind == CONV else ATTENTION))
+                                 mixer=mixer))
         return tuple(out)
 
 
@@ -473,6 +541,10 @@ _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types"
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
                "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
+
+
+_MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",
+                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit")
 
 
 def _rope_scaling(value, pairs: int):

@@ -115,14 +115,15 @@ def _ring_local(x, kernel, seg, *, axes, n, rows):
     return jnp.concatenate([causal_conv(x1, kernel, s1, p1, q1), causal_conv(x2, kernel, s2, p2, q2)], axis=1)
 
 
-def ring_conv(x, kernel, seg, placement):
+def ring_conv(x, kernel, seg, placement, channels_name: str = ax.CONV_CHANNELS):
     """``causal_conv`` of length-sharded, zig-zag ordered ``x`` [batch, length, channels] over
-    the placement's ring (``models/ring_attention.py``'s order), the kernel [w, channels]."""
+    the placement's ring (``models/ring_attention.py``'s order), the kernel [w, channels];
+    ``channels_name``: the channels' logical axis (a mamba layer's flattened heads or groups)."""
     axes = placement.ring_axes
     n = placement.size(axes)
     check_ring_chunk(x.shape[1], kernel.shape[0], placement)
     batch = other_axes(placement, ax.BATCH, (x.shape[0],), axes)
-    channels = other_axes(placement, ax.CONV_CHANNELS, (x.shape[2],), axes + batch)
+    channels = other_axes(placement, channels_name, (x.shape[2],), axes + batch)
     xs, ks = spec_of(batch, axes, channels), spec_of(None, channels)
     fn = lambda x, k, s: _ring_local(x, k, s, axes=axes, n=n, rows=batch)  # noqa: E731
     if seg is None:

@@ -160,14 +160,43 @@ def _latent_attention_params(a) -> int:
     return q + kv + h * a.v_head_dim * d
 
 
-def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False) -> int:
+def _mamba_matmul_params(a) -> int:
+    """A mamba mixer's matmul parameters (models/ssm.py): in_proj (z, x, B, C, dt), out_proj
+    and the convolution's taps over x, B, C."""
+    d, inner, gn = a.hidden_size, a.mamba_inner, a.mamba_n_groups * a.ssm_state_size
+    return d * (2 * inner + 2 * gn + a.mamba_num_heads) + inner * d + a.mamba_conv_kernel * (inner + 2 * gn)
+
+
+def _mamba_extras(a) -> int:
+    """A mamba mixer's other parameters: dt_bias, A_log, D, the gated norm, biases."""
+    d, inner, gn, h = a.hidden_size, a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
+    return 3 * h + inner + a.mamba_conv_bias * (inner + 2 * gn) + a.mamba_proj_bias * (2 * inner + 2 * gn + h + d)
+
+
+def _mamba_scan_flops(a) -> float:
+    """Multiply-adds per token of a mamba layer's chunked scan (models/ssm.py ``ssd``): C.B and
+    the masked product with x over half a chunk on average, and each token's part of its
+    chunk's state in and out."""
+    q, h, p, n = a.mamba_chunk_size, a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
+    return q / 2 * (a.mamba_n_groups * n + h * p) + 2 * h * p * n
+
+
+def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: str = "attention",
+                         mlp: str = "dense") -> int:
     """A layer's matmul parameters (a conv layer's: in_proj's three and out_proj, and the
-    convolution's taps, each multiplied once per token)."""
+    convolution's taps, each multiplied once per token; a mamba layer's ``_mamba_matmul_params``;
+    a layer without a mixer or an MLP (``mixer`` / ``mlp`` "none") none of that half's)."""
     d, hd = a.hidden_size, a.head_size
-    if conv:
+    if mixer == "none":
+        attn = 0
+    elif mixer == "mamba":
+        attn = _mamba_matmul_params(a)
+    elif conv:
         attn = 4 * d * d + a.conv_kernel * d
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+    if mlp == "none":
+        return attn
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
@@ -216,14 +245,22 @@ def transformer_params(a, active: bool = False) -> int:
         total += a.vocab_size
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
-        total += _layer_matmul_params(a, moe, active, spec.mixer == "conv") + norms * norm
+        half = spec.mixer == "none" or spec.mlp == "none"  # one half of the block: its norms only
+        total += _layer_matmul_params(a, moe, active, spec.mixer == "conv", spec.mixer, spec.mlp)
+        total += (norms // 2 if half else norms) * norm
         if spec.mixer == "conv":  # no attention: the conv's biases (in_proj 3 d, taps d, out_proj d)
             total += 5 * d * a.conv_bias
+        elif spec.mixer == "mamba":
+            total += _mamba_extras(a)
+        elif spec.mixer == "none":
+            pass
         else:
             total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
                                             + (a.router_kind == "softmax_bias"))  # its correction bias
+        if spec.mlp == "none":
+            continue
         if a.hidden_act == "xielu" and not moe:  # alpha_p, alpha_n (arch refuses xielu with MoE)
             total += 2
         if a.mlp_bias and not moe:
@@ -237,12 +274,14 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention, each
     layer with its own window or chunk."""
     specs = a.layer_specs()
-    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv") for s in specs)
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer, s.mlp) for s in specs)
     matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
     keys = 0.0  # keys a query sees on average, summed over layers
     for s in specs:
         w, c = s.window, s.chunk
-        if s.mixer == "conv":  # no attention (its taps are counted with the matmuls)
+        if s.mixer == "mamba":  # the scan's products (2 x 3 FLOPs per multiply-add, as attention's)
+            matmul += _mamba_scan_flops(a)
+        if s.mixer in ("conv", "mamba", "none"):  # no attention (the taps are counted with the matmuls)
             continue
         if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
             keys += c / 2
@@ -257,8 +296,12 @@ def decode_flops(a, context: float) -> float:
     included) + q.k and probs.v over the ``context`` keys the token attends (each layer's
     window or chunk capping it)."""
     specs = a.layer_specs()
-    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs) + a.vocab_size * a.hidden_size
-    keys = sum(min(context, s.window or context, s.chunk or context) for s in specs)
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer, s.mlp) for s in specs)
+    matmul += a.vocab_size * a.hidden_size
+    # a mamba layer's step: the state's update and read, 2 h p n multiply-adds
+    matmul += sum(2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size for s in specs if s.mixer == "mamba")
+    keys = sum(min(context, s.window or context, s.chunk or context) for s in specs
+               if s.mixer not in ("conv", "mamba", "none"))
     return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
@@ -335,11 +378,19 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     for s_ in a.layer_specs():
         terms_ = moe_layer if s_.mlp == "moe" else dense
         key = (s_.mixer, s_.mlp)
-        kinds[key] = (_conv_terms(terms_, t, d, a.conv_kernel) if s_.mixer == "conv" else terms_,
-                      kinds.get(key, (None, 0))[1] + 1)
+        if s_.mixer == "conv":
+            terms_ = _conv_terms(terms_, t, d, a.conv_kernel)
+        elif s_.mixer == "mamba":
+            terms_ = _mamba_terms(terms_, t, a, seq_len)
+        elif s_.mixer == "none":  # an MLP layer: no mixer's terms, no second residual
+            terms_ = {k: v for k, v in terms_.items()
+                      if k not in _ATTENTION_TERMS + ("attn_norm", "attn_out", "attn_residual")}
+        if s_.mlp == "none":  # a mixer-only layer: no MLP's terms
+            terms_ = {k: v for k, v in terms_.items() if not k.startswith(("mlp", "attn_residual"))}
+        kinds[key] = (terms_, kinds.get(key, (None, 0))[1] + 1)
     n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
-    attends = any(mixer != "conv" for mixer, _ in kinds)
+    attends = any(mixer not in ("conv", "mamba", "none") for mixer, _ in kinds)
     n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
@@ -393,6 +444,23 @@ def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
     blc = (ax.BATCH, ax.LENGTH, ax.CONV_CHANNELS)
     out.update(conv_in=t(3 * d, blc), conv_input=t(d, blc),
                conv_masks=t(width, BL, 4), conv_out=t(d, blc), attn_context=t(d, blc))
+    return out
+
+
+def _mamba_terms(layer: dict, t, a, seq_len: int) -> dict:
+    """A mamba layer's terms (models/ssm.py): attention's replaced by in_proj's outputs (z, x,
+    B, C, dt), the convolutions' outputs, and the chunked scan's float32 arrays of [chunk] per
+    head and token (the decays' differences, their exponential, the masked decay, its products
+    with C.B and dt: 6 counting the masks' where), the per-chunk states and the output; then
+    the gated norm's (3 per feature, float32) and the out projection's input."""
+    out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
+    inner, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
+    q = min(a.mamba_chunk_size, seq_len)
+    blh = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
+    per_chunk_state = h * a.mamba_head_dim * a.ssm_state_size / q  # a chunk's state, per token
+    out.update(mamba_in=t(2 * inner + 2 * gn + h, blh), mamba_conv=t(inner + 2 * gn, blh),
+               ssm_decay=t(6 * h * q, blh, 4), ssm_states=t(2 * per_chunk_state, blh, 4),
+               ssm_out=t(inner, blh), ssm_norm=t(3 * inner, blh, 4), attn_context=t(inner, blh))
     return out
 
 

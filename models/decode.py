@@ -6,8 +6,11 @@ keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim
 leaf has a leading layers axis (``Program.generate`` decodes with the layers unrolled:
 ``unrolled_params``). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
 state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
-inputs, and their ``conv_segment_ids``. The arrays carry logical axes (``ax.BATCH``,
-``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``), so
+inputs, and their ``conv_segment_ids``; a mamba layer (models/ssm.py) its convolutions' last
+inputs (``conv_x_state``, ``conv_b_state``, ``conv_c_state`` and their segment ids) and its
+recurrent ``ssm_state`` [batch, ssm_heads, ssm_head_dim, ssm_state] with ``ssm_segment_ids``:
+neither grows with the length. The arrays carry logical axes (``ax.BATCH``,
+``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``, ``ax.SSM_*``), so
 the Program shards them under the same rules as everything else (``Program.generate``).
 """
 

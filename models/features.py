@@ -69,6 +69,12 @@ FEATURES = {
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "
                   "y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps",
     "conv_bias": "biases on the short convolution's projections and taps (conv_bias)",
+    "mamba2": "Mamba2 state-space mixers (the mamba layers of layer_types): in_proj to z, x, B, C, dt; a causal "
+              "conv of x, B, C; the selective scan (chunked for training, a recurrence for decoding); the gated "
+              "RMSNorm; out_proj (mamba_num_heads, mamba_head_dim, mamba_n_groups, ssm_state_size, ...)",
+    "mamba_proj_bias": "biases on the mamba mixers' in_proj and out_proj (mamba_proj_bias)",
+    "time_step_limit": "the mamba mixers' dt clamped to time_step_limit (other than [0, inf])",
+    "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

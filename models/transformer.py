@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.arch import CONV, MOE, LayerSpec, TransformerArch
+from shardzoo.models.arch import CONV, MAMBA, MOE, NONE, LayerSpec, TransformerArch
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.conv_mixer import ShortConv
@@ -172,7 +172,9 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 
 class Block(nn.Module):
     """Residual block: x + attn(norm(x)), then x + mlp(norm(x)) (a "conv" layer mixes tokens
-    by a gated short convolution in attention's place, ``models/conv_mixer.py``); with ``norm_position="post"``
+    by a gated short convolution in attention's place, ``models/conv_mixer.py``; a "mamba" layer by
+    Mamba2's state-space mixer, ``models/ssm.py``; a layer whose mixer or MLP is "none" has only the
+    other half); with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
     x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
     norm side by side: x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere). The residual adds
@@ -204,13 +206,23 @@ class Block(nn.Module):
                 return routed + self._shared_expert(h) if a.shared_expert_intermediate_size else routed
             return MLP(self.config, placement, name="mlp")(h)
 
+        if self.spec.mixer == NONE:  # an MLP layer (Nemotron-H's): x + mlp(norm(x))
+            h = mlp(make_norm(self.config, "mlp_norm")(x) if pre else x)
+            x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
+            return (x, None) if self.scanned else x
         h = make_norm(self.config, "attn_norm")(x) if pre else x
         if self.spec.mixer == CONV:  # a gated short convolution in attention's place (LFM2)
             attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
+        elif self.spec.mixer == MAMBA:  # a Mamba2 state-space mixer (models/ssm.py)
+            from shardzoo.models.ssm import Mamba2Mixer
+
+            attn = Mamba2Mixer(self.config, placement, name="mamba")(h, segment_ids, self.decode)
         else:
             attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
-        if a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
+        if self.spec.mlp == NONE:  # a mixer-only layer (Mamba2's, Nemotron-H's): x + mixer(norm(x))
+            x = residual(x, attn)
+        elif a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
             x = residual(x, attn + mlp(h))
         else:
             x = residual(x, attn)

@@ -23,6 +23,10 @@ Q_LORA = "q_lora"  # latent attention: the query's compressed latent (q_lora_ran
 KV_LORA = "kv_lora"  # latent attention: the keys' and values' compressed latent (kv_lora_rank; replicated)
 CONV_CHANNELS = "conv_channels"  # channels of a short convolution (LFM2's conv layers); tensor-parallel shards them
 CONV_WIDTH = "conv_width"  # a short convolution's taps, and the previous inputs a decoding cache keeps (replicated)
+SSM_HEADS = "ssm_heads"  # heads of a state-space (mamba) layer; tensor-parallel shards them
+SSM_HEAD_DIM = "ssm_head_dim"  # features within one state-space head (replicated)
+SSM_GROUPS = "ssm_groups"  # groups of heads sharing a mamba layer's B and C (n_groups; replicated)
+SSM_STATE = "ssm_state"  # a state-space layer's state size (ssm_state_size; replicated)
 
 ALL = (
     BATCH,
@@ -43,6 +47,10 @@ ALL = (
     KV_LORA,
     CONV_CHANNELS,
     CONV_WIDTH,
+    SSM_HEADS,
+    SSM_HEAD_DIM,
+    SSM_GROUPS,
+    SSM_STATE,
 )
 
 MEANINGS = {
@@ -64,4 +72,8 @@ MEANINGS = {
     KV_LORA: "latent attention's key/value latent (kv_lora_rank)",
     CONV_CHANNELS: "channels of a short convolution (LFM2's gated conv layers)",
     CONV_WIDTH: "a short convolution's taps (conv_kernel) and the inputs a decoding cache keeps for them",
+    SSM_HEADS: "heads of a state-space (mamba) layer (mamba_num_heads)",
+    SSM_HEAD_DIM: "features within one state-space head (mamba_head_dim)",
+    SSM_GROUPS: "groups of state-space heads sharing B and C (mamba_n_groups)",
+    SSM_STATE: "a state-space layer's state size (ssm_state_size)",
 }

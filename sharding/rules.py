@@ -89,7 +89,8 @@ def format_rules(rules: Sequence) -> str:
 
 
 REPLICATED = Rules(((name, None) for name in ax.ALL), name="replicated")
-_TP = ((ax.HEADS, TENSOR), (ax.KV_HEADS, TENSOR), (ax.MLP, TENSOR), (ax.CONV_CHANNELS, TENSOR), (ax.VOCAB, TENSOR))
+_TP = ((ax.HEADS, TENSOR), (ax.KV_HEADS, TENSOR), (ax.MLP, TENSOR), (ax.CONV_CHANNELS, TENSOR), (ax.VOCAB, TENSOR),
+       (ax.SSM_HEADS, TENSOR))
 
 PRESETS: dict[str, Rules] = {
     "dp": Rules(((ax.BATCH, DATA),), "dp") + REPLICATED,
@@ -121,7 +122,7 @@ for _name, _table in PRESETS.items():
 PRESET_HELP = {
     "dp": "data parallel: batch over data, parameters replicated",
     "fsdp": "ZeRO-3: parameters sharded over fsdp along embed, batch over data+fsdp",
-    "tp": "Megatron tensor parallel: heads, kv_heads, mlp, conv_channels, vocab over tensor; batch over data",
+    "tp": "Megatron tensor parallel: heads, kv_heads, mlp, conv_channels, ssm_heads, vocab over tensor; batch over data",
     "fsdp_tp": "fsdp along embed plus tensor parallel",
     "sp": "tensor parallel plus activations' length over sequence (attention left to XLA)",
     "cp": "context parallel: activations' length over context (ring attention), batch over data",

@@ -18,6 +18,7 @@ from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
     apertus,
     arcee,
+    bamba,
     cohere,
     cohere2,
     deepseek_v2,
@@ -34,8 +35,10 @@ from shardzoo.models.hf import (
     lfm2,
     llama,
     llama4,
+    mamba2,
     ministral,
     mixtral,
+    nemotron_h,
     olmo2,
     olmo3,
     olmoe,
@@ -82,6 +85,7 @@ FAMILIES: tuple[Family, ...] = (
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
     apertus.APERTUS,
     lfm2.LFM2,
+    mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -17,6 +17,7 @@ from transformers import (
     ArceeConfig,
     AutoConfig,
     AutoModelForCausalLM,
+    BambaConfig,
     Cohere2Config,
     CohereConfig,
     DeepseekV2Config,
@@ -40,9 +41,11 @@ from transformers import (
     Llama4Config,
     Llama4TextConfig,
     LlamaConfig,
+    Mamba2Config,
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
@@ -84,7 +87,8 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
-                  "stablelm", "ernie4_5", "apertus", "lfm2")  # models/hf/<name>.py
+                  "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
+                  "nemotron_h")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -164,6 +168,15 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "apertus": lambda: ApertusConfig(**DIMS, attention_bias=True),  # xIELU, qk-norm, llama3 rotary
     "lfm2": lambda: Lfm2Config(**(DIMS | dict(num_hidden_layers=3)), layer_types=["conv", "full_attention", "conv"],
                                block_auto_adjust_ff_dim=False),  # conv layers beside attention
+    "mamba2": lambda: Mamba2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                   n_groups=2, state_size=8, chunk_size=4),  # mamba layers, no MLP
+    "bamba": lambda: BambaConfig(**(DIMS | dict(num_hidden_layers=3)), attn_layer_indices=[1], mamba_n_heads=8,
+                                 mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4),
+    "nemotron_h": lambda: NemotronHConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=8, layers_block_type=[
+                                              "linear_attention", "mlp", "full_attention", "mlp"],
+                                          mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                                          chunk_size=4),  # mamba, attention and MLP layers
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).

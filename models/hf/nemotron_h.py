@@ -1,0 +1,144 @@
+"""Nemotron-H (NVIDIA): each layer one RMSNorm and one of a Mamba2 mixer, attention or an MLP
+(``layers_block_type``: "linear_attention", "full_attention", "mlp"; older configs spell it
+``hybrid_override_pattern``, a string of M, *, -). As layer patterns: a mamba layer is
+``layer_types`` "mamba" with ``mlp_layer_types`` "none", an attention layer "full_attention"
+with "none", an MLP layer "none" with "dense". Attention is GQA without positions (no rotary:
+``rope_layers`` all false) and without biases; the MLP is plain (up, relu2, down). The mixer is
+the shared ``mamba2`` feature (``models/ssm.py``). MoE layers ("moe", E) are refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardzoo.models.arch import DENSE, FULL, MAMBA, NONE
+from shardzoo.models.hf import llama, mamba2
+from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, special_tokens
+
+# NemotronHConfig's fields and transformers' defaults
+SCHEMA = dict(vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_word_embeddings=False, use_cache=True,
+              num_logits_to_keep=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, attention_bias=False,
+              attention_dropout=0.0, sliding_window=None, intermediate_size=21504, mlp_hidden_act="relu2",
+              mlp_bias=False, use_mamba_kernels=True, ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64,
+              mamba_hidden_act="silu", n_groups=8, conv_kernel=4, expand=2, time_step_min=0.001, time_step_max=0.1,
+              time_step_limit=[0.0, math.inf], time_step_floor=1e-4, use_conv_bias=True, chunk_size=128,
+              mamba_proj_bias=False, mamba_ssm_cache_dtype="float32", n_routed_experts=8, output_router_logits=False,
+              n_shared_experts=1, moe_intermediate_size=7688, moe_shared_expert_intermediate_size=7688,
+              moe_latent_size=None, moe_shared_expert_overlap=True, num_experts_per_tok=2, routed_scaling_factor=1.0,
+              n_group=1, topk_group=1, norm_topk_prob=True, num_nextn_predict_layers=0, mtp_layers_block_type=None,
+              use_bias=False, initializer_range=0.02, layer_norm_epsilon=1e-5, residual_in_fp32=False,
+              hidden_dropout=0.0, rescale_prenorm_residual=True)
+FEATURES = frozenset({"rope", "rmsnorm", "pre_norms", "plain_mlp", "mlp_bias", "layer_pattern", "nope_layers",
+                      "mlp_free_layers", "mamba2", "mamba_proj_bias", "time_step_limit"})
+NAMES = dict(heads="mamba_num_heads", head_dim="mamba_head_dim", groups="n_groups", state="ssm_state_size",
+             conv="conv_kernel", chunk="chunk_size", conv_bias="use_conv_bias", proj_bias="use_bias", expand=None,
+             act="mamba_hidden_act", limit="time_step_limit")
+# the older keys NemotronHConfig still reads, and the field each sets
+LEGACY = dict(mamba_n_groups="n_groups", mamba_d_conv="conv_kernel", mamba_dt_limit="time_step_limit",
+              mamba_conv_bias="use_conv_bias", mamba_chunk_size="chunk_size", mamba_expand="expand",
+              mamba_dt_min="time_step_min", mamba_dt_max="time_step_max", mamba_dt_init_floor="time_step_floor")
+KINDS = {"linear_attention": (MAMBA, NONE), "full_attention": (FULL, NONE), "mlp": (NONE, DENSE)}
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# settings of the initialisation, the kernels, the cache's dtype, MoE and MTP settings of a
+# model without MoE or MTP layers (a "moe" layer or num_nextn_predict_layers > 0 is refused)
+_UNUSED = ("time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual", "use_mamba_kernels",
+           "mamba_ssm_cache_dtype", "residual_in_fp32", "expand", "num_logits_to_keep", "mamba_proj_bias",
+           "attention_bias", "mtp_layers_block_type", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+           "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap",
+           "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+
+
+def block_types(hf: HFConfig) -> list[str]:
+    """``layers_block_type``, or the older ``hybrid_override_pattern`` spelled out."""
+    types = hf.get("layers_block_type")
+    if types is None and "hybrid_override_pattern" in hf.raw:
+        pattern = hf.raw["hybrid_override_pattern"]
+        if not isinstance(pattern, str) or any(c not in PATTERN for c in pattern):
+            raise hf.refuse("hybrid_override_pattern", f"each letter must be one of {', '.join(PATTERN)}")
+        types = [PATTERN[c] for c in pattern]
+    if types is None:  # transformers' default
+        types = ["linear_attention", "moe", "full_attention", "mlp"]
+    key = "layers_block_type" if "layers_block_type" in hf.raw else "hybrid_override_pattern"
+    if "moe" in types:
+        raise hf.refuse(key, "shardzoo's nemotron_h has no MoE layers (moe, E) yet")
+    if not types or any(t not in KINDS for t in types):
+        raise hf.refuse(key, f"each layer must be one of {', '.join(KINDS)}")
+    return types
+
+
+def from_hf(hf: HFConfig) -> dict:
+    for old, new in LEGACY.items():
+        if old in hf.raw and new not in hf.raw:
+            hf.raw[new] = hf.raw[old]
+    hf.ignore(*INERT, *_UNUSED, "num_hidden_layers")  # num_hidden_layers: the pattern's length
+    types = block_types(hf)
+    n, heads = len(types), hf.get("num_attention_heads")
+    return special_tokens(hf) | mamba2.mamba_fields(hf, NAMES) | dict(
+        vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"), num_hidden_layers=n,
+        intermediate_size=hf.get("intermediate_size"), num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim"),
+        max_position_embeddings=hf.get("max_position_embeddings"), rms_norm_eps=hf.get("layer_norm_epsilon"),
+        initializer_range=hf.get("initializer_range"), tie_word_embeddings=hf.get("tie_word_embeddings"),
+        hidden_act=hf.get("mlp_hidden_act"), mlp_type="plain", mlp_bias=hf.get("mlp_bias"),
+        layer_types=tuple(KINDS[t][0] for t in types), mlp_layer_types=tuple(KINDS[t][1] for t in types),
+        rope_layers=(False,) * n)
+
+
+def to_hf(a) -> dict:
+    kinds = {v: k for k, v in KINDS.items()}
+    specs = a.layer_specs()
+    types = [kinds[(s.mixer if s.mixer != "attention" else FULL, s.mlp)] for s in specs]
+    return mamba2.mamba_to_hf(a, NAMES) | dict(
+        hidden_size=a.hidden_size, layers_block_type=types, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.kv_heads, head_dim=a.head_size, max_position_embeddings=a.max_position_embeddings,
+        intermediate_size=a.intermediate_size, layer_norm_epsilon=a.rms_norm_eps, mlp_hidden_act=a.hidden_act,
+        mlp_bias=a.mlp_bias)
+
+
+def global_weights(a) -> list[Weight]:
+    out = [Weight(("embed", "embedding"), "backbone.embeddings.weight"),
+           Weight(("final_norm", "scale"), "backbone.norm_f.weight")]
+    if not a.tie_word_embeddings:
+        out.append(Weight(("lm_head", "kernel"), "lm_head.weight", "linear"))
+    return out
+
+
+def layer_weights(a, spec) -> list[Weight]:
+    h = "backbone.layers.{i}."
+    if spec.mixer == NONE:  # an MLP layer
+        out = [Weight(("mlp_norm", "scale"), h + "norm.weight")]
+        for n in ("up", "down"):
+            out.append(Weight(("mlp", n, "kernel"), h + f"mixer.{n}_proj.weight", "linear"))
+            if a.mlp_bias:
+                out.append(Weight(("mlp", n, "bias"), h + f"mixer.{n}_proj.bias", "vec"))
+        return out
+    out = [Weight(("attn_norm", "scale"), h + "norm.weight")]
+    if spec.mixer == MAMBA:
+        return out + mamba2.mamba_weights(a, h + "mixer.")
+    return out + [Weight(("attn", n, "kernel"), h + f"mixer.{n}_proj.weight", "linear") for n in "qkv"] + [
+        Weight(("attn", "o", "kernel"), h + "mixer.o_proj.weight", "linear", n_in=2)]
+
+
+def _pattern(pattern: str) -> dict:
+    types = [KINDS[PATTERN[c]] for c in pattern]
+    return dict(num_hidden_layers=len(types), layer_types=tuple(t for t, _ in types),
+                mlp_layer_types=tuple(m for _, m in types), rope_layers=(False,) * len(types))
+
+
+# --------------------------------------------------------------------------------- presets
+NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_H = Family(
+    "nemotron_h", ("nemotron_h",), "NemotronHForCausalLM", SCHEMA, FEATURES, from_hf, to_hf, global_weights,
+    layer_weights,
+    presets={
+        # nvidia/Nemotron-H-8B-Base-8K/config.json: 24 mamba, 4 attention and 24 MLP layers
+        "nemotron-h-8b": _pattern(NEMOTRON_H_8B) | dict(
+            vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, mlp_type="plain",
+            hidden_act="relu2", bos_token_id=1, eos_token_id=2, mamba_num_heads=128, mamba_head_dim=64,
+            mamba_n_groups=8, ssm_state_size=128, mamba_conv_kernel=4, mamba_chunk_size=128),
+        "nemotron-h-tiny": llama.TINY | _pattern("M-M*-") | dict(
+            mlp_type="plain", hidden_act="relu2", rms_norm_eps=1e-5, mamba_num_heads=8, mamba_head_dim=16,
+            mamba_n_groups=2, ssm_state_size=16, mamba_chunk_size=64),
+    })
