@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from shardzoo.models.arch import ATTENTION, CONV, LayerSpec  # noqa: E402
 from shardzoo.models.attention import Attention  # noqa: E402
 from shardzoo.models.conv_mixer import ShortConv  # noqa: E402
+from shardzoo.models.ssm import Mamba2Mixer  # noqa: E402
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM = 512, 8, 64
@@ -54,7 +55,15 @@ def short_conv(length):
     return "gated short convolution (LFM2, 3 taps)", module, lambda m, x: m(x, None, False)
 
 
-MIXERS = {"attention": attention, "conv": short_conv}
+def mamba2(length):
+    # Mamba2's shape at this width: expand 2 (16 heads of 64), one group, state 128, chunks of 256
+    config = TransformerConfig.from_fields(**BASE, layer_types=("mamba",), mlp_layer_types=("none",),
+                                           mamba_num_heads=2 * HIDDEN // 64, mamba_head_dim=64, mamba_n_groups=1,
+                                           ssm_state_size=128, mamba_chunk_size=256)
+    return "Mamba2 (16 heads x 64, state 128, chunks of 256)", Mamba2Mixer(config), lambda m, x: m(x, None, False)
+
+
+MIXERS = {"attention": attention, "conv": short_conv, "mamba2": mamba2}
 
 
 def make_step(module, call):
