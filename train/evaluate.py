@@ -470,9 +470,13 @@ def run(s: EvalSettings) -> dict:
     if (s.checkpoint is None) == (s.hf is None):
         raise UserError("give one of --checkpoint DIR or --hf DIR")
     whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
+    run_task = ((whole_run.get("settings") or {}).get("task") or {}).get("task")
     if s.task is None:  # the run's own task
-        s = dataclasses.replace(s, task="dpo" if ((whole_run.get("settings") or {}).get("task") or {}).get("task")
-                                == "dpo" else "lm")
+        s = dataclasses.replace(s, task="dpo" if run_task == "dpo" else "lm")
+    if run_task == "grpo" and s.data is None:
+        raise UserError("a grpo run trained on prompts and their rewards: give --data of texts to score "
+                        "(--task lm), of rows {context, choices, label} (--task multiple-choice) or of "
+                        "preference pairs (--task dpo --reference DIR)")
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
     if s.reference is not None and s.task != "dpo":

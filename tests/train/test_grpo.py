@@ -276,6 +276,11 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
     for r in straight.values():  # the weighted sum of the functions' rewards
         assert r["reward"] == pytest.approx(r["rewards/words/mean"] + 0.5 * r["rewards/length/mean"], abs=1e-6)
     assert straight[2]["clip_ratio/region_mean"] >= 0 and straight[2]["kl"] > 0  # the second pass moved off 1
+    from shardzoo.errors import UserError
+    from shardzoo.train import evaluate
+
+    with pytest.raises(UserError, match=r"a grpo run trained on prompts and their rewards: give --data"):
+        evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight")))  # not its prompts as text
 
 
 def test_reward_function_failures_are_one_line():
