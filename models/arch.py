@@ -25,7 +25,8 @@ from shardzoo.models.features import feature
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV)
+LINEAR = "linear_attention"  # a Gated DeltaNet block in place of attention (Qwen3-Next; models/linear_attention.py)
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
@@ -54,7 +55,7 @@ class LayerSpec:
     chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense" or "moe"
-    mixer: str = ATTENTION  # "attention" or "conv" (a gated short convolution: LFM2)
+    mixer: str = ATTENTION  # "attention", "conv" (a gated short convolution: LFM2) or "linear_attention"
 
 
 def _scaling_feature(value):
@@ -171,6 +172,18 @@ class TransformerArch:
     # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
     conv_kernel: int | None = feature(None, "short_conv")  # None: no conv layers
     conv_bias: bool = feature(False, "conv_bias")
+    # Gated DeltaNet (Qwen3-Next's "linear_attention" layers of layer_types; models/linear_attention.py):
+    # q, k (linear_num_key_heads x linear_key_head_dim), v, z (linear_num_value_heads x
+    # linear_value_head_dim), per value head b and a; a causal depthwise convolution of
+    # linear_conv_kernel_dim taps on q|k|v then SiLU; the gated delta rule with decay
+    # exp(-exp(A_log) softplus(a + dt_bias)) and rate sigmoid(b); RMSNorm(out) * silu(z); out_proj
+    linear_num_value_heads: int | None = feature(None, "gated_deltanet")  # None: no linear-attention layers
+    linear_num_key_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
+    attn_output_gate: bool = feature(False, "attention_output_gate")
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
     # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
     # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
@@ -204,7 +217,10 @@ class TransformerArch:
         if not self.has_conv_layers:  # no conv layers, no convolution
             set_("conv_kernel", None)
             set_("conv_bias", False)
-        if types is not None and len(set(types)) == 1 and types[0] != CONV:
+        if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
+            for name in _LINEAR_FIELDS:
+                set_(name, None)
+        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR):
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -313,6 +329,7 @@ class TransformerArch:
         if self.has_conv_layers and (self.conv_kernel is None or self.conv_kernel < 2):
             raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
                              ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
+        self._check_linear()
         if self.has_conv_layers and self.latent:
             raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
                              "which no family has; remove one")
@@ -337,6 +354,24 @@ class TransformerArch:
         self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
+
+    def _check_linear(self) -> None:
+        if not self.has_linear_layers:
+            return
+        for name in _LINEAR_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"layer_types has {LINEAR} layers: {name}={value!r} must be an integer >= 1")
+        if self.linear_conv_kernel_dim < 2:
+            raise ModelError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2 (the taps of the "
+                             "causal convolution of q, k and v)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves as many "
+                             "value heads)")
+        if self.latent:
+            raise ModelError(f"layer_types has {LINEAR} layers beside latent attention (kv_lora_rank), "
+                             "which no family has; remove one")
 
     def _check_latent(self) -> None:
         if self.kv_lora_rank is None:
@@ -424,6 +459,10 @@ class TransformerArch:
         return self.layer_types is not None and CONV in self.layer_types
 
     @property
+    def has_linear_layers(self) -> bool:
+        return self.layer_types is not None and LINEAR in self.layer_types
+
+    @property
     def has_chunked_layers(self) -> bool:
         types = self.layer_types
         return bool(self.attention_chunk_size) and (CHUNKED in types if types is not None
@@ -465,10 +504,12 @@ class TransformerArch:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=CONV if kind == CONV else ATTENTION))
+                                 mixer=CONV if kind == CONV else LINEAR if kind == LINEAR else ATTENTION))
         return tuple(out)
 
 
+_LINEAR_FIELDS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim")
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",

@@ -160,14 +160,24 @@ def _latent_attention_params(a) -> int:
     return q + kv + h * a.v_head_dim * d
 
 
-def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False) -> int:
+def _linear_attention_params(a) -> int:
+    """A Gated DeltaNet's projections (q, k, v, z, b, a; out) and convolution taps."""
+    keys, values = a.linear_num_key_heads * a.linear_key_head_dim, a.linear_num_value_heads * a.linear_value_head_dim
+    proj = a.hidden_size * (2 * keys + 2 * values + 2 * a.linear_num_value_heads) + values * a.hidden_size
+    return proj + a.linear_conv_kernel_dim * (2 * keys + values)
+
+
+def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, linear: bool = False) -> int:
     """A layer's matmul parameters (a conv layer's: in_proj's three and out_proj, and the
-    convolution's taps, each multiplied once per token)."""
+    convolution's taps, each multiplied once per token; a linear-attention layer's likewise)."""
     d, hd = a.hidden_size, a.head_size
     if conv:
         attn = 4 * d * d + a.conv_kernel * d
+    elif linear:
+        attn = _linear_attention_params(a)
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+        attn += d * hd * a.num_attention_heads * a.attn_output_gate  # the output gate's projection
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
@@ -190,7 +200,7 @@ def _attention_extras(a, per: int) -> int:
         qk_per = 1 if a.qk_norm_no_bias else per
         total += qk_per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
     if a.attention_bias:
-        total += hd * (a.num_attention_heads + 2 * a.kv_heads)
+        total += hd * (a.num_attention_heads * (1 + a.attn_output_gate) + 2 * a.kv_heads)
     if a.attention_out_bias:
         total += a.hidden_size
     if a.attention_sinks:
@@ -216,9 +226,12 @@ def transformer_params(a, active: bool = False) -> int:
         total += a.vocab_size
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
-        total += _layer_matmul_params(a, moe, active, spec.mixer == "conv") + norms * norm
+        linear = spec.mixer == "linear_attention"
+        total += _layer_matmul_params(a, moe, active, spec.mixer == "conv", linear) + norms * norm
         if spec.mixer == "conv":  # no attention: the conv's biases (in_proj 3 d, taps d, out_proj d)
             total += 5 * d * a.conv_bias
+        elif linear:  # A_log and dt_bias per value head, the gated norm's weight
+            total += 2 * a.linear_num_value_heads + a.linear_value_head_dim
         else:
             total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
         if moe:
@@ -237,11 +250,17 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + causal attention, each
     layer with its own window or chunk."""
     specs = a.layer_specs()
-    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv") for s in specs)
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer == "linear_attention")
+                 for s in specs)
     matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
     keys = 0.0  # keys a query sees on average, summed over layers
+    state = 0.0  # the gated delta rule's multiply-adds per token, summed over layers
     for s in specs:
         w, c = s.window, s.chunk
+        if s.mixer == "linear_attention":  # per head: three state products, a chunk of 64's q.k, k.k and (q k) v
+            dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+            state += a.linear_num_value_heads * (3 * dk * dv + 32 * (2 * dk + dv))
+            continue
         if s.mixer == "conv":  # no attention (its taps are counted with the matmuls)
             continue
         if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
@@ -249,7 +268,7 @@ def transformer_flops(a, seq_len: int) -> float:
             continue
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
     # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
-    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
+    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys + 6 * state
 
 
 def decode_flops(a, context: float) -> float:
@@ -257,8 +276,9 @@ def decode_flops(a, context: float) -> float:
     included) + q.k and probs.v over the ``context`` keys the token attends (each layer's
     window or chunk capping it)."""
     specs = a.layer_specs()
-    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True) for s in specs) + a.vocab_size * a.hidden_size
-    keys = sum(min(context, s.window or context, s.chunk or context) for s in specs)
+    matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer == "linear_attention")
+                 for s in specs) + a.vocab_size * a.hidden_size
+    keys = sum(min(context, s.window or context, s.chunk or context) for s in specs if s.mixer == "attention")
     return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 

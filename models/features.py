@@ -69,6 +69,10 @@ FEATURES = {
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "
                   "y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps",
     "conv_bias": "biases on the short convolution's projections and taps (conv_bias)",
+    "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
+                      "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
+    "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
+                             "(Qwen3-Next)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

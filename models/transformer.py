@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.arch import CONV, MOE, LayerSpec, TransformerArch
+from shardzoo.models.arch import CONV, LINEAR, MOE, LayerSpec, TransformerArch
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.conv_mixer import ShortConv
@@ -28,6 +28,7 @@ from shardzoo.models.costs import transformer_activations, transformer_flops, tr
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
 from shardzoo.models.layout import Layout, layout_of
+from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.ring_attention import enter_ring, unzigzag
@@ -207,6 +208,8 @@ class Block(nn.Module):
         h = make_norm(self.config, "attn_norm")(x) if pre else x
         if self.spec.mixer == CONV:  # a gated short convolution in attention's place (LFM2)
             attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
+        elif self.spec.mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
+            attn = GatedDeltaNet(self.config, placement, name="linear_attn")(h, segment_ids, self.decode)
         else:
             attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn

@@ -23,6 +23,10 @@ Q_LORA = "q_lora"  # latent attention: the query's compressed latent (q_lora_ran
 KV_LORA = "kv_lora"  # latent attention: the keys' and values' compressed latent (kv_lora_rank; replicated)
 CONV_CHANNELS = "conv_channels"  # channels of a short convolution (LFM2's conv layers); tensor-parallel shards them
 CONV_WIDTH = "conv_width"  # a short convolution's taps, and the previous inputs a decoding cache keeps (replicated)
+LINEAR_HEADS = "linear_heads"  # value heads of a linear-attention layer, each with its recurrent state (tensor)
+LINEAR_KEY_HEADS = "linear_key_heads"  # query/key heads of a linear-attention layer (tensor)
+LINEAR_KEY_DIM = "linear_key_dim"  # features of a linear-attention key head: the state's rows (replicated)
+LINEAR_VALUE_DIM = "linear_value_dim"  # features of a linear-attention value head: the state's columns (replicated)
 
 ALL = (
     BATCH,
@@ -43,6 +47,10 @@ ALL = (
     KV_LORA,
     CONV_CHANNELS,
     CONV_WIDTH,
+    LINEAR_HEADS,
+    LINEAR_KEY_HEADS,
+    LINEAR_KEY_DIM,
+    LINEAR_VALUE_DIM,
 )
 
 MEANINGS = {
@@ -64,4 +72,8 @@ MEANINGS = {
     KV_LORA: "latent attention's key/value latent (kv_lora_rank)",
     CONV_CHANNELS: "channels of a short convolution (LFM2's gated conv layers)",
     CONV_WIDTH: "a short convolution's taps (conv_kernel) and the inputs a decoding cache keeps for them",
+    LINEAR_HEADS: "value heads of a linear-attention layer (Gated DeltaNet), one recurrent state each",
+    LINEAR_KEY_HEADS: "query/key heads of a linear-attention layer (Gated DeltaNet)",
+    LINEAR_KEY_DIM: "features of a linear-attention key head (the recurrent state's rows)",
+    LINEAR_VALUE_DIM: "features of a linear-attention value head (the recurrent state's columns)",
 }

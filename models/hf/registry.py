@@ -44,6 +44,7 @@ from shardzoo.models.hf import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
     stablelm,
@@ -82,6 +83,7 @@ FAMILIES: tuple[Family, ...] = (
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
     apertus.APERTUS,
     lfm2.LFM2,
+    qwen3_next.QWEN3_NEXT,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

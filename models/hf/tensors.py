@@ -62,8 +62,8 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
         return lead + shape[:-1] + (shape[-1] * sum(widths) // widths[w.part[0]],)
     if w.op == "vec":
         return lead + (math.prod(shape) * sum(widths) // widths[w.part[0]],)
-    if w.op == "depthwise":  # [width, channels] here, torch's Conv1d [channels, 1, width] there
-        return lead + (shape[1], 1, shape[0])
+    if w.op == "depthwise":  # [width, channels...] here, torch's Conv1d [channels, 1, width] there
+        return lead + (math.prod(shape[1:]) * sum(widths) // widths[w.part[0]], 1, shape[0])
     fan_in = math.prod(shape[: w.n_in])
     fan_out = math.prod(shape[w.n_in:]) * sum(widths) // widths[w.part[0]]
     return lead + ((fan_out, fan_in) if w.op == "linear" else (fan_in, fan_out))
@@ -75,7 +75,11 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     for t in tensors:
         t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
         t = t[:, 0, :].T if w.op == "depthwise" else t
-        if w.part[1] > 1:
+        if w.part[1] > 1 and w.groups > 1:  # the part of every group
+            t = t.reshape(t.shape[:-1] + (w.groups, -1))
+            t = t[..., _block(w, t.shape[-1])]
+            t = t.reshape(t.shape[:-2] + (-1,))
+        elif w.part[1] > 1:
             t = t[..., w.part[0]::w.part[1]] if w.interleaved else t[..., _block(w, t.shape[-1])]
         out.append(t)
     arr = np.stack(out) if w.experts and not w.stacked_experts else out[0]
@@ -94,7 +98,7 @@ def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
         elif w.op in ("linear", "conv1d"):
             a = a.reshape(lead + (math.prod(body[: w.n_in]), -1))
         elif w.op == "depthwise":
-            a = np.ascontiguousarray(a.T[:, None, :])
+            a = np.ascontiguousarray(a.reshape(a.shape[0], -1).T[:, None, :])
         out.append(a)
     return out
 
@@ -338,6 +342,11 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
                 arr = ordered[0]
             elif w.interleaved:  # column c of part j at c * n + j
                 arr = np.stack(ordered, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
+            elif w.groups > 1:  # each group's parts in turn
+                grouped = [o.reshape(o.shape[:-1] + (w.groups, -1)) for o in ordered]
+                arr = np.concatenate(grouped, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
+            elif w.op == "depthwise":  # [channels, 1, width]: the parts' channels in turn
+                arr = np.concatenate(ordered, axis=0)
             else:
                 arr = np.concatenate(ordered, axis=-1)
             arr = np.asarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype),
