@@ -65,6 +65,15 @@ fused matmul's output, which jax does not keep), conv_input d (b * x), conv_out 
 convolution's output) and attn_context d (c times it, the out projection's input); conv_masks
 conv_kernel float32 (each tap's 0/1 for packed segments).
 
+A linear-attention layer (Qwen3-Next's Gated DeltaNet, ``models/linear_attention.py``; K key
+heads and V value heads of dk and dv features, chunks of C tokens, w taps) keeps none of
+attention's terms either; instead: gdn_in 2 K dk + 2 V dv + 2 V (the projections q, k, v, z, b,
+a), gdn_conv 2 (2 K dk + V dv) (each convolution's output and its SiLU) and 3 w float32 masks;
+gdn_qk 2 V dk float32 (q and k normalised, one per value head); gdn_chunk V (3 C + 3 dk + dv +
+dk dv / C) float32 (each chunk's decays, triangular system and q.k, its solved u and w, the
+decayed q and k, and the state entering it); gdn_out 2 V dv float32 (the rule's output and its
+norm) and attn_context V dv (the out projection's input).
+
 The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
 backward pass recomputes one layer whole, hence ``saved("none")`` once more.
 
@@ -119,7 +128,7 @@ ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # MoE expert buffers
 ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
-_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "attn_out", "mlp_gate", "mlp_up",
+_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "gdn_in", "attn_out", "mlp_gate", "mlp_up",
          "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj",
          "shared_gate", "shared_up", "shared_proj")
 POLICY_TERMS = {
@@ -355,11 +364,14 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     for s_ in a.layer_specs():
         terms_ = moe_layer if s_.mlp == "moe" else dense
         key = (s_.mixer, s_.mlp)
-        kinds[key] = (_conv_terms(terms_, t, d, a.conv_kernel) if s_.mixer == "conv" else terms_,
-                      kinds.get(key, (None, 0))[1] + 1)
+        if s_.mixer == "conv":
+            terms_ = _conv_terms(terms_, t, d, a.conv_kernel)
+        elif s_.mixer == "linear_attention":
+            terms_ = _linear_terms(terms_, t, a, e.linear_attention_chunk)
+        kinds[key] = (terms_, kinds.get(key, (None, 0))[1] + 1)
     n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
-    attends = any(mixer != "conv" for mixer, _ in kinds)
+    attends = any(mixer == "attention" for mixer, _ in kinds)
     n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
@@ -413,6 +425,40 @@ def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
     blc = (ax.BATCH, ax.LENGTH, ax.CONV_CHANNELS)
     out.update(conv_in=t(3 * d, blc), conv_input=t(d, blc),
                conv_masks=t(width, BL, 4), conv_out=t(d, blc), attn_context=t(d, blc))
+    return out
+
+
+def _linear_terms(layer: dict, t, a, chunk: int) -> dict:
+    """A linear-attention layer's terms (models/linear_attention.py; see the module doc)."""
+    out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
+    nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    heads = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
+    qkv = 2 * nk * dk + nv * dv
+    out.update(gdn_in=t(qkv + nv * dv + 2 * nv, heads), gdn_conv=t(2 * qkv, heads),
+               conv_masks=t(3 * a.linear_conv_kernel_dim, BL, 4), gdn_qk=t(2 * nv * dk, heads, 4),
+               gdn_chunk=t(nv * (7 * chunk + 3 * dk + dv + dk * dv / chunk), heads, 4),
+               gdn_out=t(2 * nv * dv, heads, 4), attn_context=t(nv * dv, heads))
+    return out
+
+
+def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
+    """Bytes of the decoding cache by kind of layer (summed over the model's layers), for
+    ``batch_size`` rows of ``length`` positions, keys, values and convolution inputs of ``nbytes``:
+    an attention layer's keys, values and segment ids of every position (latent attention: its
+    latent and rotary key), a conv layer's last conv_kernel - 1 inputs, a linear-attention layer's
+    float32 state per value head, its segment id and its convolution's last inputs."""
+    out = {}
+    for s in a.layer_specs():
+        if s.mixer == "linear_attention":
+            nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+            dk, dv, h = a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim - 1
+            size = batch_size * (4 * nv * dk * dv + 4 + h * ((2 * nk * dk + nv * dv) * nbytes + 4))
+        elif s.mixer == "conv":
+            size = batch_size * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
+        else:  # and the layer's cache index
+            per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+            size = batch_size * length * (per * nbytes + 4) + 4
+        out[s.mixer] = out.get(s.mixer, 0) + size
     return out
 
 

@@ -253,3 +253,13 @@ def test_value_heads_not_a_multiple_of_key_heads_is_one_line():
 
     with pytest.raises(ModelError, match="linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"):
         get_model("qwen3-next-tiny", linear_num_value_heads=3)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora, parity):
+    """``shardzoo train --init-from`` the tiny Qwen3-Next under fsdp on 8 devices, with and without
+    LoRA adapters (on the Gated DeltaNet's q, k, v and attention's q, k, v, o, gate): the loss
+    falls; the export loads in transformers and computes what the run computes (1e-4)."""
+    model = randomized(Qwen3NextConfig(**CONFIG), seed=3)
+    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
+    assert config.has_linear_layers and config.attn_output_gate
