@@ -6,7 +6,10 @@ keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim
 leaf has a leading layers axis (``Program.generate`` decodes with the layers unrolled:
 ``unrolled_params``). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
 state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
-inputs, and their ``conv_segment_ids``. The arrays carry logical axes (``ax.BATCH``,
+inputs, and their ``conv_segment_ids``; a linear-attention layer (Qwen3-Next's Gated DeltaNet,
+models/linear_attention.py) its ``recurrent_state`` [batch, linear_heads, linear_key_dim,
+linear_value_dim] (float32), its ``state_segment_id`` and its convolution's last inputs
+(``conv_q``, ``conv_k``, ``conv_v``). The arrays carry logical axes (``ax.BATCH``,
 ``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``), so
 the Program shards them under the same rules as everything else (``Program.generate``).
 """

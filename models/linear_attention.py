@@ -38,7 +38,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models.conv_mixer import causal_conv, check_ring_chunk, ring_conv
-from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
 
@@ -206,9 +206,12 @@ class GatedDeltaNet(nn.Module):
         dk, dv, w = a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim
         kw, pdt = linear_kw(self.config), dtype_of(e.param_dtype)
         key_axes, value_axes = (ax.LINEAR_KEY_HEADS, ax.LINEAR_KEY_DIM), (ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)
-        q, k = (Linear((nk, dk), (ax.EMBED, *key_axes), name=n, **kw)(x) for n in "qk")  # [batch, length, key_heads, key_dim]
-        v, z = (Linear((nv, dv), (ax.EMBED, *value_axes), name=n, **kw)(x) for n in "vz")  # [batch, length, heads, value_dim]
-        b, a_ = (Linear((nv,), (ax.EMBED, ax.LINEAR_HEADS), name=n, **kw)(x) for n in "ba")  # [batch, length, heads]
+        pairs = [[Linear(shape, (ax.EMBED, *axes), name=n, **kw) for n in names]
+                 for names, shape, axes in (("qk", (nk, dk), key_axes), ("vz", (nv, dv), value_axes),
+                                            ("ba", (nv,), (ax.LINEAR_HEADS,)))]
+        project = fused if e.fuse_projections else lambda lins, x: [lin(x) for lin in lins]
+        (q, k), (v, z), (b, a_) = (project(p, x) for p in pairs)
+        # q, k: [batch, length, key_heads, key_dim]; v, z: [batch, length, heads, value_dim]; b, a: [batch, length, heads]
         ring = placement.ring_axes if placement is not None and not decode else ()
         taps = {n: self.param(f"conv_{n}", nn.with_logical_partitioning(
             nn.initializers.normal(a.initializer_range), (ax.CONV_WIDTH, *axes)), (w, *shape), pdt)

@@ -87,7 +87,7 @@ def reference():
     module, _ = get_model("qwen3-next-tiny", vocab_size=128, linear_attention_chunk=CHUNK)
     batch = packed_batch()
     boxed = jax.eval_shape(module.init, jax.random.key(0), batch["inputs"])["params"]
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))
     rng = np.random.default_rng(1)
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: (0.3 * rng.normal(size=x.shape)).astype(np.float32)
