@@ -64,6 +64,8 @@ BENCHES = (
           "bench_lora.py", quick=("--rounds", "1")),
     Bench("decode", "sampling throughput of the Program's decoding against transformers' generate, batch "
           "1, 16, 64, 128 new tokens; model FLOP/s of the matmul peak", "bench_decode.py", quick=("--quick",)),
+    Bench("mixers", "token mixers against length: forward+backward tokens/s of one attention and one Gated "
+          "DeltaNet layer at 512, 2048, 8192 tokens on CPU", "bench_mixers.py", quick=("--lengths", "256,1024")),
     Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
           "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",
