@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -75,7 +76,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="markdown file to write")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
-    table = {name: [measure(build, n, args.rounds) for n in lengths] for name, build in mixers().items()}
+    table = {}
+    for name, build in mixers().items():
+        for n in lengths:
+            table.setdefault(name, []).append(measure(build, n, args.rounds))
+            print(f"{name} {n}: {table[name][-1]:.3f} s", file=sys.stderr, flush=True)
     lines = ["## Token mixers against length (forward+backward, one layer's mixer, CPU)", "",
              "| mixer | " + " | ".join(f"{n} tokens/s" for n in lengths) + " | time x (first to last length) |",
              "|---|" + "---|" * (len(lengths) + 1)]

@@ -391,6 +391,8 @@ class TransformerArch:
         if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0 or self.attention_sinks:
             raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
                              "(it rotates qk_rope_head_dim features of each head)")
+        if self.attn_output_gate:
+            raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
 
     def _check_router(self) -> None:
         if self.router_kind not in ROUTERS:

@@ -185,6 +185,15 @@ def ring_gated_delta(q, k, v, g, beta, seg, chunk: int, placement):
 
 
 # ------------------------------------------------------------------------------------ the block
+def gated_rms_norm(x, z, scale, eps: float):
+    """``scale * rms_norm(x) * silu(z)`` over each head's features (transformers'
+    ``Qwen3NextRMSNormGated``: the norm in float32, rounded to x's dtype before the scale)."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = (scale.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
 def _a_log_init(key, shape, dtype):
     """log A, A uniform in [0.01, 16) (transformers' initialisation)."""
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
@@ -257,10 +266,7 @@ class GatedDeltaNet(nn.Module):
         # the gated RMSNorm of each head (one weight for all heads): norm(out) * silu(z)
         scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_VALUE_DIM,)),
                            (dv,), pdt)
-        o32 = out.astype(jnp.float32)
-        normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + a.rms_norm_eps)).astype(x.dtype)
-        y = (scale.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        y = checkpoint_name(constrain(y.astype(x.dtype), BLVD, placement), "attn_context")
+        y = checkpoint_name(constrain(gated_rms_norm(out, z, scale, a.rms_norm_eps), BLVD, placement), "attn_context")
         out = Linear((a.hidden_size,), (*value_axes, ax.EMBED), name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
 
