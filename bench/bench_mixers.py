@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from shardzoo.models.arch import ATTENTION, CONV, LayerSpec  # noqa: E402
 from shardzoo.models.attention import Attention  # noqa: E402
 from shardzoo.models.conv_mixer import ShortConv  # noqa: E402
+from shardzoo.models.linear_attention import GatedDeltaNet  # noqa: E402
 from shardzoo.models.ssm import Mamba2Mixer  # noqa: E402
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
 
@@ -63,7 +64,17 @@ def mamba2(length):
     return "Mamba2 (16 heads x 64, state 128, chunks of 256)", Mamba2Mixer(config), lambda m, x: m(x, None, False)
 
 
-MIXERS = {"attention": attention, "conv": short_conv, "mamba2": mamba2}
+def gated_deltanet(length):
+    # Qwen3-Next's ratios at this width: 4 key heads and 8 value heads of 64 (values as wide as the
+    # hidden size), a convolution of 4 taps, chunks of 64
+    config = TransformerConfig.from_fields(**BASE, layer_types=("linear_attention",), linear_num_key_heads=4,
+                                           linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                                           linear_conv_kernel_dim=4, linear_attention_chunk=64)
+    return ("Gated DeltaNet (4 key / 8 value heads x 64, chunks of 64)", GatedDeltaNet(config),
+            lambda m, x: m(x, None, False))
+
+
+MIXERS = {"attention": attention, "conv": short_conv, "gated_deltanet": gated_deltanet, "mamba2": mamba2}
 
 
 def make_step(module, call):

@@ -25,12 +25,13 @@ from shardzoo.models.features import feature
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
+LINEAR = "linear_attention"  # a Gated DeltaNet block in place of attention (Qwen3-Next; models/linear_attention.py)
 MAMBA = "mamba"  # a Mamba2 state-space mixer in place of attention (Mamba2, Bamba, Nemotron-H; models/ssm.py)
 # "none" in layer_types: a layer without a token mixer (its block is x + mlp(norm(x)): Nemotron-H's
 # MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
 # Nemotron-H's mamba and attention layers)
 NONE = "none"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, MAMBA, NONE)
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
 MLP_TYPES = (DENSE, MOE, NONE)
@@ -60,7 +61,8 @@ class LayerSpec:
     chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense", "moe" or "none" (no MLP)
-    # "attention", "conv" (a gated short convolution: LFM2), "mamba" (Mamba2) or "none" (no mixer)
+    # "attention", "conv" (a gated short convolution: LFM2), "linear_attention" (Gated DeltaNet),
+    # "mamba" (Mamba2) or "none" (no mixer)
     mixer: str = ATTENTION
 
 
@@ -200,6 +202,18 @@ class TransformerArch:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = feature(False, "mamba_proj_bias")
     time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
+    # Gated DeltaNet (Qwen3-Next's "linear_attention" layers of layer_types; models/linear_attention.py):
+    # q, k (linear_num_key_heads x linear_key_head_dim), v, z (linear_num_value_heads x
+    # linear_value_head_dim), per value head b and a; a causal depthwise convolution of
+    # linear_conv_kernel_dim taps on q|k|v then SiLU; the gated delta rule with decay
+    # exp(-exp(A_log) softplus(a + dt_bias)) and rate sigmoid(b); RMSNorm(out) * silu(z); out_proj
+    linear_num_value_heads: int | None = feature(None, "gated_deltanet")  # None: no linear-attention layers
+    linear_num_key_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
+    attn_output_gate: bool = feature(False, "attention_output_gate")
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
     # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
     # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
@@ -237,7 +251,10 @@ class TransformerArch:
             for f in dataclasses.fields(self):
                 if f.name in _MAMBA_FIELDS:
                     set_(f.name, f.default)
-        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, MAMBA, NONE):
+        if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
+            for name in _LINEAR_FIELDS:
+                set_(name, None)
+        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, NONE):
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -346,6 +363,7 @@ class TransformerArch:
         if self.has_conv_layers and (self.conv_kernel is None or self.conv_kernel < 2):
             raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
                              ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
+        self._check_linear()
         if self.has_conv_layers and self.latent:
             raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
                              "which no family has; remove one")
@@ -396,6 +414,24 @@ class TransformerArch:
                 or not 0 <= limit[0] <= limit[1]):
             raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
 
+    def _check_linear(self) -> None:
+        if not self.has_linear_layers:
+            return
+        for name in _LINEAR_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"layer_types has {LINEAR} layers: {name}={value!r} must be an integer >= 1")
+        if self.linear_conv_kernel_dim < 2:
+            raise ModelError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2 (the taps of the "
+                             "causal convolution of q, k and v)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves as many "
+                             "value heads)")
+        if self.latent:
+            raise ModelError(f"layer_types has {LINEAR} layers beside latent attention (kv_lora_rank), "
+                             "which no family has; remove one")
+
     def _check_latent(self) -> None:
         if self.kv_lora_rank is None:
             return
@@ -414,6 +450,8 @@ class TransformerArch:
         if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0 or self.attention_sinks:
             raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
                              "(it rotates qk_rope_head_dim features of each head)")
+        if self.attn_output_gate:
+            raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
 
     def _check_router(self) -> None:
         if self.router_kind not in ROUTERS:
@@ -491,6 +529,10 @@ class TransformerArch:
         return self.mamba_num_heads * self.mamba_head_dim
 
     @property
+    def has_linear_layers(self) -> bool:
+        return self.layer_types is not None and LINEAR in self.layer_types
+
+    @property
     def has_chunked_layers(self) -> bool:
         types = self.layer_types
         return bool(self.attention_chunk_size) and (CHUNKED in types if types is not None
@@ -531,12 +573,14 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            mixer = kind if kind in (CONV, MAMBA, NONE) else ATTENTION
+            mixer = kind if kind in (CONV, LINEAR, MAMBA, NONE) else ATTENTION
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer))
         return tuple(out)
 
 
+_LINEAR_FIELDS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim")
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",

@@ -355,6 +355,9 @@ class Attention(nn.Module):
                 local_window_size=(window - 1, 0) if window else None,
                 implementation=_implementation(self.config, dt),
             )
+        if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
+            gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
+            ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
                      **kw)(ctx)

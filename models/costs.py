@@ -65,6 +65,15 @@ fused matmul's output, which jax does not keep), conv_input d (b * x), conv_out 
 convolution's output) and attn_context d (c times it, the out projection's input); conv_masks
 conv_kernel float32 (each tap's 0/1 for packed segments).
 
+A linear-attention layer (Qwen3-Next's Gated DeltaNet, ``models/linear_attention.py``; K key
+heads and V value heads of dk and dv features, chunks of C tokens, w taps) keeps none of
+attention's terms either; instead: gdn_in 2 K dk + 2 V dv + 2 V (the projections q, k, v, z, b,
+a), gdn_conv 2 (2 K dk + V dv) (each convolution's output and its SiLU) and 3 w float32 masks;
+gdn_qk 2 V dk float32 (q and k normalised, one per value head); gdn_chunk V (3 C + 3 dk + dv +
+dk dv / C) float32 (each chunk's decays, triangular system and q.k, its solved u and w, the
+decayed q and k, and the state entering it); gdn_out 2 V dv float32 (the rule's output and its
+norm) and attn_context V dv (the out projection's input).
+
 The other policies keep named subsets (``POLICY_TERMS``); with remat (policy != "none") the
 backward pass recomputes one layer whole, hence ``saved("none")`` once more.
 
@@ -119,7 +128,7 @@ ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # MoE expert buffers
 ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
-_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "attn_out", "mlp_gate", "mlp_up",
+_DOTS = ("block_input", "query", "key", "value", "kv_proj", "conv_in", "gdn_in", "attn_out", "mlp_gate", "mlp_up",
          "mlp_proj", "mlp_out", "router_logits", "expert_in", "expert_out", "expert_proj",
          "shared_gate", "shared_up", "shared_proj")
 POLICY_TERMS = {
@@ -181,10 +190,18 @@ def _mamba_scan_flops(a) -> float:
     return q / 2 * (a.mamba_n_groups * n + h * p) + 2 * h * p * n
 
 
+def _linear_attention_params(a) -> int:
+    """A Gated DeltaNet's projections (q, k, v, z, b, a; out) and convolution taps."""
+    keys, values = a.linear_num_key_heads * a.linear_key_head_dim, a.linear_num_value_heads * a.linear_value_head_dim
+    proj = a.hidden_size * (2 * keys + 2 * values + 2 * a.linear_num_value_heads) + values * a.hidden_size
+    return proj + a.linear_conv_kernel_dim * (2 * keys + values)
+
+
 def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: str = "attention",
                          mlp: str = "dense") -> int:
     """A layer's matmul parameters (a conv layer's: in_proj's three and out_proj, and the
-    convolution's taps, each multiplied once per token; a mamba layer's ``_mamba_matmul_params``;
+    convolution's taps, each multiplied once per token; a linear-attention layer's likewise; a
+    mamba layer's ``_mamba_matmul_params``;
     a layer without a mixer or an MLP (``mixer`` / ``mlp`` "none") none of that half's)."""
     d, hd = a.hidden_size, a.head_size
     if mixer == "none":
@@ -193,8 +210,11 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
         attn = _mamba_matmul_params(a)
     elif conv:
         attn = 4 * d * d + a.conv_kernel * d
+    elif mixer == "linear_attention":
+        attn = _linear_attention_params(a)
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
+        attn += d * hd * a.num_attention_heads * a.attn_output_gate  # the output gate's projection
     if mlp == "none":
         return attn
     if not moe:
@@ -219,7 +239,7 @@ def _attention_extras(a, per: int) -> int:
         qk_per = 1 if a.qk_norm_no_bias else per
         total += qk_per * hd * (2 if a.qk_norm == "head" else a.num_attention_heads + a.kv_heads)
     if a.attention_bias:
-        total += hd * (a.num_attention_heads + 2 * a.kv_heads)
+        total += hd * (a.num_attention_heads * (1 + a.attn_output_gate) + 2 * a.kv_heads)
     if a.attention_out_bias:
         total += a.hidden_size
     if a.attention_sinks:
@@ -252,6 +272,8 @@ def transformer_params(a, active: bool = False) -> int:
             total += 5 * d * a.conv_bias
         elif spec.mixer == "mamba":
             total += _mamba_extras(a)
+        elif spec.mixer == "linear_attention":  # A_log and dt_bias per value head, the gated norm's weight
+            total += 2 * a.linear_num_value_heads + a.linear_value_head_dim
         elif spec.mixer == "none":
             pass
         else:
@@ -277,10 +299,15 @@ def transformer_flops(a, seq_len: int) -> float:
     matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer, s.mlp) for s in specs)
     matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
     keys = 0.0  # keys a query sees on average, summed over layers
+    state = 0.0  # the gated delta rule's multiply-adds per token, summed over layers
     for s in specs:
         w, c = s.window, s.chunk
         if s.mixer == "mamba":  # the scan's products (2 x 3 FLOPs per multiply-add, as attention's)
             matmul += _mamba_scan_flops(a)
+        if s.mixer == "linear_attention":  # per head: three state products, a chunk of 64's q.k, k.k and (q k) v
+            dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+            state += a.linear_num_value_heads * (3 * dk * dv + 32 * (2 * dk + dv))
+            continue
         if s.mixer in ("conv", "mamba", "none"):  # no attention (the taps are counted with the matmuls)
             continue
         if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
@@ -288,7 +315,7 @@ def transformer_flops(a, seq_len: int) -> float:
             continue
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
     # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
-    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
+    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys + 6 * state
 
 
 def decode_flops(a, context: float) -> float:
@@ -301,7 +328,7 @@ def decode_flops(a, context: float) -> float:
     # a mamba layer's step: the state's update and read, 2 h p n multiply-adds
     matmul += sum(2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size for s in specs if s.mixer == "mamba")
     keys = sum(min(context, s.window or context, s.chunk or context) for s in specs
-               if s.mixer not in ("conv", "mamba", "none"))
+               if s.mixer == "attention")
     return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
@@ -382,6 +409,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             terms_ = _conv_terms(terms_, t, d, a.conv_kernel)
         elif s_.mixer == "mamba":
             terms_ = _mamba_terms(terms_, t, a, seq_len)
+        elif s_.mixer == "linear_attention":
+            terms_ = _linear_terms(terms_, t, a, e.linear_attention_chunk)
         elif s_.mixer == "none":  # an MLP layer: no mixer's terms, no second residual
             terms_ = {k: v for k, v in terms_.items()
                       if k not in _ATTENTION_TERMS + ("attn_norm", "attn_out", "attn_residual")}
@@ -390,7 +419,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         kinds[key] = (terms_, kinds.get(key, (None, 0))[1] + 1)
     n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
-    attends = any(mixer not in ("conv", "mamba", "none") for mixer, _ in kinds)
+    attends = any(mixer == "attention" for mixer, _ in kinds)
     n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
@@ -461,6 +490,47 @@ def _mamba_terms(layer: dict, t, a, seq_len: int) -> dict:
     out.update(mamba_in=t(2 * inner + 2 * gn + h, blh), mamba_conv=t(inner + 2 * gn, blh),
                ssm_decay=t(6 * h * q, blh, 4), ssm_states=t(2 * per_chunk_state, blh, 4),
                ssm_out=t(inner, blh), ssm_norm=t(3 * inner, blh, 4), attn_context=t(inner, blh))
+    return out
+
+
+def _linear_terms(layer: dict, t, a, chunk: int) -> dict:
+    """A linear-attention layer's terms (models/linear_attention.py; see the module doc)."""
+    out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
+    nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    heads = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
+    qkv = 2 * nk * dk + nv * dv
+    out.update(gdn_in=t(qkv + nv * dv + 2 * nv, heads), gdn_conv=t(2 * qkv, heads),
+               conv_masks=t(3 * a.linear_conv_kernel_dim, BL, 4), gdn_qk=t(2 * nv * dk, heads, 4),
+               gdn_chunk=t(nv * (7 * chunk + 3 * dk + dv + dk * dv / chunk), heads, 4),
+               gdn_out=t(2 * nv * dv, heads, 4), attn_context=t(nv * dv, heads))
+    return out
+
+
+def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
+    """Bytes of the decoding cache by kind of layer (summed over the model's layers), for
+    ``batch_size`` rows of ``length`` positions, keys, values and convolution inputs of ``nbytes``:
+    an attention layer's keys, values and segment ids of every position (latent attention: its
+    latent and rotary key), a conv layer's last conv_kernel - 1 inputs, a linear-attention layer's
+    float32 state per value head, its segment id and its convolution's last inputs, a mamba
+    layer's float32 state, its segment id and its three convolutions' last inputs."""
+    out = {}
+    for s in a.layer_specs():
+        if s.mixer == "linear_attention":
+            nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+            dk, dv, h = a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim - 1
+            size = batch_size * (4 * nv * dk * dv + 4 + h * ((2 * nk * dk + nv * dv) * nbytes + 4))
+        elif s.mixer == "conv":
+            size = batch_size * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
+        elif s.mixer == "mamba":  # the float32 state, its segment id; each of three convolutions' last inputs
+            h, gn = a.mamba_conv_kernel - 1, a.mamba_n_groups * a.ssm_state_size
+            size = batch_size * (4 * a.mamba_inner * a.ssm_state_size + 4
+                                 + h * ((a.mamba_inner + 2 * gn) * nbytes + 3 * 4))
+        elif s.mixer == "none":
+            continue
+        else:  # and the layer's cache index
+            per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+            size = batch_size * length * (per * nbytes + 4) + 4
+        out[s.mixer] = out.get(s.mixer, 0) + size
     return out
 
 

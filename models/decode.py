@@ -8,9 +8,13 @@ leaf has a leading layers axis (``Program.generate`` decodes with the layers unr
 state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
 inputs, and their ``conv_segment_ids``; a mamba layer (models/ssm.py) its convolutions' last
 inputs (``conv_x_state``, ``conv_b_state``, ``conv_c_state`` and their segment ids) and its
-recurrent ``ssm_state`` [batch, ssm_heads, ssm_head_dim, ssm_state] with ``ssm_segment_ids``:
-neither grows with the length. The arrays carry logical axes (``ax.BATCH``,
-``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``, ``ax.SSM_*``), so
+recurrent ``ssm_state`` [batch, ssm_heads, ssm_head_dim, ssm_state] with ``ssm_segment_ids``; a
+linear-attention layer (Qwen3-Next's Gated DeltaNet, models/linear_attention.py) its
+``recurrent_state`` [batch, linear_heads, linear_key_dim, linear_value_dim] (float32), its
+``state_segment_id`` and its convolution's last inputs (``conv_q``, ``conv_k``, ``conv_v``):
+none of these grows with the length. The arrays carry logical axes (``ax.BATCH``,
+``ax.CACHE_LENGTH``, ``ax.KV_HEADS``, ``ax.HEAD_DIM``, ``ax.CONV_WIDTH``, ``ax.CONV_CHANNELS``,
+``ax.SSM_*``, ``ax.LINEAR_*``), so
 the Program shards them under the same rules as everything else (``Program.generate``).
 """
 

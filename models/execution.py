@@ -45,6 +45,9 @@ class Execution:
     attention_impl: str = "auto"  # "auto" (cuDNN on GPU where it can), "xla", "cudnn"
     context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
+    # tokens per chunk of the gated delta rule (models/linear_attention.py): parallel within a
+    # chunk, the recurrent state carried from chunk to chunk (transformers' and fla's 64)
+    linear_attention_chunk: int = 64
     moe_dispatch: str = "indexed"
     capacity_factor: float = 1.25
     router_z_loss_coef: float = 0.001
@@ -63,7 +66,7 @@ class Execution:
         check_fields(self, {"dtype": DTYPES, "param_dtype": DTYPES, "remat_policy": tuple(REMAT_POLICIES),
                             "attention_impl": ("auto", "xla", "cudnn"),
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES},
-                     ("pipeline_repeats",))
+                     ("pipeline_repeats", "linear_attention_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
         layout = self.scan_layout

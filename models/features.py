@@ -75,6 +75,10 @@ FEATURES = {
     "mamba_proj_bias": "biases on the mamba mixers' in_proj and out_proj (mamba_proj_bias)",
     "time_step_limit": "the mamba mixers' dt clamped to time_step_limit (other than [0, inf])",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
+    "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
+                      "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
+    "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
+                             "(Qwen3-Next)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
 }

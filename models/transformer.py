@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.arch import CONV, MAMBA, MOE, NONE, LayerSpec, TransformerArch
+from shardzoo.models.arch import CONV, LINEAR, MAMBA, MOE, NONE, LayerSpec, TransformerArch
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.conv_mixer import ShortConv
@@ -28,6 +28,7 @@ from shardzoo.models.costs import transformer_activations, transformer_flops, tr
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
 from shardzoo.models.layout import Layout, layout_of
+from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.ring_attention import enter_ring, unzigzag
@@ -217,6 +218,8 @@ class Block(nn.Module):
             from shardzoo.models.ssm import Mamba2Mixer
 
             attn = Mamba2Mixer(self.config, placement, name="mamba")(h, segment_ids, self.decode)
+        elif self.spec.mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
+            attn = GatedDeltaNet(self.config, placement, name="linear_attn")(h, segment_ids, self.decode)
         else:
             attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn

@@ -91,6 +91,7 @@ def format_rules(rules: Sequence) -> str:
 REPLICATED = Rules(((name, None) for name in ax.ALL), name="replicated")
 _TP = ((ax.HEADS, TENSOR), (ax.KV_HEADS, TENSOR), (ax.MLP, TENSOR), (ax.CONV_CHANNELS, TENSOR), (ax.VOCAB, TENSOR),
        (ax.SSM_HEADS, TENSOR))
+_TP += ((ax.LINEAR_HEADS, TENSOR), (ax.LINEAR_KEY_HEADS, TENSOR))  # linear attention's heads (Gated DeltaNet)
 
 PRESETS: dict[str, Rules] = {
     "dp": Rules(((ax.BATCH, DATA),), "dp") + REPLICATED,

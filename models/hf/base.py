@@ -48,6 +48,9 @@ class Weight:
     experts: int = 0
     stacked_experts: bool = False
     interleaved: bool = False  # the j-th of n parts is the columns j, j + n, ... (GPT-OSS's gate_up_proj)
+    # the fused tensor's columns are ``groups`` equal blocks, each holding all n parts in turn
+    # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block
+    groups: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

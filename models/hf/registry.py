@@ -47,6 +47,7 @@ from shardzoo.models.hf import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
     stablelm,
@@ -86,6 +87,7 @@ FAMILIES: tuple[Family, ...] = (
     apertus.APERTUS,
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H,
+    qwen3_next.QWEN3_NEXT,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -75,7 +75,11 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     for t in tensors:
         t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
         t = t[:, 0, :].T if w.op == "depthwise" else t
-        if w.part[1] > 1:
+        if w.part[1] > 1 and w.groups > 1:  # the part of every group
+            t = t.reshape(t.shape[:-1] + (w.groups, -1))
+            t = t[..., _block(w, t.shape[-1])]
+            t = t.reshape(t.shape[:-2] + (-1,))
+        elif w.part[1] > 1:
             t = t[..., w.part[0]::w.part[1]] if w.interleaved else t[..., _block(w, t.shape[-1])]
         out.append(t)
     arr = np.stack(out) if w.experts and not w.stacked_experts else out[0]
@@ -338,8 +342,13 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
                 arr = ordered[0]
             elif w.interleaved:  # column c of part j at c * n + j
                 arr = np.stack(ordered, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
-            else:  # a depthwise conv's parts are channels, its first axis in HF
-                arr = np.concatenate(ordered, axis=0 if w.op == "depthwise" else -1)
+            elif w.groups > 1:  # each group's parts in turn
+                grouped = [o.reshape(o.shape[:-1] + (w.groups, -1)) for o in ordered]
+                arr = np.concatenate(grouped, axis=-1).reshape(ordered[0].shape[:-1] + (-1,))
+            elif w.op == "depthwise":  # [channels, 1, width]: the parts' channels in turn
+                arr = np.concatenate(ordered, axis=0)
+            else:
+                arr = np.concatenate(ordered, axis=-1)
             arr = np.asarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype),
                              order="C")  # (ascontiguousarray would make a scalar 1-d)
             del pending[name]

@@ -55,6 +55,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
     StableLmConfig,
@@ -88,7 +89,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h")  # models/hf/<name>.py
+                  "nemotron_h", "qwen3_next")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -177,6 +178,13 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                               "linear_attention", "mlp", "full_attention", "mlp"],
                                           mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
                                           chunk_size=4),  # mamba, attention and MLP layers
+    # Gated DeltaNet layers beside output-gated attention, a dense layer then MoE with a shared expert
+    "qwen3_next": lambda: Qwen3NextConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=16,
+                                          layer_types=["linear_attention", "linear_attention", "full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                          linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                          mlp_only_layers=[0]),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).

@@ -178,3 +178,20 @@ def test_plan_counts_the_mamba_layers_within_15_percent_of_the_compiled_step(nam
         a = config.arch
         grown = 6 * a.num_attention_heads * 2 * a.head_size * (8192 - 512) / 2
         assert config.flops_per_token(8192) - config.flops_per_token(512) == pytest.approx(grown)
+
+
+def test_the_decoding_cache_of_mamba_layers_is_counted():
+    """``costs.decode_cache_bytes`` equals the bytes of the cache the Program makes for the Mamba2
+    families (each mamba layer's float32 state and three convolutions' last inputs, nothing for
+    Nemotron-H's MLP layers), and a mamba layer's share does not grow with the length."""
+    from shardzoo.models import get_config
+    from shardzoo.models.costs import decode_cache_bytes
+    from shardzoo.train.program import Program
+
+    for name in ("mamba2-tiny", "bamba-tiny", "nemotron-h-tiny"):
+        config = get_config(name)
+        shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).cache_shardings(8, 32)
+        made = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        counted = decode_cache_bytes(config.arch, 8, 32, 4)
+        assert sum(counted.values()) == made, name
+        assert decode_cache_bytes(config.arch, 8, 4096, 4)["mamba"] == counted["mamba"]
