@@ -6,7 +6,7 @@ token: ``S = exp(g) S``; ``S += k (beta (v - S^T k))^T``; ``out = S^T q``; with 
 L2-normalised (q also scaled by key_dim^-1/2), ``beta = sigmoid(b)`` and the log decay
 ``g = -exp(A_log) softplus(a + dt_bias)`` (transformers' ``torch_recurrent_gated_delta_rule``).
 Training computes it in chunks (``gated_delta_chunked``, transformers' ``torch_chunk_gated_delta_rule``):
-within a chunk of C tokens in parallel (a unit lower-triangular solve, the WY/UT form), the state
+within a chunk of C tokens in parallel (a unit lower-triangular system, the WY/UT form, inverted by forward substitution), the state
 carried from chunk to chunk by ``lax.scan``; decoding a token at a time (``gated_delta_step``).
 
 The block (``GatedDeltaNet``): q, k [key heads, key_dim], v, z [value heads, value_dim] and
@@ -86,12 +86,48 @@ def gated_delta_step(q, k, v, g, beta, seg=None, state=None, prev_seg=None):
     return jnp.moveaxis(out, 0, 1), state
 
 
+@jax.custom_vjp
+def unit_lower_inverse(strict):
+    """``(I + strict)^-1`` of strictly lower-triangular ``strict`` [..., c, c], by forward
+    substitution, row by row (as transformers' chunked rule does): row i is e_i - strict[i] @ the
+    rows before it. Plain matrix products in a loop of c steps, where XLA's CPU triangular solve
+    inside the step could hang at long sequences; the gradient is -T^T G T^T (T the inverse), kept
+    strictly lower."""
+    return _forward_substitution(strict)
+
+
+def _forward_substitution(strict):
+    c = strict.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(c, dtype=strict.dtype), strict.shape)
+
+    def row(i, inverse):
+        r = jax.lax.dynamic_index_in_dim(strict, i, axis=-2, keepdims=True)  # [..., 1, c]
+        new = jax.lax.dynamic_index_in_dim(eye, i, axis=-2, keepdims=True) - r @ inverse
+        return jax.lax.dynamic_update_index_in_dim(inverse, new, i, axis=-2)
+
+    # the carry varies over a shard_map's axes as ``strict`` does (0 * strict: its type, no values)
+    return jax.lax.fori_loop(1, c, row, eye + 0 * strict)
+
+
+def _inverse_fwd(strict):
+    inverse = _forward_substitution(strict)
+    return inverse, inverse
+
+
+def _inverse_bwd(inverse, g):
+    t = jnp.swapaxes(inverse, -1, -2)
+    return (-(t @ g @ t) * np.tri(g.shape[-1], k=-1, dtype=g.dtype),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def gated_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev_seg=None):
     """The gated delta rule in chunks of ``chunk`` tokens: equal to ``gated_delta_step`` (same
     arguments and results). Within a chunk, with cumulative log decays c and the decays
     D[i, j] = exp(c_i - c_j) (j <= i, same segment): the unit lower-triangular system
     T = I + strict_lower(beta k k^T * D) gives the new values u = T^-1 (beta v) and the state's
-    read-out w = T^-1 (beta k exp(c)); per chunk then ``v' = u - w S``,
+    read-out w = T^-1 (beta k exp(c)) (``unit_lower_inverse``); per chunk then ``v' = u - w S``,
     ``out = (q exp(c)) S + (q k^T * D) v'``, ``S = exp(c_last) S + (k exp(c_last - c))^T v'``."""
     b, length, h, dk = k.shape
     dv, c = v.shape[-1], chunk
@@ -116,8 +152,8 @@ def gated_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev
     to_end = jnp.where(seg == seg[..., -1:], jnp.exp(cum[..., -1:] - cum), 0.0)  # each token's to the chunk's end
     kb, vb = k * beta[..., None], v * beta[..., None]
     system = jnp.einsum("...id,...jd->...ij", kb, k) * decay * np.tri(c, k=-1, dtype=np.float32)
-    solve = lambda x: jax.scipy.linalg.solve_triangular(system, x, lower=True, unit_diagonal=True)  # noqa: E731
-    u, w = solve(vb), solve(kb * from_start[..., None])  # [n, batch, heads, c, value_dim | key_dim]
+    inverse = unit_lower_inverse(system)  # [n, batch, heads, c, c]: (I + system)^-1
+    u, w = inverse @ vb, inverse @ (kb * from_start[..., None])  # [n, batch, heads, c, value_dim | key_dim]
     qd, kd = q * from_start[..., None], k * to_end[..., None]
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay  # [n, batch, heads, c, c]
     keep = from_start[..., -1]  # [n, batch, heads]: the initial state's decay through the chunk

@@ -205,3 +205,25 @@ def test_plan_counts_the_linear_attention_layers_within_15_percent_of_the_compil
     assert config.num_params() - attention.num_params() == 3 * (
         64 * (2 * 16 + 2 * 48 + 2 * 4) + 48 * 64 + 4 * (2 * 16 + 48) + 8 + 12  # GDN: in, out, taps, A_log, dt_bias, norm
         - (64 * 16 * (2 * 4 + 2 * 2) + 64 * 16 * 4 + 2 * 16))  # attention: q, k, v, o, gate, q/k norms
+
+
+def test_the_unit_lower_inverse_and_its_gradient_equal_a_triangular_solve():
+    """``unit_lower_inverse`` (forward substitution with its own backward) equals XLA's triangular
+    solve of the identity, and so do the gradients through it (1e-5)."""
+    from shardzoo.models.linear_attention import unit_lower_inverse
+
+    rng = np.random.default_rng(0)
+    strict = jnp.asarray(np.tril(rng.normal(size=(2, 3, 8, 8)) * 0.3, k=-1), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(2, 3, 8, 5)), jnp.float32)
+
+    def solved(s):
+        return jax.scipy.linalg.solve_triangular(s + jnp.eye(8), jnp.broadcast_to(jnp.eye(8), s.shape), lower=True,
+                                                 unit_diagonal=True)
+
+    ours, theirs = unit_lower_inverse(strict), solved(strict)
+    assert float(jnp.max(jnp.abs(ours - theirs))) < 1e-5
+    grad = lambda f: jax.grad(lambda s: jnp.sum(jnp.sin(f(s) @ rhs)))(strict)  # noqa: E731
+    g_ours, g_theirs = grad(unit_lower_inverse), grad(solved)
+    mask = np.tri(8, k=-1, dtype=bool)
+    assert float(jnp.max(jnp.abs(jnp.where(mask, g_ours - g_theirs, 0.0)))) < 1e-5
+    assert float(jnp.max(jnp.abs(jnp.where(mask, 0.0, g_ours)))) == 0.0  # only the strict lower part varies
