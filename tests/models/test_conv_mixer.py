@@ -4,10 +4,10 @@ chunk's last inputs by collective-permutes (the zig-zag order's two neighbours),
 gradients equal one device's (1e-5), the sequence never gathered. fp32, lfm2-tiny's pattern.
 """
 
-import re
+import os
+import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
@@ -18,10 +18,12 @@ from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.program import count_collectives
 
+sys.path.insert(0, os.path.dirname(__file__))
+from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
+
 BATCH, LENGTH, WIDTH = 4, 48, 4  # 48 tokens over context=4: 8 chunks of 6 >= WIDTH - 1
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, num_hidden_layers=2, max_position_embeddings=64,
             conv_kernel=WIDTH, layer_types=("conv", "full_attention"))
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def packed_batch(seed=0) -> dict:
@@ -51,14 +53,6 @@ def test_causal_conv_equals_a_loop_and_respects_segments():
     assert np.abs(plain - want).max() > 1e-2
 
 
-def _objective(module):
-    def f(params, batch):
-        logits = module.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-        probe = jnp.cos(0.01 * jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)
-        return jnp.mean(logits * probe), logits
-
-    return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST)
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -72,10 +66,10 @@ def reference():
     for name in ("in_b", "in_c", "in_x"):
         conv[name]["kernel"] = (0.3 * rng.normal(size=conv[name]["kernel"].shape)).astype(np.float32)
     conv["kernel"] = (0.3 * rng.normal(size=conv["kernel"].shape)).astype(np.float32)
-    (_, logits), grads = _objective(module)(params, batch)
+    (_, logits), grads = objective(module)(params, batch)
     off = jax.tree.map(lambda x: x, params)
     off["layers_0"]["conv"] = dict(conv, kernel=0 * conv["kernel"])
-    (_, without), _ = _objective(module)(off, batch)
+    (_, without), _ = objective(module)(off, batch)
     assert np.abs(without - logits).max() > 1e-2  # the convolution matters to the logits
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
@@ -84,23 +78,15 @@ def _tail_permutes(hlo: str, local_batch: int, channels: int) -> int:
     """Collective-permutes of the convolution's tails: [batch, WIDTH - 1, channels] inputs (or
     their cotangents) and [batch, WIDTH - 1] segment ids."""
     shapes = (rf"f32\[{local_batch},{WIDTH - 1},{channels}\]", rf"s32\[{local_batch},{WIDTH - 1}\]")
-    return sum(len(re.findall(rf"= \(?{s}\S* collective-permute(?:-start)?\(", hlo)) for s in shapes)
+    return sum(permutes_of(hlo, s) for s in shapes)
 
-
-def _length_gathers(hlo: str) -> list[str]:
-    """All-gathers inside the conv layers whose result has a dimension of the whole row (no
-    parameter has 48). (Under cp_fsdp the embedding lookup's output is gathered by length, as
-    for every model: ``embed`` is sharded over fsdp in the table; not the convolution's doing.)"""
-    return [line.strip()[:160] for line in hlo.splitlines()
-            if (m := re.search(r"= \S*?\[([\d,]*)\]\S* all-gather(?:-start)?\(", line))
-            and str(LENGTH) in m.group(1).split(",") and "/conv/" in line]
 
 
 @pytest.mark.parametrize("preset, mesh", [("cp", "context=4,data=2"), ("cp_fsdp", "context=2,fsdp=4")])
 def test_conv_under_context_parallelism_equals_one_device(reference, preset, mesh):
     module, boxed, params, batch, (logits, grads) = reference
     mesh, rules = make_mesh(mesh), get_rules(preset)
-    f = _objective(module.clone(placement=Placement(mesh, rules)))
+    f = objective(module.clone(placement=Placement(mesh, rules)))
     with activate(mesh):
         params = jax.device_put(params, logical_shardings(boxed, mesh, rules))
         compiled = f.lower(params, batch).compile()
@@ -118,7 +104,9 @@ def test_conv_under_context_parallelism_equals_one_device(reference, preset, mes
     # forward: two tails of inputs and two of segment ids; backward: the inputs' cotangents back
     tails = _tail_permutes(hlo, local_batch, 32)
     assert tails >= 6, count_collectives(hlo)
-    assert "/conv/" in hlo and not _length_gathers(hlo)  # no device gathers the row in a conv layer
+    # no device gathers the row in a conv layer (under cp_fsdp the embedding lookup is gathered by
+    # length, as for every model: embed is sharded over fsdp; not the convolution's doing)
+    assert "/conv/" in hlo and not length_gathers(hlo, LENGTH, "/conv/")
     print(f"{preset}: {tails} tail collective-permutes, {count_collectives(hlo)}, max |logit diff| "
           f"{np.abs(cp_logits - logits).max():.1e}")
 
@@ -129,7 +117,7 @@ def test_a_chunk_shorter_than_the_taps_is_a_one_line_error():
     params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
     mesh = make_mesh("context=4,data=2")
     ring = module.clone(placement=Placement(mesh, get_rules("cp")))
-    for build in (lambda: _objective(ring)(params, batch), lambda: ring.init(jax.random.key(0), batch["inputs"])):
+    for build in (lambda: objective(ring)(params, batch), lambda: ring.init(jax.random.key(0), batch["inputs"])):
         with pytest.raises(ModelError, match=r"chunks of 2; the short convolution \(conv_kernel=4\) needs 3 tokens"):
             with activate(mesh):
                 build()

@@ -6,7 +6,8 @@ gradients equal one device's (1e-5), the states pass by collective-permutes and 
 the row in a linear-attention layer. fp32.
 """
 
-import re
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,11 @@ from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.program import count_collectives
 
+sys.path.insert(0, os.path.dirname(__file__))
+from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
+
 BATCH, LENGTH, CHUNK = 4, 48, 4  # 48 tokens over context=4: 8 ring chunks of 6, each 2 rule chunks of 4
 HEADS, DK, DV = 4, 8, 12
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def rule_inputs(length, seed=0):
@@ -71,14 +74,6 @@ def packed_batch(seed=0) -> dict:
             "segment_ids": seg}
 
 
-def _objective(module):
-    def f(params, batch):
-        logits = module.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-        probe = jnp.cos(0.01 * jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)
-        return jnp.mean(logits * probe), logits
-
-    return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST)
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -92,7 +87,7 @@ def reference():
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: (0.3 * rng.normal(size=x.shape)).astype(np.float32)
         if "linear_attn" in jax.tree_util.keystr(p) and x.ndim >= 2 else x, params)
-    (_, logits), grads = _objective(module)(params, batch)
+    (_, logits), grads = objective(module)(params, batch)
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
 
@@ -100,32 +95,27 @@ def test_the_model_in_chunks_equals_the_model_step_by_step(reference, monkeypatc
     module, _, params, batch, (logits, grads) = reference
     monkeypatch.setattr(la, "gated_delta_chunked", lambda q, k, v, g, beta, chunk, seg=None, state=None,
                         prev_seg=None: la.gated_delta_step(q, k, v, g, beta, seg, state, prev_seg))
-    (_, step_logits), step_grads = _objective(module)(params, batch)
+    (_, step_logits), step_grads = objective(module)(params, batch)
     np.testing.assert_allclose(step_logits, logits, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(step_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     off = jax.tree_util.tree_map_with_path(
         lambda p, x: 0 * x if jax.tree_util.keystr(p).endswith("['linear_attn']['out']['kernel']") else x, params)
-    (_, without), _ = _objective(module)(off, batch)
+    (_, without), _ = objective(module)(off, batch)
     assert np.abs(without - logits).max() > 1e-2  # the linear-attention layers matter to the logits
 
 
 def _state_permutes(hlo: str, local_batch: int) -> int:
     """Collective-permutes of [batch, heads, key_dim, value_dim] states (or their cotangents)."""
     shape = rf"f32\[{local_batch},{HEADS},{DK},{DV}\]"
-    return len(re.findall(rf"= \(?{shape}\S* collective-permute(?:-start)?\(", hlo))
+    return permutes_of(hlo, shape)
 
-
-def _length_gathers(hlo: str) -> list[str]:
-    return [line.strip()[:160] for line in hlo.splitlines()
-            if (m := re.search(r"= \S*?\[([\d,]*)\]\S* all-gather(?:-start)?\(", line))
-            and str(LENGTH) in m.group(1).split(",") and "/linear_attn/" in line]
 
 
 def test_linear_attention_under_context_parallelism_equals_one_device(reference):
     module, boxed, params, batch, (logits, grads) = reference
     mesh, rules = make_mesh("context=4,data=2"), get_rules("cp")
-    f = _objective(module.clone(placement=Placement(mesh, rules)))
+    f = objective(module.clone(placement=Placement(mesh, rules)))
     with activate(mesh):
         params = jax.device_put(params, logical_shardings(boxed, mesh, rules))
         compiled = f.lower(params, batch).compile()
@@ -140,7 +130,7 @@ def test_linear_attention_under_context_parallelism_equals_one_device(reference)
     hlo = compiled.as_text()
     permutes = _state_permutes(hlo, BATCH // 2)
     assert permutes >= 6, count_collectives(hlo)  # 2 x 3 hops of the state forward (and back for gradients)
-    assert "/linear_attn/" in hlo and not _length_gathers(hlo)
+    assert "/linear_attn/" in hlo and not length_gathers(hlo, LENGTH, "/linear_attn/")
     print(f"cp: {permutes} state collective-permutes, {count_collectives(hlo)}, max |logit diff| "
           f"{np.abs(cp_logits - logits).max():.1e}")
 

@@ -6,7 +6,8 @@ state passed along the ring by collective-permutes, logits and gradients equal o
 (1e-5), the sequence never gathered in a mamba layer. fp32.
 """
 
-import re
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,15 @@ from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.program import count_collectives
 
+sys.path.insert(0, os.path.dirname(__file__))
+from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
+
 BATCH, LENGTH, CHUNK = 4, 48, 4  # 48 tokens over context=4: 8 ring chunks of 6, each 2 scan chunks (4 + 2)
 HEADS, HEAD_DIM, GROUPS, STATE = 8, 4, 2, 8
 TINY = dict(hidden_size=16, intermediate_size=32, vocab_size=128, num_hidden_layers=3, num_attention_heads=2,
             max_position_embeddings=64, layer_types=("mamba", "full_attention", "mamba"),
             mlp_layer_types=("none", "dense", "none"), mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM,
             mamba_n_groups=GROUPS, ssm_state_size=STATE, mamba_chunk_size=CHUNK)
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _inputs(length, seed=0):
@@ -76,14 +79,6 @@ def packed_batch(seed=0) -> dict:
             "segment_ids": seg}
 
 
-def _objective(module):
-    def f(params, batch):
-        logits = module.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
-        probe = jnp.cos(0.01 * jnp.arange(logits.size, dtype=jnp.float32)).reshape(logits.shape)
-        return jnp.sum(logits * probe) / (BATCH * LENGTH), logits  # per token: gradients of order 0.01-0.3
-
-    return jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST)
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -98,7 +93,7 @@ def reference():
             m[name]["kernel"] = (0.3 * rng.normal(size=m[name]["kernel"].shape)).astype(np.float32)
         for name in ("conv_x", "conv_b", "conv_c"):
             m[name] = (0.3 * rng.normal(size=m[name].shape)).astype(np.float32)
-    (_, logits), grads = _objective(module)(params, batch)
+    (_, logits), grads = objective(module, per_token=True)(params, batch)
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
 
@@ -117,7 +112,7 @@ def test_a_model_run_by_the_recurrence_equals_the_chunked_model(reference, monke
     module, _, params, batch, (logits, grads) = reference
     monkeypatch.setattr(ssm, "ssd", lambda x, dt, A, B, C, chunk, seg=None, state=None, state_seg=None:
                         ssm.ssd_steps(x, dt, A, B, C, seg, state, state_seg))
-    (_, got), got_grads = _objective(module)(params, batch)
+    (_, got), got_grads = objective(module, per_token=True)(params, batch)
     np.testing.assert_allclose(got, logits, atol=1e-5, rtol=0)
     _close(got_grads, grads)
     assert float(np.abs(grads["layers_0"]["mamba"]["A_log"]).max()) > 1e-3  # 100x the tolerance
@@ -126,20 +121,14 @@ def test_a_model_run_by_the_recurrence_equals_the_chunked_model(reference, monke
 def _state_permutes(hlo: str, local_batch: int) -> int:
     """Collective-permutes of a state [batch, heads, head_dim, state] (or its cotangent)."""
     shape = rf"f32\[{local_batch},{HEADS},{HEAD_DIM},{STATE}\]"
-    return len(re.findall(rf"= \(?{shape}\S* collective-permute(?:-start)?\(", hlo))
+    return permutes_of(hlo, shape)
 
-
-def _length_gathers(hlo: str) -> list[str]:
-    """All-gathers inside the mamba layers whose result has a dimension of the whole row."""
-    return [line.strip()[:160] for line in hlo.splitlines()
-            if (m := re.search(r"= \S*?\[([\d,]*)\]\S* all-gather(?:-start)?\(", line))
-            and str(LENGTH) in m.group(1).split(",") and "/mamba/" in line]
 
 
 def test_mamba_under_context_parallelism_equals_one_device(reference):
     module, boxed, params, batch, (logits, grads) = reference
     mesh, rules = make_mesh("context=4,data=2"), get_rules("cp")
-    f = _objective(module.clone(placement=Placement(mesh, rules)))
+    f = objective(module.clone(placement=Placement(mesh, rules)), per_token=True)
     with activate(mesh):
         params = jax.device_put(params, logical_shardings(boxed, mesh, rules))
         compiled = f.lower(params, batch).compile()
@@ -150,7 +139,7 @@ def test_mamba_under_context_parallelism_equals_one_device(reference):
     states = _state_permutes(hlo, BATCH // 2)
     # 2 mamba layers x (2N - 1 = 7 rounds of 2 permutes) forward, as many back
     assert states >= 2 * 7 * 2, count_collectives(hlo)
-    assert "/mamba/" in hlo and not _length_gathers(hlo)
+    assert "/mamba/" in hlo and not length_gathers(hlo, LENGTH, "/mamba/")
     print(f"cp: {states} state collective-permutes, {count_collectives(hlo)}, max |logit diff| "
           f"{np.abs(cp_logits - logits).max():.1e}")
 
