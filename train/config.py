@@ -30,6 +30,7 @@ TASKS = (None, "lm", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -89,6 +90,8 @@ class TrainConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # default: epsilon (DAPO: 0.28)
     scale_rewards: str = "group"  # group | batch | none
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (each function's own)
+    mask_truncated_completions: bool = False  # completions without an eos do not score (DAPO)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -173,7 +176,8 @@ class TrainConfig:
         """The GRPO settings: each in range, and none changed from its default without --task grpo."""
         defaults = TrainConfig.__dataclass_fields__
         names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
-                 "scale_rewards", "temperature", "top_k", "top_p")
+                 "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions", "temperature",
+                 "top_k", "top_p")
         if self.task != "grpo":
             changed = [n for n in names if getattr(self, n) != defaults[n].default]
             if changed:
@@ -199,6 +203,9 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(f"--scale-rewards {self.scale_rewards!r}: choose one of {', '.join(SCALE_REWARDS)}")
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"--multi-objective-aggregation {self.multi_objective_aggregation!r}: choose one of "
+                              f"{', '.join(AGGREGATIONS)}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ConfigError(f"--temperature must be > 0 (GRPO samples), got {self.temperature}")
         if self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -252,7 +259,8 @@ SECTIONS = {
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
-             "epsilon", "epsilon_high", "scale_rewards", "temperature", "top_k", "top_p"),
+             "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
+             "temperature", "top_k", "top_p"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
@@ -302,6 +310,11 @@ HELP = {
     "epsilon_high": "--task grpo: the ratio's upper clipping 1 + epsilon-high (DAPO; default: epsilon)",
     "scale_rewards": "--task grpo: divide the group-centred rewards by the group's std (group), the batch's "
                      "(batch), or not (none, Dr. GRPO)",
+    "multi_objective_aggregation": "--task grpo: sum_then_normalize (the weighted rewards' sum, normalised in its "
+                                   "group) or normalize_then_sum (each function normalised in its group, the weighted "
+                                   "sum normalised over the batch), as TRL",
+    "mask_truncated_completions": "--task grpo: completions that reach --max-completion-length without an eos do "
+                                  "not score in the loss (DAPO; they still count in their group's rewards)",
     "temperature": "--task grpo: sampling temperature",
     "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
     "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
@@ -389,7 +402,8 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
-                       "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS}.get(name)
+                       "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS,
+                       "multi_objective_aggregation": AGGREGATIONS}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)
 

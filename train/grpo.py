@@ -8,7 +8,11 @@ arrays, the same mesh and rules; the sampler compiles once), with the key
 ``fold_in(sampler_key, step)``; the completions are decoded, scored by every reward function,
 and their weighted sum ``r`` becomes the advantage ``A = r - mean_group(r)`` (divided by the
 group's std + 1e-4 with ``scale_rewards="group"``, the batch's with ``"batch"``; not with
-``"none"``). The old policy's per-token log-probs (``num_iterations > 1``) and the reference's
+``"none"``; TRL's ``multi_objective_aggregation``: ``normalize_then_sum`` normalises each function
+in its group first, see ``group_rewards``). A function may return None for a completion it does not
+apply to (left out of the sums and means; a completion no function scored gets advantage 0); with
+``mask_truncated_completions`` a completion without an eos keeps its place in its group and leaves
+the loss. The old policy's per-token log-probs (``num_iterations > 1``) and the reference's
 (``beta > 0``) are computed once per rollout. The rollout is reused by ``num_iterations`` steps.
 
 The batch (``[rows, length]``, a row = left-padded prompt + completion, ``length = seq_len``):
@@ -217,8 +221,10 @@ def load_reward_function(spec: str) -> RewardFunction:
 
 def score(functions, prompts, completions, completion_ids, columns) -> np.ndarray:
     """``[completions, functions]`` float32 rewards, each function called as TRL calls it:
-    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``. A function that raises or
-    returns anything but one finite number per completion is a one-line ``RewardError``."""
+    ``fn(prompts=..., completions=..., completion_ids=..., **columns)``. ``None`` (TRL: the function
+    does not apply to that completion) is NaN here, left out of the sums and means as TRL leaves it.
+    A function that raises or returns anything but one finite number or None per completion is a
+    one-line ``RewardError``; so is a rollout none of whose completions any function scored."""
     n = len(completions)
     out = np.zeros((n, len(functions)), np.float32)
     for j, f in enumerate(functions):
@@ -234,6 +240,9 @@ def score(functions, prompts, completions, completion_ids, columns) -> np.ndarra
         if count != n:
             raise RewardError(f"{where} returned {count} rewards for {n} completions (one per completion)")
         for i, v in enumerate(values):
+            if v is None:
+                out[i, j] = np.nan
+                continue
             try:
                 x = float(v)
             except (TypeError, ValueError):
@@ -241,22 +250,70 @@ def score(functions, prompts, completions, completion_ids, columns) -> np.ndarra
             if not math.isfinite(x):
                 raise RewardError(f"{where} returned {x} for completion {i}: rewards must be finite numbers")
             out[i, j] = x
+    if n and np.isnan(out).all(1).all():
+        names = ", ".join(f.name for f in functions)
+        raise RewardError(f"reward functions {names} returned None for all {n} completions: none was scored")
     return out
+
+
+def nan_mean_std(x: np.ndarray, axis) -> tuple[np.ndarray, np.ndarray]:
+    """The mean and the unbiased std over ``axis`` of ``x``'s non-NaN values (kept dims), as TRL's
+    ``nanmean`` and ``nanstd``: NaN where no value (mean) or fewer than two (std) are left."""
+    x = np.asarray(x, np.float32)
+    valid = ~np.isnan(x)
+    count = valid.sum(axis, keepdims=True).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(valid, x, 0).sum(axis, keepdims=True, dtype=np.float32) / count
+        var = np.where(valid, (x - mean) ** 2, 0).sum(axis, keepdims=True, dtype=np.float32) / (count - 1)
+        std = np.where(count > 1, np.sqrt(var), np.nan)
+    return mean.astype(np.float32), std.astype(np.float32)
 
 
 def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
     """``(advantages, std)`` of summed rewards ``[completions]`` (groups of ``group`` in a row):
     ``r - mean_group(r)``, divided by ``std + 1e-4`` (unbiased std of the group, or of the batch)
-    unless ``scale="none"``, as TRL's GRPOTrainer (float32)."""
+    unless ``scale="none"``, as TRL's GRPOTrainer (float32). A NaN reward (no function scored the
+    completion) is left out of the means and stds and gets advantage 0."""
     r = np.asarray(rewards, np.float32)
-    grouped = r.reshape(-1, group)
-    mean = np.repeat(grouped.mean(1, dtype=np.float32), group)
-    if scale == "batch":
-        std = np.full_like(r, r.std(ddof=1, dtype=np.float32))
-    else:
-        std = np.repeat(grouped.std(1, ddof=1, dtype=np.float32), group)
+    mean, std = nan_mean_std(r.reshape(-1, group), 1)
+    mean = np.repeat(mean[:, 0], group)
+    std = np.full_like(r, nan_mean_std(r, 0)[1][0]) if scale == "batch" else np.repeat(std[:, 0], group)
     centred = r - mean
-    return (centred if scale == "none" else centred / (std + np.float32(1e-4))).astype(np.float32), std
+    out = centred if scale == "none" else centred / (std + np.float32(1e-4))
+    return np.nan_to_num(out, nan=0.0).astype(np.float32), std
+
+
+def group_rewards(per_function: np.ndarray, weights: np.ndarray, group: int, scale: str,
+                  aggregation: str = "sum_then_normalize") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rewards, advantages, std)`` of a rollout's ``[completions, functions]`` rewards (NaN: not
+    scored), as TRL's ``multi_objective_aggregation``: ``sum_then_normalize`` the weighted sum of
+    the functions' rewards normalised in its group (``advantages``); ``normalize_then_sum`` each
+    function's rewards normalised in its group first, their weighted sum then normalised over the
+    batch. ``rewards`` (the weighted sum, NaN where nothing scored) is what the metrics report;
+    ``std`` the spread whose zeros ``frac_reward_zero_std`` counts."""
+    per_function = np.asarray(per_function, np.float32)
+    weights = np.asarray(weights, np.float32)
+    unscored = np.isnan(per_function).all(1)
+    rewards = np.nansum(per_function * weights[None, :], 1).astype(np.float32)
+    rewards[unscored] = np.nan
+    if aggregation == "sum_then_normalize":
+        adv, std = advantages(rewards, group, scale)
+        return rewards, adv, std
+    grouped = per_function.reshape(-1, group, per_function.shape[1])
+    mean_k, std_k = nan_mean_std(grouped, 1)
+    normalised = ((grouped - mean_k) / (std_k + np.float32(1e-4))).reshape(per_function.shape)
+    summed = np.nansum(normalised * weights[None, :], 1).astype(np.float32)
+    summed[unscored] = np.nan
+    mean, std = nan_mean_std(summed, 0)
+    adv = np.nan_to_num((summed - mean) / (std + np.float32(1e-4)), nan=0.0).astype(np.float32)
+    return rewards, adv, np.full_like(summed, std[0])
+
+
+def truncated(completions: np.ndarray, lengths: np.ndarray, ended: np.ndarray, pad_id: int) -> np.ndarray:
+    """Which completions TRL's ``mask_truncated_completions`` masks: those whose last token is
+    neither an eos nor the pad token (they ran out of room)."""
+    last = completions[np.arange(len(lengths)), np.maximum(lengths, 1) - 1]
+    return ~ended & (last != pad_id)
 
 
 # ------------------------------------------------------------------------------ rollout rows

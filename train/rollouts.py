@@ -19,12 +19,14 @@ import numpy as np
 from shardzoo.data.prompts import PromptIterator, tokenize_prompts
 from shardzoo.errors import UserError
 from shardzoo.train.grpo import (
-    advantages,
     completion_lengths,
+    group_rewards,
     left_pad,
     load_reward_function,
+    nan_mean_std,
     rollout_rows,
     score,
+    truncated,
 )
 from shardzoo.train.trainer import Trainer
 
@@ -41,10 +43,12 @@ class Rollouts:
     """A GRPO run's train data (see the module docstring)."""
 
     def __init__(self, prompts, tokenizer, functions, weights, *, group: int, iterations: int, scale: str,
-                 prompt_width: int, completion: int, sampling: dict, batch_size: int, seed: int):
+                 prompt_width: int, completion: int, sampling: dict, batch_size: int, seed: int,
+                 aggregation: str = "sum_then_normalize", mask_truncated: bool = False):
         self.prompts, self.tokenizer, self.functions = prompts, tokenizer, functions
         self.weights = np.asarray(weights, np.float32)
         self.group, self.iterations, self.scale = group, iterations, scale
+        self.aggregation, self.mask_truncated = aggregation, mask_truncated
         self.prompt_width, self.completion, self.sampling = prompt_width, completion, sampling
         self.iterator = PromptIterator(len(prompts), batch_size // group, seed)
         self.sampler_key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), SAMPLER_STREAM)),
@@ -120,7 +124,8 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
     sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     return Rollouts(prompts, tokenizer, functions, weights, group=cfg.num_generations, iterations=cfg.num_iterations,
                     scale=cfg.scale_rewards, prompt_width=width, completion=completion, sampling=sampling,
-                    batch_size=cfg.batch_size, seed=cfg.seed)
+                    batch_size=cfg.batch_size, seed=cfg.seed, aggregation=cfg.multi_objective_aggregation,
+                    mask_truncated=cfg.mask_truncated_completions)
 
 
 class GRPOTrainer(Trainer):
@@ -148,10 +153,12 @@ class GRPOTrainer(Trainer):
         completions, ids = data.completions(tokens[:, data.prompt_width:], lengths)
         prompts, columns = data.columns(indices)
         per_function = score(data.functions, prompts, completions, ids, columns)  # [completions, functions]
-        rewards = per_function @ data.weights
-        advantage, std = advantages(rewards, data.group, data.scale)
+        rewards, advantage, std = group_rewards(per_function, data.weights, data.group, data.scale, data.aggregation)
         host = {**rollout_rows(tokens, prompt_lengths, lengths, data.prompt_width, tok.pad_id),
                 "advantages": advantage, "weights": np.ones(len(tokens), np.float32)}
+        if data.mask_truncated:  # TRL's mask_truncated_completions: they stay in the groups, out of the loss
+            cut = truncated(tokens[:, data.prompt_width:], lengths, ended, tok.pad_id)
+            host["loss_mask"] = host["loss_mask"] * (~cut)[:, None].astype(np.float32)
         task = program.task
         if task.num_iterations > 1:  # the old policy's log-probs: these params, once per rollout
             host["old_logps"] = np.asarray(program.compiled_old_logps_step()(params, program.place(host))["old_logps"])
@@ -159,11 +166,13 @@ class GRPOTrainer(Trainer):
             reference = self.reference_params if self.reference_params is not None else params
             host["ref_logps"] = np.asarray(program.compiled_reference_step()(reference, program.place(host))["ref_logps"])
         t2 = time.perf_counter()
-        metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std(ddof=1)),
+        mean, spread = nan_mean_std(rewards, 0)  # NaN: a completion no function scored, left out as TRL does
+        metrics = {"reward": float(mean[0]), "reward_std": float(spread[0]),
                    "frac_reward_zero_std": float(np.isclose(std, 0.0).mean())}
         for j, f in enumerate(data.functions):
-            metrics[f"rewards/{f.name}/mean"] = float(per_function[:, j].mean())
-            metrics[f"rewards/{f.name}/std"] = float(per_function[:, j].std(ddof=1))
+            mean, spread = nan_mean_std(per_function[:, j], 0)
+            metrics[f"rewards/{f.name}/mean"] = float(mean[0])
+            metrics[f"rewards/{f.name}/std"] = float(spread[0])
         metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
                         "completions/max_length": float(lengths.max()),
                         "completions/clipped_ratio": float((~ended).mean()),

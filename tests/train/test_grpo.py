@@ -27,10 +27,13 @@ from shardzoo.train.grpo import (  # noqa: E402
     RewardError,
     RewardFunction,
     advantages,
+    completion_lengths,
+    group_rewards,
     grpo_task,
     left_pad,
     rollout_rows,
     score,
+    truncated,
 )
 from shardzoo.train.hf_io import export_hf, load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
@@ -55,6 +58,10 @@ def raises(prompts, completions, **columns):
 
 def length(prompts, completions, completion_ids, **columns):
     return [len(ids) / 10 for ids in completion_ids]
+
+def odd_rows(prompts, completions, completion_ids, **columns):
+    """Scores every other completion; None (TRL: does not apply) for the rest."""
+    return [len(ids) / 10 if i % 2 else None for i, ids in enumerate(completion_ids)]
 '''
 
 
@@ -152,6 +159,83 @@ def test_advantages_are_trls_group_normalisation():
     np.testing.assert_allclose(plain, (groups - groups.mean(1, keepdims=True)).ravel(), atol=1e-6)
     batch, _ = advantages(REWARDS, G, "batch")
     np.testing.assert_allclose(batch, plain / (REWARDS.std(ddof=1) + 1e-4), atol=1e-6)
+
+
+def trl_group_rewards(per_function, weights, group, scale, aggregation):
+    """TRL's ``GRPOTrainer._generate_and_score_completions`` reward aggregation (trl 1.16), in torch
+    with TRL's own ``nanstd``: ``(rewards, advantages)``."""
+    from trl.trainer.utils import nanstd
+
+    per_function, weights = torch.tensor(per_function), torch.tensor(weights)
+    unscorable = torch.isnan(per_function).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0)
+        std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group, dim=0) if scale != "batch" \
+            else nanstd(rewards).expand_as(rewards)
+        adv = rewards - mean
+        if scale != "none":
+            adv = adv / (std + 1e-4)
+    else:
+        grouped = per_function.view(-1, group, per_function.shape[1])
+        reward_k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        summed = (reward_k.view(-1, per_function.shape[1]) * weights.unsqueeze(0)).nansum(dim=1)
+        summed[unscorable] = torch.nan
+        adv = (summed - torch.nanmean(summed)) / (nanstd(summed).expand_as(summed) + 1e-4)
+    logged = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    return logged.numpy(), torch.nan_to_num(adv, nan=0.0).numpy()
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_rewards_with_none_and_both_aggregations_equal_trls(aggregation):
+    """Two functions over two groups of 4; the second does not apply (None: NaN) to some
+    completions, neither to completion 5: it gets advantage 0 and stays out of its group's mean."""
+    nan = np.nan
+    per_function = np.array([[1.0, 0.5], [0.0, nan], [2.0, 1.5], [0.5, nan],
+                             [1.5, 0.0], [nan, nan], [0.25, 1.0], [3.0, nan]], np.float32)
+    weights = np.array([1.0, 0.5], np.float32)
+    for scale in ("group", "batch", "none"):
+        rewards, adv, _ = group_rewards(per_function, weights, 4, scale, aggregation)
+        want_rewards, want_adv = trl_group_rewards(per_function, weights, 4, scale, aggregation)
+        np.testing.assert_allclose(rewards, want_rewards, atol=1e-6)  # NaN where TRL has NaN
+        np.testing.assert_allclose(adv, want_adv, atol=1e-5)
+        assert adv[5] == 0.0 and np.isfinite(adv).all() and np.abs(adv).max() > 0.1, scale
+        if aggregation == "normalize_then_sum":
+            break  # TRL's normalize_then_sum always normalises over the batch
+    if aggregation == "normalize_then_sum":  # not the other aggregation's advantages, the same logged rewards
+        other_rewards, other, _ = group_rewards(per_function, weights, 4, "batch", "sum_then_normalize")
+        assert np.abs(other - adv).max() > 1e-2
+        np.testing.assert_allclose(other_rewards, rewards, atol=1e-6)
+
+
+def test_truncated_completions_are_trls_and_leave_the_loss(ours):
+    """TRL's ``mask_truncated_completions``: a completion whose last token is neither an eos nor the
+    pad token is masked. With one iteration (ratio 1) the loss is -A averaged as each aggregation
+    says over the completions (grpo, dr_grpo: all of them) or the tokens that still score (bnpo)."""
+    completions = np.zeros((len(COMPLETIONS), COMPLETION), np.int32)
+    for i, c in enumerate(COMPLETIONS):
+        completions[i, : len(c)] = c
+    completions[3, -1] = 0  # ran to the end on a pad token: TRL does not count it as truncated
+    lengths, ended = completion_lengths(completions, (2,))
+    cut = truncated(completions, lengths, ended, pad_id=0)
+    trl = [int(row[:n][-1]) not in (2, 0) for row, n in zip(completions, lengths, strict=True)]
+    assert cut.tolist() == trl == [False, True, False, False, False, False]
+    advantage = np.array([1.0, -3.0, 0.5, 2.0, -1.0, 0.25], np.float32)
+    batch = rollout_batch(advantage)
+    batch["loss_mask"] = batch["loss_mask"] * (~cut)[:, None]
+    tokens = np.array([len(c) for c in COMPLETIONS]) * (~cut)
+    want = {"grpo": -(advantage * ~cut).sum() / len(cut), "bnpo": -(advantage * tokens).sum() / tokens.sum(),
+            "dr_grpo": -(advantage * tokens).sum() / (len(cut) * COMPLETION)}
+    program = program_of(ours, grpo_task("grpo", 0.0, max_completion_length=COMPLETION))
+    placed = program.place(batch)
+    outputs, _, _ = forward(program.task, program.module, ours.params, placed, jax.random.PRNGKey(0),
+                            deterministic=True)
+    for loss, value in want.items():
+        task = grpo_task(loss, 0.0, num_iterations=1, max_completion_length=COMPLETION)
+        got = task.sums(outputs, placed)["loss"] / jnp.sum(placed["weights"])
+        assert float(got) == pytest.approx(value, abs=1e-6), loss
 
 
 @pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo"])
@@ -283,19 +367,53 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
         evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight")))  # not its prompts as text
 
 
+def test_a_run_with_none_rewards_normalize_then_sum_and_truncated_completions_masked(hf):
+    """The rollout's path for TRL's options: a function returning None for every other completion
+    (its mean over the rest), normalize_then_sum, and completions cut at 4 tokens without an eos out
+    of the loss (their rows' masks 0, the others' not)."""
+    class Watch(Hook):
+        seen = []
+
+        def after_step(self, trainer, step, batch, record):
+            host, _ = trainer.train_data.current
+            self.seen.append((host["loss_mask"].copy(), host["inputs"].copy()))
+
+    quiet(settings(hf, "options", steps=2, max_completion_length=4, mask_truncated_completions=True,
+                   multi_objective_aggregation="normalize_then_sum",
+                   reward_funcs=(f"{hf.reward}:words", f"{hf.reward}:odd_rows")), hooks=(Watch(),))
+    rows = records(hf, "options")
+    width, eos, pad = 24 - 4, hf.tok.eos_token_id, hf.tok.pad_token_id
+    masked = kept = 0
+    for mask, inputs in Watch.seen:
+        completions = inputs[:, width:]  # a row: the prompt in width slots, then the 4 sampled tokens
+        lengths, ended = completion_lengths(completions, (eos,))
+        cut = truncated(completions, lengths, ended, pad)
+        np.testing.assert_array_equal(mask.sum(1) == 0, cut)  # exactly the truncated rows leave the loss
+        masked, kept = masked + int(cut.sum()), kept + int((~cut).sum())
+    assert masked > 0 and kept > 0, (masked, kept)
+    for r in rows.values():
+        assert np.isfinite(r["rewards/odd_rows/mean"]) and np.isfinite(r["loss"])
+        assert r["rewards/odd_rows/mean"] >= 0.1  # the mean of the completions it scored: lengths >= 1 over 10
+
+
 def test_reward_function_failures_are_one_line():
     ok = RewardFunction("ok", lambda prompts, completions, **kw: [1.0] * len(completions), "r.py:ok")
     cases = {
         "raises": (lambda prompts, completions, **kw: {}["answer"], "raised KeyError: 'answer'"),
         "short": (lambda prompts, completions, **kw: [1.0], "returned 1 rewards for 2 completions"),
         "nan": (lambda prompts, completions, **kw: [1.0, float("nan")], "returned nan for completion 1"),
-        "none": (lambda prompts, completions, **kw: [None, 1.0], "returned None for completion 0"),
+        "text": (lambda prompts, completions, **kw: ["x", 1.0], "returned 'x' for completion 0, not a number"),
     }
     for name, (fn, words) in cases.items():
         with pytest.raises(RewardError) as e:
             score([ok, RewardFunction(name, fn, f"r.py:{name}")], ["p", "p"], ["a", "b"], [[1], [2]], {})
         message = str(e.value)
         assert "\n" not in message and f"reward function {name} (r.py:{name})" in message and words in message
+    never = RewardFunction("never", lambda prompts, completions, **kw: [None] * len(completions), "r.py:never")
+    with pytest.raises(RewardError, match=r"^reward functions never, never returned None for all 2 completions"):
+        score([never, never], ["p", "p"], ["a", "b"], [[1], [2]], {})
+    some = score([never, ok], ["p", "p"], ["a", "b"], [[1], [2]], {})  # None: not applicable, as TRL
+    assert np.isnan(some[:, 0]).all() and (some[:, 1] == 1.0).all()
 
 
 def test_a_failing_reward_function_stops_the_run_with_one_line(hf, capsys):
