@@ -232,11 +232,25 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "
                         "choices, label} (e.g. JSONL)")
-    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo"),
+    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo", "rewards"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
                         "accuracy by each choice's log-likelihood; dpo: the preference loss and TRL's "
-                        "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference "
-                        "(default: the --checkpoint run's task: dpo for a preference run, else lm)")
+                        "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference; "
+                        "rewards: completions sampled for the prompts of --data, scored by reward functions "
+                        "(default: the --checkpoint run's task: dpo for a preference run, rewards for a "
+                        "grpo run, else lm)")
+    p.add_argument("--reward-funcs", default=None, metavar="FILE.py:FN,...",
+                   help="--task rewards: reward functions, TRL's signature (default: the grpo run's)")
+    p.add_argument("--reward-weights", default=None, metavar="W,...",
+                   help="--task rewards: their weights (default: the run's, else 1 each)")
+    p.add_argument("--num-generations", type=int, default=1, metavar="N",
+                   help="--task rewards: completions sampled per prompt (default: 1)")
+    p.add_argument("--max-completion-length", type=int, default=None, metavar="N",
+                   help="--task rewards: tokens sampled per completion (default: the run's, else half --seq-len)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="--task rewards: sampling temperature, 0 for greedy (default: the run's, else 1)")
+    p.add_argument("--top-k", type=int, default=None, help="--task rewards: sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="--task rewards: nucleus sampling's mass")
     p.add_argument("--reference", default=None, metavar="DIR",
                    help="--task dpo: the reference model, a run or HF dir (default: the run's --reference, "
                         "else its --init-from)")
@@ -275,9 +289,14 @@ def cmd_eval(args) -> int:
     import dataclasses
 
     from shardzoo.train import evaluate
+    from shardzoo.values import coerce
 
     fields = {f.name for f in dataclasses.fields(evaluate.EvalSettings)}
-    metrics = evaluate.run(evaluate.EvalSettings(**{k: v for k, v in vars(args).items() if k in fields}))
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    for name, tp in (("reward_funcs", tuple[str, ...]), ("reward_weights", tuple[float, ...])):
+        if given.get(name) is not None:  # comma-separated, as train's
+            given[name] = coerce(given[name], tp, f"--{name.replace('_', '-')}")
+    metrics = evaluate.run(evaluate.EvalSettings(**given))
     print(evaluate.format_metrics(metrics))
     return 0
 

@@ -46,7 +46,7 @@ from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import summarize_eval
 
-TASKS = ("lm", "multiple-choice", "dpo")
+TASKS = ("lm", "multiple-choice", "dpo", "rewards")
 MC_COLUMNS = ("context", "choices", "label")
 TARGET_DELIMITER = " "  # lm-evaluation-harness's default target_delimiter
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
@@ -61,6 +61,14 @@ class EvalSettings:
     hf: str | None = None
     task: str | None = None  # None: the run's (dpo for a preference run), else lm
     reference: str | None = None  # --task dpo: the reference model (default: the run's)
+    # --task rewards (a grpo run's default): completions sampled for prompts, scored by reward functions
+    reward_funcs: tuple[str, ...] | None = None  # None: the run's
+    reward_weights: tuple[float, ...] | None = None
+    num_generations: int = 1  # completions per prompt
+    max_completion_length: int | None = None  # None: the run's, else half --seq-len
+    temperature: float | None = None  # None: the run's, else 1.0; 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
     target_delimiter: str | None = None  # None: TARGET_DELIMITER (multiple choice only)
     split: str = "all"
     eval_fraction: float | None = None  # None (and seed, columns, add_bos, seq_len): the run's
@@ -472,15 +480,14 @@ def run(s: EvalSettings) -> dict:
     whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
     run_task = ((whole_run.get("settings") or {}).get("task") or {}).get("task")
     if s.task is None:  # the run's own task
-        s = dataclasses.replace(s, task="dpo" if run_task == "dpo" else "lm")
-    if run_task == "grpo" and s.data is None:
-        raise UserError("a grpo run trained on prompts and their rewards: give --data of texts to score "
-                        "(--task lm), of rows {context, choices, label} (--task multiple-choice) or of "
-                        "preference pairs (--task dpo --reference DIR)")
+        s = dataclasses.replace(s, task={"dpo": "dpo", "grpo": "rewards"}.get(run_task, "lm"))
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
     if s.reference is not None and s.task != "dpo":
         raise UserError("--reference goes with --task dpo")
+    given = [f for f in REWARD_FLAGS if getattr(s, f) != EvalSettings.__dataclass_fields__[f].default]
+    if given and s.task != "rewards":
+        raise UserError(f"--{given[0].replace('_', '-')} goes with --task rewards")
     if s.step is not None and s.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
     if (s.batch_size is not None and s.batch_size < 1) or (s.seq_len is not None and s.seq_len < 1):
@@ -499,6 +506,10 @@ def run(s: EvalSettings) -> dict:
     mesh, rules = mesh_and_rules(s.mesh, s.rules)
     module, config, params, tokenizer = hf_io.load_for_generate(s.checkpoint, s.hf, mesh, rules, s.dtype,
                                                                 step=s.step)
+    if s.task == "rewards":
+        if model_info.task(config) != "lm":
+            raise UserError(f"--task rewards samples from a language model; this model does {model_info.task(config)}")
+        return _finish(s, evaluate_rewards_run(s, whole_run, config, params, mesh, rules, tokenizer))
     if s.task == "dpo":
         if model_info.task(config) != "lm":
             raise UserError(f"--task dpo scores a language model; this model does {model_info.task(config)}")
@@ -533,6 +544,107 @@ def run(s: EvalSettings) -> dict:
     return _finish(s, metrics)
 
 
+REWARD_FLAGS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature",
+                "top_k", "top_p")
+
+
+def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules, tokenizer) -> dict:
+    """``shardzoo eval --task rewards`` (a grpo run's default): ``--num-generations`` completions
+    per prompt of ``--data`` (default: the run's prompts), sampled by the Program's decoding as the
+    run's rollouts were (its temperature, top-k, top-p and completion length unless given;
+    ``--temperature 0``: greedy), scored by the reward functions (default: the run's, with its
+    weights); TRL's reward metrics over them: ``reward`` (mean of the weighted sums) and
+    ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``completions/mean_length`` and
+    ``completions/clipped_ratio``. The same seed samples the same completions."""
+    from shardzoo.data import load_source
+    from shardzoo.data.prompts import tokenize_prompts
+    from shardzoo.train.grpo import (
+        completion_lengths,
+        left_pad,
+        load_reward_function,
+        nan_mean_std,
+        score,
+    )
+
+    settings = run.get("settings") or {}
+    task, data_settings = settings.get("task") or {}, settings.get("data") or {}
+    specs = s.reward_funcs or task.get("reward_funcs")
+    if not specs:
+        raise UserError("--task rewards needs --reward-funcs FILE.py:FUNCTION[,...] (this model records none)")
+    functions = [load_reward_function(spec) for spec in specs]
+    weights = s.reward_weights if s.reward_weights is not None else \
+        (task.get("reward_weights") if not s.reward_funcs else None) or (1.0,) * len(functions)
+    if len(weights) != len(functions):
+        raise UserError(f"--reward-weights has {len(weights)} values for {len(functions)} reward functions")
+    data = s.data or data_settings.get("data")
+    if data is None:
+        raise UserError("--data SPEC of prompts is required (only a run that records its data defaults to it)")
+    if s.split != "all":
+        raise UserError("--task rewards scores every prompt of --data: a grpo run holds none out (give the "
+                        "held-out prompts as --data)")
+    temperature = s.temperature if s.temperature is not None else task.get("temperature", 1.0)
+    group = s.num_generations
+    if group < 1:
+        raise UserError(f"--num-generations must be at least 1, got {group}")
+    if temperature == 0 and group > 1:
+        raise UserError(f"--num-generations {group} at --temperature 0: greedy decoding gives one completion")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0, got {temperature}")
+    sampling = {"temperature": float(temperature), "top_k": s.top_k if s.top_k is not None else task.get("top_k", 0),
+                "top_p": s.top_p if s.top_p is not None else task.get("top_p", 1.0)}
+    seq_len = s.seq_len or data_settings.get("seq_len") or default_seq_len(config, None)
+    completion = s.max_completion_length or (data_settings.get("max_completion_length") if not s.seq_len else None) \
+        or seq_len // 2
+    width = seq_len - completion
+    if width < 1:
+        raise UserError(f"--max-completion-length {completion} leaves no room for a prompt in --seq-len {seq_len}")
+    add_bos = s.add_bos or data_settings.get("add_bos", False)
+    prompts = tokenize_prompts(load_source(data), tokenizer, data, add_bos=add_bos,
+                               max_prompt_length=min(data_settings.get("max_prompt_length") or width, width))
+    rows = s.batch_size or mesh.size * max(1, 8 // mesh.size)
+    per_call = max(1, rows // group)  # prompts per compiled call; the last call padded with the first prompt
+    program = Program(config, rules, mesh)
+    params = jax.device_put(params, program.shardings.params)
+    seed = s.seed if s.seed is not None else 0
+    per_function, lengths, ended, picked = [], [], [], []
+    for start in range(0, len(prompts), per_call):
+        indices = list(range(start, min(start + per_call, len(prompts))))
+        real = len(indices) * group
+        indices += [indices[0]] * (per_call - len(indices))
+        ids = [prompts.ids[i] for i in indices for _ in range(group)]
+        prompt, prompt_lengths = left_pad(ids, width, tokenizer.pad_id)
+        key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), start)), np.uint32)
+        tokens = program.generate(params, prompt, prompt_lengths, max_new_tokens=completion, key=key,
+                                  eos_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, **sampling)[:real, width:]
+        n, done = completion_lengths(tokens, (tokenizer.eos_id,))
+        texts = [tokenizer.decode(row[:k].tolist()) for row, k in zip(tokens, n, strict=True)]
+        if prompts.conversational:
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        chosen = [i for i in indices[: real // group] for _ in range(group)]
+        columns = {k: [v[i] for i in chosen] for k, v in prompts.columns.items()}
+        per_function.append(score(functions, [prompts.prompts[i] for i in chosen], texts,
+                                  [row[:k].tolist() for row, k in zip(tokens, n, strict=True)], columns))
+        lengths.append(n)
+        ended.append(done)
+        picked += chosen
+    per_function = np.concatenate(per_function)
+    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], 1)
+    rewards[np.isnan(per_function).all(1)] = np.nan
+    lengths, ended = np.concatenate(lengths), np.concatenate(ended)
+    mean, std = nan_mean_std(rewards, 0)
+    metrics = {"task": "rewards", "prompts": len(prompts), "completions": len(rewards), "num_generations": group,
+               "reward": float(mean[0]), "reward_std": float(std[0])}
+    for j, f in enumerate(functions):
+        m, sd = nan_mean_std(per_function[:, j], 0)
+        metrics[f"rewards/{f.name}/mean"], metrics[f"rewards/{f.name}/std"] = float(m[0]), float(sd[0])
+    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/clipped_ratio":
+                    float((~ended).mean()), "reward_funcs": list(specs), "reward_weights": [float(w) for w in weights],
+                    **sampling, "max_completion_length": completion, "seq_len": seq_len, "seed": seed, "data": data,
+                    "model": s.checkpoint or s.hf, "batch_size": per_call * group, "rules": rules.name,
+                    "mesh": describe_mesh(mesh)})
+    return metrics
+
+
 def _finish(s: EvalSettings, metrics: dict) -> dict:
     """Write ``metrics`` to ``--out`` (process 0) and return them."""
     if s.out and jax.process_index() == 0:
@@ -559,6 +671,14 @@ def format_metrics(metrics: dict) -> str:
                 f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "
                 f"{metrics['rewards/accuracies']:.4f}, rewards/margins {metrics['rewards/margins']:.4f}, "
                 f"logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected {metrics['logps/rejected']:.4f}")
+    if metrics["task"] == "rewards":
+        per = ", ".join(f"{k[len('rewards/'):-len('/mean')]} {v:.4f}" for k, v in metrics.items()
+                        if k.startswith("rewards/") and k.endswith("/mean"))
+        how = "greedy" if metrics["temperature"] == 0 else f"temperature {metrics['temperature']:g}"
+        return (f"rewards over {metrics['completions']} completions ({metrics['num_generations']} per prompt of "
+                f"{metrics['prompts']}, {how}): reward {metrics['reward']:.4f} (std {metrics['reward_std']:.4f}); "
+                f"{per}; mean length {metrics['completions/mean_length']:.1f}, clipped "
+                f"{metrics['completions/clipped_ratio']:.2f}")
     if metrics["task"] == "multiple-choice":
         return (f"multiple-choice over {metrics['rows']} rows: acc {metrics['acc']:.4f}, "
                 f"acc_norm {metrics['acc_norm']:.4f} (log-likelihood / characters)")

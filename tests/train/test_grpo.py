@@ -337,7 +337,7 @@ def quiet(cfg, hooks=()):
     return result
 
 
-def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf, capsys):
     """Two iterations per rollout: the run stops after step 3, inside the rollout of steps 3-4
     (stored with the checkpoint), and step 5 samples anew with the checkpoint's sampler key."""
     class Watch(Hook):  # what the sampler and the train step see, step by step
@@ -360,11 +360,30 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf):
     for r in straight.values():  # the weighted sum of the functions' rewards
         assert r["reward"] == pytest.approx(r["rewards/words/mean"] + 0.5 * r["rewards/length/mean"], abs=1e-6)
     assert straight[2]["clip_ratio/region_mean"] >= 0 and straight[2]["kl"] > 0  # the second pass moved off 1
-    from shardzoo.errors import UserError
+    evaluate_the_run_by_its_rewards(hf, capsys)
+
+
+def evaluate_the_run_by_its_rewards(hf, capsys):
+    """``shardzoo eval`` of a grpo run: by default its reward functions (with their weights) on
+    completions sampled for its prompts; greedy, the length reward is the mean length over 10."""
+    from shardzoo.cli import main
     from shardzoo.train import evaluate
 
-    with pytest.raises(UserError, match=r"a grpo run trained on prompts and their rewards: give --data"):
-        evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight")))  # not its prompts as text
+    out = hf.root / "eval.json"
+    got = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight"), temperature=0.0, out=str(out)))
+    assert got == json.loads(out.read_text())
+    assert got["task"] == "rewards" and got["prompts"] == 12 and got["completions"] == 12
+    assert got["reward_funcs"] == [f"{hf.reward}:words", f"{hf.reward}:length"] and got["reward_weights"] == [1, 0.5]
+    assert got["rewards/length/mean"] == pytest.approx(got["completions/mean_length"] / 10, abs=1e-6)
+    assert got["reward"] == pytest.approx(got["rewards/words/mean"] + 0.5 * got["rewards/length/mean"], abs=1e-6)
+    assert 0 < got["completions/mean_length"] <= got["max_completion_length"] == 10
+    assert "rewards over 12 completions (1 per prompt of 12, greedy)" in evaluate.format_metrics(got)
+    for bad, words in ((["--num-generations", "2", "--temperature", "0"], "greedy decoding gives one completion"),
+                       (["--task", "lm", "--temperature", "0.5"], "--temperature goes with --task rewards")):
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(hf.root / "straight"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(words), err
 
 
 def test_a_run_with_none_rewards_normalize_then_sum_and_truncated_completions_masked(hf):
