@@ -243,8 +243,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="--task rewards: reward functions, TRL's signature (default: the grpo run's)")
     p.add_argument("--reward-weights", default=None, metavar="W,...",
                    help="--task rewards: their weights (default: the run's, else 1 each)")
-    p.add_argument("--num-generations", type=int, default=1, metavar="N",
-                   help="--task rewards: completions sampled per prompt (default: 1)")
+    p.add_argument("--num-generations", type=int, default=None, metavar="N",
+                   help="--task rewards: completions sampled per prompt (default: the grpo run's, else 1; "
+                        "1 at --temperature 0)")
     p.add_argument("--max-completion-length", type=int, default=None, metavar="N",
                    help="--task rewards: tokens sampled per completion (default: the run's, else half --seq-len)")
     p.add_argument("--temperature", type=float, default=None,

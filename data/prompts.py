@@ -40,6 +40,25 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def subset(self, indices) -> PromptSet:
+        """The prompts at ``indices``, in that order, with their columns."""
+        indices = [int(i) for i in indices]
+        return dataclasses.replace(self, ids=[self.ids[i] for i in indices],
+                                   prompts=[self.prompts[i] for i in indices],
+                                   columns={k: [v[i] for i in indices] for k, v in self.columns.items()},
+                                   truncated=self.truncated[indices] if len(indices) else self.truncated[:0])
+
+
+def split_prompts(prompts: PromptSet, fraction: float, seed: int) -> tuple[PromptSet, PromptSet]:
+    """``(train, held out)``: ``round(fraction * len)`` prompts (at least one) chosen by ``seed``,
+    each part in the data's order; the same for the same prompts, fraction and seed (what
+    ``shardzoo eval --split eval`` of the run reads again)."""
+    order = np.random.default_rng([int(seed), 7]).permutation(len(prompts))
+    count = max(1, round(len(prompts) * fraction))
+    if count >= len(prompts):
+        raise DataError(f"--eval-fraction {fraction} holds out all {len(prompts)} prompts of {prompts.spec!r}")
+    return prompts.subset(np.sort(order[count:])), prompts.subset(np.sort(order[:count]))
+
 
 def tokenize_prompts(ds, tokenizer, spec: str, *, max_prompt_length: int, add_bos: bool = False,
                      skip_bad: bool = False) -> PromptSet:

@@ -214,8 +214,6 @@ class TrainConfig:
         if completion is not None and not 1 <= completion < self.seq_len:
             raise ConfigError(f"--max-completion-length {completion} must be from 1 to --seq-len - 1 "
                               f"({self.seq_len - 1}): each row holds the prompt and its completion")
-        if self.eval_data or self.eval_fraction:
-            raise ConfigError("--task grpo has no held-out evaluation: drop --eval-data/--eval-fraction")
         if self.precompute_reference:
             raise ConfigError("--precompute-reference: GRPO's completions are sampled while training; "
                               "the reference scores them as they come")

@@ -64,7 +64,7 @@ class EvalSettings:
     # --task rewards (a grpo run's default): completions sampled for prompts, scored by reward functions
     reward_funcs: tuple[str, ...] | None = None  # None: the run's
     reward_weights: tuple[float, ...] | None = None
-    num_generations: int = 1  # completions per prompt
+    num_generations: int | None = None  # completions per prompt: the grpo run's, else 1
     max_completion_length: int | None = None  # None: the run's, else half --seq-len
     temperature: float | None = None  # None: the run's, else 1.0; 0: greedy
     top_k: int | None = None
@@ -550,21 +550,17 @@ REWARD_FLAGS = ("reward_funcs", "reward_weights", "num_generations", "max_comple
 
 def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules, tokenizer) -> dict:
     """``shardzoo eval --task rewards`` (a grpo run's default): ``--num-generations`` completions
-    per prompt of ``--data`` (default: the run's prompts), sampled by the Program's decoding as the
-    run's rollouts were (its temperature, top-k, top-p and completion length unless given;
-    ``--temperature 0``: greedy), scored by the reward functions (default: the run's, with its
-    weights); TRL's reward metrics over them: ``reward`` (mean of the weighted sums) and
-    ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``completions/mean_length`` and
-    ``completions/clipped_ratio``. The same seed samples the same completions."""
+    per prompt of ``--data`` (default: the run's prompts; ``--split eval`` the ones it held out),
+    sampled by the Program's decoding as the run's rollouts were (its temperature, top-k, top-p and
+    completion length unless given; ``--temperature 0``: greedy), scored by the reward functions
+    (default: the run's, with its weights); TRL's reward metrics over them
+    (``train.rollouts.reward_metrics``). The same seed samples the same completions: with a grpo
+    run's defaults (its seed, ``--num-generations``, ``--batch-size``) the ones its own
+    evaluations sampled, so ``--split eval`` gives the run's final ``eval_*``."""
     from shardzoo.data import load_source
-    from shardzoo.data.prompts import tokenize_prompts
-    from shardzoo.train.grpo import (
-        completion_lengths,
-        left_pad,
-        load_reward_function,
-        nan_mean_std,
-        score,
-    )
+    from shardzoo.data.prompts import split_prompts, tokenize_prompts
+    from shardzoo.train.grpo import load_reward_function
+    from shardzoo.train.rollouts import held_out_key, reward_metrics, sample_and_score, sampler_key
 
     settings = run.get("settings") or {}
     task, data_settings = settings.get("task") or {}, settings.get("data") or {}
@@ -576,20 +572,26 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
         (task.get("reward_weights") if not s.reward_funcs else None) or (1.0,) * len(functions)
     if len(weights) != len(functions):
         raise UserError(f"--reward-weights has {len(weights)} values for {len(functions)} reward functions")
-    data = s.data or data_settings.get("data")
+    data, split = s.data or data_settings.get("data"), s.split
     if data is None:
         raise UserError("--data SPEC of prompts is required (only a run that records its data defaults to it)")
-    if s.split != "all":
-        raise UserError("--task rewards scores every prompt of --data: a grpo run holds none out (give the "
+    if split == "eval" and s.data is None and s.eval_fraction is None and data_settings.get("eval_data"):
+        data, split = data_settings["eval_data"], "all"
+    same = data == data_settings.get("data")
+    fraction = s.eval_fraction if s.eval_fraction is not None else data_settings.get("eval_fraction") if same else None
+    if split != "all" and not fraction:
+        raise UserError(f"--split {split}: no prompts of {data} were held out (give --eval-fraction, or the "
                         "held-out prompts as --data)")
     temperature = s.temperature if s.temperature is not None else task.get("temperature", 1.0)
-    group = s.num_generations
+    group = s.num_generations or (task.get("num_generations") if task.get("task") == "grpo" else None) or 1
+    if temperature == 0 and not s.num_generations:
+        group = 1  # greedy: one completion per prompt
     if group < 1:
         raise UserError(f"--num-generations must be at least 1, got {group}")
-    if temperature == 0 and group > 1:
-        raise UserError(f"--num-generations {group} at --temperature 0: greedy decoding gives one completion")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise UserError(f"--temperature must be a finite number >= 0, got {temperature}")
+    if temperature == 0 and group > 1:
+        raise UserError(f"--num-generations {group} at --temperature 0: greedy decoding gives one completion")
     sampling = {"temperature": float(temperature), "top_k": s.top_k if s.top_k is not None else task.get("top_k", 0),
                 "top_p": s.top_p if s.top_p is not None else task.get("top_p", 1.0)}
     seq_len = s.seq_len or data_settings.get("seq_len") or default_seq_len(config, None)
@@ -600,48 +602,35 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
         raise UserError(f"--max-completion-length {completion} leaves no room for a prompt in --seq-len {seq_len}")
     add_bos = s.add_bos or data_settings.get("add_bos", False)
     prompts = tokenize_prompts(load_source(data), tokenizer, data, add_bos=add_bos,
-                               max_prompt_length=min(data_settings.get("max_prompt_length") or width, width))
-    rows = s.batch_size or mesh.size * max(1, 8 // mesh.size)
-    per_call = max(1, rows // group)  # prompts per compiled call; the last call padded with the first prompt
+                               max_prompt_length=min(data_settings.get("max_prompt_length") or width, width),
+                               skip_bad=data_settings.get("skip_missing", False))
+    seed = s.seed if s.seed is not None else (settings.get("optimizer") or {}).get("seed", 0)
+    if split != "all":
+        train, held_out = split_prompts(prompts, fraction, seed)
+        prompts = held_out if split == "eval" else train
+    rows = s.batch_size or (data_settings.get("batch_size") if task.get("task") == "grpo" else None) \
+        or mesh.size * max(1, 8 // mesh.size)
+    per_call = max(1, rows // group)  # a grpo run's: its rollouts' shape (its evaluations' calls and keys)
     program = Program(config, rules, mesh)
     params = jax.device_put(params, program.shardings.params)
-    seed = s.seed if s.seed is not None else 0
-    per_function, lengths, ended, picked = [], [], [], []
-    for start in range(0, len(prompts), per_call):
-        indices = list(range(start, min(start + per_call, len(prompts))))
-        real = len(indices) * group
-        indices += [indices[0]] * (per_call - len(indices))
-        ids = [prompts.ids[i] for i in indices for _ in range(group)]
-        prompt, prompt_lengths = left_pad(ids, width, tokenizer.pad_id)
-        key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), start)), np.uint32)
-        tokens = program.generate(params, prompt, prompt_lengths, max_new_tokens=completion, key=key,
-                                  eos_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, **sampling)[:real, width:]
-        n, done = completion_lengths(tokens, (tokenizer.eos_id,))
-        texts = [tokenizer.decode(row[:k].tolist()) for row, k in zip(tokens, n, strict=True)]
-        if prompts.conversational:
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        chosen = [i for i in indices[: real // group] for _ in range(group)]
-        columns = {k: [v[i] for i in chosen] for k, v in prompts.columns.items()}
-        per_function.append(score(functions, [prompts.prompts[i] for i in chosen], texts,
-                                  [row[:k].tolist() for row, k in zip(tokens, n, strict=True)], columns))
-        lengths.append(n)
-        ended.append(done)
-        picked += chosen
-    per_function = np.concatenate(per_function)
-    rewards = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], 1)
-    rewards[np.isnan(per_function).all(1)] = np.nan
-    lengths, ended = np.concatenate(lengths), np.concatenate(ended)
-    mean, std = nan_mean_std(rewards, 0)
-    metrics = {"task": "rewards", "prompts": len(prompts), "completions": len(rewards), "num_generations": group,
-               "reward": float(mean[0]), "reward_std": float(std[0])}
-    for j, f in enumerate(functions):
-        m, sd = nan_mean_std(per_function[:, j], 0)
-        metrics[f"rewards/{f.name}/mean"], metrics[f"rewards/{f.name}/std"] = float(m[0]), float(sd[0])
-    metrics.update({"completions/mean_length": float(lengths.mean()), "completions/clipped_ratio":
-                    float((~ended).mean()), "reward_funcs": list(specs), "reward_weights": [float(w) for w in weights],
-                    **sampling, "max_completion_length": completion, "seq_len": seq_len, "seed": seed, "data": data,
-                    "model": s.checkpoint or s.hf, "batch_size": per_call * group, "rules": rules.name,
-                    "mesh": describe_mesh(mesh)})
+    parts = []
+    with _progress(-(-len(prompts) // per_call), "rewards") as bar:
+        for start in range(0, len(prompts), per_call):
+            key = held_out_key(sampler_key(seed), start // per_call)
+            parts.append(sample_and_score(program, params, prompts, range(start, min(start + per_call, len(prompts))),
+                                          per_call, key=key, tokenizer=tokenizer, functions=functions, group=group,
+                                          width=width, completion=completion, sampling=sampling))
+            bar.update()
+    metrics = {"task": "rewards", "prompts": len(prompts), "completions": len(prompts) * group,
+               "num_generations": group,
+               **reward_metrics(np.concatenate([p.rewards for p in parts]), weights, functions,
+                                np.concatenate([p.lengths for p in parts]), np.concatenate([p.ended for p in parts])),
+               "reward_funcs": list(specs), "reward_weights": [float(w) for w in weights], **sampling,
+               "max_completion_length": completion, "seq_len": seq_len, "seed": seed, "split": split, "data": data,
+               "model": s.checkpoint or s.hf, "batch_size": per_call * group, "rules": rules.name,
+               "mesh": describe_mesh(mesh)}
+    if split != "all":
+        metrics["eval_fraction"] = fraction
     return metrics
 
 

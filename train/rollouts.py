@@ -7,16 +7,22 @@ Its ``state()`` (saved with every checkpoint, like any data iterator's) holds th
 iterator's position, the sampler's key and, when a checkpoint falls inside a rollout's
 iterations, that rollout's batch: a resumed run samples and trains on exactly what the
 uninterrupted run would have.
+
+Held-out prompts (``--eval-data``, or ``--eval-fraction`` of the prompts, a seeded choice) are
+evaluated every ``--eval-every`` steps and at the end as ``shardzoo eval --task rewards`` scores a
+run: completions sampled as the rollouts are (the same compiled sampler, a fixed key of their own),
+TRL's reward metrics named ``eval_*`` (``eval_reward``, ``eval_rewards/<function>/mean``, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import numpy as np
 
-from shardzoo.data.prompts import PromptIterator, tokenize_prompts
+from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
 from shardzoo.train.grpo import (
     completion_lengths,
@@ -28,9 +34,11 @@ from shardzoo.train.grpo import (
     score,
     truncated,
 )
-from shardzoo.train.trainer import Trainer
+from shardzoo.train.metrics import progress
+from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
+EVAL_STREAM = 0xE7A1  # the held-out prompts' completions: fold_in(key(seed), EVAL_STREAM), then the call
 FLOAT_KEYS = ("loss_mask", "advantages", "weights", "old_logps", "ref_logps")
 
 
@@ -44,15 +52,15 @@ class Rollouts:
 
     def __init__(self, prompts, tokenizer, functions, weights, *, group: int, iterations: int, scale: str,
                  prompt_width: int, completion: int, sampling: dict, batch_size: int, seed: int,
-                 aggregation: str = "sum_then_normalize", mask_truncated: bool = False):
+                 aggregation: str = "sum_then_normalize", mask_truncated: bool = False, eval_prompts=None):
         self.prompts, self.tokenizer, self.functions = prompts, tokenizer, functions
         self.weights = np.asarray(weights, np.float32)
         self.group, self.iterations, self.scale = group, iterations, scale
         self.aggregation, self.mask_truncated = aggregation, mask_truncated
+        self.eval_prompts = eval_prompts  # a PromptSet of held-out prompts, or None
         self.prompt_width, self.completion, self.sampling = prompt_width, completion, sampling
         self.iterator = PromptIterator(len(prompts), batch_size // group, seed)
-        self.sampler_key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), SAMPLER_STREAM)),
-                                      np.uint32)
+        self.sampler_key = sampler_key(seed)
         self.current = None  # (host batch, metrics) of the rollout being trained on
         self.used = 0  # steps taken on it
 
@@ -86,20 +94,85 @@ class Rollouts:
         key = jax.random.fold_in(jax.random.wrap_key_data(self.sampler_key), step)
         return np.asarray(jax.random.key_data(key), np.uint32)
 
-    def columns(self, indices) -> tuple[list, dict]:
-        """The prompts (as the data holds them) and the other columns, one per completion."""
-        picked = [int(i) for i in indices for _ in range(self.group)]
-        return ([self.prompts.prompts[i] for i in picked],
-                {k: [v[i] for i in picked] for k, v in self.prompts.columns.items()})
+    def sample(self, program, params, prompts, indices, key) -> Sampled:
+        """``sample_and_score`` of ``prompts`` at ``indices`` with this run's settings, a step's
+        prompts per call (the rollouts' shape: one compiled sampler for both)."""
+        return sample_and_score(program, params, prompts, indices, self.iterator.count, key=key,
+                                tokenizer=self.tokenizer, functions=self.functions, group=self.group,
+                                width=self.prompt_width, completion=self.completion, sampling=self.sampling)
 
-    def completions(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[list, list]:
-        """``(completions, completion_ids)`` as the reward functions get them: texts, or one
-        assistant message each for conversational prompts (TRL's forms)."""
-        ids = [row[:n].tolist() for row, n in zip(tokens, lengths, strict=True)]
-        texts = [self.tokenizer.decode(i) for i in ids]
-        if self.prompts.conversational:
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        return texts, ids
+    def eval_key(self, call: int) -> np.ndarray:
+        return held_out_key(self.sampler_key, call)
+
+
+def sampler_key(seed: int) -> np.ndarray:
+    """A run's sampler key (raw uint32 [2]) from its seed."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), SAMPLER_STREAM)), np.uint32)
+
+
+def held_out_key(key: np.ndarray, call: int) -> np.ndarray:
+    """The key of the held-out prompts' ``call``-th sampling call under the sampler key ``key``:
+    the same at every evaluation of a run, and in ``shardzoo eval --split eval`` of it."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key), EVAL_STREAM), call)
+    return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """What ``sample_and_score`` gives: ``tokens`` [rows, width + completion] (prompt right-aligned
+    in the first ``width`` slots), ``prompt_lengths``, completion ``lengths`` (to the first eos,
+    kept), ``ended`` (an eos came) and ``rewards`` [rows, functions] (NaN: None, not applicable)."""
+
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    lengths: np.ndarray
+    ended: np.ndarray
+    rewards: np.ndarray
+    sampling_s: float  # the sampler's wall time (the rest is decoding the texts and the reward functions)
+
+
+def sample_and_score(program, params, prompts, indices, per_call: int, *, key, tokenizer, functions, group: int,
+                     width: int, completion: int, sampling: dict) -> Sampled:
+    """``group`` completions for each prompt of ``prompts`` (a ``PromptSet``) at ``indices``,
+    sampled by ``program.generate`` on ``params`` (``per_call`` prompts a call: fewer are padded
+    with the first, so every call has one shape and the sampler compiles once) and scored by the
+    reward functions as TRL calls them (``train.grpo.score``: texts, or one assistant message each
+    for conversational prompts; the prompts and the other columns as the data holds them)."""
+    indices = [int(i) for i in indices]
+    rows = len(indices) * group
+    padded = indices + [indices[0]] * (per_call - len(indices))
+    prompt, prompt_lengths = left_pad([prompts.ids[i] for i in padded for _ in range(group)], width, tokenizer.pad_id)
+    start = time.perf_counter()
+    tokens = program.generate(params, prompt, prompt_lengths, max_new_tokens=completion, key=key,
+                              eos_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, **sampling)[:rows]
+    seconds = time.perf_counter() - start
+    lengths, ended = completion_lengths(tokens[:, width:], (tokenizer.eos_id,))
+    ids = [row[:n].tolist() for row, n in zip(tokens[:, width:], lengths, strict=True)]
+    texts = [tokenizer.decode(i) for i in ids]
+    if prompts.conversational:
+        texts = [[{"role": "assistant", "content": t}] for t in texts]
+    picked = [i for i in indices for _ in range(group)]
+    columns = {k: [v[i] for i in picked] for k, v in prompts.columns.items()}
+    rewards = score(functions, [prompts.prompts[i] for i in picked], texts, ids, columns)
+    return Sampled(tokens, prompt_lengths[:rows], lengths, ended, rewards, seconds)
+
+
+def reward_metrics(rewards: np.ndarray, weights, functions, lengths: np.ndarray, ended: np.ndarray,
+                   prefix: str = "", suffix: str = "") -> dict:
+    """TRL's reward and completion metrics of ``rewards`` [completions, functions] (NaN: not
+    scored): ``reward`` (the weighted sums' mean, completions no function scored left out) and
+    ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``completions/mean_length``, ``min``,
+    ``max`` and ``clipped_ratio``; each name as ``prefix + name + suffix``."""
+    summed = np.nansum(rewards * np.asarray(weights, np.float32)[None, :], 1).astype(np.float32)
+    summed[np.isnan(rewards).all(1)] = np.nan
+    mean, std = nan_mean_std(summed, 0)
+    out = {"reward": float(mean[0]), "reward_std": float(std[0])}
+    for j, f in enumerate(functions):
+        mean, std = nan_mean_std(rewards[:, j], 0)
+        out[f"rewards/{f.name}/mean"], out[f"rewards/{f.name}/std"] = float(mean[0]), float(std[0])
+    out.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float((~ended).mean())})
+    return {f"{prefix}{k}{suffix}": v for k, v in out.items()}
 
 
 def rollout_data(cfg, tokenizer) -> Rollouts:
@@ -120,12 +193,19 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
     prompts = tokenize_prompts(load_source(cfg.data), tokenizer, cfg.data,
                                max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
                                skip_bad=cfg.skip_missing)
+    eval_prompts = None
+    if cfg.eval_data:
+        eval_prompts = tokenize_prompts(load_source(cfg.eval_data), tokenizer, cfg.eval_data,
+                                        max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
+                                        skip_bad=cfg.skip_missing)
+    elif cfg.eval_fraction:
+        prompts, eval_prompts = split_prompts(prompts, cfg.eval_fraction, cfg.seed)
     weights = cfg.reward_weights if cfg.reward_weights is not None else (1.0,) * len(functions)
     sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     return Rollouts(prompts, tokenizer, functions, weights, group=cfg.num_generations, iterations=cfg.num_iterations,
                     scale=cfg.scale_rewards, prompt_width=width, completion=completion, sampling=sampling,
                     batch_size=cfg.batch_size, seed=cfg.seed, aggregation=cfg.multi_objective_aggregation,
-                    mask_truncated=cfg.mask_truncated_completions)
+                    mask_truncated=cfg.mask_truncated_completions, eval_prompts=eval_prompts)
 
 
 class GRPOTrainer(Trainer):
@@ -144,20 +224,13 @@ class GRPOTrainer(Trainer):
         """``(host batch, metrics)`` of a new rollout for the prompts at ``indices``."""
         data, program, tok = self.train_data, self.program, self.train_data.tokenizer
         t0 = time.perf_counter()
-        prompt, prompt_lengths = left_pad([data.prompts.ids[int(i)] for i in indices for _ in range(data.group)],
-                                          data.prompt_width, tok.pad_id)
-        tokens = program.generate(params, prompt, prompt_lengths, max_new_tokens=data.completion,
-                                  key=data.key(step), eos_ids=(tok.eos_id,), pad_id=tok.pad_id, **data.sampling)
-        t1 = time.perf_counter()
-        lengths, ended = completion_lengths(tokens[:, data.prompt_width:], (tok.eos_id,))
-        completions, ids = data.completions(tokens[:, data.prompt_width:], lengths)
-        prompts, columns = data.columns(indices)
-        per_function = score(data.functions, prompts, completions, ids, columns)  # [completions, functions]
-        rewards, advantage, std = group_rewards(per_function, data.weights, data.group, data.scale, data.aggregation)
-        host = {**rollout_rows(tokens, prompt_lengths, lengths, data.prompt_width, tok.pad_id),
-                "advantages": advantage, "weights": np.ones(len(tokens), np.float32)}
+        got = data.sample(program, params, data.prompts, indices, data.key(step))
+        lengths, ended, width = got.lengths, got.ended, data.prompt_width
+        rewards, advantage, std = group_rewards(got.rewards, data.weights, data.group, data.scale, data.aggregation)
+        host = {**rollout_rows(got.tokens, got.prompt_lengths, lengths, width, tok.pad_id),
+                "advantages": advantage, "weights": np.ones(len(got.tokens), np.float32)}
         if data.mask_truncated:  # TRL's mask_truncated_completions: they stay in the groups, out of the loss
-            cut = truncated(tokens[:, data.prompt_width:], lengths, ended, tok.pad_id)
+            cut = truncated(got.tokens[:, width:], lengths, ended, tok.pad_id)
             host["loss_mask"] = host["loss_mask"] * (~cut)[:, None].astype(np.float32)
         task = program.task
         if task.num_iterations > 1:  # the old policy's log-probs: these params, once per rollout
@@ -165,16 +238,30 @@ class GRPOTrainer(Trainer):
         if task.beta:  # the reference's: a frozen copy, or these params with the LoRA adapters off
             reference = self.reference_params if self.reference_params is not None else params
             host["ref_logps"] = np.asarray(program.compiled_reference_step()(reference, program.place(host))["ref_logps"])
-        t2 = time.perf_counter()
-        mean, spread = nan_mean_std(rewards, 0)  # NaN: a completion no function scored, left out as TRL does
-        metrics = {"reward": float(mean[0]), "reward_std": float(spread[0]),
-                   "frac_reward_zero_std": float(np.isclose(std, 0.0).mean())}
-        for j, f in enumerate(data.functions):
-            mean, spread = nan_mean_std(per_function[:, j], 0)
-            metrics[f"rewards/{f.name}/mean"] = float(mean[0])
-            metrics[f"rewards/{f.name}/std"] = float(spread[0])
-        metrics.update({"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                        "completions/max_length": float(lengths.max()),
-                        "completions/clipped_ratio": float((~ended).mean()),
-                        "time/sampling_s": t1 - t0, "time/scoring_s": t2 - t1})
+        total = time.perf_counter() - t0
+        metrics = {**reward_metrics(got.rewards, data.weights, data.functions, lengths, ended),
+                   "frac_reward_zero_std": float(np.isclose(std, 0.0).mean()),
+                   "time/sampling_s": got.sampling_s, "time/scoring_s": total - got.sampling_s}
         return host, metrics
+
+    def evaluate(self, sample: bool = False) -> dict:
+        """The held-out prompts' rewards (``eval_reward``, ``eval_rewards/<function>/mean``, ...):
+        completions sampled from the current params as the rollouts are, with the held-out key;
+        the periodic evaluations (``sample``) take the first ``--eval-steps`` calls' prompts (named
+        ``*_sampled`` when that is fewer than all), the final one all of them."""
+        data = self.train_data
+        if data.eval_prompts is None:
+            return {}
+        per_call = data.iterator.count
+        calls = -(-len(data.eval_prompts) // per_call)
+        limit = min(calls, self.cfg.eval_steps) if sample else calls
+        parts = []
+        with progress(limit, "eval", is_main_process()) as bar:
+            for call in range(limit):
+                indices = range(call * per_call, min((call + 1) * per_call, len(data.eval_prompts)))
+                parts.append(data.sample(self.program, self.state.params, data.eval_prompts, indices,
+                                         data.eval_key(call)))
+                bar.update()
+        return reward_metrics(np.concatenate([p.rewards for p in parts]), data.weights, data.functions,
+                              np.concatenate([p.lengths for p in parts]), np.concatenate([p.ended for p in parts]),
+                              prefix="eval_", suffix="_sampled" if limit < calls else "")

@@ -415,6 +415,32 @@ def test_a_run_with_none_rewards_normalize_then_sum_and_truncated_completions_ma
         assert r["rewards/odd_rows/mean"] >= 0.1  # the mean of the completions it scored: lengths >= 1 over 10
 
 
+def test_held_out_prompts_are_scored_while_training_and_again_by_shardzoo_eval(hf):
+    """--eval-fraction 0.25 holds 3 of the 12 prompts out (a seeded choice, disjoint from the
+    rest); step 1's evaluation (--eval-steps 1: one call of 2 prompts) is named *_sampled, the
+    final one scores all 3; ``shardzoo eval --split eval`` of the run samples the same completions
+    and gives the final eval_* (1e-6)."""
+    from shardzoo.data.prompts import PromptSet, split_prompts
+    from shardzoo.train import evaluate
+
+    whole = PromptSet([np.array([i], np.int32) for i in range(12)], [f"p{i}" for i in range(12)],
+                      {"target": [f"t{i}" for i in range(12)]}, False, np.zeros(12, bool))
+    train, held = split_prompts(whole, 0.25, seed=0)
+    assert len(held) == 3 and sorted(train.prompts + held.prompts, key=lambda p: int(p[1:])) == whole.prompts
+    assert [f"t{p[1:]}" for p in held.prompts] == held.columns["target"]  # each row keeps its columns
+    assert split_prompts(whole, 0.25, seed=0)[1].prompts == held.prompts != split_prompts(whole, 0.25, seed=1)[1].prompts
+
+    quiet(settings(hf, "held_out", steps=2, eval_fraction=0.25, eval_every=1, eval_steps=1))
+    rows = records(hf, "held_out")
+    assert "eval_reward_sampled" in rows[1] and "eval_reward" not in rows[1]
+    final = rows[2]
+    assert 0 < final["eval_completions/mean_length"] <= 10 and final["eval_reward"] == final["eval_rewards/words/mean"]
+    got = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "held_out"), split="eval"))
+    assert got["prompts"] == 3 and got["completions"] == 12 and got["num_generations"] == 4
+    for name in ("reward", "reward_std", "rewards/words/mean", "completions/mean_length", "completions/clipped_ratio"):
+        assert got[name] == pytest.approx(final[f"eval_{name}"], abs=1e-6), name
+
+
 def test_reward_function_failures_are_one_line():
     ok = RewardFunction("ok", lambda prompts, completions, **kw: [1.0] * len(completions), "r.py:ok")
     cases = {
