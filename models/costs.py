@@ -210,8 +210,6 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
         attn = 0
     elif mixer == "mamba":
         attn = _mamba_matmul_params(a)
-    elif mixer == "attention+mamba":
-        attn = _mamba_matmul_params(a) + d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
     elif conv:
         attn = 4 * d * d + a.conv_kernel * d
     elif mixer == "linear_attention":
@@ -219,6 +217,7 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
         attn += d * hd * a.num_attention_heads * a.attn_output_gate  # the output gate's projection
+        attn += _mamba_matmul_params(a) if mixer == "attention+mamba" else 0
     if mlp == "none":
         return attn
     if not moe:
@@ -276,14 +275,13 @@ def transformer_params(a, active: bool = False) -> int:
             total += 5 * d * a.conv_bias
         elif spec.mixer == "mamba":
             total += _mamba_extras(a)
-        elif spec.mixer == "attention+mamba":
-            total += _mamba_extras(a) + _attention_extras(a, per)
         elif spec.mixer == "linear_attention":  # A_log and dt_bias per value head, the gated norm's weight
             total += 2 * a.linear_num_value_heads + a.linear_value_head_dim
         elif spec.mixer == "none":
             pass
-        else:
+        else:  # attention (and beside it a mamba mixer)
             total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
+            total += _mamba_extras(a) if spec.mixer == "attention+mamba" else 0
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
                                             + (a.router_kind == "softmax_bias"))  # its correction bias
