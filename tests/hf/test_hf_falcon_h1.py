@@ -128,16 +128,20 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_multiplier_matter
 
 
 @pytest.mark.parametrize("rms_norm,before_gate", [(False, False), (True, False)])
-def test_the_other_mamba_norms_match_transformers(tmp_path, rms_norm, before_gate):
+def test_the_other_mamba_norms_match_transformers(tmp_path, rms_norm, before_gate, parity):
     """mamba_rms_norm false (Falcon-H1-0.5B's: y * silu(z), no norm weight) and the gated norm
-    after the gate (the larger models'): logits equal transformers' on one device."""
+    after the gate (the larger models'): logits equal transformers' on one device; the export
+    loads as the same model (without a norm weight where transformers has none)."""
     model = randomized(FalconH1Config(**CONFIG | dict(mamba_rms_norm=rms_norm, mamba_norm_before_gate=before_gate)),
                        seed=2)
-    model.save_pretrained(tmp_path)
-    module, config, params = load_hf(str(tmp_path), mesh=_one(), rules=get_rules("fsdp"))
+    model.save_pretrained(tmp_path / "hf")
+    module, config, params = load_hf(str(tmp_path / "hf"), mesh=_one(), rules=get_rules("fsdp"))
     assert config.mamba_norm == ("gated" if rms_norm else "none")
     assert ("norm" in params["layers"]["mamba"]) == rms_norm
-    np.testing.assert_allclose(_apply(module, params), hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    ref = hf_logits(model, TOKENS)
+    np.testing.assert_allclose(_apply(module, params), ref, atol=TOL, rtol=0)
+    export_hf(config, params, str(tmp_path / "out"))
+    parity.export_matches(tmp_path / "out", model, TOKENS, ref, TOL)
 
 
 def test_parameter_count_equals_transformers(built):
