@@ -27,11 +27,14 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
 LINEAR = "linear_attention"  # a Gated DeltaNet block in place of attention (Qwen3-Next; models/linear_attention.py)
 MAMBA = "mamba"  # a Mamba2 state-space mixer in place of attention (Mamba2, Bamba, Nemotron-H; models/ssm.py)
+# attention and a Mamba2 mixer side by side on one norm, their outputs summed (Falcon-H1, whose
+# transformers config calls every layer "hybrid"): x + attn(norm(x)) + mamba(norm(x)), then the MLP
+ATTENTION_MAMBA = "attention+mamba"
 # "none" in layer_types: a layer without a token mixer (its block is x + mlp(norm(x)): Nemotron-H's
 # MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
 # Nemotron-H's mamba and attention layers)
 NONE = "none"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, NONE)
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
 MLP_TYPES = (DENSE, MOE, NONE)
@@ -62,7 +65,7 @@ class LayerSpec:
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense", "moe" or "none" (no MLP)
     # "attention", "conv" (a gated short convolution: LFM2), "linear_attention" (Gated DeltaNet),
-    # "mamba" (Mamba2) or "none" (no mixer)
+    # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
 
 
@@ -202,6 +205,19 @@ class TransformerArch:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = feature(False, "mamba_proj_bias")
     time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
+    # the mixer's output gate and norm: "gated" RMSNorm(y * silu(z)) (Mamba2's), "before_gate"
+    # RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
+    mamba_norm: str = feature("gated", {"before_gate": "mamba_norm_before_gate", "none": "mamba_no_norm"})
+    # Falcon-H1's muP multipliers (1: none): the attention's input and output, its keys (the k
+    # projection's output), the mamba mixer's input and output, its in_proj outputs z, x, B, C, dt
+    # (ssm_multipliers), the MLP's gate projection and its output (mlp_multipliers: gate, down)
+    key_multiplier: float = feature(1.0, "mup_multipliers")
+    attention_in_multiplier: float = feature(1.0, "mup_multipliers")
+    attention_out_multiplier: float = feature(1.0, "mup_multipliers")
+    ssm_in_multiplier: float = feature(1.0, "mup_multipliers")
+    ssm_out_multiplier: float = feature(1.0, "mup_multipliers")
+    ssm_multipliers: tuple[float, ...] = feature((1.0,) * 5, "mup_multipliers")
+    mlp_multipliers: tuple[float, float] = feature((1.0, 1.0), "mup_multipliers")
     # Gated DeltaNet (Qwen3-Next's "linear_attention" layers of layer_types; models/linear_attention.py):
     # q, k (linear_num_key_heads x linear_key_head_dim), v, z (linear_num_value_heads x
     # linear_value_head_dim), per value head b and a; a causal depthwise convolution of
@@ -226,7 +242,8 @@ class TransformerArch:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit",
+                     "ssm_multipliers", "mlp_multipliers"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -254,7 +271,7 @@ class TransformerArch:
         if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
             for name in _LINEAR_FIELDS:
                 set_(name, None)
-        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, NONE):
+        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE):
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -322,7 +339,7 @@ class TransformerArch:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
-                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
+                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale", *_MUP_SCALARS):
             if not _positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -368,6 +385,7 @@ class TransformerArch:
             raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
                              "which no family has; remove one")
         self._check_mamba()
+        self._check_multipliers()
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
@@ -390,6 +408,17 @@ class TransformerArch:
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
 
+    def _check_multipliers(self) -> None:
+        for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or len(value) != n or not all(map(_positive, value)):
+                raise ModelError(f"{name}={value!r} must be {n} finite numbers > 0")
+        if self.mlp_type == "plain" and self.mlp_multipliers[0] != 1.0:
+            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)}: a plain MLP has no gate to scale")
+        if self.num_local_experts and self.mlp_multipliers != (1.0, 1.0):
+            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)} scale dense MLPs only; "
+                             f"num_local_experts={self.num_local_experts}")
+
     def _check_mamba(self) -> None:
         types, mlps = self.layer_types or (), self.mlp_layer_types or ()
         if any(t == NONE and m == NONE for t, m in zip(types, mlps, strict=False)):
@@ -409,6 +438,8 @@ class TransformerArch:
                              "convolution's taps)")
         if self.mamba_num_heads % self.mamba_n_groups:
             raise ModelError(f"mamba_n_groups={self.mamba_n_groups} must divide mamba_num_heads={self.mamba_num_heads}")
+        if self.mamba_norm not in ("gated", "before_gate", "none"):
+            raise ModelError(f"mamba_norm={self.mamba_norm!r} is not one of gated, before_gate, none")
         limit = self.time_step_limit
         if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
                 or not 0 <= limit[0] <= limit[1]):
@@ -521,7 +552,8 @@ class TransformerArch:
 
     @property
     def has_mamba_layers(self) -> bool:
-        return self.layer_types is not None and MAMBA in self.layer_types
+        """Layers with a mamba mixer (alone or beside attention)."""
+        return self.layer_types is not None and (MAMBA in self.layer_types or ATTENTION_MAMBA in self.layer_types)
 
     @property
     def mamba_inner(self) -> int:
@@ -573,7 +605,7 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            mixer = kind if kind in (CONV, LINEAR, MAMBA, NONE) else ATTENTION
+            mixer = kind if kind in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE) else ATTENTION
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer))
         return tuple(out)
@@ -588,7 +620,10 @@ _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types"
 
 
 _MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",
-                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit")
+                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "mamba_norm",
+                 "ssm_in_multiplier", "ssm_out_multiplier", "ssm_multipliers")
+_MUP_SCALARS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
+                "ssm_out_multiplier")
 
 
 def _rope_scaling(value, pairs: int):

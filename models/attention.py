@@ -306,6 +306,8 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
+        if a.key_multiplier != 1.0:  # Falcon-H1: the k projection's output (bias included) scaled
+            k = k * jnp.asarray(a.key_multiplier, k.dtype)
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if spec.rope != "none":

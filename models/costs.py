@@ -135,7 +135,7 @@ POLICY_TERMS = {
     "full": ("block_input",),
     "dots_saveable": _DOTS + ("scores", "attn_context"),
     "dots_with_no_batch_dims_saveable": _DOTS,
-    "save_attn_mlp": ("block_input", "attn_context", "mlp_hidden", "shared_hidden"),
+    "save_attn_mlp": ("block_input", "attn_context", "mamba_context", "mlp_hidden", "shared_hidden"),
 }
 # Terms that only a remat policy saves (autodiff without remat does not keep them).
 _POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")
@@ -179,7 +179,8 @@ def _mamba_matmul_params(a) -> int:
 def _mamba_extras(a) -> int:
     """A mamba mixer's other parameters: dt_bias, A_log, D, the gated norm, biases."""
     d, inner, gn, h = a.hidden_size, a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
-    return 3 * h + inner + a.mamba_conv_bias * (inner + 2 * gn) + a.mamba_proj_bias * (2 * inner + 2 * gn + h + d)
+    norm = inner * (a.mamba_norm != "none")
+    return 3 * h + norm + a.mamba_conv_bias * (inner + 2 * gn) + a.mamba_proj_bias * (2 * inner + 2 * gn + h + d)
 
 
 def _mamba_scan_flops(a) -> float:
@@ -202,6 +203,7 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
     """A layer's matmul parameters (a conv layer's: in_proj's three and out_proj, and the
     convolution's taps, each multiplied once per token; a linear-attention layer's likewise; a
     mamba layer's ``_mamba_matmul_params``;
+    an "attention+mamba" layer's both;
     a layer without a mixer or an MLP (``mixer`` / ``mlp`` "none") none of that half's)."""
     d, hd = a.hidden_size, a.head_size
     if mixer == "none":
@@ -215,6 +217,7 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
         attn += d * hd * a.num_attention_heads * a.attn_output_gate  # the output gate's projection
+        attn += _mamba_matmul_params(a) if mixer == "attention+mamba" else 0
     if mlp == "none":
         return attn
     if not moe:
@@ -276,8 +279,9 @@ def transformer_params(a, active: bool = False) -> int:
             total += 2 * a.linear_num_value_heads + a.linear_value_head_dim
         elif spec.mixer == "none":
             pass
-        else:
+        else:  # attention (and beside it a mamba mixer)
             total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
+            total += _mamba_extras(a) if spec.mixer == "attention+mamba" else 0
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
                                             + (a.router_kind == "softmax_bias"))  # its correction bias
@@ -302,7 +306,7 @@ def transformer_flops(a, seq_len: int) -> float:
     state = 0.0  # the gated delta rule's multiply-adds per token, summed over layers
     for s in specs:
         w, c = s.window, s.chunk
-        if s.mixer == "mamba":  # the scan's products (2 x 3 FLOPs per multiply-add, as attention's)
+        if s.mixer in ("mamba", "attention+mamba"):  # the scan's products (2 x 3 FLOPs per multiply-add, as attention's)
             matmul += _mamba_scan_flops(a)
         if s.mixer == "linear_attention":  # per head: three state products, a chunk of 64's q.k, k.k and (q k) v
             dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
@@ -326,9 +330,10 @@ def decode_flops(a, context: float) -> float:
     matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer, s.mlp) for s in specs)
     matmul += a.vocab_size * a.hidden_size
     # a mamba layer's step: the state's update and read, 2 h p n multiply-adds
-    matmul += sum(2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size for s in specs if s.mixer == "mamba")
+    matmul += sum(2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size for s in specs
+                  if s.mixer in ("mamba", "attention+mamba"))
     keys = sum(min(context, s.window or context, s.chunk or context) for s in specs
-               if s.mixer == "attention")
+               if s.mixer in ("attention", "attention+mamba"))
     return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
@@ -409,6 +414,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             terms_ = _conv_terms(terms_, t, d, a.conv_kernel)
         elif s_.mixer == "mamba":
             terms_ = _mamba_terms(terms_, t, a, seq_len)
+        elif s_.mixer == "attention+mamba":  # attention's terms and the mixer's beside them
+            terms_ = _mamba_terms(terms_, t, a, seq_len, keep_attention=True)
         elif s_.mixer == "linear_attention":
             terms_ = _linear_terms(terms_, t, a, e.linear_attention_chunk)
         elif s_.mixer == "none":  # an MLP layer: no mixer's terms, no second residual
@@ -419,7 +426,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         kinds[key] = (terms_, kinds.get(key, (None, 0))[1] + 1)
     n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
     n_dense = a.num_hidden_layers - n_moe
-    attends = any(mixer == "attention" for mixer, _ in kinds)
+    attends = any(mixer in ("attention", "attention+mamba") for mixer, _ in kinds)
     n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
@@ -476,20 +483,23 @@ def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
     return out
 
 
-def _mamba_terms(layer: dict, t, a, seq_len: int) -> dict:
+def _mamba_terms(layer: dict, t, a, seq_len: int, keep_attention: bool = False) -> dict:
     """A mamba layer's terms (models/ssm.py): attention's replaced by in_proj's outputs (z, x,
     B, C, dt), the convolutions' outputs, and the chunked scan's float32 arrays of [chunk] per
     head and token (the decays' differences, their exponential, the masked decay, its products
     with C.B and dt: 6 counting the masks' where), the per-chunk states and the output; then
-    the gated norm's (3 per feature, float32) and the out projection's input."""
-    out = {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
+    the gated norm's (3 per feature, float32) and the out projection's input (``keep_attention``:
+    an attention+mamba layer, attention's terms kept beside them, the out projection's input as
+    ``mamba_context``)."""
+    out = dict(layer) if keep_attention else {k: v for k, v in layer.items() if k not in _ATTENTION_TERMS}
     inner, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
     q = min(a.mamba_chunk_size, seq_len)
     blh = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
     per_chunk_state = h * a.mamba_head_dim * a.ssm_state_size / q  # a chunk's state, per token
     out.update(mamba_in=t(2 * inner + 2 * gn + h, blh), mamba_conv=t(inner + 2 * gn, blh),
                ssm_decay=t(6 * h * q, blh, 4), ssm_states=t(2 * per_chunk_state, blh, 4),
-               ssm_out=t(inner, blh), ssm_norm=t(3 * inner, blh, 4), attn_context=t(inner, blh))
+               ssm_out=t(inner, blh), ssm_norm=t(3 * inner, blh, 4))
+    out["mamba_context" if keep_attention else "attn_context"] = t(inner, blh)
     return out
 
 
@@ -512,7 +522,8 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
     an attention layer's keys, values and segment ids of every position (latent attention: its
     latent and rotary key), a conv layer's last conv_kernel - 1 inputs, a linear-attention layer's
     float32 state per value head, its segment id and its convolution's last inputs, a mamba
-    layer's float32 state, its segment id and its three convolutions' last inputs."""
+    layer's float32 state, its segment id and its three convolutions' last inputs; an
+    attention+mamba layer both an attention layer's and a mamba layer's."""
     out = {}
     for s in a.layer_specs():
         if s.mixer == "linear_attention":
@@ -521,15 +532,17 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
             size = batch_size * (4 * nv * dk * dv + 4 + h * ((2 * nk * dk + nv * dv) * nbytes + 4))
         elif s.mixer == "conv":
             size = batch_size * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
-        elif s.mixer == "mamba":  # the float32 state, its segment id; each of three convolutions' last inputs
-            h, gn = a.mamba_conv_kernel - 1, a.mamba_n_groups * a.ssm_state_size
-            size = batch_size * (4 * a.mamba_inner * a.ssm_state_size + 4
-                                 + h * ((a.mamba_inner + 2 * gn) * nbytes + 3 * 4))
         elif s.mixer == "none":
             continue
-        else:  # and the layer's cache index
-            per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
-            size = batch_size * length * (per * nbytes + 4) + 4
+        else:
+            size = 0
+            if s.mixer in ("mamba", "attention+mamba"):  # the float32 state, its segment id; each of three
+                h, gn = a.mamba_conv_kernel - 1, a.mamba_n_groups * a.ssm_state_size  # convolutions' last inputs
+                size += batch_size * (4 * a.mamba_inner * a.ssm_state_size + 4
+                                      + h * ((a.mamba_inner + 2 * gn) * nbytes + 3 * 4))
+            if s.mixer != "mamba":  # attention's keys, values, segment ids and the layer's cache index
+                per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+                size += batch_size * length * (per * nbytes + 4) + 4
         out[s.mixer] = out.get(s.mixer, 0) + size
     return out
 

@@ -74,6 +74,11 @@ FEATURES = {
               "RMSNorm; out_proj (mamba_num_heads, mamba_head_dim, mamba_n_groups, ssm_state_size, ...)",
     "mamba_proj_bias": "biases on the mamba mixers' in_proj and out_proj (mamba_proj_bias)",
     "time_step_limit": "the mamba mixers' dt clamped to time_step_limit (other than [0, inf])",
+    "mamba_norm_before_gate": "the mamba mixers' output RMSNorm'd before the gate: RMSNorm(y) * silu(z) "
+                              "(Falcon-H1's mamba_norm_before_gate)",
+    "mamba_no_norm": "the mamba mixers' output gated without a norm: y * silu(z) (Falcon-H1's mamba_rms_norm false)",
+    "mup_multipliers": "muP multipliers (Falcon-H1): on the attention's input, keys and output, the mamba mixer's "
+                       "input, in_proj outputs (z, x, B, C, dt) and output, the MLP's gate and output",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",

@@ -352,7 +352,8 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nn.Module):
-    """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward."""
+    """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward;
+    ``mlp_multipliers`` (gate, down) scale the gate projection's output and the MLP's (Falcon-H1)."""
 
     config: object
     placement: object = None
@@ -370,12 +371,17 @@ class MLP(nn.Module):
         def linear(name):
             return Linear((width,), (ax.EMBED, ax.MLP), a.mlp_bias, name=name, **kw)
 
+        gate_scale, down_scale = a.mlp_multipliers  # Falcon-H1's (1, 1 elsewhere)
         if a.mlp_type == "gated":
             up, gate = linear("up"), linear("gate")
             up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))
+            if gate_scale != 1.0:
+                gate = gate * jnp.asarray(gate_scale, gate.dtype)
             h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:
             h = act(linear("up")(x))
         h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP), self.placement), "mlp_hidden")
         out = Linear((a.hidden_size,), (ax.MLP, ax.EMBED), a.mlp_bias, name="down", **kw)(h)
+        if down_scale != 1.0:
+            out = out * jnp.asarray(down_scale, out.dtype)
         return checkpoint_name(out, "mlp_out")  # [batch, length, embed]

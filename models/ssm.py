@@ -9,7 +9,9 @@ dt_bias), time_step_limit)``; ``A = -exp(A_log)``; per head h (heads share B and
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D x_t,
 
 then the gated RMSNorm ``norm(y * silu(z))`` over each group of ``num_heads / n_groups`` heads'
-features (transformers' ``MambaRMSNormGated``) and ``out_proj``.
+features (transformers' ``MambaRMSNormGated``; ``mamba_norm``: or ``norm(y) * silu(z)``, or
+``y * silu(z)`` without a norm) and ``out_proj``. Falcon-H1's ``ssm_multipliers`` scale in_proj's
+five outputs.
 
 Training computes the recurrence in chunks (``ssd``: the SSD form): within a chunk of
 ``mamba_chunk_size`` tokens, quadratically (an attention-like masked product); across chunks the
@@ -200,14 +202,18 @@ def ring_ssd(x, dt, A, B, C, seg, chunk: int, placement):
 
 
 # --------------------------------------------------------------------------------- the mixer
-def gated_rms_norm(y, z, scale, groups: int, eps: float):
+def gated_rms_norm(y, z, scale, groups: int, eps: float, before_gate: bool = False):
     """transformers' ``MambaRMSNormGated``: ``y * silu(z)`` RMS-normalised over each group of
-    heads' features, times ``scale``. y, z [batch, length, heads, head_dim]; scale [heads, head_dim]."""
+    heads' features, times ``scale`` (``before_gate``: ``y`` normalised, then times ``scale`` and
+    ``silu(z)``: Falcon-H1's ``mamba_norm_before_gate``). y, z [batch, length, heads, head_dim];
+    scale [heads, head_dim]."""
     b, length, heads, p = y.shape
-    h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    gate = jax.nn.silu(z.astype(jnp.float32))
+    h = y.astype(jnp.float32) if before_gate else y.astype(jnp.float32) * gate
     h = h.reshape(b, length, groups, heads // groups * p)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (h.reshape(b, length, heads, p) * scale.astype(jnp.float32)).astype(y.dtype)
+    h = h.reshape(b, length, heads, p) * scale.astype(jnp.float32)
+    return (h * gate if before_gate else h).astype(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -231,6 +237,9 @@ class Mamba2Mixer(nn.Module):
         B = Linear((g, n), (ax.EMBED, ax.SSM_GROUPS, ax.SSM_STATE), bias, name="in_b", **kw)(h)
         C = Linear((g, n), (ax.EMBED, ax.SSM_GROUPS, ax.SSM_STATE), bias, name="in_c", **kw)(h)
         dt = Linear((heads,), (ax.EMBED, ax.SSM_HEADS), bias, name="in_dt", **kw)(h)  # [batch, length, ssm_heads]
+        # Falcon-H1's muP vector: each of in_proj's outputs (bias included) times its multiplier
+        z, x, B, C, dt = (t if m == 1.0 else t * jnp.asarray(m, t.dtype)
+                          for t, m in zip((z, x, B, C, dt), a.ssm_multipliers, strict=True))
         x, B, C = constrain(x, BLHP, placement), constrain(B, BLGN, placement), constrain(C, BLGN, placement)
         ring = placement.ring_axes if placement is not None and not decode and not self.is_initializing() else ()
         seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -257,9 +266,13 @@ class Mamba2Mixer(nn.Module):
             y, _ = ssd(x, dt, A, B, C, a.mamba_chunk_size, seg)
         y = y + x.astype(jnp.float32) * D.astype(jnp.float32)[:, None]
         y = checkpoint_name(constrain(y.astype(h.dtype), BLHP, placement), "ssm_out")
-        scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.SSM_HEADS, ax.SSM_HEAD_DIM)),
-                           (heads, p), pdt)
-        y = gated_rms_norm(y, z, scale, g, a.rms_norm_eps)
+        if a.mamba_norm == "none":  # the gate without a norm (Falcon-H1's mamba_rms_norm false)
+            y = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(y.dtype)
+        else:
+            scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.SSM_HEADS,
+                                                                                            ax.SSM_HEAD_DIM)),
+                               (heads, p), pdt)
+            y = gated_rms_norm(y, z, scale, g, a.rms_norm_eps, a.mamba_norm == "before_gate")
         y = checkpoint_name(constrain(y, BLHP, placement), "attn_context")
         out = Linear((a.hidden_size,), (ax.SSM_HEADS, ax.SSM_HEAD_DIM, ax.EMBED), bias, name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]

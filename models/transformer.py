@@ -20,7 +20,16 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.arch import CONV, LINEAR, MAMBA, MOE, NONE, LayerSpec, TransformerArch
+from shardzoo.models.arch import (
+    ATTENTION_MAMBA,
+    CONV,
+    LINEAR,
+    MAMBA,
+    MOE,
+    NONE,
+    LayerSpec,
+    TransformerArch,
+)
 from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.conv_mixer import ShortConv
@@ -174,7 +183,8 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 class Block(nn.Module):
     """Residual block: x + attn(norm(x)), then x + mlp(norm(x)) (a "conv" layer mixes tokens
     by a gated short convolution in attention's place, ``models/conv_mixer.py``; a "mamba" layer by
-    Mamba2's state-space mixer, ``models/ssm.py``; a layer whose mixer or MLP is "none" has only the
+    Mamba2's state-space mixer, ``models/ssm.py``; an "attention+mamba" layer by both side by side
+    on the one norm, their outputs summed (Falcon-H1); a layer whose mixer or MLP is "none" has only the
     other half); with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
     x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
@@ -212,16 +222,17 @@ class Block(nn.Module):
             x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
             return (x, None) if self.scanned else x
         h = make_norm(self.config, "attn_norm")(x) if pre else x
-        if self.spec.mixer == CONV:  # a gated short convolution in attention's place (LFM2)
+        mixer = self.spec.mixer
+        if mixer == CONV:  # a gated short convolution in attention's place (LFM2)
             attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
-        elif self.spec.mixer == MAMBA:  # a Mamba2 state-space mixer (models/ssm.py)
-            from shardzoo.models.ssm import Mamba2Mixer
-
-            attn = Mamba2Mixer(self.config, placement, name="mamba")(h, segment_ids, self.decode)
-        elif self.spec.mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
+        elif mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
             attn = GatedDeltaNet(self.config, placement, name="linear_attn")(h, segment_ids, self.decode)
+        elif mixer == MAMBA:  # a Mamba2 state-space mixer (models/ssm.py)
+            attn = self._mamba(h, segment_ids)
+        elif mixer == ATTENTION_MAMBA:  # attention and a mamba mixer side by side (Falcon-H1)
+            attn = self._attention(h, positions, segment_ids) + self._mamba(h, segment_ids)
         else:
-            attn = Attention(self.config, self.spec, placement, name="attn")(h, positions, segment_ids, self.decode)
+            attn = self._attention(h, positions, segment_ids)
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
         if self.spec.mlp == NONE:  # a mixer-only layer (Mamba2's, Nemotron-H's): x + mixer(norm(x))
             x = residual(x, attn)
@@ -233,6 +244,22 @@ class Block(nn.Module):
             x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
         return (x, None) if self.scanned else x  # [batch, length, embed]
 
+    def _attention(self, h, positions, segment_ids):
+        """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
+        a = self.config.arch
+        h = _scaled(h, a.attention_in_multiplier)
+        out = Attention(self.config, self.spec, self.placement, name="attn")(h, positions, segment_ids, self.decode)
+        return _scaled(out, a.attention_out_multiplier)
+
+    def _mamba(self, h, segment_ids):
+        """The Mamba2 mixer of ``h`` (models/ssm.py), its input and output scaled by the ssm multipliers."""
+        from shardzoo.models.ssm import Mamba2Mixer
+
+        a = self.config.arch
+        out = Mamba2Mixer(self.config, self.placement, name="mamba")(_scaled(h, a.ssm_in_multiplier), segment_ids,
+                                                                     self.decode)
+        return _scaled(out, a.ssm_out_multiplier)
+
     def _shared_expert(self, h):
         """A MoE layer's shared expert: a dense gated MLP every token goes through, scaled by
         ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
@@ -242,6 +269,10 @@ class Block(nn.Module):
             gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(self.config))(h)  # [batch, length]
             out = out * jax.nn.sigmoid(gate)[..., None].astype(out.dtype)
         return out  # [batch, length, embed]
+
+
+def _scaled(x, multiplier: float):
+    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
 
 
 class PeriodBlock(nn.Module):

@@ -32,15 +32,20 @@ _INIT = ("time_step_rank", "time_step_min", "time_step_max", "time_step_floor", 
 def mamba_fields(hf: HFConfig, names: dict) -> dict:
     """The mixer's architecture fields from config.json; ``names``: the family's name of each
     (heads, head_dim, groups, state, conv, chunk, conv_bias, proj_bias, expand, act, limit;
-    expand None: the family has none, its inner width is heads x head_dim)."""
+    expand None: the family has none, its inner width is heads x head_dim; an optional "inner":
+    the key of an explicit inner width, which, when set, replaces expand x hidden_size: Falcon-H1's
+    mamba_d_ssm)."""
     get = lambda key: hf.get(names[key])  # noqa: E731
     heads, head_dim, hidden = get("heads"), get("head_dim"), hf.get("hidden_size")
     expand = get("expand") if names["expand"] else None
+    inner = get("inner") if names.get("inner") else None
+    width, why = (inner, names.get("inner")) if inner is not None else (
+        None if expand is None else expand * hidden, f"{names['expand']} x hidden_size")
     if head_dim == "auto":  # Bamba's default: the inner width over the heads
-        head_dim = expand * hidden // heads
-    if expand is not None and heads * head_dim != expand * hidden:
+        head_dim = width // heads
+    if width is not None and heads * head_dim != width:
         raise hf.refuse(names["heads"], f"{names['heads']} x {names['head_dim']} = {heads * head_dim} must be "
-                                        f"{names['expand']} x hidden_size = {expand * hidden}")
+                                        f"{why} = {width}")
     if get("act") != "silu":
         raise hf.refuse(names["act"], "the mamba mixer's activation is SiLU")
     limit = get("limit")
@@ -78,8 +83,9 @@ def mamba_weights(a, m: str) -> list[Weight]:
         if a.mamba_conv_bias:
             out.append(Weight(("mamba", f"conv_{n}_bias"), m + "conv1d.bias", "vec", part=(j, 3), widths=conv))
     out += [Weight(("mamba", n), m + n) for n in ("dt_bias", "A_log", "D")]
-    out += [Weight(("mamba", "norm"), m + "norm.weight", "vec"),
-            Weight(("mamba", "out", "kernel"), m + "out_proj.weight", "linear", n_in=2)]
+    if a.mamba_norm != "none":
+        out.append(Weight(("mamba", "norm"), m + "norm.weight", "vec"))
+    out.append(Weight(("mamba", "out", "kernel"), m + "out_proj.weight", "linear", n_in=2))
     if a.mamba_proj_bias:
         out.append(Weight(("mamba", "out", "bias"), m + "out_proj.bias", "vec"))
     return out

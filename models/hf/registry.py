@@ -25,6 +25,7 @@ from shardzoo.models.hf import (
     deepseek_v3,
     ernie4_5,
     exaone4,
+    falcon_h1,
     gemma,
     glm,
     glm4_moe,
@@ -86,7 +87,7 @@ FAMILIES: tuple[Family, ...] = (
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
     apertus.APERTUS,
     lfm2.LFM2,
-    mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H,
+    mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
 )
 

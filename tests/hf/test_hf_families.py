@@ -25,6 +25,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -89,7 +90,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h", "qwen3_next")  # models/hf/<name>.py
+                  "nemotron_h", "qwen3_next", "falcon_h1")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -178,6 +179,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                               "linear_attention", "mlp", "full_attention", "mlp"],
                                           mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
                                           chunk_size=4),  # mamba, attention and MLP layers
+    # attention and a mamba mixer side by side in every layer, muP multipliers, no gated norm
+    "falcon_h1": lambda: FalconH1Config(**DIMS, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                                        mamba_d_state=8, mamba_chunk_size=4, key_multiplier=0.5,
+                                        ssm_multipliers=[0.5, 1.0, 2.0, 1.0, 0.25], mlp_multipliers=[1.5, 0.5]),
     # Gated DeltaNet layers beside output-gated attention, a dense layer then MoE with a shared expert
     "qwen3_next": lambda: Qwen3NextConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=16,
                                           layer_types=["linear_attention", "linear_attention", "full_attention"],
