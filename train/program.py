@@ -114,6 +114,23 @@ def _compile(lowered, fast: bool = False):
     return lowered.compile()
 
 
+
+def global_array(value: np.ndarray, sharding) -> jax.Array:
+    """``value`` (the same on every process) as a global array with ``sharding``: each device
+    takes its slice (under several processes too, where ``device_put`` of host data would not)."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """A global array's whole value on every process (gathered across processes when its
+    shards live on several)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
 class Program:
     """The train state's abstract shapes and shardings and the one train and eval step.
 
@@ -388,10 +405,10 @@ class Program:
         if settings not in self._decoders:
             self._decoders[settings] = self._compile_generate(prompt.shape, *settings[1:])
         fn, (prompt_sharding, rows_sharding) = self._decoders[settings]
-        args = (jax.device_put(prompt, prompt_sharding), jax.device_put(lengths, rows_sharding),
-                jax.random.key_data(jax.random.key(seed)) if key is None
-                else jax.device_put(np.asarray(key, np.uint32), replicated(self.mesh)))
-        return np.asarray(jax.device_get(fn(params, *args)))
+        key = np.asarray(jax.random.key_data(jax.random.key(seed)) if key is None else key, np.uint32)
+        args = (global_array(prompt, prompt_sharding), global_array(lengths, rows_sharding),
+                global_array(key, replicated(self.mesh)))
+        return host_array(fn(params, *args))
 
     def _divisible_sharding(self, shape, names):
         resolved, _ = resolve_array("decode", shape, "int32", names, self.rules, self.mesh, param=False)
@@ -420,6 +437,12 @@ class Program:
                 jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh)))
         with activate(self.mesh):
             return fn.lower(*args).compile(), (prompt, rows)
+
+    def place_global(self, batch) -> dict:
+        """``place`` of a batch every process holds whole (GRPO's rollouts, sampled and scored
+        the same on every process): each device takes its rows of the global arrays."""
+        return self.place({k: global_array(np.asarray(v, self.fields[k].dtype), self.batch_shardings[k])
+                           if k in self.fields and not isinstance(v, jax.Array) else v for k, v in batch.items()})
 
     def place(self, batch) -> dict:
         """The batch's arrays as global jax.Arrays with the batch shardings (host data is this

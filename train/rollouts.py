@@ -35,6 +35,7 @@ from shardzoo.train.grpo import (
     truncated,
 )
 from shardzoo.train.metrics import progress
+from shardzoo.train.program import host_array
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
@@ -154,6 +155,10 @@ def sample_and_score(program, params, prompts, indices, per_call: int, *, key, t
     picked = [i for i in indices for _ in range(group)]
     columns = {k: [v[i] for i in picked] for k, v in prompts.columns.items()}
     rewards = score(functions, [prompts.prompts[i] for i in picked], texts, ids, columns)
+    if jax.process_count() > 1:  # every process scored every completion: all train on process 0's rewards
+        from jax.experimental import multihost_utils
+
+        rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards), np.float32)
     return Sampled(tokens, prompt_lengths[:rows], lengths, ended, rewards, seconds)
 
 
@@ -180,8 +185,6 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
     imported (a one-line UserError for a bad file, column or function, before anything runs)."""
     from shardzoo.data import load_source
 
-    if jax.process_count() > 1:
-        raise UserError("--task grpo runs on one process for now (its rollouts are scored on the host)")
     if not cfg.reward_funcs:
         raise UserError("--task grpo needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
@@ -217,7 +220,7 @@ class GRPOTrainer(Trainer):
             data.current, data.used = self.rollout(state.params, batch, int(jax.device_get(state.step))), 0
         data.used += 1
         host, metrics = data.current
-        new_state, step_metrics = self._train_step(state, self.program.place(host), self.rng)
+        new_state, step_metrics = self._train_step(state, self.program.place_global(host), self.rng)
         return new_state, {**step_metrics, **metrics}
 
     def rollout(self, params, indices, step: int) -> tuple[dict, dict]:
@@ -234,10 +237,12 @@ class GRPOTrainer(Trainer):
             host["loss_mask"] = host["loss_mask"] * (~cut)[:, None].astype(np.float32)
         task = program.task
         if task.num_iterations > 1:  # the old policy's log-probs: these params, once per rollout
-            host["old_logps"] = np.asarray(program.compiled_old_logps_step()(params, program.place(host))["old_logps"])
+            placed = program.place_global(host)
+            host["old_logps"] = host_array(program.compiled_old_logps_step()(params, placed)["old_logps"])
         if task.beta:  # the reference's: a frozen copy, or these params with the LoRA adapters off
             reference = self.reference_params if self.reference_params is not None else params
-            host["ref_logps"] = np.asarray(program.compiled_reference_step()(reference, program.place(host))["ref_logps"])
+            placed = program.place_global(host)
+            host["ref_logps"] = host_array(program.compiled_reference_step()(reference, placed)["ref_logps"])
         total = time.perf_counter() - t0
         metrics = {**reward_metrics(got.rewards, data.weights, data.functions, lengths, ended),
                    "frac_reward_zero_std": float(np.isclose(std, 0.0).mean()),
