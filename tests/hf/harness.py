@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from shardzoo.models.decode import decode_step
 from shardzoo.models.hf import load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
@@ -62,6 +63,18 @@ def correction_bias(name, b):
     return 0.3 * torch.randn_like(b) if "e_score_correction_bias" in name else None
 
 
+def mamba_draw(name, p):
+    """A draw for ``randomize`` of Mamba2 layers: A = -exp(A_log) in [-2.5, -0.5], dt_bias around
+    0, norm scales near 1, the rest 0.2 x normal."""
+    if "A_log" in name:
+        return torch.log(torch.rand_like(p) * 2 + 0.5)
+    if "dt_bias" in name:
+        return 0.5 * torch.randn_like(p)
+    if "norm" in name:
+        return 1 + 0.1 * torch.randn_like(p)
+    return 0.2 * torch.randn_like(p)
+
+
 def randomized(hf_config, seed: int, draw=near_one(), buffers=None):
     """transformers' model of ``hf_config`` (eager attention, eval mode) built after
     ``torch.manual_seed(seed)``, then randomized by ``draw`` and ``buffers``."""
@@ -70,11 +83,12 @@ def randomized(hf_config, seed: int, draw=near_one(), buffers=None):
     return randomize(model, draw, buffers)
 
 
-def saved(model, path, tokens=TOKENS, reference=None):
-    """(``path`` as a string, ``model``, the reference logits of ``tokens``) once ``model`` is saved
-    at ``path``; the reference from ``reference(path)``'s model where given, else ``model``'s."""
+def saved(model, path, tokens=TOKENS, reference=None, **forward):
+    """(``path`` as a string, ``model``, the reference logits of ``tokens``, ``forward`` the call's
+    keywords) once ``model`` is saved at ``path``; the reference from ``reference(path)``'s model
+    where given, else ``model``'s."""
     model.save_pretrained(path)
-    return str(path), model, hf_logits(reference(path) if reference else model, tokens)
+    return str(path), model, hf_logits(reference(path) if reference else model, tokens, **forward)
 
 
 def config_of(hf_config):
@@ -147,3 +161,27 @@ def fsdp_tp_parity(path, ref, q=stacked_q, mesh: str = "data=2,fsdp=2,tensor=2",
     sharded = apply(module, params, mesh)
     np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
     return got, sharded
+
+
+def decoded(module, params, cache, tokens, prefill: int) -> np.ndarray:
+    """shardzoo's logits of ``tokens`` decoded from ``cache`` (a fresh one): a prefill of the
+    first ``prefill`` tokens, then one step a token."""
+    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    logits, cache = step(params, cache, tokens[:, :prefill], positions[:, :prefill])
+    got = [np.asarray(logits)]
+    for i in range(prefill, tokens.shape[1]):
+        logits, cache = step(params, cache, tokens[:, i:i + 1], positions[:, i:i + 1])
+        got.append(np.asarray(logits))
+    return np.concatenate(got, axis=1)
+
+
+def left_padded_generates_alone(program, params, tokens=TOKENS) -> None:
+    """A batch of a short and a long prompt (the short one left-padded, its padding segment 0)
+    continues each row as that row continues alone."""
+    prompt = tokens[:2, :8].copy()
+    prompt[0, :5] = 0  # row 0: a prompt of 3 tokens, left-padded
+    both = program.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
+    alone = program.generate(params, tokens[:1, 5:8], max_new_tokens=8)
+    np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
+    np.testing.assert_array_equal(both[1], program.generate(params, prompt[1:], max_new_tokens=8)[0])

@@ -21,6 +21,7 @@ count as transformers' on the meta device. Tolerance: 1e-4 on float32 logits.
 import copy
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -32,9 +33,20 @@ from shardzoo.models import ModelError, get_config
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    fsdp_tp_parity,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -43,39 +55,28 @@ ERNIE = dict(DIMS, head_dim=16, use_bias=True, rope_theta=10000.0)
 ERNIE_MOE = dict(DIMS, num_hidden_layers=3, use_bias=True, moe_intermediate_size=16, moe_k=2, moe_num_experts=4,
                  moe_num_shared_experts=1)  # layer 0 dense (moe_layer_start_index 1)
 APERTUS = dict(DIMS, attention_bias=True)  # llama3 rotary: ApertusConfig's default
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
 SEED_MOE = 9  # a seed whose greedy continuation varies
 
 
-def hf_logits(model, tokens=TOKENS) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+def _draw(name, p):
+    """Every weight random (biases and xIELU's alpha_p and alpha_n too), norm scales near 1."""
+    return (1 + 0.1 * torch.randn_like(p) if "norm" in name
+            else 0.5 * torch.randn_like(p) if "act_fn" in name else 0.15 * torch.randn_like(p))
 
 
-def randomized(hf_config, seed: int):
-    """An HF model of ``hf_config`` with every weight random (biases and xIELU's alpha_p and
-    alpha_n too), norm scales near 1; xIELU's buffers beta and eps drawn per layer (eps big
-    enough to act: expm1(min(x, eps)) differs from expm1(x) for x in (eps, 0])."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.5 * torch.randn_like(p) if "act_fn" in name else 0.15 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("act_fn.beta"):
-                b.copy_(0.5 + 0.2 * torch.randn_like(b))
-            elif name.endswith("act_fn.eps"):
-                b.copy_(-0.05 * (1 + torch.rand_like(b)))
-    return model
+def _xielu_buffers(name, b):
+    """xIELU's buffers beta and eps drawn per layer (eps big enough to act: expm1(min(x, eps))
+    differs from expm1(x) for x in (eps, 0])."""
+    if name.endswith("act_fn.beta"):
+        return 0.5 + 0.2 * torch.randn_like(b)
+    if name.endswith("act_fn.eps"):
+        return -0.05 * (1 + torch.rand_like(b))
+    return None
 
 
 def _build(tmp_path_factory, name, hf_config, seed):
-    model = randomized(hf_config, seed)
-    path = str(tmp_path_factory.mktemp(name))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model)
+    model = randomized(hf_config, seed, _draw, _xielu_buffers)
+    return saved(model, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +92,6 @@ def ernie_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def apertus(tmp_path_factory):
     return _build(tmp_path_factory, "apertus", ApertusConfig(**APERTUS), seed=7)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
-
-
-def _one_device():
-    return make_mesh("data=1", devices=jax.devices()[:1])
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -169,9 +161,9 @@ def test_ernies_interleaved_rotary_and_biases_change_the_logits(ernie):
     """The same weights with rotate-half rotary (zoo), or without biases (transformers), give
     other logits: a family that dropped either could not pass the parity tests below."""
     path, model, ref = ernie
-    module, config, params = load_hf(path, mesh=_one_device())
-    np.testing.assert_allclose(_apply(module, params, _one_device()), ref, atol=TOL, rtol=0)
-    got = _apply(Transformer(config.replace(rope_interleaved=False)), params, _one_device())
+    module, config, params = load_hf(path, mesh=one_device())
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    got = apply(Transformer(config.replace(rope_interleaved=False)), params, one_device())
     assert np.abs(got - ref).max() > 1e-2
     other = AutoModelForCausalLM.from_config(Ernie4_5Config(**(ERNIE | dict(use_bias=False))),
                                              attn_implementation="eager").eval()
@@ -222,15 +214,7 @@ def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
 def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
     path, model, ref = request.getfixturevalue(family)
-    module, _, params = load_hf(path, mesh=_one_device(), rules=get_rules("fsdp"))
-    got = _apply(module, params, _one_device())
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    assert params["layers"]["attn"]["q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
-        None, "fsdp", "tensor", None)
-    sharded = _apply(module, params, mesh)
-    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    got, sharded = fsdp_tp_parity(path, ref)
     print(f"{family}: max |logit diff| one device {np.abs(got - ref).max():.2e}, "
           f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
@@ -239,12 +223,10 @@ def test_ernie_moe_logits_match_under_ep_with_the_indexed_dispatch(ernie_moe):
     """Experts, router and correction bias split 4 ways; a slot for every token (capacity
     factor experts / k), so nothing is dropped, as in transformers."""
     path, _, ref = ernie_moe
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=4 / 2))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=4 / 2)
     bias = params["layers"]["moe"]["router_bias"]
     assert bias.shape == (2, 4) and bias.addressable_shards[0].data.shape == (2, 1)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
