@@ -8,6 +8,7 @@ Import it as ``sys.path.insert(0, os.path.dirname(__file__))`` then ``from harne
 
 import contextlib
 import json
+import os
 import tempfile
 
 import jax
@@ -100,6 +101,24 @@ def config_of(hf_config):
         else:
             hf_config.save_pretrained(d)
         return load_hf_config(d)
+
+
+def rewritten(src, dst, drop=(), **changes) -> str:
+    """``dst`` holding the HF directory ``src`` (its safetensors linked), or a transformers config
+    ``src`` saved alone, with config.json given ``changes`` and rid of the keys ``drop``."""
+    os.makedirs(dst, exist_ok=True)
+    if isinstance(src, (str, os.PathLike)):
+        for f in os.listdir(src):
+            if f.endswith(".safetensors"):
+                os.symlink(os.path.join(src, f), os.path.join(dst, f))
+    else:
+        src.save_pretrained(dst)
+        src = dst
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({k: v for k, v in hf.items() if k not in drop} | changes, f)
+    return str(dst)
 
 
 def one_device():

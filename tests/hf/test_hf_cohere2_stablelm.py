@@ -14,7 +14,6 @@ logits (or, where transformers' config cannot switch it alone, shardzoo's withou
 transformers'). Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import json
 import os
 import sys
 
@@ -39,6 +38,7 @@ from harness import (  # noqa: E402
     hf_logits,
     one_device,
     randomized,
+    rewritten,
     saved,
     stacked_q,
 )
@@ -152,29 +152,15 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
-def _rewrite(src, dst, drop=(), **changes) -> str:
-    """A copy of HF directory ``src`` whose config.json has ``changes`` and not the keys ``drop``."""
-    os.makedirs(dst)
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            os.symlink(os.path.join(src, f), os.path.join(dst, f))
-    with open(os.path.join(src, "config.json")) as f:
-        hf = json.load(f)
-    hf = {k: v for k, v in hf.items() if k not in drop} | changes
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(hf, f)
-    return str(dst)
-
-
 def test_cohere2_pattern_from_sliding_window_pattern_and_every_layer_full(models, tmp_path):
     """The published config.json's form (``sliding_window_pattern``, no ``layer_types``) reads as
     transformers reads it; every layer full: none rotates (in transformers too); no window, or a
     pattern that is not a period, is refused by name (transformers' Cohere 2 fails without one)."""
     _, path, model, ref = models("cohere2")
-    published = _rewrite(path, tmp_path / "published", ["layer_types"], sliding_window_pattern=2)
+    published = rewritten(path, tmp_path / "published", ["layer_types"], sliding_window_pattern=2)
     assert AutoConfig.from_pretrained(published).layer_types == [S, F, S, F]
     assert load_hf_config(published) == load_hf_config(path)
-    full = load_hf_config(_rewrite(path, tmp_path / "full", layer_types=[F] * 4))
+    full = load_hf_config(rewritten(path, tmp_path / "full", layer_types=[F] * 4))
     assert full.sliding_window is None and full.layer_types is None and full.rope_layers == (False,) * 4
     mesh = one_device()
     module, _, params = load_hf(str(tmp_path / "full"), mesh=mesh, rules=get_rules("fsdp"))
@@ -183,9 +169,9 @@ def test_cohere2_pattern_from_sliding_window_pattern_and_every_layer_full(models
     np.testing.assert_allclose(apply(module, params, mesh), want, atol=TOL, rtol=0)
     assert config_to_hf(full)["model_type"] == "cohere2"  # with a window no layer uses
     with pytest.raises(HFError, match="sliding_window=None"):
-        load_hf_config(_rewrite(path, tmp_path / "no_window", sliding_window=None))
+        load_hf_config(rewritten(path, tmp_path / "no_window", sliding_window=None))
     with pytest.raises(HFError, match="sliding_window_pattern=0"):
-        load_hf_config(_rewrite(path, tmp_path / "bad", ["layer_types"], sliding_window_pattern=0))
+        load_hf_config(rewritten(path, tmp_path / "bad", ["layer_types"], sliding_window_pattern=0))
 
 
 def test_nope_layers_other_than_the_full_ones_do_not_export_as_cohere2(models):
@@ -211,7 +197,7 @@ def test_presets_have_transformers_parameter_count(name, model_type):
 
 def test_stablelm_without_a_rotary_fraction_rotates_a_quarter_as_transformers(models, tmp_path):
     _, path, _, _ = models("stablelm")
-    bare = _rewrite(path, tmp_path / "bare", ["rope_parameters"], rope_theta=1000.0)
+    bare = rewritten(path, tmp_path / "bare", ["rope_parameters"], rope_theta=1000.0)
     assert AutoConfig.from_pretrained(bare).rope_parameters["partial_rotary_factor"] == 0.25
     config = load_hf_config(bare)
     assert config.partial_rotary_factor == 0.25 and config.rope_theta == 1000.0

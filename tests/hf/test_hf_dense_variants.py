@@ -41,6 +41,7 @@ from harness import (  # noqa: E402
     near_one,
     one_device,
     randomize,
+    rewritten,
     saved,
 )
 
@@ -156,17 +157,9 @@ def test_exaone4_nope_layers_are_a_feature_other_families_refuse():
 
 def test_exaone4_a_pattern_string_without_layer_types_is_refused(tmp_path):
     """transformers derives the layers from an integer period only; a string is not guessed at."""
-    import json
-
-    Exaone4Config(**DIMS, sliding_window=4).save_pretrained(tmp_path)
-    with open(tmp_path / "config.json") as f:
-        hf = json.load(f)
-    del hf["layer_types"]
-    hf["sliding_window_pattern"] = "LLLG"
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(hf, f)
+    path = rewritten(Exaone4Config(**DIMS, sliding_window=4), tmp_path, ["layer_types"], sliding_window_pattern="LLLG")
     with pytest.raises(HFError, match="sliding_window_pattern='LLLG'"):
-        load_hf_config(str(tmp_path))
+        load_hf_config(path)
 
 
 @pytest.mark.parametrize("built", ["hunyuan_v1_dense"], indirect=True)

@@ -45,6 +45,7 @@ from harness import (  # noqa: E402
     load_ep,
     one_device,
     randomized,
+    rewritten,
     saved,
 )
 
@@ -111,32 +112,18 @@ def test_the_configs_read_as_their_mechanisms(ernie, ernie_moe, apertus):
         assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
-def _edited(path, tmp_path, **changes):
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            hf.pop(key, None)
-        else:
-            hf[key] = value
-    os.makedirs(tmp_path, exist_ok=True)
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    os.symlink(os.path.join(path, "model.safetensors"), os.path.join(tmp_path, "model.safetensors"))
-    return str(tmp_path), hf
-
-
 def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_path):
     """Ernie: no head_dim means 128, no num_key_value_heads 2 (Ernie4_5Config's defaults, not
     hidden_size / heads and heads); Apertus: no rope_parameters nor rope_scaling means
     ApertusConfig's llama3 rotary at 12e6, whatever rope_theta says."""
-    path, hf = _edited(ernie[0], tmp_path / "e", head_dim=None, num_key_value_heads=None)
+    path = rewritten(ernie[0], tmp_path / "e", ["head_dim", "num_key_value_heads"])
+    hf = json.loads((tmp_path / "e" / "config.json").read_text())
     assert "head_dim" not in hf and "rope_parameters" in hf
     config = load_hf_config(path)
     want = AutoModelForCausalLM.from_config(Ernie4_5Config(**{k: v for k, v in ERNIE.items()
                                                                if k not in ("head_dim", "num_key_value_heads")}))
     assert (config.head_size, config.kv_heads) == (want.config.head_dim, want.config.num_key_value_heads) == (128, 2)
-    path, _ = _edited(apertus[0], tmp_path / "a", rope_parameters=None, rope_theta=10000.0)
+    path = rewritten(apertus[0], tmp_path / "a", ["rope_parameters"], rope_theta=10000.0)
     config = load_hf_config(path)
     assert config.rope_theta == 12000000.0 and config.rope_scaling_dict["factor"] == 8.0
 
@@ -144,9 +131,9 @@ def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_p
 def test_ernie_moe_layer_range_and_a_norm_floor_it_cannot_compute(ernie_moe, tmp_path):
     """moe_layer_end_index -1 (or null) runs to the last layer; a moe_norm_min floor that
     would change the weights (shardzoo divides by their sum) is refused naming the field."""
-    path, _ = _edited(ernie_moe[0], tmp_path / "a", moe_layer_end_index=-1, moe_layer_interval=2)
+    path = rewritten(ernie_moe[0], tmp_path / "a", moe_layer_end_index=-1, moe_layer_interval=2)
     assert load_hf_config(path).mlp_layer_types == ("dense", "moe", "dense")
-    path, _ = _edited(ernie_moe[0], tmp_path / "b", moe_norm_min=0.5)
+    path = rewritten(ernie_moe[0], tmp_path / "b", moe_norm_min=0.5)
     with pytest.raises(HFError, match="moe_norm_min=0.5"):
         load_hf_config(path)
 
