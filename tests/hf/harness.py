@@ -1,9 +1,10 @@
-"""What the per-family parity tests against transformers build the same way, once: the tokens
-and the tolerance, a tiny HF model with random weights (each family says how to draw them: the
-draw decides which mechanisms its tests can see), its saved directory with the reference logits,
-shardzoo's logits of a directory on a mesh, and the parity on one device and under fsdp_tp.
-The checks ``test_hf_families`` shares (greedy decoding, export) are conftest's ``parity``.
-Import it as ``sys.path.insert(0, os.path.dirname(__file__))`` then ``from harness import ...``.
+"""What the tests of tests/hf build the same way, once: the tokens and the tolerance, a tiny HF
+model with random weights (each family passes how to draw them: the draw decides which mechanisms
+its tests can see), its saved directory with the reference logits, shardzoo's logits of it on a
+mesh, the parity on one device and under fsdp_tp, decoding from the cache, config.json rewrites,
+and the command line's tiny Llama and BPE tokenizer. The checks ``test_hf_families`` shares too
+(greedy decoding, export) are conftest's ``parity`` fixture. A test module imports it with
+``sys.path.insert(0, os.path.dirname(__file__))`` then ``from harness import ...``.
 """
 
 import contextlib
@@ -14,7 +15,8 @@ import tempfile
 import jax
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from shardzoo.models.decode import decode_step
 from shardzoo.models.hf import load_hf_config
@@ -25,6 +27,8 @@ from shardzoo.train.hf_io import load_hf
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
 TOL = 1e-4  # float32 logits against transformers'
 Q_SPEC = jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)  # a stacked q kernel under fsdp_tp
+LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, bos_token_id=1, eos_token_id=2)  # the command line's tiny Llama
 
 
 def hf_logits(model, tokens=TOKENS, **kwargs) -> np.ndarray:
@@ -34,6 +38,7 @@ def hf_logits(model, tokens=TOKENS, **kwargs) -> np.ndarray:
 
 
 def is_norm(name, p) -> bool:
+    """The weights ``near_one`` draws near 1 unless a family says otherwise: a name with "norm"."""
     return "norm" in name
 
 
@@ -84,6 +89,28 @@ def randomized(hf_config, seed: int, draw=near_one(), buffers=None):
     return randomize(model, draw, buffers)
 
 
+def tiny_llama():
+    """The tiny Llama of LLAMA (eager attention, eval mode), every weight 0.15 x normal (seed 0)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    return model
+
+
+def bpe_tokenizer(path, text) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of at most 128 ids trained on ``text`` ten times over, <unk>=0, <s>=1,
+    </s>=2 (the tiny configs' bos and eos), saved at ``path`` as transformers' fast tokenizer."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(text) * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
 def saved(model, path, tokens=TOKENS, reference=None, **forward):
     """(``path`` as a string, ``model``, the reference logits of ``tokens``, ``forward`` the call's
     keywords) once ``model`` is saved at ``path``; the reference from ``reference(path)``'s model
@@ -122,6 +149,7 @@ def rewritten(src, dst, drop=(), **changes) -> str:
 
 
 def one_device():
+    """A mesh of the first device alone."""
     return make_mesh("data=1", devices=jax.devices()[:1])
 
 

@@ -40,6 +40,7 @@ from harness import (  # noqa: E402
     TOKENS,
     TOL,
     apply,
+    bpe_tokenizer,
     fsdp_tp_parity,
     hf_logits,
     load_ep,
@@ -272,9 +273,6 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     loads in transformers and computes what the run's checkpoint computes (1e-4)."""
     import shutil
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from shardzoo import cli
     from shardzoo.train.checkpoint import load_model_and_params
     from shardzoo.train.metrics import read_metrics
@@ -282,10 +280,7 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")
     shutil.copytree(apertus[0], hf_dir)
     text = [f"the {w} sat on the mat and the dog ran to the {w}." for w in ("cat", "bird", "fox", "cow")]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(text * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(hf_dir)
+    bpe_tokenizer(hf_dir, text)
     data = str(tmp_path / "data.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": line}) + "\n" for line in text * 20)
