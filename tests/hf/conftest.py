@@ -34,7 +34,7 @@ class Parity:
     @staticmethod
     def export_matches(out_dir, model, tokens, ref, tol: float) -> None:
         """The exported directory loads in transformers as the model's class with its state dict
-        (copied values: exactly) and its logits (within ``tol``)."""
+        (copied values: exactly) and its logits (within ``tol``). Returns the loaded model."""
         back = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager").eval()
         assert type(back) is type(model)
         want, got = model.state_dict(), back.state_dict()
@@ -44,6 +44,7 @@ class Parity:
         with torch.no_grad():
             logits = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
         np.testing.assert_allclose(logits, ref, atol=tol, rtol=0)
+        return back
 
     @staticmethod
     def trains_from_hf_dir(tmp_path, model, tokens, lora: bool, tol: float):

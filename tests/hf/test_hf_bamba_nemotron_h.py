@@ -11,6 +11,8 @@ forward, export then ``from_pretrained`` equal, parameter counts equal transform
 """
 
 import json
+import os
+import sys
 
 import jax
 import numpy as np
@@ -18,11 +20,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BambaConfig, NemotronHConfig
 
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOL, apply, decoded, edit, mamba_draw, one_device, randomized, rewritten, saved  # noqa: E402
 
 MAMBA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -35,53 +39,19 @@ CONFIGS = {
         mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=4) | kw)),
 }
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 11)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """Every weight random: A = -exp(A_log) in [-2.5, -0.5], dt_bias around 0, norm scales near
-    1, the rest 0.2 x normal."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5))
-            elif "dt_bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
+    """(family, HF dir, HF model, reference logits): every weight random, A = -exp(A_log) in
+    [-2.5, -0.5], dt_bias around 0, norm scales near 1, the rest 0.2 x normal."""
     family = request.param
-    model = randomized(CONFIGS[family](), seed=1)
-    path = tmp_path_factory.mktemp(family)
-    model.save_pretrained(path)
-    return family, str(path), model, hf_logits(model, TOKENS)
+    return family, *saved(randomized(CONFIGS[family](), seed=1, draw=mamba_draw), tmp_path_factory.mktemp(family),
+                          TOKENS)
 
 
-def _apply(module, params, mesh, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
-
-
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
-
-
-def _edit(params, suffix, fn):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(x) if jax.tree_util.keystr(p).endswith(suffix) else x, params)
+def _apply(module, params, mesh):
+    return apply(module, params, mesh, TOKENS)
 
 
 def test_config_reads_the_layer_pattern(built):
@@ -103,13 +73,13 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_mechanism_matters
     convolution, with other decays, or (Bamba) with whole-head rotary / (Nemotron-H) rotary at
     all: the parity could fail."""
     family, path, _, ref = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    got = _apply(module, params, _one())
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    got = _apply(module, params, one_device())
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     for suffix, fn in (("['conv_x']", lambda x: 0 * x), ("['A_log']", lambda x: x + 1.0)):
-        assert np.abs(_apply(module, _edit(params, suffix, fn), _one()) - ref).max() > 1e-2, suffix
+        assert np.abs(_apply(module, edit(params, suffix, fn), one_device()) - ref).max() > 1e-2, suffix
     other = config.replace(partial_rotary_factor=1.0) if family == "bamba" else config.replace(rope_layers=None)
-    assert np.abs(_apply(other.build(), params, _one()) - ref).max() > 1e-2
+    assert np.abs(_apply(other.build(), params, one_device()) - ref).max() > 1e-2
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     sharded = _apply(module, params, mesh)
@@ -127,19 +97,12 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
     """A prefill of 6 tokens then 5 single steps give the full forward's logits (1e-5): mamba
     layers carry conv inputs and state, attention layers K/V."""
     family, path, _, _ = built
-    module, _, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"), scan_layers=False)
-    full = _apply(module, params, _one())
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"), scan_layers=False)
+    full = _apply(module, params, one_device())
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     assert cache["layers_0"]["mamba"]["ssm_state"].value.shape == (4, 8, 8, 8)
     assert "cached_key" in cache[f"layers_{1 if family == 'bamba' else 2}"]["attn"]
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(11, dtype=np.int32), TOKENS.shape)
-    logits, cache = step(params, cache, TOKENS[:, :6], positions[:, :6])
-    got = [np.asarray(logits)]
-    for i in range(6, 11):
-        logits, cache = step(params, cache, TOKENS[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, TOKENS, prefill=6)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"{family}: max |decode - forward| {np.abs(got - full).max():.2e}")
 
@@ -177,12 +140,9 @@ def test_nemotron_h_moe_layers_and_bad_indices_are_refused_in_one_line(tmp_path)
     CONFIGS["nemotron_h"](layers_block_type=["linear_attention", "moe"]).save_pretrained(tmp_path / "moe")
     with pytest.raises(HFError, match=r"layers_block_type=.*no MoE layers \(moe, E\)"):
         load_hf_config(str(tmp_path / "moe"))
-    CONFIGS["bamba"]().save_pretrained(tmp_path / "bamba")
-    raw = json.loads((tmp_path / "bamba" / "config.json").read_text())
-    raw["attn_layer_indices"] = [7]
-    (tmp_path / "bamba" / "config.json").write_text(json.dumps(raw))
+    path = rewritten(CONFIGS["bamba"](), tmp_path / "bamba", attn_layer_indices=[7])
     with pytest.raises(HFError, match=r"attn_layer_indices=\[7\]: each must be a layer index in 0..3"):
-        load_hf_config(str(tmp_path / "bamba"))
+        load_hf_config(path)
 
 
 def test_the_presets_count_as_transformers_counts():
@@ -231,5 +191,5 @@ def test_training_from_a_tiny_nemotron_h_lowers_the_loss_and_exports(tmp_path, p
     """``train --init-from`` a random Nemotron-H (mamba, MLP and attention layers) under fsdp on
     8 devices, sequences of 16 in chunks of 4: the loss falls, the export loads in transformers
     and computes what the run computes (1e-4)."""
-    model = randomized(CONFIGS["nemotron_h"](), seed=3)
+    model = randomized(CONFIGS["nemotron_h"](), seed=3, draw=mamba_draw)
     parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], False, TOL)

@@ -4,14 +4,14 @@ with the tokenizer carried over, and clear exit-2 errors for unsupported or inco
 import json
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardzoo import cli
 from shardzoo.models.hf import is_hf_dir
@@ -19,36 +19,22 @@ from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.hf_io import load_hf
 from shardzoo.train.program import Program
 
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import bpe_tokenizer, tiny_llama  # noqa: E402
+
 TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
 PROMPT = "the lazy fox"
 SHARDED = ["--rules", "fsdp_tp", "--mesh", "fsdp=4,tensor=2"]
 
 
-def make_tokenizer(path) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with <unk>=0, <s>=1, </s>=2 (the Llama config's bos/eos), <= 128 ids."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-    return fast
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """(sharded HF dir with tokenizer, single-file HF dir without, model, tokenizer)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15)
+    model = tiny_llama()
     sharded, single = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("single")
     model.save_pretrained(sharded, max_shard_size="20KB")
     model.save_pretrained(single)
-    return str(sharded), str(single), model, make_tokenizer(sharded)
+    return str(sharded), str(single), model, bpe_tokenizer(sharded, TEXT)
 
 
 def test_import_generate_export_round_trip(llama, tmp_path, capsys):

@@ -8,52 +8,32 @@ A tiny random HF model with every mechanism on (qk-norm, q/k/v/o biases, a logit
 export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, CohereConfig
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, fsdp_tp_parity, hf_logits, one_device, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 CONFIG = dict(DIMS, use_qk_norm=True, attention_bias=True, logit_scale=0.3, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random (biases too), norm scales near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """(HF dir, HF model, reference logits): every weight random (biases too), norm scales near 1."""
     model = randomized(CohereConfig(**CONFIG), seed=8)  # a seed whose greedy continuation varies
-    path = tmp_path_factory.mktemp("cohere")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+    return saved(model, tmp_path_factory.mktemp("cohere"))
 
 
 def test_config_reads_coheres_mechanisms(built):
@@ -67,11 +47,11 @@ def test_interleaved_rotary_and_the_logit_scale_matter(built):
     """The same weights with rotate-half rotary, or without the logit scale, give other logits
     than transformers': a family that dropped either could not pass the parity tests below."""
     path, _, ref = built
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    module, config, params = load_hf(path, mesh=mesh, rules=rules)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    mesh = one_device()
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp"))
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
     for change in (dict(rope_interleaved=False), dict(logit_scale=1.0)):
-        got = _apply(Transformer(config.replace(**change)), params, mesh)
+        got = apply(Transformer(config.replace(**change)), params, mesh)
         assert np.abs(got - ref).max() > 1e-2, change
 
 
@@ -85,16 +65,7 @@ def test_the_qk_norm_matters(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    got = _apply(module, params, one)
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    sharded = _apply(module, params, mesh)
-    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    got, sharded = fsdp_tp_parity(path, ref)
     print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}, fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 

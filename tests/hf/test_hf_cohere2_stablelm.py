@@ -14,10 +14,9 @@ logits (or, where transformers' config cannot switch it alone, shardzoo's withou
 transformers'). Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import json
 import os
+import sys
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -27,9 +26,22 @@ from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    fsdp_tp_parity,
+    hf_logits,
+    one_device,
+    randomized,
+    rewritten,
+    saved,
+    stacked_q,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -44,13 +56,6 @@ CONFIGS = {
     "stablelm_parallel": lambda: StableLmConfig(**STABLELM, use_parallel_residual=True),
 }
 SEEDS = {"cohere2": 3, "stablelm": 9, "stablelm_parallel": 1}  # each with a varied greedy continuation
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 def edited(model, **changes):
@@ -63,14 +68,7 @@ def edited(model, **changes):
 
 def _build(name, tmp_path_factory):
     """(name, HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(SEEDS[name])
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in key else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    return name, str(path), model, hf_logits(model, TOKENS)
+    return name, *saved(randomized(CONFIGS[name](), SEEDS[name]), tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -89,22 +87,6 @@ def models(tmp_path_factory):
 @pytest.fixture(params=list(CONFIGS))
 def built(request, models):
     return models(request.param)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
-
-
-def _stacked_q(config, params):
-    """The q kernel of the first scanned position (``layers`` or ``layers/sub_0``)."""
-    for prefix, _, stacked in config.param_layout():
-        if stacked:
-            tree = params
-            for key in prefix:
-                tree = tree[key]
-            return tree["attn"]["q"]["kernel"]
-    raise AssertionError("nothing scanned")
 
 
 def test_config_reads_the_mechanisms(built):
@@ -137,26 +119,18 @@ def test_each_mechanism_changes_transformers_logits(built):
                  dict(use_parallel_residual=name != "stablelm_parallel")]
     for change in edits:
         assert np.abs(hf_logits(edited(model, **change), TOKENS) - ref).max() > 1e-2, change
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    module, config, params = load_hf(path, mesh=mesh, rules=rules)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    mesh = one_device()
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp"))
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
     if name == "cohere2":  # rotary on the full layers too; rotate-half pairs
         for change in (dict(rope_layers=None), dict(rope_interleaved=False)):
-            got = _apply(Transformer(config.replace(**change)), params, mesh)
+            got = apply(Transformer(config.replace(**change)), params, mesh)
             assert np.abs(got - ref).max() > 1e-2, change
 
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     name, path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    single = _apply(module, params, one)
-    np.testing.assert_allclose(single, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    assert _stacked_q(config, params).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    got = _apply(module, params, mesh)
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    single, got = fsdp_tp_parity(path, ref, q=stacked_q)
     print(f"{name}: max |logit diff| on one device {np.abs(single - ref).max():.2e}, "
           f"under fsdp_tp {np.abs(got - ref).max():.2e}")
 
@@ -178,40 +152,26 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
-def _rewrite(src, dst, drop=(), **changes) -> str:
-    """A copy of HF directory ``src`` whose config.json has ``changes`` and not the keys ``drop``."""
-    os.makedirs(dst)
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            os.symlink(os.path.join(src, f), os.path.join(dst, f))
-    with open(os.path.join(src, "config.json")) as f:
-        hf = json.load(f)
-    hf = {k: v for k, v in hf.items() if k not in drop} | changes
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(hf, f)
-    return str(dst)
-
-
 def test_cohere2_pattern_from_sliding_window_pattern_and_every_layer_full(models, tmp_path):
     """The published config.json's form (``sliding_window_pattern``, no ``layer_types``) reads as
     transformers reads it; every layer full: none rotates (in transformers too); no window, or a
     pattern that is not a period, is refused by name (transformers' Cohere 2 fails without one)."""
     _, path, model, ref = models("cohere2")
-    published = _rewrite(path, tmp_path / "published", ["layer_types"], sliding_window_pattern=2)
+    published = rewritten(path, tmp_path / "published", ["layer_types"], sliding_window_pattern=2)
     assert AutoConfig.from_pretrained(published).layer_types == [S, F, S, F]
     assert load_hf_config(published) == load_hf_config(path)
-    full = load_hf_config(_rewrite(path, tmp_path / "full", layer_types=[F] * 4))
+    full = load_hf_config(rewritten(path, tmp_path / "full", layer_types=[F] * 4))
     assert full.sliding_window is None and full.layer_types is None and full.rope_layers == (False,) * 4
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    module, _, params = load_hf(str(tmp_path / "full"), mesh=mesh, rules=rules)
+    mesh = one_device()
+    module, _, params = load_hf(str(tmp_path / "full"), mesh=mesh, rules=get_rules("fsdp"))
     want = hf_logits(edited(model, layer_types=[F] * 4), TOKENS)
     assert np.abs(want - ref).max() > 1e-2
-    np.testing.assert_allclose(_apply(module, params, mesh), want, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), want, atol=TOL, rtol=0)
     assert config_to_hf(full)["model_type"] == "cohere2"  # with a window no layer uses
     with pytest.raises(HFError, match="sliding_window=None"):
-        load_hf_config(_rewrite(path, tmp_path / "no_window", sliding_window=None))
+        load_hf_config(rewritten(path, tmp_path / "no_window", sliding_window=None))
     with pytest.raises(HFError, match="sliding_window_pattern=0"):
-        load_hf_config(_rewrite(path, tmp_path / "bad", ["layer_types"], sliding_window_pattern=0))
+        load_hf_config(rewritten(path, tmp_path / "bad", ["layer_types"], sliding_window_pattern=0))
 
 
 def test_nope_layers_other_than_the_full_ones_do_not_export_as_cohere2(models):
@@ -237,7 +197,7 @@ def test_presets_have_transformers_parameter_count(name, model_type):
 
 def test_stablelm_without_a_rotary_fraction_rotates_a_quarter_as_transformers(models, tmp_path):
     _, path, _, _ = models("stablelm")
-    bare = _rewrite(path, tmp_path / "bare", ["rope_parameters"], rope_theta=1000.0)
+    bare = rewritten(path, tmp_path / "bare", ["rope_parameters"], rope_theta=1000.0)
     assert AutoConfig.from_pretrained(bare).rope_parameters["partial_rotary_factor"] == 0.25
     config = load_hf_config(bare)
     assert config.partial_rotary_factor == 0.25 and config.rope_theta == 1000.0

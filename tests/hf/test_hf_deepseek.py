@@ -7,6 +7,9 @@ on one device, under fsdp_tp and under ep on 8 devices, greedy tokens equal (dec
 latent cache), export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -15,12 +18,22 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    correction_bias,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
+
 E, K = 8, 2
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, n_routed_experts=E, num_experts_per_tok=K, moe_intermediate_size=16,
@@ -35,36 +48,16 @@ CONFIGS = {
 }
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
 def build(hf_config, path, seed=1):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn_like(b))
-    model.save_pretrained(path)
-    return model
+    """(HF dir, HF model, reference logits): every weight random, norm scales near 1, the
+    correction bias large enough to move the choice."""
+    return saved(randomized(hf_config, seed, buffers=correction_bias), path)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(version, HF dir, HF model, reference logits)."""
-    path = str(tmp_path_factory.mktemp(f"deepseek_{request.param}"))
-    model = build(CONFIGS[request.param](), path)
-    return request.param, path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
+    return request.param, *build(CONFIGS[request.param](), tmp_path_factory.mktemp(f"deepseek_{request.param}"))
 
 
 def test_the_config_reads_as_latent_attention_with_a_dense_prefix(built):
@@ -106,47 +99,38 @@ def test_v3_correction_bias_and_scaling_matter(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     version, path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     attn = params["layers"]["attn"]
     assert attn["kv_a"]["kernel"].shape == (2, 32, 16)  # [layers, embed, kv_lora]
     assert attn["kv_b"]["kernel"].shape == (2, 16, 4, 20)  # [layers, kv_lora, heads, k_nope + v]
     assert ("q_a" in attn) == (version == "v3")
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     print(f"{version} one device max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     kernel = params["layers"]["attn"]["kv_b"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)  # latent replicated
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     print(f"{version} fsdp_tp max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 def test_logits_match_under_ep_on_8_devices(built):
     version, path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     assert params["layers"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 2  # 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     print(f"{version} ep max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["moe"]["dropped_fraction"])) == pytest.approx(0)
 
 
-def test_greedy_generate_matches_transformers_from_the_latent_cache(built):
+def test_greedy_generate_matches_transformers_from_the_latent_cache(built, parity):
     _, path, model, _ = built
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    module, config, params = load_hf(path, mesh=mesh, rules=rules)
-    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
-    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     cache = jax.eval_shape(lambda p: module.apply({"params": p}, np.zeros((1, 24), np.int32),
                                                   positions=np.zeros((1, 24), np.int32), decode=True,
                                                   mutable=["cache"])[1], params)["cache"]
@@ -155,26 +139,21 @@ def test_greedy_generate_matches_transformers_from_the_latent_cache(built):
     assert attn["cached_latent"].value.shape[-1] + attn["cached_rope_key"].value.shape[-1] == 16 + 8
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     version, path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["first_k_dense_replace"]) == (f"deepseek_{version}", 1)
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 def test_v3_rotate_half_without_rope_interleave(tmp_path):
-    model = build(CONFIGS["v3"](rope_interleave=False), str(tmp_path))
-    assert load_hf_config(str(tmp_path)).rope_interleaved is False
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
-    got, _ = _apply(module, params, one)
-    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    path, _, ref = build(CONFIGS["v3"](rope_interleave=False), tmp_path)
+    assert load_hf_config(path).rope_interleaved is False
+    one = one_device()
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    got = apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("version", list(CONFIGS))
@@ -184,18 +163,18 @@ def test_yarn_with_its_latent_softmax_scale_matches_transformers(version, tmp_pa
     the cos/sin factor and latent attention's mscale**2 on the softmax scale must all be right."""
     yarn = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1,
                 mscale=1.0, mscale_all_dim=0.707, rope_theta=10000.0)
-    model = build(CONFIGS[version](rope_parameters=yarn, max_position_embeddings=320), str(tmp_path))
-    config = load_hf_config(str(tmp_path))
+    path, _, ref = build(CONFIGS[version](rope_parameters=yarn, max_position_embeddings=320), tmp_path)
+    config = load_hf_config(path)
     assert dict(config.rope_scaling)["rope_type"] == "yarn"
     assert config.attention_scale == pytest.approx(16 ** -0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2, rel=1e-12)
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
-    got, _ = _apply(module, params, one)
-    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    one = one_device()
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    got = apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     export_hf(config, params, str(tmp_path / "out"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert back.config.rope_parameters["mscale_all_dim"] == 0.707
-    np.testing.assert_allclose(hf_logits(back, TOKENS), hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -204,10 +183,6 @@ def test_v3_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transform
     a shared expert, a dense first layer) under fsdp on 8 devices, with and without LoRA adapters
     (latent attention's ``q`` and ``o``, the dense MLP): the loss falls; the export loads in
     transformers and computes what the run computes (1e-4)."""
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(CONFIGS["v3"](), attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model = randomized(CONFIGS["v3"](), seed=7)
     config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
     assert config.kv_lora_rank == 16 and config.router_kind == "sigmoid_groups"

@@ -11,7 +11,9 @@ equal, export then ``from_pretrained`` equal, and each mechanism changes transfo
 Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -26,10 +28,22 @@ from transformers import (
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, family_of_config, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    fsdp_tp_parity,
+    hf_logits,
+    near_one,
+    one_device,
+    randomize,
+    rewritten,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -49,41 +63,15 @@ READS = {  # model_type -> architecture fields its config reads as
     "hunyuan_v1_dense": dict(qk_norm="head", qk_norm_after_rope=True, attention_bias=True, attention_out_bias=True),
     "seed_oss": dict(attention_bias=True, attention_out_bias=False, mlp_bias=True, head_dim=16),
 }
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens=TOKENS) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomize(model, seed: int):
-    """Every weight random (biases too), norm scales near 1 but far enough to matter."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return model
+DRAW = near_one(scale_std=0.3)  # every weight random (biases too), norm scales near 1 but far enough to matter
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits)."""
     make, seed = CONFIGS[request.param]
-    model = randomize(AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval(), seed)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
-
-
-def _one_device():
-    return make_mesh("data=1", devices=jax.devices()[:1])
+    model = randomize(AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval(), DRAW, seed=seed)
+    return saved(model, tmp_path_factory.mktemp(request.param))
 
 
 def test_the_config_reads_as_its_mechanisms(built):
@@ -97,42 +85,20 @@ def test_the_config_reads_as_its_mechanisms(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    one = _one_device()
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    stacked = "layers" in params and "attn" in params["layers"]
-    q = (params["layers"] if stacked else params["layers"]["sub_0"])["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    fsdp_tp_parity(path, ref)
 
 
-def test_greedy_generate_matches_transformers(built):
+def test_greedy_generate_matches_transformers(built, parity):
     path, model, _ = built
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    mesh, rules = _one_device(), get_rules("fsdp")
-    _, config, params = load_hf(path, mesh=mesh, rules=rules)
-    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
-    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == model.config.model_type
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(model)
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 def _like(model, **changes):
@@ -144,8 +110,8 @@ def _like(model, **changes):
 
 
 def _shardzoo(path, **overrides):
-    module, _, params = load_hf(path, mesh=_one_device(), overrides=overrides)
-    return _apply(module, params, _one_device())
+    module, _, params = load_hf(path, mesh=one_device(), overrides=overrides)
+    return apply(module, params, one_device())
 
 
 @pytest.mark.parametrize("built", ["arcee"], indirect=True)
@@ -191,17 +157,9 @@ def test_exaone4_nope_layers_are_a_feature_other_families_refuse():
 
 def test_exaone4_a_pattern_string_without_layer_types_is_refused(tmp_path):
     """transformers derives the layers from an integer period only; a string is not guessed at."""
-    import json
-
-    Exaone4Config(**DIMS, sliding_window=4).save_pretrained(tmp_path)
-    with open(tmp_path / "config.json") as f:
-        hf = json.load(f)
-    del hf["layer_types"]
-    hf["sliding_window_pattern"] = "LLLG"
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(hf, f)
+    path = rewritten(Exaone4Config(**DIMS, sliding_window=4), tmp_path, ["layer_types"], sliding_window_pattern="LLLG")
     with pytest.raises(HFError, match="sliding_window_pattern='LLLG'"):
-        load_hf_config(str(tmp_path))
+        load_hf_config(path)
 
 
 @pytest.mark.parametrize("built", ["hunyuan_v1_dense"], indirect=True)
@@ -226,12 +184,12 @@ def test_hunyuan_ntk_alpha_rotary_imports_as_its_stretched_base(tmp_path):
     ntk_alpha): plain rotary with base theta * alpha ** (d / (d - 2)), transformers' logits."""
     hf_config = HunYuanDenseV1Config(**DIMS, head_dim=8, rope_parameters=dict(
         rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
-    model = randomize(AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval(), 0)
+    model = randomize(AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval(), DRAW, seed=0)
     model.save_pretrained(tmp_path)
     config = load_hf_config(str(tmp_path))
     assert config.rope_scaling is None and config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (8 / 6))
-    module, _, params = load_hf(str(tmp_path), mesh=_one_device(), rules=get_rules("fsdp"))
-    np.testing.assert_allclose(_apply(module, params, _one_device()), hf_logits(model), atol=TOL, rtol=0)
+    module, _, params = load_hf(str(tmp_path), mesh=one_device(), rules=get_rules("fsdp"))
+    np.testing.assert_allclose(apply(module, params, one_device()), hf_logits(model), atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("built", ["seed_oss"], indirect=True)
@@ -248,7 +206,7 @@ def test_seed_oss_biases_each_matter_and_an_output_bias_imports(built, tmp_path)
         assert np.abs(hf_logits(other) - ref).max() > 1e-2, kind
     out_bias = randomize(AutoModelForCausalLM.from_config(
         SeedOssConfig(**(model.config.to_dict() | dict(attention_out_bias=True))),
-        attn_implementation="eager").eval(), 1)
+        attn_implementation="eager").eval(), DRAW, seed=1)
     out_bias.save_pretrained(tmp_path)
     config = load_hf_config(str(tmp_path))
     assert config.attention_out_bias and family_of_config(config).name == "llama"

@@ -21,6 +21,7 @@ count as transformers' on the meta device. Tolerance: 1e-4 on float32 logits.
 import copy
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -32,9 +33,22 @@ from shardzoo.models import ModelError, get_config
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    bpe_tokenizer,
+    fsdp_tp_parity,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    rewritten,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -43,39 +57,28 @@ ERNIE = dict(DIMS, head_dim=16, use_bias=True, rope_theta=10000.0)
 ERNIE_MOE = dict(DIMS, num_hidden_layers=3, use_bias=True, moe_intermediate_size=16, moe_k=2, moe_num_experts=4,
                  moe_num_shared_experts=1)  # layer 0 dense (moe_layer_start_index 1)
 APERTUS = dict(DIMS, attention_bias=True)  # llama3 rotary: ApertusConfig's default
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
 SEED_MOE = 9  # a seed whose greedy continuation varies
 
 
-def hf_logits(model, tokens=TOKENS) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+def _draw(name, p):
+    """Every weight random (biases and xIELU's alpha_p and alpha_n too), norm scales near 1."""
+    return (1 + 0.1 * torch.randn_like(p) if "norm" in name
+            else 0.5 * torch.randn_like(p) if "act_fn" in name else 0.15 * torch.randn_like(p))
 
 
-def randomized(hf_config, seed: int):
-    """An HF model of ``hf_config`` with every weight random (biases and xIELU's alpha_p and
-    alpha_n too), norm scales near 1; xIELU's buffers beta and eps drawn per layer (eps big
-    enough to act: expm1(min(x, eps)) differs from expm1(x) for x in (eps, 0])."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.5 * torch.randn_like(p) if "act_fn" in name else 0.15 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("act_fn.beta"):
-                b.copy_(0.5 + 0.2 * torch.randn_like(b))
-            elif name.endswith("act_fn.eps"):
-                b.copy_(-0.05 * (1 + torch.rand_like(b)))
-    return model
+def _xielu_buffers(name, b):
+    """xIELU's buffers beta and eps drawn per layer (eps big enough to act: expm1(min(x, eps))
+    differs from expm1(x) for x in (eps, 0])."""
+    if name.endswith("act_fn.beta"):
+        return 0.5 + 0.2 * torch.randn_like(b)
+    if name.endswith("act_fn.eps"):
+        return -0.05 * (1 + torch.rand_like(b))
+    return None
 
 
 def _build(tmp_path_factory, name, hf_config, seed):
-    model = randomized(hf_config, seed)
-    path = str(tmp_path_factory.mktemp(name))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model)
+    model = randomized(hf_config, seed, _draw, _xielu_buffers)
+    return saved(model, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +94,6 @@ def ernie_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def apertus(tmp_path_factory):
     return _build(tmp_path_factory, "apertus", ApertusConfig(**APERTUS), seed=7)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
-
-
-def _one_device():
-    return make_mesh("data=1", devices=jax.devices()[:1])
 
 
 # ---------------------------------------------------------------------------------- configs
@@ -119,32 +113,18 @@ def test_the_configs_read_as_their_mechanisms(ernie, ernie_moe, apertus):
         assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
-def _edited(path, tmp_path, **changes):
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            hf.pop(key, None)
-        else:
-            hf[key] = value
-    os.makedirs(tmp_path, exist_ok=True)
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    os.symlink(os.path.join(path, "model.safetensors"), os.path.join(tmp_path, "model.safetensors"))
-    return str(tmp_path), hf
-
-
 def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_path):
     """Ernie: no head_dim means 128, no num_key_value_heads 2 (Ernie4_5Config's defaults, not
     hidden_size / heads and heads); Apertus: no rope_parameters nor rope_scaling means
     ApertusConfig's llama3 rotary at 12e6, whatever rope_theta says."""
-    path, hf = _edited(ernie[0], tmp_path / "e", head_dim=None, num_key_value_heads=None)
+    path = rewritten(ernie[0], tmp_path / "e", ["head_dim", "num_key_value_heads"])
+    hf = json.loads((tmp_path / "e" / "config.json").read_text())
     assert "head_dim" not in hf and "rope_parameters" in hf
     config = load_hf_config(path)
     want = AutoModelForCausalLM.from_config(Ernie4_5Config(**{k: v for k, v in ERNIE.items()
                                                                if k not in ("head_dim", "num_key_value_heads")}))
     assert (config.head_size, config.kv_heads) == (want.config.head_dim, want.config.num_key_value_heads) == (128, 2)
-    path, _ = _edited(apertus[0], tmp_path / "a", rope_parameters=None, rope_theta=10000.0)
+    path = rewritten(apertus[0], tmp_path / "a", ["rope_parameters"], rope_theta=10000.0)
     config = load_hf_config(path)
     assert config.rope_theta == 12000000.0 and config.rope_scaling_dict["factor"] == 8.0
 
@@ -152,9 +132,9 @@ def test_transformers_defaults_where_config_json_is_silent(ernie, apertus, tmp_p
 def test_ernie_moe_layer_range_and_a_norm_floor_it_cannot_compute(ernie_moe, tmp_path):
     """moe_layer_end_index -1 (or null) runs to the last layer; a moe_norm_min floor that
     would change the weights (shardzoo divides by their sum) is refused naming the field."""
-    path, _ = _edited(ernie_moe[0], tmp_path / "a", moe_layer_end_index=-1, moe_layer_interval=2)
+    path = rewritten(ernie_moe[0], tmp_path / "a", moe_layer_end_index=-1, moe_layer_interval=2)
     assert load_hf_config(path).mlp_layer_types == ("dense", "moe", "dense")
-    path, _ = _edited(ernie_moe[0], tmp_path / "b", moe_norm_min=0.5)
+    path = rewritten(ernie_moe[0], tmp_path / "b", moe_norm_min=0.5)
     with pytest.raises(HFError, match="moe_norm_min=0.5"):
         load_hf_config(path)
 
@@ -169,9 +149,9 @@ def test_ernies_interleaved_rotary_and_biases_change_the_logits(ernie):
     """The same weights with rotate-half rotary (zoo), or without biases (transformers), give
     other logits: a family that dropped either could not pass the parity tests below."""
     path, model, ref = ernie
-    module, config, params = load_hf(path, mesh=_one_device())
-    np.testing.assert_allclose(_apply(module, params, _one_device()), ref, atol=TOL, rtol=0)
-    got = _apply(Transformer(config.replace(rope_interleaved=False)), params, _one_device())
+    module, config, params = load_hf(path, mesh=one_device())
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    got = apply(Transformer(config.replace(rope_interleaved=False)), params, one_device())
     assert np.abs(got - ref).max() > 1e-2
     other = AutoModelForCausalLM.from_config(Ernie4_5Config(**(ERNIE | dict(use_bias=False))),
                                              attn_implementation="eager").eval()
@@ -222,15 +202,7 @@ def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
 def test_logits_match_on_one_device_and_under_fsdp_tp(family, request):
     path, model, ref = request.getfixturevalue(family)
-    module, _, params = load_hf(path, mesh=_one_device(), rules=get_rules("fsdp"))
-    got = _apply(module, params, _one_device())
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    assert params["layers"]["attn"]["q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
-        None, "fsdp", "tensor", None)
-    sharded = _apply(module, params, mesh)
-    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    got, sharded = fsdp_tp_parity(path, ref)
     print(f"{family}: max |logit diff| one device {np.abs(got - ref).max():.2e}, "
           f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
@@ -239,12 +211,10 @@ def test_ernie_moe_logits_match_under_ep_with_the_indexed_dispatch(ernie_moe):
     """Experts, router and correction bias split 4 ways; a slot for every token (capacity
     factor experts / k), so nothing is dropped, as in transformers."""
     path, _, ref = ernie_moe
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=4 / 2))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=4 / 2)
     bias = params["layers"]["moe"]["router_bias"]
     assert bias.shape == (2, 4) and bias.addressable_shards[0].data.shape == (2, 1)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe", "apertus"])
@@ -303,9 +273,6 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     loads in transformers and computes what the run's checkpoint computes (1e-4)."""
     import shutil
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from shardzoo import cli
     from shardzoo.train.checkpoint import load_model_and_params
     from shardzoo.train.metrics import read_metrics
@@ -313,10 +280,7 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")
     shutil.copytree(apertus[0], hf_dir)
     text = [f"the {w} sat on the mat and the dog ran to the {w}." for w in ("cat", "bird", "fox", "cow")]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(text * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(hf_dir)
+    bpe_tokenizer(hf_dir, text)
     data = str(tmp_path / "data.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": line}) + "\n" for line in text * 20)

@@ -9,6 +9,7 @@ own and a scaled global one. Tolerance: 1e-4 on float32 logits (measured ~6e-6).
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -19,11 +20,12 @@ from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, G
 from shardzoo import cli
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.checkpoint import read_meta, resolve_checkpoint
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, hf_logits, one_device, randomized, saved  # noqa: E402
 
 # head_dim 16, not hidden / heads = 8; vocab above the byte tokenizer's 259 ids (train)
 DIMS = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -38,46 +40,18 @@ CONFIGS = {
                                        rope_local_base_freq=100.0,
                                        rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
 
 
-def greedy(hf_dir, prompt, new_tokens: int) -> np.ndarray:
-    """Greedy tokens from the Program's compiled decoding on one device."""
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    _, config, params = load_hf(hf_dir, mesh=mesh, rules=rules)
-    return Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new_tokens)
-
-
-def randomize(model) -> None:
+def draw(name, p):
     """Every weight random; Gemma's norms scale by (1 + w), so their w is near 0. Small tied
     embeddings against larger layers keep greedy decoding off a repeated token."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = 0.1 if "norm" in name else 0.05 if "embed" in name else 0.3
-            p.copy_(std * torch.randn_like(p))
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    return (0.1 if "norm" in name else 0.05 if "embed" in name else 0.3) * torch.randn_like(p)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits) for one generation."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager")
-    model.eval()
-    randomize(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, rules):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+    return saved(randomized(CONFIGS[request.param](), 0, draw), tmp_path_factory.mktemp(request.param))
 
 
 def test_config_reads_every_feature(built):
@@ -115,7 +89,7 @@ def test_the_soft_caps_clip(built):
 def test_logits_match_on_one_device(built):
     path, _, ref = built
     module, _, params = load_hf(path)
-    out = _apply(module, params, make_mesh("", devices=jax.devices()[:1]), get_rules("dp"))
+    out = apply(module, params, make_mesh("", devices=jax.devices()[:1]))
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
@@ -126,35 +100,22 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     stack = params["layers"]["sub_0"] if "sub_0" in params["layers"] else params["layers"]
     assert stack["attn"]["q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(
         None, "fsdp", "tensor", None)
-    np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
-def test_greedy_generate_matches_transformers(built):
+def test_greedy_generate_matches_transformers(built, parity):
     """24 tokens through windows of 4: the cache's window and the global layers' full view."""
     path, model, _ = built
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16,
-                              do_sample=False, eos_token_id=None, pad_token_id=0,
-                              min_new_tokens=16).numpy()
-    got = greedy(path, prompt, 16)
-    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
 @pytest.mark.parametrize("scan", [True, False])
-def test_export_round_trip_loads_the_same_model(built, scan, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, scan, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path, scan_layers=scan)
     export_hf(config, params, str(tmp_path))
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(model)
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    back = parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
     assert back.config.to_dict().get("layer_types") == model.config.to_dict().get("layer_types")
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("built", ["gemma3"], indirect=True)
@@ -187,13 +148,9 @@ def test_an_irregular_layer_pattern_imports_scanned_and_matches_transformers(tmp
     gives transformers' logits, scanned and unrolled alike."""
     hf_config = CONFIGS["gemma2"]()
     hf_config.layer_types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    randomize(model)
-    model.save_pretrained(tmp_path)
-    ref = hf_logits(model, TOKENS)
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    path, _, ref = saved(randomized(hf_config, 1, draw), tmp_path)
+    mesh, rules = one_device(), get_rules("fsdp")
     for scan in (True, False):
-        module, config, params = load_hf(str(tmp_path), mesh=mesh, rules=rules, scan_layers=scan)
+        module, config, params = load_hf(path, mesh=mesh, rules=rules, scan_layers=scan)
         assert config.layer_types == tuple(hf_config.layer_types)
-        np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
+        np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)

@@ -12,8 +12,9 @@ device. Tolerance: 1e-4 on float32 logits.
 """
 
 import copy
+import os
+import sys
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -22,12 +23,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, Glm4Config, Glm4MoeCo
 from shardzoo.models.hf import config_to_hf, export_hf, family_of_model_type, load_hf_config
 from shardzoo.models.hf.registry import PRESETS, arch_from_hf
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    correction_bias,
+    fsdp_tp_parity,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
+
 E, K = 8, 2
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
@@ -42,22 +55,6 @@ CONFIGS = {
                                            first_k_dense_replace=1, use_qk_norm=True, **kw),
 }
 SEEDS = {"glm": 1, "glm4": 1, "glm4_moe": 1}
-
-
-def hf_logits(model, tokens=TOKENS) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomize(model) -> None:
-    """Every weight random (biases too), norm scales near 1, the correction bias large enough to
-    move the choice."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn_like(b))
 
 
 def variant(model, **config):
@@ -75,19 +72,10 @@ def variant(model, **config):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
-    """(model_type, HF dir, HF model, reference logits)."""
-    torch.manual_seed(SEEDS[request.param])
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
-    randomize(model)
-    path = str(tmp_path_factory.mktemp(request.param))
-    model.save_pretrained(path)
-    return request.param, path, model, hf_logits(model)
-
-
-def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
+    """(model_type, HF dir, HF model, reference logits): every weight random (biases too), norm
+    scales near 1, the correction bias large enough to move the choice."""
+    model = randomized(CONFIGS[request.param](), SEEDS[request.param], buffers=correction_bias)
+    return request.param, *saved(model, tmp_path_factory.mktemp(request.param))
 
 
 def test_the_config_reads_as_partial_rotary_with_the_familys_mechanisms(built):
@@ -147,9 +135,9 @@ def test_each_mechanism_moves_transformers_logits(built):
         print(f"{family}: {name} moves transformers' logits by {moved(other):.2e}")
         assert moved(other) > 1e-3, name
     # rotate-half where transformers turns interleaved pairs (and the reverse for GLM-4.5)
-    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    mesh = one_device()
     module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp"))
-    got, _ = _apply(Transformer(config.replace(rope_interleaved=not config.rope_interleaved)), params, mesh)
+    got = apply(Transformer(config.replace(rope_interleaved=not config.rope_interleaved)), params, mesh)
     print(f"{family}: the other rotary pairing is {np.abs(got - ref).max():.2e} off transformers")
     assert np.abs(got - ref).max() > 1e-3
 
@@ -169,28 +157,17 @@ def test_routing_drops_experts_and_groups(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     family, path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    got, _ = _apply(module, params, one)
-    print(f"{family} one device max |logit diff| {np.abs(got - ref).max():.2e}")
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    got, _ = _apply(module, params, mesh)
-    print(f"{family} fsdp_tp max |logit diff| {np.abs(got - ref).max():.2e}")
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    got, sharded = fsdp_tp_parity(path, ref)
+    print(f"{family} max |logit diff| one device {np.abs(got - ref).max():.2e}, "
+          f"fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 
 @pytest.mark.parametrize("built", ["glm4_moe"], indirect=True)
 def test_logits_match_under_ep_on_8_devices(built):
     family, path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     assert params["layers"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 2  # 8 experts 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     print(f"{family} ep max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["moe"]["dropped_fraction"])) == pytest.approx(0)
@@ -213,17 +190,14 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
 def test_yarn_on_the_rotating_part_matches_transformers(family, tmp_path):
     """YaRN over the rotating quarter of each head (factor 8 from 8 positions, 16 tokens):
     frequencies from the rotary dims only, cos/sin scaled, interleaved for GLM."""
-    torch.manual_seed(0)
     yarn = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8, rope_theta=1000.0,
                 partial_rotary_factor=0.25)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](rope_parameters=yarn), attn_implementation="eager").eval()
-    randomize(model)
-    model.save_pretrained(tmp_path)
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, config, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
+    path, _, ref = saved(randomized(CONFIGS[family](rope_parameters=yarn), 0, buffers=correction_bias), tmp_path)
+    one = one_device()
+    module, config, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert (config.rope_dim, config.rope_scaling_dict["rope_type"]) == (4, "yarn")
-    got, _ = _apply(module, params, one)
-    np.testing.assert_allclose(got, hf_logits(model), atol=TOL, rtol=0)
+    got = apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["glm", "glm4_moe"])

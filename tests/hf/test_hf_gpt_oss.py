@@ -12,6 +12,7 @@ Tolerance: 1e-4 on float32 logits, as for every family.
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -24,11 +25,21 @@ from shardzoo.models import ModelError, get_config
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
+
 E, K = 4, 2
 HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=4, head_dim=8,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=K,
@@ -37,35 +48,17 @@ HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidde
                                       original_max_position_embeddings=8, rope_theta=1000.0))
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomize(model) -> None:
+def draw(name, p):
     """Every weight random (sinks, biases and the router too), norm scales near 1; the scale
     big enough that the SwiGLU's clamps (limit 1.5) act."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else torch.randn_like(p) if "sinks" in name else 0.3 * torch.randn_like(p))
+    return (1 + 0.1 * torch.randn_like(p) if "norm" in name
+            else torch.randn_like(p) if "sinks" in name else 0.3 * torch.randn_like(p))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF dir, HF model, reference logits)."""
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**HF_CONFIG), attn_implementation="eager").eval()
-    randomize(model)
-    path = str(tmp_path_factory.mktemp("gpt_oss"))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, collections=(), tokens=TOKENS):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, tokens)
-    return np.asarray(out), state
+    return saved(randomized(GptOssConfig(**HF_CONFIG), seed=3, draw=draw), tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_the_config_reads_as_sinks_alternating_windows_and_biased_experts(built):
@@ -87,27 +80,25 @@ def test_the_config_reads_as_sinks_alternating_windows_and_biased_experts(built)
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert params["layers"]["sub_0"]["attn"]["sinks"].shape == (2, 4)  # [layers, heads]: 2 periods of 2
     assert params["layers"]["sub_0"]["moe"]["wi_gate_bias"].shape == (2, E, 16)
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     assert params["layers"]["sub_0"]["attn"]["sinks"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 def test_logits_match_under_ep_on_8_devices_with_the_indexed_dispatch(built):
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
     # capacity factor E / K: every expert has a slot for every token, so nothing is dropped
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     assert params["layers"]["sub_0"]["moe"]["wo_bias"].addressable_shards[0].data.shape[1] == 1  # split 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["sub_0"]["moe"]["dropped_fraction"])) == pytest.approx(0)
 
@@ -116,13 +107,11 @@ def test_logits_match_with_the_einsum_dispatches_under_ep(built):
     """The experts' biases reach every dispatch: capacity's einsums, and shard_map's explicit
     all-to-all (built on the same placement and params: the import validates the einsum one)."""
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
-    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                     overrides=dict(moe_dispatch="capacity", capacity_factor=E / K))
-    got, _ = _apply(module, params, mesh)
+    module, config, params, mesh = load_ep(path, moe_dispatch="capacity", capacity_factor=E / K)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     explicit = config.replace(moe_dispatch="shard_map").build(module.placement)
-    got, _ = _apply(explicit, params, mesh, tokens=np.tile(TOKENS, (2, 1)))  # a row for each of 8 devices
+    got = apply(explicit, params, mesh, tokens=np.tile(TOKENS, (2, 1)))  # a row for each of 8 devices
     np.testing.assert_allclose(got, np.tile(ref, (2, 1, 1)), atol=TOL, rtol=0)
 
 
@@ -167,10 +156,8 @@ def test_an_mxfp4_checkpoint_imports_as_transformers_dequantizes_it(tmp_path):
     FP4 values); the imported model's logits equal those of the HF model holding those weights."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    torch.manual_seed(5)
     hf_config = GptOssConfig(**(HF_CONFIG | dict(hidden_size=64, intermediate_size=32)))
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    randomize(model)
+    model = randomized(hf_config, seed=5, draw=draw)
     model.save_pretrained(tmp_path / "float")
     packed = _mxfp4_checkpoint(str(tmp_path / "float"), str(tmp_path / "mxfp4"), np.random.default_rng(1))
     with torch.no_grad():  # the reference: transformers' dequantization in the HF model
@@ -185,7 +172,7 @@ def test_an_mxfp4_checkpoint_imports_as_transformers_dequantizes_it(tmp_path):
         np.testing.assert_array_equal(np.asarray(sub["wi_up"][0]), gate_up[..., 1::2])
         np.testing.assert_array_equal(np.asarray(sub["wo"][0]), model.model.layers[i].mlp.experts.down_proj.numpy(force=True))
     assert len(np.unique(np.asarray(params["layers"]["sub_0"]["moe"]["wo"]))) > 20  # many FP4 values and scales
-    got, _ = _apply(config.build(), params, make_mesh("data=1", devices=jax.devices()[:1]))
+    got = apply(config.build(), params, one_device())
     np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
 
 
@@ -254,7 +241,7 @@ def test_logits_match_under_context_parallelism(built):
     path, _, ref = built
     mesh = make_mesh("context=4,data=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("cp"))
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
@@ -263,8 +250,6 @@ def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers
     """``shardzoo train --init-from`` a tiny GPT-OSS under fsdp on 8 devices, with and without
     LoRA adapters (on the attention: the experts are not linears): the loss falls; the export
     loads in transformers and computes what the run computes (1e-4)."""
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**HF_CONFIG), attn_implementation="eager")
-    randomize(model)
+    model = randomized(GptOssConfig(**HF_CONFIG), seed=7, draw=draw)
     config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
     assert config.attention_sinks

@@ -7,16 +7,29 @@ and under fsdp_tp (and ep for the MoE) on 8 devices, greedy tokens equal, export
 ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    config_of,
+    fsdp_tp_parity,
+    hf_logits,
+    load_ep,
+    randomized,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -29,31 +42,13 @@ CONFIGS = {
 }
 MESHES = {"granite": ("data=2,fsdp=2,tensor=2", "fsdp_tp"),
           "granitemoe": ("data=2,fsdp=2,tensor=2", "fsdp_tp")}
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+    model = randomized(CONFIGS[request.param](), seed=0)
+    return saved(model, tmp_path_factory.mktemp(request.param))
 
 
 def test_the_multipliers_matter(built):
@@ -76,24 +71,16 @@ def test_the_multipliers_matter(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
     spec, rules = MESHES[model.config.model_type]
-    mesh = make_mesh(spec)
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules(rules))
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    fsdp_tp_parity(path, ref, mesh=spec, rules=rules)
 
 
 @pytest.mark.parametrize("built", ["granitemoe"], indirect=True)
 def test_moe_logits_match_under_ep(built):
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"))
+    module, _, params, mesh = load_ep(path)
     assert params["layers"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 1  # experts split 4 ways
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
 def test_greedy_generate_matches_transformers(built, parity):
@@ -112,7 +99,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
 def test_a_family_without_the_feature_refuses_to_export_it():
     """Llama's config.json has no multipliers: exporting a Granite model as Llama names the
     feature and its fields, and is never written without them."""
-    config = load_hf_config_from(GraniteConfig(**DIMS, **MULTIPLIERS))
+    config = config_of(GraniteConfig(**DIMS, **MULTIPLIERS))
     with pytest.raises(HFError, match=r"llama cannot express feature multipliers \(embedding_multiplier=4.0, "
                                       r"residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5\)"):
         config_to_hf(config, family="llama")
@@ -120,11 +107,3 @@ def test_a_family_without_the_feature_refuses_to_export_it():
     plain = config.replace(embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0,
                            attention_multiplier=None)
     assert config_to_hf(plain)["model_type"] == "llama"  # multipliers of 1: Llama's own math
-
-
-def load_hf_config_from(hf_config):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        hf_config.save_pretrained(d)
-        return load_hf_config(d)

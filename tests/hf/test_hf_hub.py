@@ -10,13 +10,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from huggingface_hub import constants
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from shardzoo import cli
 from shardzoo.train.hub import is_hub_id
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import bpe_tokenizer, tiny_llama  # noqa: E402
 
 REPO, REV = "tiny-org/tiny-llama", "0123456789abcdef0123456789abcdef01234567"
 PROMPT = "the lazy fox"
@@ -25,24 +25,12 @@ PROMPT = "the lazy fox"
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
     """(cache dir, snapshot dir): a tiny Llama with its tokenizer as the Hub cache holds it."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15)
+    model = tiny_llama()
     cache = tmp_path_factory.mktemp("hub")
     repo = cache / f"models--{REPO.replace('/', '--')}"
     snapshot = repo / "snapshots" / REV
     model.save_pretrained(snapshot)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog."] * 10,
-                            trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(snapshot)
+    bpe_tokenizer(snapshot, ["the quick brown fox jumps over the lazy dog."])
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REV)
     return cache, snapshot

@@ -8,58 +8,46 @@ export then ``from_pretrained`` equal, the parameter count equals transformers'.
 1e-4 on float32 logits against transformers, 1e-5 shardzoo against itself.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
-import torch
 from jax.sharding import PartitionSpec as P
-from transformers import AutoModelForCausalLM, Lfm2Config
+from transformers import Lfm2Config
 
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    decoded,
+    edit,
+    left_padded_generates_alone,
+    near_one,
+    one_device,
+    randomized,
+    rewritten,
+    saved,
+)
 
 LAYERS = ["conv", "full_attention", "conv", "conv"]
 CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=72, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, layer_types=LAYERS, block_multiple_of=16,
               block_ffn_dim_multiplier=1.5, conv_L_cache=3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random (biases too), norm scales near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    return model
+DRAW = near_one(std=0.2)  # every weight random (biases too), norm scales near 1
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(Lfm2Config(**CONFIG), seed=1)
-    path = tmp_path_factory.mktemp("lfm2")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
-
-
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
+    return saved(randomized(Lfm2Config(**CONFIG), seed=1, draw=DRAW), tmp_path_factory.mktemp("lfm2"))
 
 
 def test_config_reads_the_layer_pattern_and_the_derived_mlp_width(built):
@@ -75,20 +63,18 @@ def test_the_convolution_and_its_taps_order_matter(built):
     """Reversed taps, or a model whose conv layers were attention, give other logits than
     transformers': the parity below could fail if the convolution were wrong."""
     path, _, ref = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    np.testing.assert_allclose(_apply(module, params, _one()), ref, atol=TOL, rtol=0)
-    flipped = jax.tree_util.tree_map_with_path(
-        lambda p, x: x[..., ::-1, :] if jax.tree_util.keystr(p).endswith("['conv']['kernel']") else x, params)
-    assert np.abs(_apply(module, flipped, _one()) - ref).max() > 1e-2
-    zero = jax.tree_util.tree_map_with_path(
-        lambda p, x: 0 * x if jax.tree_util.keystr(p).endswith("['conv']['kernel']") else x, params)
-    assert np.abs(_apply(module, zero, _one()) - ref).max() > 1e-2
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    flipped = edit(params, "['conv']['kernel']", lambda x: x[..., ::-1, :])
+    assert np.abs(apply(module, flipped, one_device()) - ref).max() > 1e-2
+    zero = edit(params, "['conv']['kernel']", lambda x: 0 * x)
+    assert np.abs(apply(module, zero, one_device()) - ref).max() > 1e-2
 
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    module, _, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    got = _apply(module, params, _one())
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    got = apply(module, params, one_device())
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
@@ -96,17 +82,17 @@ def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     assert conv["in_b"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")  # [layers, embed, conv_channels]
     assert conv["kernel"].sharding.spec == P(None, None, "tensor")  # [layers, conv_width, conv_channels]
     assert conv["out"]["kernel"].sharding.spec == P(None, "tensor", "fsdp")
-    sharded = _apply(module, params, mesh)
+    sharded = apply(module, params, mesh)
     np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
     print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}, fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 
 def test_conv_biases_match_transformers(tmp_path):
-    model = randomized(Lfm2Config(**(CONFIG | dict(conv_bias=True, conv_L_cache=4))), seed=2)
-    model.save_pretrained(tmp_path)
-    module, config, params = load_hf(str(tmp_path), mesh=_one(), rules=get_rules("fsdp"))
+    path, model, ref = saved(randomized(Lfm2Config(**(CONFIG | dict(conv_bias=True, conv_L_cache=4))), seed=2,
+                                        draw=DRAW), tmp_path)
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     assert config.conv_bias and config.conv_kernel == 4
-    np.testing.assert_allclose(_apply(module, params, _one()), hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
@@ -124,24 +110,17 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
     apart from the full forward's by ~1e-5 in the prompt too): each conv layer's cache carries
     its last conv_kernel - 1 inputs across calls."""
     path, _, _ = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    full = _apply(module, params, _one())
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    full = apply(module, params, one_device())
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     assert cache["layers_0"]["conv"]["conv_state"].value.shape == (4, 2, 32)  # [batch, conv_width - 1, channels]
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(16, dtype=np.int32), TOKENS.shape)
-    logits, cache = step(params, cache, TOKENS[:, :6], positions[:, :6])
-    got = [np.asarray(logits)]
-    for i in range(6, 16):
-        logits, cache = step(params, cache, TOKENS[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, TOKENS, prefill=6)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
 
 
 def test_cache_is_sharded_by_its_logical_axes(built):
-    _, config, _ = load_hf(built[0], mesh=_one(), rules=get_rules("fsdp"))
+    _, config, _ = load_hf(built[0], mesh=one_device(), rules=get_rules("fsdp"))
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
     _, shardings = program.cache_shardings(8, 16)
     assert shardings["layers_0"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
@@ -159,14 +138,8 @@ def test_left_padded_rows_generate_as_they_do_alone(built):
     """A batch of a short and a long prompt (the short one left-padded, its padding segment 0,
     which the convolution's taps do not see) continues each row as it continues alone."""
     path, _, _ = built
-    _, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    program = Program(config, get_rules("fsdp"), _one())
-    prompt = TOKENS[:2, :8].copy()
-    prompt[0, :5] = 0  # row 0: a prompt of 3 tokens, left-padded
-    both = program.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
-    alone = program.generate(params, TOKENS[:1, 5:8], max_new_tokens=8)
-    np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
-    np.testing.assert_array_equal(both[1], program.generate(params, prompt[1:], max_new_tokens=8)[0])
+    _, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    left_padded_generates_alone(Program(config, get_rules("fsdp"), one_device()), params)
 
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
@@ -185,14 +158,9 @@ def test_only_lfm2_expresses_conv_layers(built):
 
 
 def test_a_layer_kind_lfm2_has_not_is_refused(tmp_path):
-    Lfm2Config(**CONFIG).save_pretrained(tmp_path)
-    import json
-
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["layer_types"] = ["conv", "sliding_attention", "conv", "conv"]
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    path = rewritten(Lfm2Config(**CONFIG), tmp_path, layer_types=["conv", "sliding_attention", "conv", "conv"])
     with pytest.raises(HFError, match=r"layer_types=.*LFM2's layers are 'full_attention' or 'conv'"):
-        load_hf_config(str(tmp_path))
+        load_hf_config(path)
 
 
 def test_the_published_lfm2_config_reads_as_the_preset(tmp_path):

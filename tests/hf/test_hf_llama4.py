@@ -9,7 +9,9 @@ then ``from_pretrained`` equal; a ``llama4`` (multimodal) directory's text part 
 logits. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -24,11 +26,22 @@ from shardzoo.models import ModelError
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    hf_logits,
+    load_ep,
+    near_one,
+    one_device,
+    randomized,
+    saved,
+)
+
 E = 4
 # layers 0-2 rotary and chunked by 4, layer 3 NoPE (full attention, temperature-tuned); MoE on 1 and 3
 HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48,
@@ -41,32 +54,13 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
               patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=32)
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def _randomise(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+DRAW = near_one(std=0.2)  # every weight random, norm scales near 1
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(Llama4TextConfig(**HF_CONFIG), attn_implementation="eager").eval()
-    _randomise(model)
-    path = str(tmp_path_factory.mktemp("llama4"))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
+    return saved(randomized(Llama4TextConfig(**HF_CONFIG), seed=3, draw=DRAW), tmp_path_factory.mktemp("llama4"))
 
 
 def test_the_config_reads_every_mechanism_and_each_matters(built):
@@ -92,14 +86,14 @@ def test_the_config_reads_every_mechanism_and_each_matters(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert params["layers_1"]["moe"]["wi_gate"].shape == (E, 32, 16)  # [expert, embed, mlp]; no period: unrolled
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
@@ -107,11 +101,9 @@ def test_logits_match_on_one_device_and_under_fsdp_tp(built):
 def test_logits_match_under_ep_on_8_devices(built, dispatch):
     """The input-scaled router through the buffer dispatches (a slot for every token: HF drops none)."""
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch=dispatch, capacity_factor=float(E)))
+    module, _, params, mesh = load_ep(path, moe_dispatch=dispatch, capacity_factor=float(E))
     assert params["layers_1"]["moe"]["wi_gate"].addressable_shards[0].data.shape[0] == 1  # 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers_1"]["moe"]["dropped_fraction"][0])) == pytest.approx(0)
 
@@ -138,9 +130,9 @@ def test_a_llama4_directory_imports_its_text_part(built, tmp_path):
     full.language_model.load_state_dict(model.state_dict())
     full.save_pretrained(tmp_path)
     assert load_hf_config(str(tmp_path)).arch == load_hf_config(path).arch
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
@@ -175,18 +167,15 @@ def test_presets_count_as_transformers(tmp_path):
 def test_eight_layers_scan_as_two_periods_and_match(tmp_path):
     """transformers' defaults for the pattern (NoPE every 4th layer, MoE every 2nd): a period of
     four layers, scanned twice, with the same logits."""
-    torch.manual_seed(4)
     hf_config = dict(HF_CONFIG, num_hidden_layers=8, no_rope_layers=None)
-    model = AutoModelForCausalLM.from_config(Llama4TextConfig(**hf_config), attn_implementation="eager").eval()
-    _randomise(model)
-    model.save_pretrained(tmp_path)
-    config = load_hf_config(str(tmp_path))
+    path, model, ref = saved(randomized(Llama4TextConfig(**hf_config), seed=4, draw=DRAW), tmp_path)
+    config = load_hf_config(path)
     assert config.layout().as_tuple() == (0, 4, 2)
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
+    one = one_device()
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert params["layers"]["sub_3"]["moe"]["wi_up"].shape == (2, E, 32, 16)  # [layers, expert, embed, mlp]
-    got, _ = _apply(module, params, one)
-    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    got = apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -9,6 +9,9 @@ tokens equal over 16, decoding from the cache equals the full forward, export th
 logits against transformers, 1e-5 shardzoo against itself.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -16,62 +19,41 @@ import torch
 from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM, Mamba2Config
 
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOL,
+    apply,
+    decoded,
+    edit,
+    left_padded_generates_alone,
+    mamba_draw,
+    one_device,
+    randomized,
+    rewritten,
+    saved,
+)
 
 CONFIG = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8, n_groups=2, state_size=8,
               conv_kernel=4, chunk_size=4, expand=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 11)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random: A = -exp(A_log) in [-2.5, -0.5],
-    dt_bias around 0, norm scales near 1, the rest 0.2 x normal."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5))
-            elif "dt_bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(Mamba2Config(**CONFIG), seed=1)
-    path = tmp_path_factory.mktemp("mamba2")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
+    """(HF dir, HF model, reference logits): every weight random, A = -exp(A_log) in [-2.5, -0.5],
+    dt_bias around 0, norm scales near 1, the rest 0.2 x normal."""
+    return saved(randomized(Mamba2Config(**CONFIG), seed=1, draw=mamba_draw), tmp_path_factory.mktemp("mamba2"),
+                 TOKENS)
 
 
-def _apply(module, params, mesh, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
-
-
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
-
-
-def _edit(params, suffix, fn):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(x) if jax.tree_util.keystr(p).endswith(suffix) else x, params)
+def _apply(module, params, mesh):
+    return apply(module, params, mesh, TOKENS)
 
 
 def test_config_reads_the_mixer(built):
@@ -87,19 +69,19 @@ def test_each_mechanism_changes_transformers_logits(built):
     """Without the convolution, the D skip, the gate, with other decays (A) or one group's B and
     C for all heads, the logits move away from transformers': the parity below could fail."""
     path, _, ref = built
-    module, _, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    np.testing.assert_allclose(_apply(module, params, _one()), ref, atol=TOL, rtol=0)
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    np.testing.assert_allclose(_apply(module, params, one_device()), ref, atol=TOL, rtol=0)
     for suffix, fn in (("['conv_x']", lambda x: 0 * x), ("['D']", lambda x: 0 * x),
                        ("['A_log']", lambda x: x + 1.0), ("['in_z']['kernel']", lambda x: 0 * x),
                        ("['in_b']['kernel']", lambda x: x[..., :1, :].repeat(2, axis=-2)),
                        ("['dt_bias']", lambda x: x + 2.0)):
-        assert np.abs(_apply(module, _edit(params, suffix, fn), _one()) - ref).max() > 1e-2, suffix
+        assert np.abs(_apply(module, edit(params, suffix, fn), one_device()) - ref).max() > 1e-2, suffix
 
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    module, _, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    got = _apply(module, params, _one())
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    got = _apply(module, params, one_device())
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
@@ -122,41 +104,33 @@ def test_parameter_count_equals_transformers(built):
 def test_biases_and_a_clamp_match_transformers(tmp_path):
     """in_proj/out_proj biases (use_bias), no conv bias, and dt clamped to [0.05, 0.5]."""
     model = randomized(Mamba2Config(**(CONFIG | dict(use_bias=True, use_conv_bias=False,
-                                                     time_step_limit=(0.05, 0.5)))), seed=2)
-    model.save_pretrained(tmp_path)
-    module, config, params = load_hf(str(tmp_path), mesh=_one(), rules=get_rules("fsdp"))
+                                                     time_step_limit=(0.05, 0.5)))), seed=2, draw=mamba_draw)
+    path, model, ref = saved(model, tmp_path, TOKENS)
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     assert config.mamba_proj_bias and not config.mamba_conv_bias and config.time_step_limit == (0.05, 0.5)
-    ref = hf_logits(model, TOKENS)
-    np.testing.assert_allclose(_apply(module, params, _one()), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_apply(module, params, one_device()), ref, atol=TOL, rtol=0)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     unclamped = config.replace(time_step_limit=(0.0, float("inf"))).build()
-    assert np.abs(_apply(unclamped, params, _one()) - ref).max() > 1e-2
+    assert np.abs(_apply(unclamped, params, one_device()) - ref).max() > 1e-2
 
 
 def test_decoding_from_the_cache_equals_the_full_forward(built):
     """A prefill of 6 tokens (one chunk and a half) then 5 single steps give the full forward's
     logits (1e-5): each mamba layer's cache carries its conv inputs and its state."""
     path, _, _ = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    full = _apply(module, params, _one())
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    full = _apply(module, params, one_device())
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     m = cache["layers"]["mamba"]  # the scanned layers' caches: a leading layers axis
     assert m["ssm_state"].value.shape == (3, 4, 8, 8, 8)  # [layers, batch, heads, head_dim, state]
     assert m["conv_x_state"].value.shape == (3, 4, 3, 8, 8)  # [layers, batch, w - 1, heads, head_dim]
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(11, dtype=np.int32), TOKENS.shape)
-    logits, cache = step(params, cache, TOKENS[:, :6], positions[:, :6])
-    got = [np.asarray(logits)]
-    for i in range(6, 11):
-        logits, cache = step(params, cache, TOKENS[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, TOKENS, prefill=6)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
 
 
 def test_cache_is_sharded_by_its_logical_axes(built):
-    _, config, _ = load_hf(built[0], mesh=_one(), rules=get_rules("fsdp"))
+    _, config, _ = load_hf(built[0], mesh=one_device(), rules=get_rules("fsdp"))
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
     shapes, shardings = program.cache_shardings(8, 16)
     m = shardings["layers_2"]["mamba"]
@@ -176,14 +150,8 @@ def test_left_padded_rows_generate_as_they_do_alone(built):
     """A batch of a short and a long prompt (the short one left-padded, its padding segment 0,
     which neither the convolutions nor the state see) continues each row as it continues alone."""
     path, _, _ = built
-    _, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
-    program = Program(config, get_rules("fsdp"), _one())
-    prompt = TOKENS[:2, :8].copy()
-    prompt[0, :5] = 0
-    both = program.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
-    alone = program.generate(params, TOKENS[:1, 5:8], max_new_tokens=8)
-    np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
-    np.testing.assert_array_equal(both[1], program.generate(params, prompt[1:], max_new_tokens=8)[0])
+    _, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
+    left_padded_generates_alone(Program(config, get_rules("fsdp"), one_device()), params, TOKENS)
 
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
@@ -201,14 +169,9 @@ def test_only_the_mamba_families_express_mamba_layers(built):
 
 
 def test_an_inconsistent_inner_width_is_one_line(tmp_path):
-    import json
-
-    Mamba2Config(**CONFIG).save_pretrained(tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["num_heads"] = 4
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    path = rewritten(Mamba2Config(**CONFIG), tmp_path, num_heads=4)
     with pytest.raises(HFError, match=r"num_heads=4: num_heads x head_dim = 32 must be expand x hidden_size = 64"):
-        load_hf_config(str(tmp_path))
+        load_hf_config(path)
 
 
 def test_bad_mamba_settings_are_one_line():

@@ -6,6 +6,8 @@ saved with save_pretrained. Tolerance: 1e-4 on float32 logits (measured ~2e-7).
 """
 
 import copy
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -27,10 +28,11 @@ from transformers import (
 
 from shardzoo.models.hf import export_hf, put_leaf
 from shardzoo.sharding import make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, near_one, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -61,53 +63,23 @@ CONFIGS = {
     "gpt2": lambda: GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                bos_token_id=1, eos_token_id=2),
 }
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def greedy(hf_dir, prompt, new_tokens: int) -> np.ndarray:
-    """Greedy tokens from the Program's compiled decoding on one device."""
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    _, config, params = load_hf(hf_dir, mesh=mesh, rules=rules)
-    return Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new_tokens)
-
-
-def randomize(model) -> None:
-    """Every weight random (norm scales near 1), so zero-initialized biases are tested too."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_norm = p.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight")
-            p.copy_(1 + 0.1 * torch.randn_like(p) if is_norm else 0.15 * torch.randn_like(p))
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+# every weight random (norm scales near 1), so zero-initialized biases are tested too
+DRAW = near_one(lambda name, p: p.ndim == 1 and ("norm" in name or ".ln_" in name) and name.endswith("weight"))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits) for one family."""
-    torch.manual_seed(0)
     config = CONFIGS[request.param]()
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    randomize(model)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, rules):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+    return saved(randomized(config, 0, DRAW), tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_on_one_device(built):
     path, _, ref = built
     module, _, params = load_hf(path)
     assert {d for leaf in jax.tree.leaves(params) for d in leaf.devices()} == {jax.devices()[0]}
-    out = _apply(module, params, make_mesh("", devices=jax.devices()[:1]), get_rules("dp"))
+    out = apply(module, params, make_mesh("", devices=jax.devices()[:1]))
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
@@ -125,7 +97,7 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
         q = params["layers_1"]["attn"]["q"]["kernel"]
         assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
         assert q.addressable_shards[0].data.shape == (16, 2, q.shape[-1])
-    np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
@@ -138,15 +110,9 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
 
 
 @pytest.mark.parametrize("built", ["gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe"], indirect=True)  # Llama's: tests/hf/test_hf_cli.py
-def test_greedy_generate_matches_transformers(built):
+def test_greedy_generate_matches_transformers(built, parity):
     path, model, _ = built
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    got = greedy(path, prompt, 16)
-    assert len(set(want[0, 8:].tolist())) > 3  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
 def test_put_leaf_reads_each_layer_once_and_sends_only_slices():

@@ -10,18 +10,20 @@ equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens 
 then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, MinistralConfig, Olmo3Config, SmolLM3Config
 
 from shardzoo.models import ModelError
 from shardzoo.models.arch import FULL, SLIDING, TransformerArch
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, config_of, fsdp_tp_parity, hf_logits, randomized, saved, stacked_q  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
@@ -45,42 +47,13 @@ WITHOUT = {
 }
 SEEDS = {"olmo3": 0, "smollm3": 2, "ministral": 0}  # each with a varied greedy continuation
 LAYOUTS = {"olmo3": (0, 4, 2), "smollm3": (0, 2, 3), "ministral": (1, 1, 4)}  # (prefix, period, repeats)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(SEEDS[request.param])
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
-
-
-def _stacked_q(config, params):
-    """The q kernel of the first scanned position (``layers`` or ``layers/sub_0``)."""
-    for prefix, _, stacked in config.param_layout():
-        if stacked:
-            tree = params
-            for key in prefix:
-                tree = tree[key]
-            return tree["attn"]["q"]["kernel"]
-    raise AssertionError("nothing scanned")
+    model = randomized(CONFIGS[request.param](), SEEDS[request.param])
+    return saved(model, tmp_path_factory.mktemp(request.param))
 
 
 def test_the_mechanism_matters(built):
@@ -105,15 +78,7 @@ def test_the_mechanism_matters(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    single = _apply(module, params, one)
-    np.testing.assert_allclose(single, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    assert _stacked_q(config, params).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    got = _apply(module, params, mesh)
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    single, got = fsdp_tp_parity(path, ref, q=stacked_q)
     print(f"{model.config.model_type}: max |logit diff| on one device {np.abs(single - ref).max():.2e}, "
           f"under fsdp_tp {np.abs(got - ref).max():.2e}")
 
@@ -123,21 +88,15 @@ def test_greedy_generate_matches_transformers(built, parity):
     parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == model.config.model_type
     assert hf["layer_types"] == model.config.layer_types
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back) is type(model)
+    back = parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
     if model.config.model_type == "smollm3":
         assert back.config.no_rope_layers == model.config.no_rope_layers
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
 
 
 def test_nope_layers_are_a_feature_llama_does_not_express():
@@ -148,7 +107,7 @@ def test_nope_layers_are_a_feature_llama_does_not_express():
     assert TransformerArch(**base, rope_layers=[1, 0]).rope_layers == (True, False)
     with pytest.raises(ModelError, match="rope_layers must give 2 layers"):
         TransformerArch(**base, rope_layers=[True])
-    config = load_hf_config_from(CONFIGS["smollm3"]())
+    config = config_of(CONFIGS["smollm3"]())
     with pytest.raises(HFError, match=r"llama cannot express feature nope_layers \(rope_layers="):
         config_to_hf(config, family="llama")
     assert config_to_hf(config)["model_type"] == "smollm3"
@@ -161,12 +120,4 @@ def test_smollm3_window_without_use_sliding_window_is_refused(tmp_path):
     flash attention does not; shardzoo refuses rather than pick one."""
     hf = SmolLM3Config(**DIMS, num_hidden_layers=2, sliding_window=4, layer_types=[S, F], pad_token_id=None)
     with pytest.raises(HFError, match="use_sliding_window=False"):
-        load_hf_config_from(hf)
-
-
-def load_hf_config_from(hf_config):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        hf_config.save_pretrained(d)
-        return load_hf_config(d)
+        config_of(hf)

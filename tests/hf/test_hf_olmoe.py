@@ -6,47 +6,32 @@ A tiny random HF model: logits equal transformers' on one device, under fsdp_tp 
 equal, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, OlmoeConfig
+from transformers import OlmoeConfig
 
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, apply_mutable, load_ep, one_device, randomized, saved  # noqa: E402
+
 E, K = 4, 2
 HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, num_experts=E, num_experts_per_tok=K,
                  norm_topk_prob=False, eos_token_id=2)
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(3)  # a seed whose greedy continuation varies (random models repeat)
-    model = AutoModelForCausalLM.from_config(OlmoeConfig(**HF_CONFIG), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("olmoe"))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
+    model = randomized(OlmoeConfig(**HF_CONFIG), seed=3)  # a seed whose greedy continuation varies (random models repeat)
+    return saved(model, tmp_path_factory.mktemp("olmoe"))
 
 
 def test_the_config_reads_as_qk_norm_over_the_projection_and_moe(built):
@@ -60,28 +45,26 @@ def test_the_config_reads_as_qk_norm_over_the_projection_and_moe(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert params["layers"]["attn"]["q_norm"]["scale"].shape == (2, 4, 8)  # [layers, heads, head_dim]
     assert params["layers"]["attn"]["k_norm"]["scale"].shape == (2, 2, 8)  # [layers, kv_heads, head_dim]
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     q = params["layers"]["attn"]["q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 def test_logits_match_under_ep_on_8_devices_with_the_indexed_dispatch(built):
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
     # capacity factor E / K: every expert has a slot for every token, so nothing is dropped
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     assert params["layers"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 1  # experts split 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["moe"]["dropped_fraction"])) == pytest.approx(0)
 
@@ -91,17 +74,12 @@ def test_greedy_generate_matches_transformers(built, parity):
     parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["num_experts"], hf["norm_topk_prob"]) == ("olmoe", E, False)
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 def test_clip_qkv_is_refused_naming_it(tmp_path):

@@ -7,52 +7,42 @@ bias random): logits equal transformers' on one device and under fsdp_tp on 8 de
 tokens equal, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, PhiConfig
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.transformer import Transformer
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    fsdp_tp_parity,
+    hf_logits,
+    near_one,
+    one_device,
+    randomized,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 CONFIG = dict(DIMS, qk_layernorm=True, partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random (biases too), norm scales near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = "layernorm" in name and name.endswith("weight")
-            p.copy_(1 + 0.1 * torch.randn_like(p) if scale else 0.15 * torch.randn_like(p))
-    return model
+# every weight random (biases too), the LayerNorms' scales near 1
+DRAW = near_one(lambda name, p: "layernorm" in name and name.endswith("weight"))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(PhiConfig(**CONFIG), seed=2)  # a seed whose greedy continuation varies
-    path = tmp_path_factory.mktemp("phi")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
+    model = randomized(PhiConfig(**CONFIG), seed=2, draw=DRAW)  # a seed whose greedy continuation varies
+    return saved(model, tmp_path_factory.mktemp("phi"))
 
 
 def test_config_reads_phis_mechanisms(built):
@@ -66,17 +56,17 @@ def test_the_parallel_residual_and_the_head_bias_matter(built):
     one LayerNorm's weights) or without the head's bias give other logits than transformers':
     so a family that dropped either could not pass the parity tests below."""
     path, _, ref = built
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    module, config, params = load_hf(path, mesh=mesh, rules=rules)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    mesh = one_device()
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp"))
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
     sequential = config.replace(parallel_residual=False)
     layers = dict(params["layers"], mlp_norm=params["layers"]["attn_norm"])
-    got = _apply(Transformer(sequential), dict(params, layers=layers), mesh)
+    got = apply(Transformer(sequential), dict(params, layers=layers), mesh)
     assert np.abs(got - ref).max() > 1e-2
 
     no_bias = dict(params, lm_head=dict(params["lm_head"], bias=np.zeros(config.vocab_size, np.float32)))
-    assert np.abs(_apply(module, no_bias, mesh) - ref).max() > 1e-2
+    assert np.abs(apply(module, no_bias, mesh) - ref).max() > 1e-2
 
 
 def test_partial_rotary_and_qk_layernorm_matter(built):
@@ -90,16 +80,7 @@ def test_partial_rotary_and_qk_layernorm_matter(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    got = _apply(module, params, one)
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    sharded = _apply(module, params, mesh)
-    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    got, sharded = fsdp_tp_parity(path, ref)
     print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}, fsdp_tp {np.abs(sharded - ref).max():.2e}")
 
 
@@ -143,13 +124,12 @@ def test_partial_rotary_factor_defaults_as_transformers_reads_it(tmp_path):
 
 def test_a_tied_head_keeps_its_bias(tmp_path):
     """tie_word_embeddings: the head is the embedding, its bias a parameter of its own."""
-    model = randomized(PhiConfig(**CONFIG, tie_word_embeddings=True), seed=2)
-    model.save_pretrained(tmp_path / "hf")
-    ref = hf_logits(model, TOKENS)
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, config, params = load_hf(str(tmp_path / "hf"), mesh=one, rules=get_rules("fsdp"))
+    path, model, ref = saved(randomized(PhiConfig(**CONFIG, tie_word_embeddings=True), seed=2, draw=DRAW),
+                             tmp_path / "hf")
+    one = one_device()
+    module, config, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     assert config.tie_word_embeddings and "lm_head" not in params and params["lm_head_bias"].shape == (128,)
-    np.testing.assert_allclose(_apply(module, params, one), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, one), ref, atol=TOL, rtol=0)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     export_hf(config, params, str(tmp_path / "out"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()

@@ -7,6 +7,9 @@ A tiny random HF model: logits equal transformers' on one device, under fsdp_tp 
 equal, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -15,11 +18,22 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 from shardzoo.models.hf import config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    config_of,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
+
 E, K = 4, 2
 # Layers 1 and 3 MoE (decoder_sparse_step 2), 0 and 2 dense: scanned as two periods of (D, M).
 HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -28,28 +42,10 @@ HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidde
                  norm_topk_prob=True, router_aux_loss_coef=0.02)
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(Qwen2MoeConfig(**HF_CONFIG), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("qwen2_moe"))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
+    return saved(randomized(Qwen2MoeConfig(**HF_CONFIG), seed=1), tmp_path_factory.mktemp("qwen2_moe"))
 
 
 def test_the_shared_expert_and_its_gate_matter(built):
@@ -73,29 +69,27 @@ def test_the_shared_expert_and_its_gate_matter(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
+    one = one_device()
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     shared = params["layers"]["sub_1"]["shared_expert"]
     assert shared["gate"]["kernel"].shape == (2, 32, 24)  # [layers, embed, mlp]
     assert params["layers"]["sub_1"]["shared_expert_gate"]["kernel"].shape == (2, 32)
-    got, _ = _apply(module, params, one)
+    got = apply(module, params, one)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     kernel = params["layers"]["sub_1"]["shared_expert"]["up"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
-    got, _ = _apply(module, params, mesh)
+    got = apply(module, params, mesh)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
 def test_logits_match_under_ep_on_8_devices_with_the_indexed_dispatch(built):
     path, _, ref = built
-    mesh = make_mesh("expert=4,data=2")
     # capacity factor E / K: every expert has a slot for every token, so nothing is dropped
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("ep"),
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     assert params["layers"]["sub_1"]["moe"]["wi_gate"].addressable_shards[0].data.shape[1] == 1  # 4 ways
-    got, state = _apply(module, params, mesh, ["metrics"])
+    got, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["sub_1"]["moe"]["dropped_fraction"][0])) == pytest.approx(0)
 
@@ -105,23 +99,18 @@ def test_greedy_generate_matches_transformers(built, parity):
     parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["shared_expert_intermediate_size"], hf["mlp_only_layers"]) == ("qwen2_moe", 24,
                                                                                                 [0, 2])
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 def test_a_shared_expert_without_its_gate_is_no_qwen2_moe():
     """Qwen2-MoE always gates its shared expert: an ungated one (DeepSeek's) is refused, named."""
-    config = load_hf_config_from(Qwen2MoeConfig(**HF_CONFIG))
+    config = config_of(Qwen2MoeConfig(**HF_CONFIG))
     ungated = config.replace(shared_expert_gate=False)
     from shardzoo.models.hf import HFError
 
@@ -131,26 +120,13 @@ def test_a_shared_expert_without_its_gate_is_no_qwen2_moe():
     assert (dense.shared_expert_intermediate_size, dense.shared_expert_gate) == (0, False)
 
 
-def load_hf_config_from(hf_config):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        hf_config.save_pretrained(d)
-        return load_hf_config(d)
-
-
 def test_a_sliding_window_on_the_layers_transformers_derives_equals_it(tmp_path):
     """use_sliding_window with max_window_layers: every other layer from layer 0, below it."""
-    torch.manual_seed(2)
     hf_config = Qwen2MoeConfig(**HF_CONFIG, use_sliding_window=True, sliding_window=4, max_window_layers=4)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    config = load_hf_config(str(tmp_path))
+    path, model, ref = saved(randomized(hf_config, seed=2), tmp_path)
+    config = load_hf_config(path)
     assert [s.window for s in config.layer_specs()] == [4, None, 4, None]
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(str(tmp_path), mesh=one, rules=get_rules("fsdp"))
-    got, _ = _apply(module, params, one)
-    np.testing.assert_allclose(got, hf_logits(model, TOKENS), atol=TOL, rtol=0)
+    one = one_device()
+    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
+    got = apply(module, params, one)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)

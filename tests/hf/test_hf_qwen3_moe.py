@@ -6,8 +6,8 @@ fsdp_tp, greedy generate, export). Tolerance: 1e-4 on float32 logits, as there.
 """
 
 import os
+import sys
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -15,13 +15,22 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from shardzoo import cli
 from shardzoo.models.hf import export_hf, load_hf_config
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
+from shardzoo.sharding import get_rules
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
 
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    apply_mutable,
+    hf_logits,
+    load_ep,
+    one_device,
+    randomized,
+    saved,
+)
+
 E, K = 4, 2
 # Layer 0 dense (mlp_only_layers), layer 1 MoE.
 HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -30,31 +39,10 @@ HF_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidde
                  norm_topk_prob=True, router_aux_loss_coef=0.02)
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(HF dir, HF model, reference logits): weights random, norm scales near 1."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**HF_CONFIG),
-                                             attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("qwen3_moe"))
-    model.save_pretrained(path)
-    return path, model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh=None, rules=None, collections=()):
-    fn = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
-    if mesh is None:
-        return fn(params, TOKENS)
-    with activate(mesh):
-        return fn(params, TOKENS)
+    return saved(randomized(Qwen3MoeConfig(**HF_CONFIG), seed=0), tmp_path_factory.mktemp("qwen3_moe"))
 
 
 def test_moe_layers_are_those_hf_builds(tmp_path):
@@ -81,11 +69,7 @@ PATTERN = dict(HF_CONFIG, vocab_size=320, num_hidden_layers=9, decoder_sparse_st
 
 @pytest.fixture(scope="module")
 def pattern(tmp_path_factory):
-    torch.manual_seed(3)  # a seed whose greedy continuation varies (deep random models repeat)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**PATTERN), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model = randomized(Qwen3MoeConfig(**PATTERN), seed=3)  # a seed whose greedy continuation varies (deep random models repeat)
     path = str(tmp_path_factory.mktemp("qwen3_moe_pattern"))
     model.save_pretrained(path)
     return path, model
@@ -94,33 +78,25 @@ def pattern(tmp_path_factory):
 def test_a_pattern_with_prefix_and_rest_scans_and_equals_transformers_and_unrolled(pattern):
     path, model = pattern
     ref = hf_logits(model, TOKENS)
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    mesh, rules = one_device(), get_rules("fsdp")
     module, config, params = load_hf(path, mesh=mesh, rules=rules)
     assert config.layout().as_tuple() == (2, 2, 3)  # prefix 2, period 2, 3 repeats, layer 8 unrolled
     assert set(params) >= {"layers_0", "layers_1", "layers_8", "layers"}
     assert set(params["layers"]) == {"sub_0", "sub_1"} and "moe" in params["layers"]["sub_1"]
-    logits, _ = _apply(module, params, mesh)
+    logits = apply(module, params, mesh)
     np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
 
     # unrolled: the same logits (gradients of this pattern, scanned against unrolled:
     # tests/models/test_tf_patterns.py)
     flat_module, _, flat = load_hf(path, mesh=mesh, rules=rules, scan_layers=False)
     assert "layers" not in flat
-    flat_logits, _ = _apply(flat_module, flat, mesh)
+    flat_logits = apply(flat_module, flat, mesh)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(flat_logits), atol=1e-5, rtol=0)
 
 
-def test_a_pattern_with_prefix_and_rest_generates_as_transformers(pattern):
+def test_a_pattern_with_prefix_and_rest_generates_as_transformers(pattern, parity):
     path, model = pattern
-    prompt = TOKENS[:1, :8]
-    with torch.no_grad():
-        want = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
-    _, config, params = load_hf(path, mesh=mesh, rules=rules)
-    got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=16)
-    assert len(set(want[0, 8:].tolist())) > 3
-    np.testing.assert_array_equal(got, want)
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
 
 
 def test_a_pattern_with_prefix_and_rest_trains_scanned(pattern, tmp_path):
@@ -145,19 +121,17 @@ def test_mixed_layers_import_unrolled_with_the_dense_and_moe_layers_hf_has(built
     assert [sorted(set(params[f"layers_{i}"]) & {"mlp", "moe"}) for i in range(2)] == [["mlp"], ["moe"]]
     assert params["layers_1"]["moe"]["wi_gate"].shape == (E, 32, 16)  # moe_intermediate_size
     assert params["layers_0"]["mlp"]["gate"]["kernel"].shape == (32, 64)  # intermediate_size
-    logits, _ = _apply(module, params)
+    logits, _ = apply_mutable(module, params)
     np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
 
 
 def test_logits_match_under_ep_on_8_devices_with_the_indexed_dispatch(built):
     path, _, ref = built
-    mesh, rules = make_mesh("expert=4,data=2"), get_rules("ep")
     # capacity factor E / K: every expert has a slot for every token, so nothing is dropped
-    module, _, params = load_hf(path, mesh=mesh, rules=rules, scan_layers=False,
-                                overrides=dict(moe_dispatch="indexed", capacity_factor=E / K))
+    module, _, params, mesh = load_ep(path, scan_layers=False, moe_dispatch="indexed", capacity_factor=E / K)
     wi_gate = params["layers_1"]["moe"]["wi_gate"]
     assert wi_gate.addressable_shards[0].data.shape == (1, 32, 16)  # experts split 4 ways
-    logits, state = _apply(module, params, mesh, rules, ["metrics"])
+    logits, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(np.asarray(logits), ref, atol=TOL, rtol=0)
     assert float(state["metrics"]["layers_1"]["moe"]["dropped_fraction"][0]) == pytest.approx(0, abs=1e-6)
 
@@ -168,7 +142,7 @@ def test_load_balancing_loss_is_hfs(built):
         want = model(torch.tensor(TOKENS, dtype=torch.long), output_router_logits=True).aux_loss.item()
     module, config, params = load_hf(path, scan_layers=False)
     assert (config.router_aux_loss_coef, config.router_z_loss_coef) == (0.02, 0.0)
-    _, state = _apply(module, params, collections=["losses", "metrics"])
+    _, state = apply_mutable(module, params, collections=["losses", "metrics"])
     got = float(state["metrics"]["layers_1"]["moe"]["load_balance_loss"][0])
     assert got == pytest.approx(want, rel=1e-5) and got > K  # K: perfectly balanced
     aux = float(state["losses"]["layers_1"]["moe"]["moe_aux_loss"][0])
@@ -183,21 +157,16 @@ def test_dropped_tokens_are_the_capacity_dispatchs(built):
     for dispatch in ("indexed", "capacity"):
         module, _, params = load_hf(path, scan_layers=False,
                                     overrides=dict(moe_dispatch=dispatch, capacity_factor=0.5))
-        logits, state = _apply(module, params, collections=["metrics"])
+        logits, state = apply_mutable(module, params, collections=["metrics"])
         out[dispatch] = np.asarray(logits), float(state["metrics"]["layers_1"]["moe"]["dropped_fraction"][0])
     np.testing.assert_allclose(out["indexed"][0], out["capacity"][0], atol=1e-5, rtol=0)
     assert out["indexed"][1] == pytest.approx(out["capacity"][1], abs=1e-6) and out["indexed"][1] > 0.2
     assert np.abs(out["indexed"][0] - ref).max() > 1e-2  # the drops change the logits
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path, scan_layers=False)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["decoder_sparse_step"], hf["mlp_only_layers"], hf["moe_intermediate_size"]) == (1, [0], 16)
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, atol=TOL, rtol=0)
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

@@ -10,19 +10,36 @@ cache equals the full forward, export then ``from_pretrained`` equal, the parame
 transformers'. Tolerance: 1e-4 on float32 logits against transformers, 1e-5 shardzoo against itself.
 """
 
+import os
+import sys
+
 import jax
 import numpy as np
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers import Qwen3NextConfig
 
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    config_of,
+    decoded,
+    edit,
+    left_padded_generates_alone,
+    one_device,
+    randomized,
+    rewritten,
+    saved,
+)
 
 LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -31,52 +48,28 @@ CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_l
               linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
               shared_expert_intermediate_size=24, mlp_only_layers=[0], bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
 CHUNK = dict(linear_attention_chunk=5)
 SCALE = 0.1  # random weights of this size keep fp32 rounding within 1e-4 through 4 layers (0.2: ~1e-4)
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long), use_cache=False).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random: norm weights near their unit
-    scale (zero-centred norms near 0), the rest 0.2 x normal."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(SCALE * torch.randn_like(p))
-    return model
+def draw(name, p):
+    """Every weight random: norm weights near their unit scale (zero-centred norms near 0), the
+    rest SCALE x normal."""
+    if name.endswith("linear_attn.norm.weight"):
+        return 1 + 0.1 * torch.randn_like(p)
+    if "norm" in name:
+        return 0.1 * torch.randn_like(p)
+    return SCALE * torch.randn_like(p)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(Qwen3NextConfig(**CONFIG), seed=1)
-    path = tmp_path_factory.mktemp("qwen3_next")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
-
-
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
+    return saved(randomized(Qwen3NextConfig(**CONFIG), seed=1, draw=draw), tmp_path_factory.mktemp("qwen3_next"),
+                 use_cache=False)
 
 
 def _load(path, mesh=None, rules="fsdp"):
-    return load_hf(path, mesh=mesh or _one(), rules=get_rules(rules), overrides=CHUNK)
+    return load_hf(path, mesh=mesh or one_device(), rules=get_rules(rules), overrides=CHUNK)
 
 
 def test_config_reads_the_layer_pattern(built):
@@ -92,7 +85,7 @@ def test_config_reads_the_layer_pattern(built):
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, _, ref = built
     module, _, params = _load(path)
-    got = _apply(module, params, _one())
+    got = apply(module, params, one_device())
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = _load(path, mesh, "fsdp_tp")
@@ -102,14 +95,9 @@ def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     assert gdn["conv_v"].sharding.spec == P(None, None, "tensor", None)  # [conv_width, linear_heads, value_dim]
     assert gdn["A_log"].sharding.spec == P(None, "tensor")
     assert gdn["out"]["kernel"].sharding.spec == P(None, "tensor", None, "fsdp")
-    sharded = _apply(module, params, mesh)
+    sharded = apply(module, params, mesh)
     np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
     print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}, fsdp_tp {np.abs(sharded - ref).max():.2e}")
-
-
-def _edited(params, suffix, fn):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(x) if jax.tree_util.keystr(p).endswith(suffix) else x, params)
 
 
 def test_each_mechanism_changes_the_logits(built):
@@ -126,9 +114,9 @@ def test_each_mechanism_changes_the_logits(built):
              "value heads": ("['linear_attn']['v']['kernel']", lambda x: x[:, ::-1]),
              "plus-one norm": ("['attn_norm']['scale']", lambda x: x + 1.0)}
     for name, (suffix, fn) in edits.items():
-        assert np.abs(_apply(module, _edited(params, suffix, fn), _one()) - ref).max() > 1e-2, name
+        assert np.abs(apply(module, edit(params, suffix, fn), one_device()) - ref).max() > 1e-2, name
     rope = config.replace(partial_rotary_factor=1.0)  # whole heads rotate: other logits
-    assert np.abs(_apply(rope.build(), params, _one()) - ref).max() > 1e-2
+    assert np.abs(apply(rope.build(), params, one_device()) - ref).max() > 1e-2
 
 
 def test_parameter_count_equals_transformers(built):
@@ -144,7 +132,7 @@ def test_the_80b_preset_counts_as_transformers_does():
 
     config = get_config("qwen3-next-80b-a3b")
     assert config.num_params() == 79_674_391_296
-    assert config.arch == load_hf_config_of(_published()).arch
+    assert config.arch == config_of(_published()).arch
 
 
 def _published() -> dict:
@@ -162,35 +150,18 @@ def _published() -> dict:
                 use_cache=True, use_sliding_window=False, vocab_size=151936)
 
 
-def load_hf_config_of(raw: dict):
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/config.json", "w") as f:
-            json.dump(raw, f)
-        return load_hf_config(d)
-
-
 def test_decoding_from_the_cache_equals_the_full_forward(built):
     """A prefill of 7 tokens (chunks of 5) then 9 single steps give the full forward's logits:
     each linear-attention layer's cache carries its recurrent state and the convolution's last
     3 inputs across calls."""
     path, _, _ = built
     module, config, params = _load(path)
-    full = _apply(module, params, _one())
+    full = apply(module, params, one_device())
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     gdn = cache["layers_0"]["linear_attn"]
     assert gdn["recurrent_state"].value.shape == (4, 4, 8, 12)  # [batch, linear_heads, key_dim, value_dim]
     assert gdn["conv_v"].value.shape == (4, 3, 4, 12)  # [batch, conv_width - 1, linear_heads, value_dim]
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(16, dtype=np.int32), TOKENS.shape)
-    logits, cache = step(params, cache, TOKENS[:, :7], positions[:, :7])
-    got = [np.asarray(logits)]
-    for i in range(7, 16):
-        logits, cache = step(params, cache, TOKENS[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, TOKENS, prefill=7)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
 
@@ -211,16 +182,11 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 
 def test_left_padded_rows_generate_as_they_do_alone(built):
-    """A short prompt left-padded (segment 0, which neither the taps nor the state see)
-    continues as it does alone."""
+    """A short prompt left-padded (segment 0, which neither the taps nor the state see) beside a
+    long one: each row continues as it does alone."""
     path, _, _ = built
     _, config, params = _load(path)
-    program = Program(config, get_rules("fsdp"), _one())
-    prompt = TOKENS[:2, :8].copy()
-    prompt[0, :5] = 0
-    both = program.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
-    alone = program.generate(params, TOKENS[:1, 5:8], max_new_tokens=8)
-    np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
+    left_padded_generates_alone(Program(config, get_rules("fsdp"), one_device()), params)
 
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
@@ -238,14 +204,10 @@ def test_only_qwen3_next_expresses_linear_attention(built):
 
 
 def test_a_layer_kind_qwen3_next_has_not_is_refused(tmp_path):
-    import json
-
-    Qwen3NextConfig(**CONFIG).save_pretrained(tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["layer_types"] = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    kinds = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    path = rewritten(Qwen3NextConfig(**CONFIG), tmp_path, layer_types=kinds)
     with pytest.raises(HFError, match=r"layer_types=.*Qwen3-Next's layers are 'full_attention' or 'linear_attention'"):
-        load_hf_config(str(tmp_path))
+        load_hf_config(path)
 
 
 def test_value_heads_not_a_multiple_of_key_heads_is_one_line():
@@ -260,6 +222,6 @@ def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers
     """``shardzoo train --init-from`` the tiny Qwen3-Next under fsdp on 8 devices, with and without
     LoRA adapters (on the Gated DeltaNet's q, k, v and attention's q, k, v, o, gate): the loss
     falls; the export loads in transformers and computes what the run computes (1e-4)."""
-    model = randomized(Qwen3NextConfig(**CONFIG), seed=3)
+    model = randomized(Qwen3NextConfig(**CONFIG), seed=3, draw=draw)
     config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
     assert config.has_linear_layers and config.attn_output_gate

@@ -7,6 +7,9 @@ against ``ROPE_INIT_FUNCTIONS``; and the same weights without the scaling give o
 Tolerance: 1e-4 on float32 logits.
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +23,11 @@ from shardzoo.models.arch import TransformerArch
 from shardzoo.models.attention import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
 from shardzoo.train.program import Program
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, hf_logits, near_one, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -42,13 +47,6 @@ CONFIGS = {
     "longrope": lambda: Phi3Config(**DIMS, **PHI, max_position_embeddings=64, original_max_position_embeddings=8,
                                    rope_scaling=dict(rope_type="longrope", short_factor=SHORT, long_factor=LONG)),
 }
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 def fresh(path):
@@ -58,27 +56,15 @@ def fresh(path):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
-    """(HF dir, HF model, reference logits of TOKENS)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_norm = p.ndim == 1 and "norm" in name
-            p.copy_(1 + 0.1 * torch.randn_like(p) if is_norm else 0.15 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(fresh(path), TOKENS)
-
-
-def _apply(module, params, mesh, rules, tokens=TOKENS):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
+    """(HF dir, HF model, reference logits of TOKENS): every weight random, norm scales near 1."""
+    model = randomized(CONFIGS[request.param](), 0, near_one(lambda name, p: p.ndim == 1 and "norm" in name))
+    return saved(model, tmp_path_factory.mktemp(request.param), reference=fresh)
 
 
 def test_logits_match_on_one_device(built):
     path, _, ref = built
     module, _, params = load_hf(path)
-    out = _apply(module, params, make_mesh("", devices=jax.devices()[:1]), get_rules("dp"))
+    out = apply(module, params, make_mesh("", devices=jax.devices()[:1]))
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
@@ -86,14 +72,14 @@ def test_logits_match_under_fsdp_tp_on_8_devices(built):
     path, _, ref = built
     mesh, rules = make_mesh("data=2,fsdp=2,tensor=2"), get_rules("fsdp_tp")
     module, _, params = load_hf(path, mesh=mesh, rules=rules)
-    np.testing.assert_allclose(_apply(module, params, mesh, rules), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
 def test_within_the_original_length_too(built):
     """8 tokens: longrope's short factors, dynamic's plain frequencies (transformers' fresh model)."""
     path, _, _ = built
     module, _, params = load_hf(path)
-    out = _apply(module, params, make_mesh("", devices=jax.devices()[:1]), get_rules("dp"), TOKENS[:, :8])
+    out = apply(module, params, make_mesh("", devices=jax.devices()[:1]), TOKENS[:, :8])
     np.testing.assert_allclose(out, hf_logits(fresh(path), TOKENS[:, :8]), atol=TOL, rtol=0)
 
 
@@ -101,7 +87,7 @@ def test_the_scaling_matters(built):
     """The same weights with plain rotary embeddings give other logits."""
     path, _, ref = built
     module, config, params = load_hf(path)
-    out = _apply(type(module)(config.replace(rope_scaling=None)), params, make_mesh("", devices=jax.devices()[:1]), get_rules("dp"))
+    out = apply(type(module)(config.replace(rope_scaling=None)), params, make_mesh("", devices=jax.devices()[:1]))
     assert np.abs(out - ref).max() > 1e-2
 
 

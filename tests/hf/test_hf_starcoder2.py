@@ -6,51 +6,30 @@ on one device and under fsdp_tp on 8 devices, greedy tokens equal, export then
 ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
-import jax
+import os
+import sys
+
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, Starcoder2Config
 
 from shardzoo.models.hf import export_hf, load_hf_config
-from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, fsdp_tp_parity, hf_logits, near_one, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 CONFIG = dict(DIMS, sliding_window=4, use_bias=True, rope_theta=5000.0, bos_token_id=1, eos_token_id=2)
-TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 16)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """An HF model of ``hf_config`` with every weight random (biases too), norm scales near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = "norm" in name and name.endswith("weight")
-            p.copy_(1 + 0.1 * torch.randn_like(p) if scale else 0.15 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(Starcoder2Config(**CONFIG))
-    path = tmp_path_factory.mktemp("starcoder2")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
-
-
-def _apply(module, params, mesh):
-    with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, TOKENS))
+    """(HF dir, HF model, reference logits): every weight random (biases too), norm scales near 1."""
+    model = randomized(Starcoder2Config(**CONFIG), seed=0,
+                       draw=near_one(lambda name, p: "norm" in name and name.endswith("weight")))
+    return saved(model, tmp_path_factory.mktemp("starcoder2"))
 
 
 def test_config_reads_starcoder2s_mechanisms(built):
@@ -73,15 +52,7 @@ def test_the_window_and_the_biases_matter(built):
 
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
-    one = make_mesh("data=1", devices=jax.devices()[:1])
-    module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
-    got = _apply(module, params, one)
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
-    q = params["layers"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
-    np.testing.assert_allclose(_apply(module, params, mesh), ref, atol=TOL, rtol=0)
+    got, _ = fsdp_tp_parity(path, ref)
     print(f"max |logit diff| one device {np.abs(got - ref).max():.2e}")
 
 

@@ -4,6 +4,7 @@ random Llama (fsdp over 8 devices), export them merged (transformers) and as a P
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -11,12 +12,14 @@ import pytest
 import torch
 from flax import traverse_util
 from peft import PeftModel
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardzoo import cli
 from shardzoo.models.lora import is_adapter
 from shardzoo.train.checkpoint import load_model_and_params
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import LLAMA, bpe_tokenizer  # noqa: E402
 
 TEXT = ["the quick brown fox jumps over the lazy dog.", "a tiny corpus for a tiny tokenizer, hello world!"]
 TRAIN = ["--data", "DATA", "--batch-size", "8", "--seq-len", "16", "--warmup-steps", "0",
@@ -29,15 +32,10 @@ def base(tmp_path_factory):
     """(HF dir of a tiny random Llama with a BPE tokenizer, a jsonl of text, ids to score)."""
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), attn_implementation="eager")
     hf_dir = str(root / "hf")
     model.save_pretrained(hf_dir)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(TEXT * 10, trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(hf_dir)
+    tok = bpe_tokenizer(hf_dir, TEXT).backend_tokenizer
     data = str(root / "data.jsonl")
     with open(data, "w") as f:
         for line in TEXT * 20:
