@@ -21,7 +21,7 @@ import math
 
 from shardzoo.models.arch import DENSE, FULL, MAMBA, MOE, NONE
 from shardzoo.models.hf import llama, mamba2, mixtral
-from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, special_tokens
+from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, special_tokens
 
 # NemotronHConfig's fields and transformers' defaults
 SCHEMA = dict(vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_word_embeddings=False, use_cache=True,
@@ -115,6 +115,9 @@ def to_hf(a) -> dict:
     specs = a.layer_specs()
     types = [kinds[(s.mixer if s.mixer != "attention" else FULL, s.mlp)] for s in specs]
     moe = {}
+    if a.num_local_experts and (a.expert_type, a.router_kind) != ("plain", "sigmoid_groups"):
+        raise HFError(f"Nemotron-H's MoE layers have plain experts and the sigmoid_groups router; this model has "
+                      f"expert_type={a.expert_type!r}, router_kind={a.router_kind!r}")
     if a.num_local_experts:
         moe = dict(n_routed_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
                    moe_intermediate_size=a.expert_size,

@@ -219,3 +219,16 @@ def test_the_published_nemotron_3_nano_config_reads_as_the_preset(tmp_path):
     assert preset.num_params() == count
     assert 3e9 < preset.num_params(active=True) < 4e9
     print(f"nemotron-3-nano-30b-a3b: {count:,} parameters, {preset.num_params(active=True):,} active")
+
+
+def test_what_nemotron_h_cannot_express_is_refused_in_one_line(built):
+    """Gated experts do not export as Nemotron-H; plain experts take no expert biases or clamps."""
+    from shardzoo.models import ModelError
+    from shardzoo.models.hf.registry import config_to_hf
+
+    path, _, _ = built
+    config = load_hf_config(path)
+    with pytest.raises(HFError, match=r"plain experts .*expert_type='gated'"):
+        config_to_hf(config.replace(expert_type="gated"), family="nemotron_h")
+    with pytest.raises(ModelError, match=r"expert_type='plain' .*expert_bias=True"):
+        config.replace(expert_bias=True)
