@@ -186,6 +186,9 @@ class TransformerArch:
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up
     swiglu_limit: float | None = feature(None, "clamped_swiglu")
     swiglu_alpha: float = 1.702
+    # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
+    # without a gate (Nemotron-H's up, relu2, down); either way then wo
+    expert_type: str = feature("gated", {"plain": "plain_experts"})
     # gated short convolutions (LFM2's "conv" layers of layer_types): in_proj to B, C, x (each
     # hidden_size wide), y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps
     # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
@@ -327,7 +330,7 @@ class TransformerArch:
                             "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm", "layernorm_no_bias"),
                             "norm_position": ("pre", "post", "both"),
                             "qk_norm": ("none", "head", "heads", "projection", "l2"),
-                            "mlp_type": ("gated", "plain")},
+                            "mlp_type": ("gated", "plain"), "expert_type": ("gated", "plain")},
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size",
@@ -398,6 +401,9 @@ class TransformerArch:
                              f"num_local_experts={self.num_local_experts}")
         if self.num_local_experts < 0:
             raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
+        if self.expert_type == "plain" and (self.expert_bias or self.swiglu_limit is not None):
+            raise ModelError(f"expert_type='plain' (experts without a gate) takes neither expert_bias nor swiglu_limit "
+                             f"(expert_bias={self.expert_bias}, swiglu_limit={self.swiglu_limit})")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1.."
                              f"num_local_experts={self.num_local_experts}")
@@ -616,7 +622,7 @@ _LINEAR_FIELDS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
-               "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha")
+               "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "expert_type")
 
 
 _MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",

@@ -54,10 +54,12 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     MoE MLP (capacity dispatch; replaces the dense MLP): router E x 2 float32 (softmax and
       z-loss exp); dispatch and combine masks E*C each ([batch, L, E, C]: the tokens' slots);
       expert buffers [E, batch, C, -] in and out, 2 x E*C*D/L; the experts' gate and up
-      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L (GPT-OSS's clamped SwiGLU,
+      matmuls, silu (3 residuals) and their product, 6 x E*C*F/L (plain experts, expert_type
+      plain: up and the activation's output, 2 x E*C*F/L, estimated); (GPT-OSS's clamped SwiGLU,
       swiglu_limit: 3 x E*C*F/L more, measured: gpt-oss-tiny's compiled temp grows by 3.0 of them
       with the clamps, and not measurably with attention sinks); with a shared expert
-      (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each.
+      (shared_expert_intermediate_size S) its gate, up (and fused) and hidden, S each (a plain
+      one, mlp_type plain: up and hidden).
 
 A conv layer (LFM2's gated short convolution, ``models/conv_mixer.py``) keeps none of
 attention's terms; instead, d = hidden_size channels each: conv_in 3 d (b, c, x: slices of the
@@ -223,8 +225,10 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
     if not moe:
         return attn + (3 if a.mlp_type == "gated" else 2) * d * a.intermediate_size
     experts = a.num_experts_per_tok if active else a.num_local_experts
-    shared = 3 * d * a.shared_expert_intermediate_size + d * a.shared_expert_gate  # always active
-    return attn + d * a.num_local_experts + 3 * experts * d * a.expert_size + shared
+    # the shared expert is a dense MLP of mlp_type, always active
+    shared = (3 if a.mlp_type == "gated" else 2) * d * a.shared_expert_intermediate_size + d * a.shared_expert_gate
+    per_expert = (3 if a.expert_type == "gated" else 2) * d * a.expert_size  # gate (gated), up, down
+    return attn + d * a.num_local_experts + experts * per_expert + shared
 
 
 def buffers(a) -> tuple[tuple[str, str], ...]:
@@ -395,15 +399,18 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             layer, router_logits=t(experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
             router=t(2 * experts, (ax.BATCH, ax.LENGTH, ax.EXPERT), 4),
             masks=masks, expert_in=t(slots * d / seq_len, ECD),
-            expert_out=t(slots * d / seq_len, ECD), expert_proj=t(2 * slots * fe / seq_len, ECF),
-            expert_hidden=t(4 * slots * fe / seq_len, ECF),
+            expert_out=t(slots * d / seq_len, ECD),
+            # gated: gate and up, silu's residuals and their product; plain: up, the activation's output
+            expert_proj=t((2 if a.expert_type == "gated" else 1) * slots * fe / seq_len, ECF),
+            expert_hidden=t((4 if a.expert_type == "gated" else 1) * slots * fe / seq_len, ECF),
         )
         if a.swiglu_limit:  # the clamped SwiGLU's min and clip outputs and sigmoid(alpha g): 3 more
             moe_layer["expert_clamp"] = t(3 * slots * fe / seq_len, ECF)
         fs = a.shared_expert_intermediate_size
-        if fs:  # the shared expert: a dense gated MLP's terms at its width (its gate: 1 per token)
-            moe_layer.update(shared_gate=t(fs, BLF), shared_up=t(fs, BLF), shared_hidden=t(fs, BLF),
-                             shared_proj=t(fs, BLF) if e.fuse_projections else 0)
+        if fs:  # the shared expert: a dense MLP's terms at its width (its gate: 1 per token)
+            moe_layer.update(shared_up=t(fs, BLF), shared_hidden=t(fs, BLF))
+            if gated:
+                moe_layer.update(shared_gate=t(fs, BLF), shared_proj=t(fs, BLF) if e.fuse_projections else 0)
     # each kind of layer (mixer, MLP) and how many the model has; a conv layer keeps the
     # convolution's arrays in attention's place
     kinds = {}

@@ -48,13 +48,14 @@ FEATURES = {
     "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
     "expert_width": "experts of their own width (moe_intermediate_size)",
     "router_jitter": "router input jitter while training",
-    "shared_experts": "a dense gated MLP beside the routed experts (shared_expert_intermediate_size)",
+    "shared_experts": "a dense MLP beside the routed experts (shared_expert_intermediate_size)",
     "shared_expert_gate": "the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)",
     "group_limited_router": "top-k within the best topk_group of n_group expert groups (DeepSeek-V2)",
     "sigmoid_router": "sigmoid router scores with a correction bias for the choice, group-limited (DeepSeek-V3)",
     "routed_scaling": "the routed experts' weights scaled by routed_scaling_factor (DeepSeek)",
     "router_bias": "a bias on the router's logits (GPT-OSS)",
     "expert_bias": "biases on the experts' gate, up and down projections (GPT-OSS)",
+    "plain_experts": "routed experts without a gate: act(x @ up) @ down (expert_type plain: Nemotron-H)",
     "clamped_swiglu": "the experts' clamped SwiGLU: (clip(up) + 1) * g * sigmoid(alpha g), g = min(gate, "
                       "swiglu_limit) (GPT-OSS)",
     "chunked_attention": "attention within chunks of attention_chunk_size tokens (chunked_attention layers: "

@@ -2,7 +2,8 @@
 
 ``MoeMLP`` replaces a Transformer block's MLP: a router picks ``num_experts_per_tok`` of
 ``num_experts`` gated (SwiGLU) experts per token and sums their outputs, weighted by the
-router's probabilities. Four ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
+router's probabilities (``expert_type="plain"``: experts without a gate, ``act(x @ wi_up) @ wo``,
+Nemotron-H's). Four ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
 
 - ``indexed`` (the default): each row's (token, expert) assignments sorted by expert, the tokens
   gathered into fixed ``[expert, batch, capacity, embed]`` buffers by index, every expert's
@@ -50,6 +51,7 @@ from shardzoo.models.layers import ACTIVATIONS, constrain
 from shardzoo.sharding import axes as ax
 
 DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
+EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # see ``choose_experts``
 
 
@@ -69,6 +71,7 @@ class MoeConfig:
     num_experts_per_tok: int = 2
     intermediate_size: int = 14336
     hidden_act: str = "silu"  # gated: act(x @ wi_gate) * (x @ wi_up)
+    expert_type: str = "gated"  # EXPERT_TYPES; "plain": act(x @ wi_up), no wi_gate (Nemotron-H)
     dispatch: str = "indexed"  # "indexed" | "capacity" | "dropless" | "shard_map"
     capacity_factor: float = 1.25
     router_jitter_noise: float = 0.0
@@ -89,7 +92,7 @@ class MoeConfig:
 
     def __post_init__(self):
         where = "MoeConfig"
-        choices = {"dispatch": DISPATCHES, "router_kind": ROUTERS, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
+        choices = {"dispatch": DISPATCHES, "router_kind": ROUTERS, "expert_type": EXPERT_TYPES, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
                    "param_dtype": DTYPES}
         check_fields(self, choices, ("num_experts", "num_experts_per_tok", "intermediate_size"), MoeError)
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -101,6 +104,8 @@ class MoeConfig:
             raise MoeError(f"{where}: capacity_factor={self.capacity_factor} must be > 0")
         if not 0 <= self.router_jitter_noise < 1:
             raise MoeError(f"{where}: router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
+        if self.expert_type == "plain" and (self.expert_bias or self.swiglu_limit is not None):
+            raise MoeError(f"{where}: expert_type='plain' (no gate) takes neither expert_bias nor swiglu_limit")
 
     def capacity(self, group_size: int) -> int:
         """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
@@ -108,10 +113,12 @@ class MoeConfig:
         return max(1, min(group_size, math.ceil(self.capacity_factor * group_size * k / e)))
 
 
-def gated_activation(act, limit: float | None = None, alpha: float = 1.702):
+def gated_activation(act, limit: float | None = None, alpha: float = 1.702, gated: bool = True):
     """``(gate, up) -> hidden`` of a gated expert: ``act(gate) * up``, or with ``limit`` GPT-OSS's
     clamped SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit)
-    (transformers' ``GptOssExperts._apply_gate``)."""
+    (transformers' ``GptOssExperts._apply_gate``). Not ``gated``: ``act(up)`` (gate is None)."""
+    if not gated:
+        return lambda gate, up: act(up)
     if limit is None:
         return lambda gate, up: act(gate) * up
 
@@ -245,14 +252,16 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
 
 
 def expert_ffn(xe, wi_gate, wi_up, wo, glu, placement=None, biases=None):
-    """Every expert's gated MLP on its own buffer: xe [expert, batch, capacity, embed].
+    """Every expert's MLP on its own buffer: xe [expert, batch, capacity, embed].
 
-    ``glu(gate, up)``: the gated activation (``gated_activation``); ``biases``: None or the
+    ``glu(gate, up)``: the gated activation (``gated_activation``; ``wi_gate`` None: a plain
+    expert, gate None); ``biases``: None or the
     experts' (gate [expert, mlp], up [expert, mlp], down [expert, embed]) biases (an empty
     slot then computes a value that its zero combine weight discards).
     ``placement`` None inside shard_map, where the mesh axes are manual.
     """
-    gate, up = jnp.einsum("ebcd,edm->ebcm", xe, wi_gate), jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
+    up = jnp.einsum("ebcd,edm->ebcm", xe, wi_up)
+    gate = None if wi_gate is None else jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)
     if biases is not None:
         gate, up = gate + biases[0][:, None, None], up + biases[1][:, None, None]
     h = constrain(glu(gate, up), (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP), placement)
@@ -310,7 +319,7 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement,
     The buffers and their sharding are ``capacity_dispatch``'s: the rules' ``expert`` axis
     moves them to their experts' owners (XLA's all-to-all under ``ep``).
     """
-    num_experts = wi_gate.shape[0]
+    num_experts = wo.shape[0]
     gather = functools.partial(jnp.take_along_axis, axis=1, mode="fill", fill_value=0)
     local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
     buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
@@ -334,7 +343,7 @@ def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, s
     """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped
     (``scale_input``: each assignment's input weighted, the outputs summed)."""
     b, length, d = x.shape
-    k, num_experts = top_idx.shape[-1], wi_gate.shape[0]
+    k, num_experts = top_idx.shape[-1], wo.shape[0]
     flat = top_idx.reshape(-1)  # [batch*length*k]
     order = jnp.argsort(flat, stable=True)
     xs = x.reshape(-1, d)[order // k]  # [batch*length*k, embed], grouped by expert
@@ -342,7 +351,8 @@ def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, s
         xs = xs * top_p.reshape(-1)[order][:, None].astype(xs.dtype)
         top_p = jnp.ones_like(top_p)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
-    gate, up = jax.lax.ragged_dot(xs, wi_gate, sizes), jax.lax.ragged_dot(xs, wi_up, sizes)
+    up = jax.lax.ragged_dot(xs, wi_up, sizes)
+    gate = None if wi_gate is None else jax.lax.ragged_dot(xs, wi_gate, sizes)
     expert = flat[order]  # [batch*length*k]: each sorted row's expert
     if biases is not None:
         gate, up = gate + biases[0][expert], up + biases[1][expert]
@@ -372,7 +382,7 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement,
     mesh = placement.mesh
     sizes = placement.sizes
     ep = math.prod(sizes[a] for a in ep_axes)
-    num_experts = wi_gate.shape[0]
+    num_experts = wo.shape[0]
     if num_experts % ep:
         raise MoeError(
             f"num_experts={num_experts} is not divisible by the expert-parallel size {ep} "
@@ -387,11 +397,16 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement,
             f"{shards} devices along mesh axes {', '.join(row_axes)}"
         )
 
-    def local(x, dispatch, combine, wi_gate, wi_up, wo, *biases):
+    gated = wi_gate is not None
+    weights = (wi_gate, wi_up, wo) if gated else (wi_up, wo)
+
+    def local(x, dispatch, combine, *rest):
         # x [rows, length, embed]; dispatch, combine [rows, length, expert, capacity]
+        ws, biases = rest[:len(weights)], rest[len(weights):]
+        ws = ws if gated else (None, *ws)
         xe = jnp.einsum("blec,bld->ebcd", dispatch, x)  # [expert, rows, capacity, embed]
         xe = jax.lax.all_to_all(xe, ep_axes, 0, 1, tiled=True)  # [local_expert, ep*rows, capacity, embed]
-        ye = expert_ffn(xe, wi_gate, wi_up, wo, act, biases=biases or None)
+        ye = expert_ffn(xe, *ws, act, biases=biases or None)
         ye = jax.lax.all_to_all(ye, ep_axes, 1, 0, tiled=True)  # [expert, rows, capacity, embed]
         return jnp.einsum("blec,ebcd->bld", combine, ye)  # [rows, length, embed]
 
@@ -400,13 +415,13 @@ def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement,
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, rows, rows, experts, experts, experts) + (experts,) * len(biases),
+        in_specs=(rows, rows, rows) + (experts,) * (len(weights) + len(biases)),
         out_specs=rows,
-    )(x, dispatch, combine, wi_gate, wi_up, wo, *biases)
+    )(x, dispatch, combine, *weights, *biases)
 
 
 class MoeMLP(nn.Module):
-    """Top-k routed gated-MLP experts: x [batch, length, embed] -> [batch, length, embed]."""
+    """Top-k routed MLP experts (gated, or plain): x [batch, length, embed] -> [batch, length, embed]."""
 
     config: MoeConfig
     placement: object = None  # sharding.partition.Placement (None: one device)
@@ -419,7 +434,8 @@ class MoeMLP(nn.Module):
         num_experts, mlp = cfg.num_experts, cfg.intermediate_size
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
-        act = gated_activation(ACTIVATIONS[cfg.hidden_act], cfg.swiglu_limit, cfg.swiglu_alpha)
+        gated = cfg.expert_type == "gated"
+        act = gated_activation(ACTIVATIONS[cfg.hidden_act], cfg.swiglu_limit, cfg.swiglu_alpha, gated)
 
         # Router, in float32.
         router_in = x.astype(jnp.float32)
@@ -447,7 +463,7 @@ class MoeMLP(nn.Module):
             w = self.param(name, nn.with_logical_partitioning(init, names), shape, param_dtype)
             return w.astype(dtype)
 
-        wi_gate = expert_param("wi_gate", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
+        wi_gate = expert_param("wi_gate", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP)) if gated else None
         wi_up = expert_param("wi_up", (num_experts, embed, mlp), (ax.EXPERT, ax.EMBED, ax.MLP))
         wo = expert_param("wo", (num_experts, mlp, embed), (ax.EXPERT, ax.MLP, ax.EMBED))
         biases = None

@@ -97,7 +97,7 @@ class TransformerConfig(ModelConfig):
             norm_topk_prob=a.norm_topk_prob, router_kind=a.router_kind, n_group=a.n_group,
             topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor, aux_loss_coef=a.router_aux_loss_coef,
             router_bias=a.router_bias, expert_bias=a.expert_bias, swiglu_limit=a.swiglu_limit,
-            swiglu_alpha=a.swiglu_alpha,
+            swiglu_alpha=a.swiglu_alpha, expert_type=a.expert_type,
             z_loss_coef=e.router_z_loss_coef, dtype=e.dtype, param_dtype=e.param_dtype,
             initializer_range=a.initializer_range,
         )
@@ -261,7 +261,7 @@ class Block(nn.Module):
         return _scaled(out, a.ssm_out_multiplier)
 
     def _shared_expert(self, h):
-        """A MoE layer's shared expert: a dense gated MLP every token goes through, scaled by
+        """A MoE layer's shared expert: a dense MLP (``mlp_type``'s) every token goes through, scaled by
         ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
         a = self.config.arch
         out = MLP(self.config, self.placement, a.shared_expert_intermediate_size, name="shared_expert")(h)

@@ -1,19 +1,27 @@
-"""Nemotron-H (NVIDIA): each layer one RMSNorm and one of a Mamba2 mixer, attention or an MLP
-(``layers_block_type``: "linear_attention", "full_attention", "mlp"; older configs spell it
-``hybrid_override_pattern``, a string of M, *, -). As layer patterns: a mamba layer is
-``layer_types`` "mamba" with ``mlp_layer_types`` "none", an attention layer "full_attention"
-with "none", an MLP layer "none" with "dense". Attention is GQA without positions (no rotary:
-``rope_layers`` all false) and without biases; the MLP is plain (up, relu2, down). The mixer is
-the shared ``mamba2`` feature (``models/ssm.py``). MoE layers ("moe", E) are refused.
+"""Nemotron-H (NVIDIA): each layer one RMSNorm and one of a Mamba2 mixer, attention, an MLP or
+a MoE MLP (``layers_block_type``: "linear_attention", "full_attention", "mlp", "moe"; older
+configs spell it ``hybrid_override_pattern``, a string of M, *, -, E). As layer patterns: a
+mamba layer is ``layer_types`` "mamba" with ``mlp_layer_types`` "none", an attention layer
+"full_attention" with "none", an MLP layer "none" with "dense", a MoE layer "none" with "moe".
+Attention is GQA without positions (no rotary: ``rope_layers`` all false) and without biases;
+the MLP is plain (up, relu2, down). The mixer is the shared ``mamba2`` feature (``models/ssm.py``).
+
+A MoE layer (Nemotron 3 Nano's) is DeepSeek-V3's router (``sigmoid_groups``: sigmoid scores,
+``e_score_correction_bias`` for the choice, ``n_group``/``topk_group``, ``norm_topk_prob``,
+``routed_scaling_factor``) over ``n_routed_experts`` experts WITHOUT a gate (``expert_type``
+"plain": up_proj, relu2, down_proj, ``moe_intermediate_size`` wide), plus one shared plain MLP
+``moe_shared_expert_intermediate_size`` wide (transformers builds it whatever
+``n_shared_experts`` says). No load-balancing loss and no dropped token (Mixtral's
+``execution``). ``moe_latent_size`` (experts in a narrower latent) is refused.
 """
 
 from __future__ import annotations
 
 import math
 
-from shardzoo.models.arch import DENSE, FULL, MAMBA, NONE
-from shardzoo.models.hf import llama, mamba2
-from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, special_tokens
+from shardzoo.models.arch import DENSE, FULL, MAMBA, MOE, NONE
+from shardzoo.models.hf import llama, mamba2, mixtral
+from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, special_tokens
 
 # NemotronHConfig's fields and transformers' defaults
 SCHEMA = dict(vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_word_embeddings=False, use_cache=True,
@@ -30,7 +38,8 @@ SCHEMA = dict(vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_w
               use_bias=False, initializer_range=0.02, layer_norm_epsilon=1e-5, residual_in_fp32=False,
               hidden_dropout=0.0, rescale_prenorm_residual=True)
 FEATURES = frozenset({"rope", "rmsnorm", "pre_norms", "plain_mlp", "mlp_bias", "layer_pattern", "nope_layers",
-                      "mlp_free_layers", "mamba2", "mamba_proj_bias", "time_step_limit"})
+                      "mlp_free_layers", "mamba2", "mamba_proj_bias", "time_step_limit", "moe", "moe_pattern",
+                      "expert_width", "shared_experts", "routed_scaling", "sigmoid_router", "plain_experts"})
 NAMES = dict(heads="mamba_num_heads", head_dim="mamba_head_dim", groups="n_groups", state="ssm_state_size",
              conv="conv_kernel", chunk="chunk_size", conv_bias="use_conv_bias", proj_bias="use_bias", expand=None,
              act="mamba_hidden_act", limit="time_step_limit")
@@ -38,15 +47,18 @@ NAMES = dict(heads="mamba_num_heads", head_dim="mamba_head_dim", groups="n_group
 LEGACY = dict(mamba_n_groups="n_groups", mamba_d_conv="conv_kernel", mamba_dt_limit="time_step_limit",
               mamba_conv_bias="use_conv_bias", mamba_chunk_size="chunk_size", mamba_expand="expand",
               mamba_dt_min="time_step_min", mamba_dt_max="time_step_max", mamba_dt_init_floor="time_step_floor")
-KINDS = {"linear_attention": (MAMBA, NONE), "full_attention": (FULL, NONE), "mlp": (NONE, DENSE)}
+KINDS = {"linear_attention": (MAMBA, NONE), "full_attention": (FULL, NONE), "mlp": (NONE, DENSE),
+         "moe": (NONE, MOE)}
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-# settings of the initialisation, the kernels, the cache's dtype, MoE and MTP settings of a
-# model without MoE or MTP layers (a "moe" layer or num_nextn_predict_layers > 0 is refused)
+# settings of the initialisation, the kernels, the cache's dtype, MTP settings of a model without
+# MTP layers (num_nextn_predict_layers > 0 is refused), n_shared_experts (transformers builds one
+# shared MLP whatever it says) and the overlap of the shared expert's compute
 _UNUSED = ("time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual", "use_mamba_kernels",
            "mamba_ssm_cache_dtype", "residual_in_fp32", "expand", "num_logits_to_keep", "mamba_proj_bias",
-           "attention_bias", "mtp_layers_block_type", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
-           "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap",
-           "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+           "attention_bias", "mtp_layers_block_type", "n_shared_experts", "moe_shared_expert_overlap")
+# the MoE settings, read when a layer is "moe" (else meaningless)
+_MOE = ("n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
+        "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
 
 
 def block_types(hf: HFConfig) -> list[str]:
@@ -60,11 +72,24 @@ def block_types(hf: HFConfig) -> list[str]:
     if types is None:  # transformers' default
         types = ["linear_attention", "moe", "full_attention", "mlp"]
     key = "layers_block_type" if "layers_block_type" in hf.raw else "hybrid_override_pattern"
-    if "moe" in types:
-        raise hf.refuse(key, "shardzoo's nemotron_h has no MoE layers (moe, E) yet")
     if not types or any(t not in KINDS for t in types):
         raise hf.refuse(key, f"each layer must be one of {', '.join(KINDS)}")
     return types
+
+
+def moe_fields(hf: HFConfig, types: list[str]) -> dict:
+    """The MoE layers' router, plain experts and shared expert (none without a "moe" layer)."""
+    if "moe" not in types:
+        hf.ignore(*_MOE)
+        return {}
+    if hf.get("moe_latent_size") is not None:
+        raise hf.refuse("moe_latent_size", "shardzoo's nemotron_h runs experts at hidden_size (null) only")
+    return dict(num_local_experts=hf.get("n_routed_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"),
+                moe_intermediate_size=hf.get("moe_intermediate_size"), expert_type="plain",
+                shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size"),
+                router_kind="sigmoid_groups", n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                norm_topk_prob=hf.get("norm_topk_prob"), routed_scaling_factor=hf.get("routed_scaling_factor"),
+                router_aux_loss_coef=0.0)
 
 
 def from_hf(hf: HFConfig) -> dict:
@@ -74,7 +99,7 @@ def from_hf(hf: HFConfig) -> dict:
     hf.ignore(*INERT, *_UNUSED, "num_hidden_layers")  # num_hidden_layers: the pattern's length
     types = block_types(hf)
     n, heads = len(types), hf.get("num_attention_heads")
-    return special_tokens(hf) | mamba2.mamba_fields(hf, NAMES) | dict(
+    return special_tokens(hf) | mamba2.mamba_fields(hf, NAMES) | moe_fields(hf, types) | dict(
         vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"), num_hidden_layers=n,
         intermediate_size=hf.get("intermediate_size"), num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim"),
@@ -89,7 +114,17 @@ def to_hf(a) -> dict:
     kinds = {v: k for k, v in KINDS.items()}
     specs = a.layer_specs()
     types = [kinds[(s.mixer if s.mixer != "attention" else FULL, s.mlp)] for s in specs]
-    return mamba2.mamba_to_hf(a, NAMES) | dict(
+    moe = {}
+    if a.num_local_experts and (a.expert_type, a.router_kind) != ("plain", "sigmoid_groups"):
+        raise HFError(f"Nemotron-H's MoE layers have plain experts and the sigmoid_groups router; this model has "
+                      f"expert_type={a.expert_type!r}, router_kind={a.router_kind!r}")
+    if a.num_local_experts:
+        moe = dict(n_routed_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
+                   moe_intermediate_size=a.expert_size,
+                   moe_shared_expert_intermediate_size=a.shared_expert_intermediate_size, n_group=a.n_group,
+                   topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
+                   routed_scaling_factor=a.routed_scaling_factor)
+    return mamba2.mamba_to_hf(a, NAMES) | moe | dict(
         hidden_size=a.hidden_size, layers_block_type=types, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=a.kv_heads, head_dim=a.head_size, max_position_embeddings=a.max_position_embeddings,
         intermediate_size=a.intermediate_size, layer_norm_epsilon=a.rms_norm_eps, mlp_hidden_act=a.hidden_act,
@@ -106,12 +141,19 @@ def global_weights(a) -> list[Weight]:
 
 def layer_weights(a, spec) -> list[Weight]:
     h = "backbone.layers.{i}."
-    if spec.mixer == NONE:  # an MLP layer
+    if spec.mixer == NONE:  # an MLP layer, or a MoE layer: router, experts and the shared MLP
         out = [Weight(("mlp_norm", "scale"), h + "norm.weight")]
+        mlp, x = ("mlp", h + "mixer.") if spec.mlp == DENSE else ("shared_expert", h + "mixer.shared_experts.")
         for n in ("up", "down"):
-            out.append(Weight(("mlp", n, "kernel"), h + f"mixer.{n}_proj.weight", "linear"))
+            out.append(Weight((mlp, n, "kernel"), x + f"{n}_proj.weight", "linear"))
             if a.mlp_bias:
-                out.append(Weight(("mlp", n, "bias"), h + f"mixer.{n}_proj.bias", "vec"))
+                out.append(Weight((mlp, n, "bias"), x + f"{n}_proj.bias", "vec"))
+        if spec.mlp == MOE:
+            e = a.num_local_experts
+            out += [Weight(("moe", "router", "kernel"), h + "mixer.gate.weight", "linear"),
+                    Weight(("moe", "router_bias"), h + "mixer.gate.e_score_correction_bias"),
+                    Weight(("moe", "wi_up"), h + "mixer.experts.{e}.up_proj.weight", "linear", experts=e),
+                    Weight(("moe", "wo"), h + "mixer.experts.{e}.down_proj.weight", "linear", experts=e)]
         return out
     out = [Weight(("attn_norm", "scale"), h + "norm.weight")]
     if spec.mixer == MAMBA:
@@ -128,9 +170,10 @@ def _pattern(pattern: str) -> dict:
 
 # --------------------------------------------------------------------------------- presets
 NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_3_NANO = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 NEMOTRON_H = Family(
     "nemotron_h", ("nemotron_h",), "NemotronHForCausalLM", SCHEMA, FEATURES, from_hf, to_hf, global_weights,
-    layer_weights,
+    layer_weights, execution=mixtral.HF_MOE,
     presets={
         # nvidia/Nemotron-H-8B-Base-8K/config.json: 24 mamba, 4 attention and 24 MLP layers
         "nemotron-h-8b": _pattern(NEMOTRON_H_8B) | dict(
@@ -138,6 +181,16 @@ NEMOTRON_H = Family(
             num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, mlp_type="plain",
             hidden_act="relu2", bos_token_id=1, eos_token_id=2, mamba_num_heads=128, mamba_head_dim=64,
             mamba_n_groups=8, ssm_state_size=128, mamba_conv_kernel=4, mamba_chunk_size=128),
+        # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B's config.json: 23 mamba, 23 MoE and 6 attention layers;
+        # 128 plain relu2 experts (top-6, one group) 1856 wide and a shared one 3712 wide
+        "nemotron-3-nano-30b-a3b": _pattern(NEMOTRON_3_NANO) | dict(
+            vocab_size=131072, hidden_size=2688, intermediate_size=1856, num_attention_heads=32,
+            num_key_value_heads=2, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-5,
+            mlp_type="plain", hidden_act="relu2", bos_token_id=1, eos_token_id=2, mamba_num_heads=64,
+            mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128, mamba_conv_kernel=4, mamba_chunk_size=128,
+            num_local_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+            shared_expert_intermediate_size=3712, expert_type="plain", router_kind="sigmoid_groups",
+            norm_topk_prob=True, routed_scaling_factor=2.5, router_aux_loss_coef=0.0, router_z_loss_coef=0.0),
         "nemotron-h-tiny": llama.TINY | _pattern("M-M*-") | dict(
             mlp_type="plain", hidden_act="relu2", rms_norm_eps=1e-5, mamba_num_heads=8, mamba_head_dim=16,
             mamba_n_groups=2, ssm_state_size=16, mamba_chunk_size=64),

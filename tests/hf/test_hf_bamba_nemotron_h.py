@@ -136,9 +136,10 @@ def test_nemotron_h_older_keys_read_as_the_same_model(tmp_path):
     assert load_hf_config(str(tmp_path)).arch == want.arch
 
 
-def test_nemotron_h_moe_layers_and_bad_indices_are_refused_in_one_line(tmp_path):
-    CONFIGS["nemotron_h"](layers_block_type=["linear_attention", "moe"]).save_pretrained(tmp_path / "moe")
-    with pytest.raises(HFError, match=r"layers_block_type=.*no MoE layers \(moe, E\)"):
+def test_nemotron_h_latent_moe_layers_and_bad_indices_are_refused_in_one_line(tmp_path):
+    CONFIGS["nemotron_h"](layers_block_type=["linear_attention", "moe"], moe_latent_size=16).save_pretrained(
+        tmp_path / "moe")
+    with pytest.raises(HFError, match=r"moe_latent_size=16: .*hidden_size"):
         load_hf_config(str(tmp_path / "moe"))
     path = rewritten(CONFIGS["bamba"](), tmp_path / "bamba", attn_layer_indices=[7])
     with pytest.raises(HFError, match=r"attn_layer_indices=\[7\]: each must be a layer index in 0..3"):
