@@ -12,20 +12,26 @@ float32 logits against transformers, 1e-5 shardzoo against itself.
 """
 
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import linen as nn
 from transformers import AutoModelForCausalLM, FalconH1Config
 
 from shardzoo.models.costs import decode_cache_bytes
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOL, apply, decoded, edit, hf_logits, mamba_draw, one_device, randomized, saved  # noqa: E402
 
 MULTIPLIERS = dict(embedding_multiplier=1.7, lm_head_multiplier=0.6, key_multiplier=0.8, attention_in_multiplier=1.3,
                    attention_out_multiplier=0.7, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
@@ -36,52 +42,17 @@ CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_l
               mamba_rms_norm=True, mamba_norm_before_gate=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
               pad_token_id=0) | MULTIPLIERS
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(4, 11)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def randomized(hf_config, seed: int = 0):
-    """Every weight random: A = -exp(A_log) in [-2.5, -0.5], dt_bias around 0, norm scales near
-    1, the rest 0.2 x normal."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5))
-            elif "dt_bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    model = randomized(FalconH1Config(**CONFIG), seed=1)
-    path = tmp_path_factory.mktemp("falcon_h1")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
+    """(HF dir, HF model, reference logits): every weight random as the mamba families draw them."""
+    model = randomized(FalconH1Config(**CONFIG), seed=1, draw=mamba_draw)
+    return saved(model, tmp_path_factory.mktemp("falcon_h1"), TOKENS)
 
 
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
-
-
-def _apply(module, params, mesh=None, tokens=TOKENS):
-    with activate(mesh or _one()):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
-
-
-def _edit(params, suffix, fn):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(x) if jax.tree_util.keystr(p).endswith(suffix) else x, params)
+def _apply(module, params, mesh=None):
+    return apply(module, params, mesh or one_device(), TOKENS)
 
 
 def test_config_reads_every_layer_as_attention_and_mamba(built):
@@ -100,7 +71,7 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_multiplier_matter
     back at 1, without either branch of the layers (the mamba mixer's or attention's output
     zeroed), or with the gate after the norm: the parity could fail."""
     path, _, ref = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     got = _apply(module, params)
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     changes = {k: 1.0 for k in ("embedding_multiplier", "logit_scale", "key_multiplier", "attention_in_multiplier",
@@ -112,8 +83,8 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_multiplier_matter
     changes["mamba_norm"] = "gated"
     variants = [(config.replace(**{name.split("[")[0]: value}).build(), params) for name, value in changes.items()]
     branches = ("['mamba']['out']['kernel']", "['attn']['o']['kernel']")
-    variants += [(module, _edit(params, branch, lambda x: 0 * x)) for branch in branches]
-    with activate(_one()):  # one compile for them all
+    variants += [(module, edit(params, branch, lambda x: 0 * x)) for branch in branches]
+    with activate(one_device()):  # one compile for them all
         moved = jax.jit(lambda ps, t: [jnp.abs(m.apply({"params": p}, t) - ref).max()
                                        for (m, _), p in zip(variants, ps, strict=True)])([p for _, p in variants],
                                                                                         TOKENS)
@@ -133,9 +104,9 @@ def test_the_other_mamba_norms_match_transformers(tmp_path, rms_norm, before_gat
     after the gate (the larger models'): logits equal transformers' on one device; the export
     loads as the same model (without a norm weight where transformers has none)."""
     model = randomized(FalconH1Config(**CONFIG | dict(mamba_rms_norm=rms_norm, mamba_norm_before_gate=before_gate)),
-                       seed=2)
+                       seed=2, draw=mamba_draw)
     model.save_pretrained(tmp_path / "hf")
-    module, config, params = load_hf(str(tmp_path / "hf"), mesh=_one(), rules=get_rules("fsdp"))
+    module, config, params = load_hf(str(tmp_path / "hf"), mesh=one_device(), rules=get_rules("fsdp"))
     assert config.mamba_norm == ("gated" if rms_norm else "none")
     assert ("norm" in params["layers"]["mamba"]) == rms_norm
     ref = hf_logits(model, TOKENS)
@@ -154,30 +125,17 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
     layer carries attention's K/V and the mamba mixer's conv inputs and state; the cache's bytes
     are what costs.py counts."""
     path, _, _ = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"), scan_layers=False)
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"), scan_layers=False)
     full = _apply(module, params)
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     for i in range(2):
         assert cache[f"layers_{i}"]["mamba"]["ssm_state"].value.shape == (4, 6, 8, 8)
         assert cache[f"layers_{i}"]["attn"]["cached_key"].value.shape == (4, 11, 2, 12)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(nn_unbox(cache)))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(nn.meta.unbox(cache)))
     assert decode_cache_bytes(config.arch, 4, 11, 4) == {"attention+mamba": nbytes}
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(11, dtype=np.int32), TOKENS.shape)
-    logits, cache = step(params, cache, TOKENS[:, :6], positions[:, :6])
-    got = [np.asarray(logits)]
-    for i in range(6, 11):
-        logits, cache = step(params, cache, TOKENS[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, TOKENS, prefill=6)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"falcon_h1: max |decode - forward| {np.abs(got - full).max():.2e}")
-
-
-def nn_unbox(tree):
-    from flax import linen as nn
-
-    return nn.meta.unbox(tree)
 
 
 def test_greedy_generate_matches_transformers(built, parity):

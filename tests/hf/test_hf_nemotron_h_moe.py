@@ -11,6 +11,8 @@ Tolerance: 1e-4 on float32 logits against transformers, 1e-5 shardzoo against it
 """
 
 import json
+import os
+import sys
 
 import jax
 import numpy as np
@@ -18,11 +20,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
-from shardzoo.models.decode import cache_init_fn, decode_step
+from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.sharding.partition import activate
 from shardzoo.train.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOL,
+    apply_mutable,
+    correction_bias,
+    decoded,
+    edit,
+    mamba_draw,
+    one_device,
+    randomized,
+    saved,
+)
 
 E, K = 8, 2
 TYPES = ["linear_attention", "moe", "full_attention", "linear_attention", "moe"]
@@ -39,46 +53,18 @@ def hf_config(**kw):
 
 # 8 rows: one for each of the 8 devices of shard_map's expert-parallel rows
 TOKENS = np.random.default_rng(0).integers(0, 128, size=(8, 11)).astype(np.int32)
-TOL = 1e-4
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(HF dir, HF model, reference logits): every weight random (A = -exp(A_log) in [-2.5, -0.5],
-    dt_bias around 0, norm scales near 1, the rest 0.2 x normal), the correction bias 0.3 x normal."""
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(hf_config(), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name:
-                p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5))
-            elif "dt_bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.3 * torch.randn_like(b))
-    path = tmp_path_factory.mktemp("nemotron_h_moe")
-    model.save_pretrained(path)
-    return str(path), model, hf_logits(model, TOKENS)
+    """(HF dir, HF model, reference logits): every weight random as the mamba families draw them,
+    the correction bias 0.3 x normal."""
+    model = randomized(hf_config(), seed=1, draw=mamba_draw, buffers=correction_bias)
+    return saved(model, tmp_path_factory.mktemp("nemotron_h_moe"), TOKENS)
 
 
 def _apply(module, params, mesh, collections=()):
-    with activate(mesh):
-        out, state = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))(params, TOKENS)
-    return np.asarray(out), state
-
-
-def _one():
-    return make_mesh("data=1", devices=jax.devices()[:1])
+    return apply_mutable(module, params, mesh, collections, TOKENS)
 
 
 def test_config_reads_moe_layers_with_plain_experts(built):
@@ -98,16 +84,15 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_the_router_matters(bui
     """The parity; the logits move > 1e-2 without the correction bias or with routed scaling 1,
     so both reach the result; the experts hold no gate."""
     path, _, ref = built
-    module, config, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"))
+    module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
     assert any(n.endswith("['moe']['wi_up']") for n in names) and not any("wi_gate" in n for n in names)
-    got, _ = _apply(module, params, _one())
+    got, _ = _apply(module, params, one_device())
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-    unbiased = jax.tree_util.tree_map_with_path(
-        lambda p, x: 0 * x if jax.tree_util.keystr(p).endswith("['router_bias']") else x, params)
-    assert np.abs(_apply(module, unbiased, _one())[0] - ref).max() > 1e-2
+    unbiased = edit(params, "['router_bias']", lambda x: 0 * x)
+    assert np.abs(_apply(module, unbiased, one_device())[0] - ref).max() > 1e-2
     unscaled = config.replace(routed_scaling_factor=1.0).build()
-    assert np.abs(_apply(unscaled, params, _one())[0] - ref).max() > 1e-2
+    assert np.abs(_apply(unscaled, params, one_device())[0] - ref).max() > 1e-2
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     sharded, _ = _apply(module, params, mesh)
@@ -149,19 +134,11 @@ def test_parameter_count_equals_transformers(built):
 def test_decoding_from_the_cache_equals_the_full_forward(built):
     """A prefill of 6 tokens then 5 single steps give the full forward's logits (1e-5)."""
     path, _, _ = built
-    module, _, params = load_hf(path, mesh=_one(), rules=get_rules("fsdp"), scan_layers=False)
+    module, _, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"), scan_layers=False)
     tokens = TOKENS[:4]
-    with activate(_one()):
-        full = np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
+    full, _ = apply_mutable(module, params, one_device(), (), tokens)
     cache = jax.jit(cache_init_fn(module, tokens.shape[0], tokens.shape[1]))(params)
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
-    positions = np.broadcast_to(np.arange(11, dtype=np.int32), tokens.shape)
-    logits, cache = step(params, cache, tokens[:, :6], positions[:, :6])
-    got = [np.asarray(logits)]
-    for i in range(6, 11):
-        logits, cache = step(params, cache, tokens[:, i:i + 1], positions[:, i:i + 1])
-        got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
+    got = decoded(module, params, cache, tokens, prefill=6)
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
 
