@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from shardzoo.models.arch import ATTENTION_MAMBA
-from shardzoo.models.hf import llama, mamba2
+from shardzoo.models.hf import bamba, llama, mamba2
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, rope, rope_to_hf, sizes
 
 # FalconH1Config's fields and transformers' defaults; and head_dim, which its attention and
@@ -78,12 +78,7 @@ def to_hf(a) -> dict:
         ssm_multipliers=list(a.ssm_multipliers), mlp_multipliers=list(a.mlp_multipliers))
 
 
-def global_weights(a) -> list[Weight]:
-    out = [Weight(("embed", "embedding"), "model.embed_tokens.weight"),
-           Weight(("final_norm", "scale"), "model.final_layernorm.weight")]
-    if not a.tie_word_embeddings:
-        out.append(Weight(("lm_head", "kernel"), "lm_head.weight", "linear"))
-    return out
+global_weights = bamba.global_weights  # embed_tokens, final_layernorm, lm_head: Bamba's names
 
 
 def layer_weights(a, spec) -> list[Weight]:
