@@ -283,6 +283,15 @@ def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray,
     return np.nan_to_num(out, nan=0.0).astype(np.float32), std
 
 
+def weighted_sum(per_function: np.ndarray, weights, unscored: np.ndarray | None = None) -> np.ndarray:
+    """The weighted sums ``[completions]`` of ``[completions, functions]`` rewards, the NaNs (a
+    function that does not apply) left out, NaN where no function scored (or ``unscored``)."""
+    per_function = np.asarray(per_function, np.float32)
+    out = np.nansum(per_function * np.asarray(weights, np.float32)[None, :], 1).astype(np.float32)
+    out[np.isnan(per_function).all(1) if unscored is None else unscored] = np.nan
+    return out
+
+
 def group_rewards(per_function: np.ndarray, weights: np.ndarray, group: int, scale: str,
                   aggregation: str = "sum_then_normalize") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rewards, advantages, std)`` of a rollout's ``[completions, functions]`` rewards (NaN: not
@@ -294,16 +303,14 @@ def group_rewards(per_function: np.ndarray, weights: np.ndarray, group: int, sca
     per_function = np.asarray(per_function, np.float32)
     weights = np.asarray(weights, np.float32)
     unscored = np.isnan(per_function).all(1)
-    rewards = np.nansum(per_function * weights[None, :], 1).astype(np.float32)
-    rewards[unscored] = np.nan
+    rewards = weighted_sum(per_function, weights)
     if aggregation == "sum_then_normalize":
         adv, std = advantages(rewards, group, scale)
         return rewards, adv, std
     grouped = per_function.reshape(-1, group, per_function.shape[1])
     mean_k, std_k = nan_mean_std(grouped, 1)
     normalised = ((grouped - mean_k) / (std_k + np.float32(1e-4))).reshape(per_function.shape)
-    summed = np.nansum(normalised * weights[None, :], 1).astype(np.float32)
-    summed[unscored] = np.nan
+    summed = weighted_sum(normalised, weights, unscored)
     mean, std = nan_mean_std(summed, 0)
     adv = np.nan_to_num((summed - mean) / (std + np.float32(1e-4)), nan=0.0).astype(np.float32)
     return rewards, adv, np.full_like(summed, std[0])

@@ -33,6 +33,7 @@ from shardzoo.train.grpo import (
     rollout_rows,
     score,
     truncated,
+    weighted_sum,
 )
 from shardzoo.train.metrics import progress
 from shardzoo.train.program import host_array
@@ -168,9 +169,7 @@ def reward_metrics(rewards: np.ndarray, weights, functions, lengths: np.ndarray,
     scored): ``reward`` (the weighted sums' mean, completions no function scored left out) and
     ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``completions/mean_length``, ``min``,
     ``max`` and ``clipped_ratio``; each name as ``prefix + name + suffix``."""
-    summed = np.nansum(rewards * np.asarray(weights, np.float32)[None, :], 1).astype(np.float32)
-    summed[np.isnan(rewards).all(1)] = np.nan
-    mean, std = nan_mean_std(summed, 0)
+    mean, std = nan_mean_std(weighted_sum(rewards, weights), 0)
     out = {"reward": float(mean[0]), "reward_std": float(std[0])}
     for j, f in enumerate(functions):
         mean, std = nan_mean_std(rewards[:, j], 0)
