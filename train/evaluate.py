@@ -583,8 +583,9 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
         raise UserError(f"--split {split}: no prompts of {data} were held out (give --eval-fraction, or the "
                         "held-out prompts as --data)")
     temperature = s.temperature if s.temperature is not None else task.get("temperature", 1.0)
-    group = s.num_generations or (task.get("num_generations") if task.get("task") == "grpo" else None) or 1
-    if temperature == 0 and not s.num_generations:
+    group = s.num_generations if s.num_generations is not None else \
+        (task.get("num_generations") if task.get("task") == "grpo" else None) or 1
+    if temperature == 0 and s.num_generations is None:
         group = 1  # greedy: one completion per prompt
     if group < 1:
         raise UserError(f"--num-generations must be at least 1, got {group}")

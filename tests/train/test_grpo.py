@@ -379,6 +379,7 @@ def evaluate_the_run_by_its_rewards(hf, capsys):
     assert 0 < got["completions/mean_length"] <= got["max_completion_length"] == 10
     assert "rewards over 12 completions (1 per prompt of 12, greedy)" in evaluate.format_metrics(got)
     for bad, words in ((["--num-generations", "2", "--temperature", "0"], "greedy decoding gives one completion"),
+                       (["--num-generations", "0"], "--num-generations must be at least 1, got 0"),
                        (["--task", "lm", "--temperature", "0.5"], "--temperature goes with --task rewards")):
         capsys.readouterr()
         assert main(["eval", "--checkpoint", str(hf.root / "straight"), *bad]) == 2
