@@ -57,6 +57,16 @@ def si(x: float) -> str:
     return f"{x:.3g} "
 
 
+def coerce(text: str):
+    """``--override`` values: int, float, true/false, else the string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def device_bytes_limit(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return (stats or {}).get("bytes_limit")
@@ -84,7 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the params' (and so adam's) dtype; compute is bf16 (default: float32)")
     parser.add_argument("--attention", default=None,
-                        help="attention_impl (default: cudnn on a GPU, xla on a TPU or with --tiny)")
+                        help="attention_impl (default: cudnn on a GPU, xla with --tiny, else the config's auto)")
+    parser.add_argument("--override", action="append", default=[], metavar="K=V",
+                        help="a config field (as `shardzoo train --override`), e.g. moe_dispatch=gmm; repeatable")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -103,8 +115,13 @@ def main(argv=None) -> int:
 
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
-    overrides = dict(dtype="bfloat16", param_dtype=args.param_dtype,
-                     attention_impl=args.attention or ("cudnn" if gpu else "xla"))
+    overrides = dict(dtype="bfloat16", param_dtype=args.param_dtype)
+    attention = args.attention or ("cudnn" if gpu else "xla" if args.tiny else None)
+    if attention:
+        overrides["attention_impl"] = attention
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key.strip()] = coerce(value.strip())
     if args.tiny:
         overrides.update(TINY)
         candidates = [(2, 64, "none")]
@@ -162,10 +179,12 @@ def main(argv=None) -> int:
     mfu = f"{100 * flops / step_s / (peak * 1e12):.3g}%" if peak else "n/a (unknown peak)"
     params_count = sum(x.size for x in jax.tree.leaves(run.state.params))
     label = f"{args.model} (tiny config, code-path check)" if args.tiny else args.model
+    if args.override:
+        label += " (" + ", ".join(args.override) + ")"
     header = ("| model | device | params | batch x seq | attention | remat | step ms | tokens/s | "
               "model FLOP/s | MFU |\n|---|---|---:|---|---|---|---:|---:|---:|---:|")
     line = (f"| {label} | {kind} | {si(params_count)} | {batch} x {seq_len} | "
-            f"{overrides['attention_impl']} | {remat} | {step_s * 1e3:.1f} | {batch * seq_len / step_s:,.0f} | "
+            f"{overrides.get('attention_impl', 'auto')} | {remat} | {step_s * 1e3:.1f} | {batch * seq_len / step_s:,.0f} | "
             f"{si(flops / step_s)} | {mfu} |")
     notes = (f"bf16 compute, {args.param_dtype} params and adam state; the step `shardzoo train` runs (adamw, packed rows "
              f"of two documents, loss weights); {warmup} warm-up + {steps} timed steps; "

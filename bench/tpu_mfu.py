@@ -1,0 +1,80 @@
+"""The TPU table: MFU of the train step for several families on one TPU v5e chip, and what each
+piece bought (an ablation row each), every row ``bench/gpu_mfu.py`` in its own process.
+
+    python bench/tpu_mfu.py --out bench/results/tpu_mfu_suite.md              # every row
+    python bench/tpu_mfu.py --only llama,ablation-splash --out FILE           # some rows
+
+Each row is a model, its (batch x seq : remat) candidates in order (the first whose compiled
+step fits the chip's memory is timed, as ``--remat auto`` picks) and config overrides. The
+ablation rows switch one piece back to what it was before (XLA attention, the untiled loss,
+indexed MoE dispatch, full remat) with everything else as in the main row. Rows are written to
+``--out`` as they finish, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (name, model, candidates, overrides)
+ROWS = (
+    ("llama", "llama3.2-1b", "8x2048:full,4x2048:save_attn_mlp,4x2048:full", ()),
+    ("gemma", "gemma-3-1b", "8x2048:full,4x2048:save_attn_mlp,4x2048:full", ()),
+    ("qwen", "qwen3-0.6b", "8x2048:full,4x2048:save_attn_mlp,4x2048:full", ()),
+    ("moe", "qwen3-30b-a3b", "4x2048:full,2x2048:full",
+     ("num_hidden_layers=4", "num_local_experts=32")),
+    ("ablation-splash", "llama3.2-1b", "8x2048:full,4x2048:full", ("attention_impl=xla",)),
+    ("ablation-loss", "llama3.2-1b", "8x2048:full,4x2048:full", ("loss_chunk=0",)),
+    ("ablation-remat", "llama3.2-1b", "8x2048:full", ()),
+    ("ablation-gmm", "qwen3-30b-a3b", "4x2048:full,2x2048:full",
+     ("num_hidden_layers=4", "num_local_experts=32", "moe_dispatch=indexed")),
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "tpu_mfu_suite.md"))
+    parser.add_argument("--timeout", type=float, default=420, help="seconds a row may take")
+    parser.add_argument("--steps", default="10", help="timed steps per row")
+    parser.add_argument("--override", action="append", default=[], metavar="NAME:K=V",
+                        help="add K=V to row NAME's overrides (e.g. moe:moe_dispatch=gmm)")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    extra: dict[str, list[str]] = {}
+    for item in args.override:
+        name, _, kv = item.partition(":")
+        extra.setdefault(name, []).append(kv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    lines = []
+    for name, model, candidates, overrides in ROWS:
+        if only and name not in only:
+            continue
+        cmd = [sys.executable, os.path.join(HERE, "gpu_mfu.py"), "--model", model, "--param-dtype", "bfloat16",
+               "--candidates", candidates, "--steps", args.steps, "--out", f"/tmp/tpu_mfu_{name}.md"]
+        for kv in (*overrides, *extra.get(name, ())):
+            cmd += ["--override", kv]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            out, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, code = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
+        seconds = time.perf_counter() - start
+        print(f"== {name} ({seconds:.0f}s, exit {code})\n{out}", flush=True)
+        row = next((ln for ln in out.splitlines() if ln.startswith("| ") and "model |" not in ln), None)
+        shown = " ".join(["python bench/gpu_mfu.py", *cmd[2:-2]])
+        lines.append(f"| {name} | {row or f'failed ({code})'} | `{shown}` |")
+        with open(args.out, "w") as f:
+            f.write("| row | result (model, device, params, batch x seq, attention, remat, step ms, tokens/s, "
+                    "model FLOP/s, MFU) | command |\n|---|---|---|\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
