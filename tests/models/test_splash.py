@@ -95,11 +95,13 @@ def test_auto_picks_splash_on_tpu_only_and_leaves_sinks_and_odd_lengths_to_xla(m
         get_model("deepseek-v2-tiny", attention_impl="splash")
 
 
-TINY = dict(max_position_embeddings=256)
-MODELS = {  # llama: GQA, rotary; gemma2: windows of 8 and full layers, capped logits, head_dim 16 (padded)
-    "llama-tiny": {}, "gemma2-tiny": {}, "llama4-tiny": dict(hidden_size=32, intermediate_size=64,
-                                                              moe_dispatch="dropless"),
-}
+TINY = dict(num_hidden_layers=1, max_position_embeddings=256)
+MODELS = {  # gemma2: a window of 8 then a full layer, capped logits, head_dim 16 (padded); llama4: chunks of 4
+    "gemma2-tiny": dict(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),
+    "llama4-tiny": dict(num_hidden_layers=2, layer_types=("chunked_attention", "full_attention"),
+                        mlp_layer_types=("dense", "moe"), rope_layers=(True, False), hidden_size=32,
+                        intermediate_size=64, moe_dispatch="dropless"),
+}  # llama-tiny (GQA): the train step below
 
 
 def _logits(module, params, seg, positions, tokens, placement=None):
@@ -111,8 +113,9 @@ def _logits(module, params, seg, positions, tokens, placement=None):
 def test_tiny_transformer_with_splash_gives_xlas_logits(name):
     seg, positions = packed(3, length=128)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, (B, 128)), jnp.int32)
-    xla_module, _ = get_model(name, attention_impl="xla", **TINY, **MODELS[name])
-    splash_module, config = get_model(name, attention_impl="splash", **TINY, **MODELS[name])
+    xla_module, _ = get_model(name, attention_impl="xla", **TINY | MODELS[name])
+    splash_module, config = get_model(name, attention_impl="splash", **TINY | MODELS[name])
+    assert {s.window or s.chunk for s in config.layer_specs()} == {None, 8 if name == "gemma2-tiny" else 4}
     params = nn.unbox(xla_module.init(jax.random.key(0), tokens)["params"])
     want = _logits(xla_module, params, seg, positions, tokens)
     close(_logits(splash_module, params, seg, positions, tokens), want)
