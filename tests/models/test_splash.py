@@ -83,9 +83,11 @@ def test_auto_picks_splash_on_tpu_only_and_leaves_sinks_and_odd_lengths_to_xla(m
     _, llama = get_model("llama-tiny")
     _, oss = get_model("gpt-oss-tiny")
     f32 = jnp.dtype("float32")
-    assert attention_kernel(llama, f32, 256) == "xla"  # CPU
+    scores = lambda: llama.activation_estimate(2, 256, lambda names: 1).terms["scores"]  # noqa: E731
+    assert attention_kernel(llama, f32, 256) == "xla" and scores() > 0  # CPU
     monkeypatch.setattr(attn.jax, "default_backend", lambda: "tpu")
     assert attention_kernel(llama, f32, 256) == "splash"
+    assert scores() == 0  # the plan: splash keeps no scores
     assert attention_kernel(llama, f32, 200) == "xla"  # not a multiple of 128
     assert attention_kernel(oss, f32, 256) == "xla"  # sinks
     assert attention_kernel(llama.replace(attention_impl="xla"), f32, 256) == "xla"
