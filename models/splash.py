@@ -54,23 +54,21 @@ def _padded(head_dim: int) -> int:
 
 def _chunk_segments(segment_ids, positions, chunk):
     """Ids that change where the segment or the position's chunk does: causal attention within
-    them is chunked attention by position (``attention_mask``) in packed rows. [batch, length]"""
-    key = jnp.stack([segment_ids, positions // chunk], axis=-1)
+    them is chunked attention by position (``attention_mask``), packed rows or not; exact where
+    an index-chunked mask would need positions to be the token indices. [batch, length]"""
+    key = positions // chunk if segment_ids is None else jnp.stack([segment_ids, positions // chunk], -1)
+    key = key.reshape(key.shape[:2] + (-1,))
     new = jnp.any(key[:, 1:] != key[:, :-1], axis=-1)
     return jnp.concatenate([jnp.zeros_like(new[:, :1]), new], axis=1).astype(jnp.int32).cumsum(axis=1)
 
 
-def _mask(length, heads, window, chunk, by_index):
-    if window:
-        one = sm.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
-    elif chunk and by_index:
-        one = sm.ChunkedCausalMask((length, length), chunk_size=chunk)
-    else:  # chunks of packed rows come as segment ids (``_chunk_segments``)
-        one = sm.CausalMask((length, length))
+def _mask(length, heads, window):
+    one = (sm.LocalMask((length, length), window_size=(window - 1, 0), offset=0) if window
+           else sm.CausalMask((length, length)))  # chunks come as segment ids (``_chunk_segments``)
     return sm.MultiHeadMask([one] * heads)
 
 
-def _local(q, k, v, seg, *, window, chunk, by_index, cap, interpret):
+def _local(q, k, v, seg, *, window, cap, interpret):
     """On one device: q [batch, length, heads, head_dim], k, v [batch, length, kv_heads, head_dim]
     (head_dim already the kernel's), seg [batch, length] or None."""
     batch, length, heads, _ = q.shape
@@ -79,7 +77,7 @@ def _local(q, k, v, seg, *, window, chunk, by_index, cap, interpret):
     blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                            block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     make = sk.make_splash_mqa if kv_heads == 1 else sk.make_splash_mha
-    kernel = make(_mask(length, heads, window, chunk, by_index), block_sizes=blocks, head_shards=1,
+    kernel = make(_mask(length, heads, window), block_sizes=blocks, head_shards=1,
                   q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [batch, heads|kv_heads, length, head_dim]
     if kv_heads == 1:
@@ -105,12 +103,8 @@ def splash_attention(q, k, v, segment_ids, positions, *, scale, sliding_window=N
     if width != dim:  # zeros add nothing to q.k; the padded value features are dropped below
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
-    by_index = segment_ids is None
-    seg = segment_ids
-    if chunk and not by_index:
-        seg = _chunk_segments(segment_ids, positions, chunk)
-    fn = functools.partial(_local, window=sliding_window, chunk=chunk, by_index=by_index, cap=logit_cap,
-                           interpret=interpret)
+    seg = _chunk_segments(segment_ids, positions, chunk) if chunk else segment_ids
+    fn = functools.partial(_local, window=sliding_window, cap=logit_cap, interpret=interpret)
     if placement is None:
         out = fn(q, k, v, seg)
     else:

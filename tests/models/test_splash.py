@@ -57,7 +57,8 @@ def test_splash_output_and_gradients_equal_xla(case):
     kv, dim, is_packed, window, chunk, cap = CASES[case]
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(B, L, n, dim)), jnp.float32) for n in (H, kv, kv))
-    seg, positions = packed(2) if is_packed else (None, jnp.broadcast_to(jnp.arange(L), (B, L)))
+    # unpacked rows at positions 10, 11, ...: chunks by position, not by index
+    seg, positions = packed(2) if is_packed else (None, jnp.broadcast_to(jnp.arange(L) + 10, (B, L)))
     scale = 2.0 / dim ** 0.5  # logits large enough for the cap to clip
     probe = jnp.cos(0.1 * jnp.arange(B * L * H * dim, dtype=jnp.float32)).reshape(B, L, H, dim)
 
