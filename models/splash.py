@@ -4,8 +4,10 @@
 length, kv_heads, head_dim], and runs jax's block-sparse flash kernel
 (``jax.experimental.pallas.ops.tpu.splash_attention``) on each batch row's [heads, length,
 head_dim]: the scores never exist in memory, and blocks the mask hides entirely are skipped.
-Query heads share their kv head in the kernel itself (GQA; one kv head: the MQA kernel). Off a
-TPU it runs in Pallas' interpret mode (tests; slow).
+Query heads share their kv head in the kernel itself (GQA; one kv head: the MQA kernel). A head
+width other than 64 or a multiple of 128 is zero-padded to the next multiple of 128 (q.k is
+unchanged; the value's padding is sliced off). Off a TPU it runs in Pallas' interpret mode
+(tests; slow).
 
 Where it serves (``serves``): not attention sinks (GPT-OSS) and not latent attention (value and
 key widths differ); those layers stay in XLA. A length that is not a multiple of 128, a decoding
@@ -123,7 +125,9 @@ def shard_spec(placement, batch: int, heads: int, kv_heads: int):
 
 
 def _sharded(fn, q, k, v, seg, placement):
-    """``fn`` in a shard_map (``shard_spec``); length and head_dim whole on each device."""
+    """``fn`` in a shard_map (``shard_spec``); length and head_dim whole on each device. The
+    kernel's outputs declare no varying mesh axes, which ``check_vma`` requires: off (gradients
+    of inputs replicated over other axes were checked against one device)."""
     qkv = shard_spec(placement, q.shape[0], q.shape[2], k.shape[2])
     if seg is None:
         return jax.shard_map(lambda q, k, v: fn(q, k, v, None), mesh=placement.mesh, in_specs=(qkv,) * 3,
