@@ -99,11 +99,11 @@ def test_auto_picks_splash_on_tpu_only_and_leaves_sinks_and_odd_lengths_to_xla(m
 
 
 TINY = dict(num_hidden_layers=1, max_position_embeddings=256)
-MODELS = {  # gemma2: a window of 8 then a full layer, capped logits, head_dim 16 (padded); llama4: chunks of 4
+MODELS = {  # gemma2: a window of 8, a full layer, capped logits, head_dim 16 (padded); llama4: chunks of 4, NoPE
     "gemma2-tiny": dict(num_hidden_layers=2, layer_types=("sliding_attention", "full_attention")),
     "llama4-tiny": dict(num_hidden_layers=2, layer_types=("chunked_attention", "full_attention"),
-                        mlp_layer_types=("dense", "moe"), rope_layers=(True, False), hidden_size=32,
-                        intermediate_size=64, moe_dispatch="dropless"),
+                        mlp_layer_types=("dense", "dense"), rope_layers=(True, False), hidden_size=32,
+                        intermediate_size=64),
 }  # llama-tiny (GQA): the train step below
 
 
@@ -153,6 +153,7 @@ def test_splash_under_fsdp_tp_equals_one_device_logits_and_gradients():
 
 
 def test_train_step_loss_with_splash_equals_xla():
+    """Two adamw steps of the program, remat keeping attn_context (the kernel's output)."""
     seg, positions = packed(7, length=128)
     rng = np.random.default_rng(8)
     tokens = rng.integers(0, 128, (B, 129)).astype(np.int32)
@@ -161,7 +162,7 @@ def test_train_step_loss_with_splash_equals_xla():
     cfg = TrainConfig(batch_size=B, seq_len=128, lr=1e-2, warmup_steps=0, steps=2)
 
     def losses(impl):
-        _, config = get_model("llama-tiny", attention_impl=impl, **TINY)
+        _, config = get_model("llama-tiny", attention_impl=impl, remat_policy="save_attn_mlp", **TINY)
         program = run_program(cfg, config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
         state, step = program.init(jax.random.key(0)), program.compiled_train_step()
         out = []
