@@ -4,7 +4,8 @@ One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
 attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention),
 biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
-the explicit ``placement``), and decoding from a cache whose arrays carry logical axes.
+the explicit ``placement``), and decoding from a cache whose arrays carry logical axes. Training and
+scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; models/splash.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import ROPE_SCALING
 from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw, make_norm
 from shardzoo.models.ring_attention import ring_attention
+from shardzoo.models.splash import splash_attention
 from shardzoo.sharding import axes as ax
 
 
@@ -220,13 +222,18 @@ def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
     return (q * scale[:, :, None, None]).astype(q.dtype)
 
 
-def _implementation(config, dtype):
-    if config.execution.attention_impl != "auto":
-        return config.execution.attention_impl
-    on_gpu = jax.default_backend() == "gpu"
-    head = config.arch.head_size
-    fits = head % 8 == 0 and head <= 256  # cuDNN flash attention's limits
-    return "cudnn" if on_gpu and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+def attention_kernel(config, dtype, length):
+    """"xla", "cudnn" or "splash" for a layer's attention over rows of ``length``: ``auto`` takes
+    splash on a TPU, cuDNN on a GPU, where each can; splash leaves lengths it cannot tile to XLA."""
+    impl = config.execution.attention_impl
+    if impl == "auto":
+        backend, head = jax.default_backend(), config.arch.head_size
+        fits = head % 8 == 0 and head <= 256  # cuDNN flash attention's limits
+        if backend == "tpu" and not splash.serves(config.arch):
+            impl = "splash"
+        else:
+            impl = "cudnn" if backend == "gpu" and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    return "xla" if impl == "splash" and splash.block_size(length) is None else impl
 
 
 def softcap(x, cap):
@@ -333,13 +340,19 @@ class Attention(nn.Module):
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
         plain = cap or sinks is not None or chunk  # what jax.nn.dot_product_attention cannot compute
+        impl = attention_kernel(self.config, dt, length)
+        # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
+        use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
         if decode:
             k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
-        elif plain:
+        elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
-        if plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
+        if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
+            ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
+                                   chunk=chunk, logit_cap=cap, placement=placement)
+        elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
         elif decode and length == 1:
             ctx = one_query_attention(q, k, v, mask, scale)
@@ -355,7 +368,7 @@ class Attention(nn.Module):
             ctx = jax.nn.dot_product_attention(
                 q, k, v, mask=mask, scale=scale, is_causal=True,
                 local_window_size=(window - 1, 0) if window else None,
-                implementation=_implementation(self.config, dt),
+                implementation="xla" if impl == "splash" else impl,
             )
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)

@@ -117,6 +117,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from shardzoo.models.attention import attention_kernel
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -349,13 +350,14 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     tok = batch_size * seq_len
     gated = a.mlp_type == "gated"
     # latent attention always runs in plain XLA (its values are narrower than its keys)
-    flash = e.attention_impl == "cudnn" and not a.attn_logit_softcapping and not a.latent
+    ring = getattr(shards, "ring", 1)  # context-parallel ring attention over this many devices
+    kernel = attention_kernel(cfg, jnp.dtype(e.dtype), seq_len)  # splash: not under a ring
+    flash = kernel == "splash" and ring == 1 or kernel == "cudnn" and not a.attn_logit_softcapping and not a.latent
     dq, dv = a.qk_head_size, a.v_head_size  # head_size both, but for latent attention
 
     def t(per_token, names, nbytes=nb):
         return _term(tok, per_token, names, nbytes, shards)
 
-    ring = getattr(shards, "ring", 1)  # context-parallel ring attention over this many devices
     scores, probs = (0, 0) if flash else (t(h * seq_len, BHL), t(h * seq_len, BHL, 4))
     gathered = ring > 1 and e.context_attention == "all_gather"
     if ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs

@@ -25,6 +25,7 @@ REMAT_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
 }
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
 
@@ -42,7 +43,9 @@ class Execution:
     remat_policy: str = "none"
     pipeline_microbatches: int = 0  # when the rules put layers on a mesh axis (pp); 0: one per stage
     pipeline_repeats: int = 1  # circular pipeline: passes of each microbatch through all stages
-    attention_impl: str = "auto"  # "auto" (cuDNN on GPU where it can), "xla", "cudnn"
+    # "auto" (cuDNN on GPU, splash on TPU, where each can), "xla", "cudnn", "splash" (Pallas, TPU;
+    # interpreted elsewhere; models/splash.py says which layers and lengths it leaves to XLA)
+    attention_impl: str = "auto"
     context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     # tokens per chunk of the gated delta rule (models/linear_attention.py): parallel within a
@@ -64,7 +67,7 @@ class Execution:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         check_fields(self, {"dtype": DTYPES, "param_dtype": DTYPES, "remat_policy": tuple(REMAT_POLICIES),
-                            "attention_impl": ("auto", "xla", "cudnn"),
+                            "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES},
                      ("pipeline_repeats", "linear_attention_chunk"))
         if self.pipeline_microbatches < 0:

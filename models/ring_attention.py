@@ -18,6 +18,9 @@ tokens. Then, after the diagonal step, exactly half of every block pair is visib
 query chunk always sees the early key chunk, and one more chunk pair (which one depends on
 whether the keys come from an earlier or a later device) holds the rest; only those two
 quarter-blocks are computed, the same work on every device.
+
+The blocks are XLA einsums also where ``attention_impl`` picks splash (``auto`` on a TPU): a ring
+step of the splash kernel would need its log-sum-exp residuals merged, forward and backward; not yet.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import (
     ATTENTION_MAMBA,
     CONV,
@@ -61,6 +61,8 @@ class TransformerConfig(ModelConfig):
         if self.arch.attention_sinks and self.execution.attention_impl == "cudnn":
             raise ModelError("attention_sinks (a learned logit per head in the softmax) runs in plain XLA: "
                              "attention_impl='cudnn' (jax.nn.dot_product_attention) cannot add it; use 'auto' or 'xla'")
+        if self.execution.attention_impl == "splash" and splash.serves(self.arch):
+            raise ModelError(f"attention_impl='splash': {splash.serves(self.arch)}; use 'auto' or 'xla'")
         if self.execution.attention_impl == "cudnn" and self.arch.has_chunked_layers:
             raise ModelError(f"attention_impl='cudnn' cannot mask chunks (attention_chunk_size="
                              f"{self.arch.attention_chunk_size}); use attention_impl 'xla' or 'auto'")
