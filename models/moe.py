@@ -576,15 +576,15 @@ class MoeMLP(nn.Module):
         x = x.astype(dtype)
         scale_input = cfg.router_kind == "sigmoid_input"  # the weights scale what each expert reads
 
-        dispatch = resolve_dispatch(cfg.dispatch, self.placement, cfg.dtype)
-        if dispatch == "gmm" and self.is_initializing():  # the same numbers without the kernel (or a mesh)
-            dispatch = "dropless"
-        if dispatch in ("dropless", "gmm"):
-            route = sorted_dispatch if dispatch == "dropless" else functools.partial(gmm_dispatch, placement=self.placement)
+        kind = resolve_dispatch(cfg.dispatch, self.placement, cfg.dtype)
+        if kind == "gmm" and self.is_initializing():  # the same numbers without the kernel (or a mesh)
+            kind = "dropless"
+        if kind in ("dropless", "gmm"):
+            route = sorted_dispatch if kind == "dropless" else functools.partial(gmm_dispatch, placement=self.placement)
             y = route(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=biases, scale_input=scale_input,
                       token_mask=token_mask)
             dropped = jnp.zeros((), jnp.float32)
-        elif dispatch == "indexed":
+        elif kind == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
             y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement, biases,
                                  scale_input)
@@ -596,7 +596,7 @@ class MoeMLP(nn.Module):
             dispatch, combine = dispatch.astype(dtype), combine.astype(dtype)
             # init runs the einsum path (same params, same output), so a shard_map layer can be
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).
-            explicit = dispatch == "shard_map" and not self.is_initializing()
+            explicit = kind == "shard_map" and not self.is_initializing()
             route = shard_map_dispatch if explicit else capacity_dispatch
             y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement, biases)
 
