@@ -13,8 +13,8 @@ Nemotron-H's). Ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
   ``[batch, length, expert, capacity]`` masks (cost: tokens x experts x capacity x embed).
   The expert dimension is a logical axis, so rules mapping ``expert`` to a mesh axis (``ep``)
   give expert parallelism, with XLA inserting the all-to-all. Tokens over capacity are dropped.
-- ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped. The
-  GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
+- ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped, padding
+  takes no row. The GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
 - ``gmm``: the dropless sort, the experts' matmuls by megablox's Pallas grouped matmul
   (``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is ``gmm`` and ``tgmm``):
   the TPU path (off a TPU it runs in Pallas' interpret mode: correct, slow, for tests). GSPMD
@@ -24,7 +24,7 @@ Nemotron-H's). Ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
 - ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
   the mesh axes that the layer's placement gives ``expert``.
 - ``auto``: ``gmm`` on a TPU where the rules leave each expert whole on a device (no mesh
-  axis on ``expert``, ``mlp`` or ``layers``) and the dtype is float32 or bfloat16; ``indexed``
+  axis on ``expert`` or ``mlp``) and the dtype is float32 or bfloat16; ``indexed``
   everywhere else. It is not the default: it is dropless on a TPU but drops over capacity
   elsewhere, so one config would train differently by platform.
 
@@ -458,7 +458,7 @@ def resolve_dispatch(dispatch: str, placement, dtype: str) -> str:
     """The dispatch that ``auto`` stands for (see the module docstring); any other as it is."""
     if dispatch != "auto":
         return dispatch
-    split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP, ax.LAYERS))
+    split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP))
     return "gmm" if jax.default_backend() == "tpu" and dtype in GMM_DTYPES and not split else "indexed"
 
 
