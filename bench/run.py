@@ -211,9 +211,8 @@ def write_report(path: str, results: str, runs: dict, command: str, load: tuple)
             lines.append(f"| {b.name} | {b.what} | `{r['command']}` | {r['seconds']:.0f} | {status} | "
                          f"{r['date']} |")
     body = [section(b, results, runs) for b in BENCHES if not b.name.startswith("gpu_mfu")]
-    tpu = os.path.join(results, "tpu_mfu.md")  # measured on a lent TPU machine, not by this run
-    if os.path.exists(tpu):
-        with open(tpu) as f:
+    for name in sorted(n for n in os.listdir(results) if n.startswith("tpu_") and n.endswith(".md")):
+        with open(os.path.join(results, name)) as f:  # measured on a lent TPU machine, not by this run
             body.append(f.read())
     body.append(gpu_section(results, runs))
     with open(path, "w") as f:

@@ -27,7 +27,7 @@ REMAT_POLICIES = {
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
-MOE_DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
+MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Execution:
     # tokens per chunk of the gated delta rule (models/linear_attention.py): parallel within a
     # chunk, the recurrent state carried from chunk to chunk (transformers' and fla's 64)
     linear_attention_chunk: int = 64
-    moe_dispatch: str = "indexed"
+    moe_dispatch: str = "indexed"  # MOE_DISPATCHES; "auto": gmm on a TPU, else indexed (models/moe.py)
     capacity_factor: float = 1.25
     router_z_loss_coef: float = 0.001
     # DeepSeek-V3's auxiliary-loss-free balancing: after each step, each expert's routing bias

@@ -3,7 +3,7 @@
 ``MoeMLP`` replaces a Transformer block's MLP: a router picks ``num_experts_per_tok`` of
 ``num_experts`` gated (SwiGLU) experts per token and sums their outputs, weighted by the
 router's probabilities (``expert_type="plain"``: experts without a gate, ``act(x @ wi_up) @ wo``,
-Nemotron-H's). Four ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
+Nemotron-H's). Ways to send tokens to experts, chosen by ``MoeConfig.dispatch``:
 
 - ``indexed`` (the default): each row's (token, expert) assignments sorted by expert, the tokens
   gathered into fixed ``[expert, batch, capacity, embed]`` buffers by index, every expert's
@@ -13,10 +13,20 @@ Nemotron-H's). Four ways to send tokens to experts, chosen by ``MoeConfig.dispat
   ``[batch, length, expert, capacity]`` masks (cost: tokens x experts x capacity x embed).
   The expert dimension is a logical axis, so rules mapping ``expert`` to a mesh axis (``ep``)
   give expert parallelism, with XLA inserting the all-to-all. Tokens over capacity are dropped.
-- ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped. The
-  GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
+- ``dropless``: tokens sorted by expert and ``jax.lax.ragged_dot``; nothing is dropped, padding
+  takes no row. The GPU/TPU path: on CPU, ragged_dot computes every group densely (correct, slow).
+- ``gmm``: the dropless sort, the experts' matmuls by megablox's Pallas grouped matmul
+  (``jax.experimental.pallas.ops.tpu.megablox.gmm``, whose backward is ``gmm`` and ``tgmm``):
+  the TPU path (off a TPU it runs in Pallas' interpret mode: correct, slow, for tests). GSPMD
+  cannot split a Pallas call, so on a mesh it runs in a ``shard_map`` with each device's
+  tokens (the mesh axes of ``batch`` and ``length``) and every expert whole there: rules that
+  shard ``expert`` or ``mlp`` have the weights gathered each layer (as FSDP's are).
 - ``shard_map``: the capacity buffers, exchanged explicitly with ``jax.lax.all_to_all`` over
   the mesh axes that the layer's placement gives ``expert``.
+- ``auto``: ``gmm`` on a TPU where the rules leave each expert whole on a device (no mesh
+  axis on ``expert`` or ``mlp``) and the dtype is float32 or bfloat16; ``indexed``
+  everywhere else. It is not the default: it is dropless on a TPU but drops over capacity
+  elsewhere, so one config would train differently by platform.
 
 Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
 Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
@@ -50,7 +60,8 @@ from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.layers import ACTIVATIONS, constrain
 from shardzoo.sharding import axes as ax
 
-DISPATCHES = ("indexed", "capacity", "dropless", "shard_map")
+DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")
+GMM_DTYPES = ("float32", "bfloat16")  # what megablox multiplies
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # see ``choose_experts``
 
@@ -72,7 +83,7 @@ class MoeConfig:
     intermediate_size: int = 14336
     hidden_act: str = "silu"  # gated: act(x @ wi_gate) * (x @ wi_up)
     expert_type: str = "gated"  # EXPERT_TYPES; "plain": act(x @ wi_up), no wi_gate (Nemotron-H)
-    dispatch: str = "indexed"  # "indexed" | "capacity" | "dropless" | "shard_map"
+    dispatch: str = "indexed"  # DISPATCHES
     capacity_factor: float = 1.25
     router_jitter_noise: float = 0.0
     norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (Mixtral)
@@ -104,6 +115,8 @@ class MoeConfig:
             raise MoeError(f"{where}: capacity_factor={self.capacity_factor} must be > 0")
         if not 0 <= self.router_jitter_noise < 1:
             raise MoeError(f"{where}: router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
+        if self.dispatch == "gmm" and self.dtype not in GMM_DTYPES:
+            raise MoeError(f"{where}: dispatch='gmm' multiplies {' or '.join(GMM_DTYPES)}, not dtype={self.dtype!r}")
         if self.expert_type == "plain" and (self.expert_bias or self.swiglu_limit is not None):
             raise MoeError(f"{where}: expert_type='plain' (no gate) takes neither expert_bias nor swiglu_limit")
 
@@ -339,28 +352,114 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement,
     return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
 
 
-def dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False):
-    """Tokens sorted by expert through ``jax.lax.ragged_dot``; no capacity, nothing dropped
-    (``scale_input``: each assignment's input weighted, the outputs summed)."""
+def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False, token_mask=None,
+                    matmul=jax.lax.ragged_dot, row_multiple=1):
+    """Tokens sorted by expert, each expert's rows through ``matmul(rows, weights [expert, in,
+    out], group_sizes)``; no capacity, nothing dropped (``scale_input``: each assignment's input
+    weighted, the outputs summed).
+
+    Padding (``token_mask`` false) sorts after every expert, outside every group, and gives 0;
+    the rows are padded to a multiple of ``row_multiple`` (the kernel's row tile). Rows outside
+    the groups are never computed (a kernel may leave them unwritten), so each is masked where
+    it enters and leaves a matmul, in the forward and, by ``where``, in the backward.
+    """
     b, length, d = x.shape
     k, num_experts = top_idx.shape[-1], wo.shape[0]
     flat = top_idx.reshape(-1)  # [batch*length*k]
+    if token_mask is not None:
+        flat = jnp.where(jnp.repeat(token_mask.reshape(-1), k), flat, num_experts)
+    n = flat.shape[0]
+    pad = -n % row_multiple
     order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]; padding not counted
+    expert = jnp.pad(flat[order], (0, pad), constant_values=num_experts)  # [rows]: each sorted row's expert
+    valid = (expert < num_experts)[:, None]
+    expert = jnp.minimum(expert, num_experts - 1)
     xs = x.reshape(-1, d)[order // k]  # [batch*length*k, embed], grouped by expert
     if scale_input:
         xs = xs * top_p.reshape(-1)[order][:, None].astype(xs.dtype)
         top_p = jnp.ones_like(top_p)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [expert]
-    up = jax.lax.ragged_dot(xs, wi_up, sizes)
-    gate = None if wi_gate is None else jax.lax.ragged_dot(xs, wi_gate, sizes)
-    expert = flat[order]  # [batch*length*k]: each sorted row's expert
-    if biases is not None:
-        gate, up = gate + biases[0][expert], up + biases[1][expert]
-    ys = jax.lax.ragged_dot(act(gate, up), wo, sizes)  # [batch*length*k, embed]
-    if biases is not None:
-        ys = ys + biases[2][expert]
+    xs = jnp.where(valid, jnp.pad(xs, ((0, pad), (0, 0))), 0)  # [rows, embed]
+
+    def project(h, w, bias):  # [rows, in] -> [rows, out], masked rows 0
+        y = matmul(h, w, sizes)
+        return jnp.where(valid, y if bias is None else y + bias[expert], 0)
+
+    biases = biases or (None,) * 3
+    up = project(xs, wi_up, biases[1])
+    gate = None if wi_gate is None else project(xs, wi_gate, biases[0])
+    ys = project(act(gate, up), wo, biases[2])[:n]  # [batch*length*k, embed]
     ys = einops.rearrange(ys[jnp.argsort(order)], "(b l k) d -> b l k d", b=b, l=length)  # token order
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
+
+
+def _tile(dim: int, cap: int) -> int:
+    """A tile of ``dim``: all of it up to ``cap``, else the largest multiple of 128 up to ``cap``
+    that divides it, else ``cap`` (megablox masks the last, partial tile)."""
+    if dim <= cap:
+        return dim
+    return next((t for t in range(cap - cap % 128, 0, -128) if dim % t == 0), cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiling:
+    """megablox's tiling lookup ``(m, k, n) -> (tm, tk, tn)``, asked for each of the forward's and
+    backward's shapes (the backward swaps k and n). Rows come padded by ``row_multiple``, so
+    ``tm`` divides them; ``tk`` and ``tn`` divide their dimensions where a multiple of 128 can
+    (MaxText's 512 x 1024 x 1024 for bfloat16; float32 halves the columns to stay in VMEM)."""
+
+    rows: int = 512
+    cols: int = 1024
+
+    def row_multiple(self, n: int) -> int:
+        """What ``n`` rows are padded to a multiple of: one tile of up to ``rows`` (a multiple of 128)."""
+        return min(self.rows, -(-n // 128) * 128)
+
+    def __call__(self, m: int, k: int, n: int) -> tuple[int, int, int]:
+        return min(m, self.rows), _tile(k, self.cols), _tile(n, self.cols)
+
+
+def gmm_matmul(tiling: GmmTiling, interpret: bool):
+    """``(rows, weights, group_sizes) -> rows @ weights[group]`` by megablox's grouped matmul."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: I001 - lazily: Pallas only here
+
+    def matmul(lhs, rhs, sizes):
+        return gmm(lhs, rhs, sizes, lhs.dtype, tiling, interpret=interpret)
+
+    return matmul
+
+
+def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=None, scale_input=False,
+                 token_mask=None, tiling=None, interpret=None):
+    """``sorted_dispatch`` by megablox's grouped matmul; on a mesh, inside a ``shard_map`` over the
+    mesh axes of the tokens' ``batch`` and ``length`` (where they divide them), every expert's
+    weights whole on each device. ``interpret`` None: Pallas' interpret mode off a TPU."""
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    tiling = tiling or GmmTiling(cols=1024 if x.dtype.itemsize < 4 else 512)
+
+    def local(x, top_idx, top_p, token_mask, weights, biases):
+        matmul = gmm_matmul(tiling, interpret)
+        multiple = tiling.row_multiple(top_idx.size)
+        return sorted_dispatch(x, top_idx, top_p, *weights, act, biases, scale_input, token_mask, matmul, multiple)
+
+    weights = (wi_gate, wi_up, wo)
+    token_mask = jnp.ones(x.shape[:2], bool) if token_mask is None else token_mask
+    if placement is None or math.prod(placement.sizes.values()) == 1:
+        return local(x, top_idx, top_p, token_mask, weights, biases)
+    axes = [(a,) if isinstance(a, str) else a for a in placement.spec((ax.BATCH, ax.LENGTH))]
+    tokens = P(*(a if a and size % placement.size(a) == 0 else None for a, size in zip(axes, x.shape, strict=False)))
+    return jax.shard_map(
+        local, mesh=placement.mesh, in_specs=(tokens,) * 4 + (P(), P()), out_specs=tokens,
+        check_vma=False,  # pallas_call's outputs carry no varying-axes type; each is its devices' own
+    )(x, top_idx, top_p, token_mask, weights, biases)
+
+
+def resolve_dispatch(dispatch: str, placement, dtype: str) -> str:
+    """The dispatch that ``auto`` stands for (see the module docstring); any other as it is."""
+    if dispatch != "auto":
+        return dispatch
+    split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP))
+    return "gmm" if jax.default_backend() == "tpu" and dtype in GMM_DTYPES and not split else "indexed"
 
 
 def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement, biases=None):
@@ -477,10 +576,15 @@ class MoeMLP(nn.Module):
         x = x.astype(dtype)
         scale_input = cfg.router_kind == "sigmoid_input"  # the weights scale what each expert reads
 
-        if cfg.dispatch == "dropless":
-            y = dropless_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases, scale_input)
+        kind = resolve_dispatch(cfg.dispatch, self.placement, cfg.dtype)
+        if kind == "gmm" and self.is_initializing():  # the same numbers without the kernel (or a mesh)
+            kind = "dropless"
+        if kind in ("dropless", "gmm"):
+            route = sorted_dispatch if kind == "dropless" else functools.partial(gmm_dispatch, placement=self.placement)
+            y = route(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=biases, scale_input=scale_input,
+                      token_mask=token_mask)
             dropped = jnp.zeros((), jnp.float32)
-        elif cfg.dispatch == "indexed":
+        elif kind == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)
             y = indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, self.placement, biases,
                                  scale_input)
@@ -492,7 +596,7 @@ class MoeMLP(nn.Module):
             dispatch, combine = dispatch.astype(dtype), combine.astype(dtype)
             # init runs the einsum path (same params, same output), so a shard_map layer can be
             # initialised or shape-evaluated without a mesh (planning, checkpoint import).
-            explicit = cfg.dispatch == "shard_map" and not self.is_initializing()
+            explicit = kind == "shard_map" and not self.is_initializing()
             route = shard_map_dispatch if explicit else capacity_dispatch
             y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement, biases)
 
