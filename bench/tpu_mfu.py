@@ -27,7 +27,7 @@ ROWS = (
     ("gemma", "gemma-3-1b", "8x2048:full,4x2048:save_attn_mlp,4x2048:full", ()),
     ("qwen", "qwen3-0.6b", "8x2048:full,4x2048:save_attn_mlp,4x2048:full", ()),
     ("moe", "qwen3-30b-a3b", "4x2048:full,2x2048:full",
-     ("num_hidden_layers=4", "num_local_experts=32")),
+     ("num_hidden_layers=4", "num_local_experts=32", "moe_dispatch=auto")),
     ("ablation-splash", "llama3.2-1b", "8x2048:full,4x2048:full", ("attention_impl=xla",)),
     ("ablation-loss", "llama3.2-1b", "8x2048:full,4x2048:full", ("loss_chunk=0",)),
     ("ablation-remat", "llama3.2-1b", "8x2048:full", ()),
