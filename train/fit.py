@@ -109,16 +109,18 @@ def fit_step(cfg, config, build, memory, policy: str | None, *, recorded: str | 
 
     ``build(config) -> Program``; ``policy``: ``requested_remat``'s answer; ``recorded``: the
     policy of the checkpoint an ``auto`` run resumes (kept as it is). Raises StepDoesNotFit."""
+    line = None
     if policy == AUTO and recorded is not None:
-        policy, why = recorded, f"remat auto: {recorded}, as the checkpoint it resumes records"
+        policy, line = recorded, f"remat auto: {recorded}, as the checkpoint it resumes records"
+    elif policy == AUTO and memory is None:
+        policy = next(p for p in AUTO_REMAT if p in config.remat_policies)
+        line = f"remat auto: {policy}, the fastest (no device memory known: --device-memory names one)"
     elif policy == AUTO:
         candidates = [p for p in AUTO_REMAT if p in config.remat_policies]
-        if memory is None:
-            return _fitted(build, config, candidates[0],
-                           f"remat auto: {candidates[0]} (no device memory known: --device-memory names one)")
         programs = {}
 
         def needed(p):
+            programs.clear()  # a rejected candidate's compiled step is let go
             programs[p] = build(config.replace(remat_policy=p))
             return step_bytes(programs[p])
 
@@ -129,8 +131,6 @@ def fit_step(cfg, config, build, memory, policy: str | None, *, recorded: str | 
         line = (f"remat auto: {fit.choice}, the first of {', '.join(candidates)} (fastest first) whose train "
                 f"step fits one device ({tried}; it may use {format_bytes(fit.budget)} of {memory[0]})")
         return Fitted(programs[fit.choice], config.replace(remat_policy=fit.choice), fit.choice, line)
-    else:
-        why = None
     if policy is not None and policy != config.execution.remat_policy:
         config = config.replace(remat_policy=policy)
     program = build(config)
@@ -138,12 +138,7 @@ def fit_step(cfg, config, build, memory, policy: str | None, *, recorded: str | 
         fit = first_fit([policy or "-"], lambda _: step_bytes(program), memory[1])
         if fit.choice is None:
             raise StepDoesNotFit(_does_not_fit(cfg, config, fit, memory[0]))
-    return Fitted(program, config, policy, why)
-
-
-def _fitted(build, config, policy, line) -> Fitted:
-    config = config.replace(remat_policy=policy)
-    return Fitted(build(config), config, policy, line)
+    return Fitted(program, config, policy, line)
 
 
 def _size(n) -> str:
@@ -154,16 +149,17 @@ def out_of_memory_message(cfg, config, memory, error) -> str:
     """The one line for a step that ran out of device memory while running (``error``, XLA's)."""
     needed, available = xla_sizes(str(error))
     limit = memory[1] if memory is not None else available
-    need = f"needs {format_bytes(needed)}" if needed is not None else "ran out of memory"
-    has = f", one device has {format_bytes(limit)}" if limit is not None else ""
+    policy = getattr(getattr(config, "execution", None), "remat_policy", None)
+    step = f"the train step (remat {policy})" if policy else "the train step"
+    what = f"needs {format_bytes(needed)} per device" if needed is not None else "ran out of device memory"
+    has = "" if limit is None else f", one device has {format_bytes(limit)}"
     has += f" ({memory[0]})" if memory is not None else ""
-    return (f"the train step (remat {config.execution.remat_policy}) {need} per device{has} while "
-            f"running: {_remedies(cfg, config, tried_full=False)}")
+    return f"{step} {what} while running{has}: {_remedies(cfg, config, tried_full=False)}"
 
 
 def _does_not_fit(cfg, config, fit, label: str) -> str:
     least = min((n for _, n in fit.needed if n is not None), default=math.inf)
-    tried = ", ".join(f"remat {p} {_size(n)}" for p, n in fit.needed)
+    tried = ", ".join(f"remat {p} {_size(n)}" if p != "-" else _size(n) for p, n in fit.needed)
     need = "more than it" if least == math.inf else format_bytes(least)
     return (f"the train step does not fit one device: it needs {need} ({tried}), one device has "
             f"{format_bytes(fit.limit)} ({label}; a step may use {format_bytes(fit.budget)}): "

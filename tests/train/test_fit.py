@@ -138,6 +138,16 @@ def test_requested_remat_defaults_to_auto_on_an_accelerator_only():
     assert fit.requested_remat(TrainConfig(), mlp, accelerator=True) is None
 
 
+def test_out_of_memory_while_running_names_the_sizes_xla_gives():
+    error = jax.errors.JaxRuntimeError(OOM)
+    msg = fit.out_of_memory_message(TrainConfig(), get_config("llama-tiny"), V5E, error)
+    assert msg.startswith("the train step (remat none) needs 40.07 GB per device while running, one device has "
+                          "16.91 GB (local TPU v5 lite (16.9 GB)): try a smaller --batch-size (now 16)")
+    unsized = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    assert fit.out_of_memory_message(TrainConfig(), get_config("mlp-mnist"), None, unsized).startswith(
+        "the train step ran out of device memory while running: try")
+
+
 def test_xla_out_of_memory_sizes():
     assert fit.xla_sizes(OOM) == (37.32 * 2**30, 15.75 * 2**30)
     assert fit.xla_sizes("RESOURCE_EXHAUSTED: out of memory") == (None, None)

@@ -230,7 +230,7 @@ def test_a_step_out_of_memory_while_running_is_one_line_and_undone(reference, fi
     capsys.readouterr()
     assert main(["train", *_args(out, files / "corpus.jsonl"), "--steps", str(STEPS + 1)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["shardzoo train: error: the train step (remat none) ran out of memory per device while "
+    assert lines == ["shardzoo train: error: the train step (remat none) ran out of device memory while "
                      "running: try a smaller --batch-size (now 8) or --seq-len (now 16), --remat full, --override "
                      "param_dtype=bfloat16 (params and optimizer state in half the bytes), the optimizer state "
                      "sharded (--opt-rules zero1, or --rules fsdp over more devices) or --grad-accum 2 (the batch "
