@@ -60,22 +60,22 @@ class Fit:
 
     choice: object
     needed: tuple[tuple[object, float | None], ...]
-    limit: int
-    budget: int
+    limit: float
+    budget: float
 
 
-def first_fit(candidates, needed, limit: int, headroom: float = FIT_HEADROOM) -> Fit:
+def first_fit(candidates, needed, limit: float, headroom: float = FIT_HEADROOM) -> Fit:
     """The first of ``candidates`` (ordered by preference, e.g. fastest first) whose
     ``needed(candidate)`` bytes per device fit ``limit`` less ``headroom``; the later ones are
     never asked. ``needed`` returns None when it cannot tell (taken as fitting)."""
-    budget = int(limit * (1 - headroom))
+    budget = limit * (1 - headroom)
     tried = []
     for candidate in candidates:
         n = needed(candidate)
         tried.append((candidate, n))
         if n is None or n <= budget:
-            return Fit(candidate, tuple(tried), int(limit), budget)
-    return Fit(None, tuple(tried), int(limit), budget)
+            return Fit(candidate, tuple(tried), limit, budget)
+    return Fit(None, tuple(tried), limit, budget)
 
 
 def parse_device_memory(text) -> tuple[str, int]:

@@ -29,8 +29,8 @@ def test_first_fit_takes_the_first_candidate_within_the_limit_less_headroom():
         asked.append(c)
         return {"a": 20, "b": 10, "c": 5}[c]
 
-    got = first_fit(["a", "b", "c"], needed, limit=11, headroom=0.05)  # budget 10
-    assert got.choice == "b" and got.budget == 10 and got.limit == 11
+    got = first_fit(["a", "b", "c"], needed, limit=11, headroom=0.05)  # budget 10.45
+    assert got.choice == "b" and got.budget == pytest.approx(10.45) and got.limit == 11
     assert got.needed == (("a", 20), ("b", 10)) and asked == ["a", "b"]  # c is never compiled
     assert first_fit(["a", "b"], needed, limit=10, headroom=0.05).choice is None  # budget 9.5
     assert first_fit(["a"], lambda c: None, limit=1).choice == "a"  # a backend that cannot tell
