@@ -24,6 +24,7 @@ takes the masked branch that training takes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/program_
 from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models import get_model  # noqa: E402
+from shardzoo.sharding.plan import first_fit  # noqa: E402
 from shardzoo.train.xla_flags import XLA_PRESETS, apply_xla_preset  # noqa: E402
 
 # dense bf16 peaks: SXM GPUs; a TPU v5e chip (jax names it "TPU v5 lite")
@@ -143,26 +145,30 @@ def main(argv=None) -> int:
         peak = PEAK_BF16_TFLOPS["H200"]
     limit = args.device_memory * 1e9 if args.device_memory else device_bytes_limit(device)
 
-    chosen = None
-    for batch, seq_len, remat in candidates:
+    compiled = {}  # the latest candidate's (config, program, bytes)
+
+    def needed(candidate):
+        batch, seq_len, remat = candidate
+        compiled.clear()
         t0 = time.perf_counter()
         try:
-            config, program, used = compile_candidate(args.model, overrides, batch, seq_len, remat)
-        except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: next one
+            compiled[candidate] = compile_candidate(args.model, overrides, batch, seq_len, remat)
+        except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: the next one
             print(f"batch {batch} x {seq_len}, remat {remat}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
-            continue
-        fits = limit is None or used is None or used <= limit
+            return math.inf
+        used = compiled[candidate][2]
         print(f"batch {batch} x {seq_len}, remat {remat}: compiled in {time.perf_counter() - t0:.1f}s, "
               f"{'?' if used is None else f'{used / 1e9:.1f} GB'} of "
               f"{'?' if limit is None else f'{limit / 1e9:.1f} GB'}", file=sys.stderr, flush=True)
-        if fits:
-            chosen = (batch, seq_len, remat, config, program)
-            break
-        del program
-    if chosen is None:
+        return used
+
+    # the first candidate that compiles and fits all of the device's limit (no limit: any that compiles)
+    fit = first_fit(candidates, needed, limit if limit is not None else sys.float_info.max, headroom=0.0)
+    if fit.choice is None:
         print("no candidate fits this device", file=sys.stderr)
         return 1
-    batch, seq_len, remat, config, program = chosen
+    batch, seq_len, remat = fit.choice
+    config, program, _ = compiled[fit.choice]
     run = stepper(program, program.init(jax.random.key(0)), packed_batch(config.vocab_size, batch, seq_len))
     for _ in range(warmup):
         run()

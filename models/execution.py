@@ -26,6 +26,11 @@ REMAT_POLICIES = {
     "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+# What ``shardzoo train --remat auto`` tries, fastest first: by the FLOPs each recomputes per
+# token (``train/advise.py``: none 0; dots_with_no_batch_dims_saveable attention's batched
+# matmuls; save_attn_mlp those and most projections; full the whole forward). Memory falls
+# the other way (TPU.md: llama3.2-1b at 2 x 2048 needed 19.1 GB with dots_..., 16.3 with save_attn_mlp).
+AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_attn_mlp", "full")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 

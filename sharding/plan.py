@@ -33,14 +33,49 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def local_device_memory() -> tuple[str, int] | None:
-    """(label, bytes) of this machine's accelerator (its first device's memory limit), or None
-    on a CPU-only machine."""
-    device = jax.devices()[0]
+def local_device_memory(device=None) -> tuple[str, int] | None:
+    """(label, bytes) of this machine's accelerator (``device``, default its first device): the
+    memory a program may use there (``memory_stats()["bytes_limit"]``); None on a CPU or where
+    the backend does not say."""
+    device = jax.devices()[0] if device is None else device
     if device.platform == "cpu":
         return None
-    limit = (device.memory_stats() or {}).get("bytes_limit")
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a backend without memory statistics: no verdict, not a failure
+        return None
     return (f"local {device.device_kind} ({limit / 1e9:.1f} GB)", int(limit)) if limit else None
+
+
+# The share of a device's memory a step leaves free when a fit is chosen for it (XLA's own
+# figure is exact for the step's buffers; the rest is for the batch in flight and fragmentation).
+FIT_HEADROOM = 0.03
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """What ``first_fit`` tried: ``choice`` (None: nothing fits), ``needed`` each candidate's
+    bytes in the order tried (None: the backend did not say), the device's ``limit`` and the
+    ``budget`` a candidate must stay within (the limit less the headroom)."""
+
+    choice: object
+    needed: tuple[tuple[object, float | None], ...]
+    limit: float
+    budget: float
+
+
+def first_fit(candidates, needed, limit: float, headroom: float = FIT_HEADROOM) -> Fit:
+    """The first of ``candidates`` (ordered by preference, e.g. fastest first) whose
+    ``needed(candidate)`` bytes per device fit ``limit`` less ``headroom``; the later ones are
+    never asked. ``needed`` returns None when it cannot tell (taken as fitting)."""
+    budget = limit * (1 - headroom)
+    tried = []
+    for candidate in candidates:
+        n = needed(candidate)
+        tried.append((candidate, n))
+        if n is None or n <= budget:
+            return Fit(candidate, tuple(tried), limit, budget)
+    return Fit(None, tuple(tried), limit, budget)
 
 
 def parse_device_memory(text) -> tuple[str, int]:

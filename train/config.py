@@ -55,6 +55,10 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     lora_base_dtype: str | None = None  # e.g. bfloat16: the frozen base's param_dtype
     lora_from: str | None = None  # a PEFT adapter dir to continue training (with --init-from)
+    # the remat policy: "auto" (the fastest whose step fits the device, train/fit.py) or a policy
+    # name; None: auto on an accelerator, the model's own (none) on CPU. A run records the
+    # policy it chose, never "auto".
+    remat: str | None = None
     # data
     data: str = "stdlib"  # the embedded standard-library corpus
     text_column: str = "text"
@@ -126,6 +130,7 @@ class TrainConfig:
     # runtime
     compile_cache: str | None = None  # a directory for jax's persistent compilation cache
     xla_preset: str = "none"  # a named set of XLA_FLAGS (train/xla_flags.py), set before JAX starts
+    device_memory: str | None = None  # what one device may use (default: the accelerator's limit)
 
     def __post_init__(self):
         positive = ("batch_size", "seq_len", "steps", "grad_accum", "keep", "eval_steps", "log_every")
@@ -249,7 +254,7 @@ class TrainConfig:
 
 SECTIONS = {
     "model": ("model", "override", "init_from", "lora_rank", "lora_alpha", "lora_targets",
-              "lora_base_dtype", "lora_from"),
+              "lora_base_dtype", "lora_from", "remat"),
     "data": ("data", "text_column", "prompt_column", "completion_column", "chat_column",
              "label_column", "feature_columns", "eval_data", "eval_fraction", "skip_missing", "max_prompt_length",
              "max_completion_length", "tokenizer", "add_bos",
@@ -266,7 +271,7 @@ SECTIONS = {
     "logging": ("log_every", "eval_every", "eval_steps", "tensorboard", "wandb"),
     "distributed": ("coordinator", "num_processes", "process_id", "distributed",
                     "distributed_timeout", "heartbeat_timeout"),
-    "runtime": ("compile_cache", "xla_preset"),
+    "runtime": ("compile_cache", "xla_preset", "device_memory"),
 }
 
 
@@ -360,11 +365,17 @@ HELP = {
     "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
+    "remat": "the remat policy of the train step: auto (the fastest of none, dots_with_no_batch_dims_saveable, "
+             "save_attn_mlp, full whose compiled step fits the device's memory; the run records the one chosen) "
+             "or one of them (default: auto on a TPU or GPU, the model's own, none, on CPU)",
+    "device_memory": "the memory one device may use, e.g. 16GB, 80GiB, or h100, v5e: the compiled train step "
+                     "must fit it (and --remat auto chooses by it); default: the accelerator's own limit, "
+                     "none on CPU",
     "compile_cache": "a directory for jax's persistent compilation cache (reused by later runs)",
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"reward_funcs": "FILE.py:FN,...", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}

@@ -21,7 +21,7 @@ from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train import model_info, outdir
+from shardzoo.train import fit, model_info, outdir
 from shardzoo.train.checkpoint import (
     CHECKPOINTS,
 )
@@ -33,7 +33,7 @@ from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
-from shardzoo.train.runmeta import model_meta
+from shardzoo.train.runmeta import model_meta, recorded_remat
 from shardzoo.train.sources import open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
@@ -107,13 +107,16 @@ class Prepared:
     train_data: object
     eval_data: object
     resume_step: int | None
-    program: object  # the run's train.program.Program: validated, planned, not yet compiled
+    program: object  # the run's train.program.Program: validated, planned; compiled when its fit was checked
     notes: tuple[str, ...] = ()  # lines to print before training (e.g. a resume onto another mesh)
+    device_memory: tuple[str, int] | None = None  # (label, bytes) one device may use; None: unknown
 
 
 def prepare(cfg: TrainConfig, config=None) -> Prepared:
-    """Resolve and check every input of a run; raises a UserError naming the first bad one.
-    ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``."""
+    """Resolve and check every input of a run, last the train step's fit to the device's memory
+    (``train/fit.py``: compiled, ``--remat auto`` chosen); raises a UserError naming the first
+    bad one. ``config``: the model ``--init-from`` named (``with_init_model``), else ``--model``.
+    The returned ``cfg`` names the concrete remat policy, never "auto"."""
     import datasets
 
     from shardzoo.data import load_tokenizer, make_datasets, make_labelled_datasets
@@ -145,8 +148,9 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
     mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
+    memory = fit.device_memory(cfg)
+    remat = fit.requested_remat(cfg, config, accelerator=jax.devices()[0].platform != "cpu")
     program = _program(cfg, config, rules, opt_rules, mesh)
-    module = program.module
     if cfg.reference:
         check_reference(cfg.reference, config)
 
@@ -168,8 +172,20 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     else:
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
-    return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
-                    resume_step, program, notes)
+    if resume_step is not None and cfg.steps <= resume_step:  # nothing to do: nothing to compile
+        fitted = fit.Fitted(program, config, cfg.remat)
+    else:
+        recorded = None
+        if resume_step is not None:
+            from shardzoo.train.checkpoint import read_meta
+
+            recorded = recorded_remat(read_meta(checkpoints, resume_step))
+        build = lambda c: program if c == config else _program(cfg, c, rules, opt_rules, mesh)  # noqa: E731
+        fitted = fit.fit_step(cfg, config, build, memory, remat, recorded=recorded)
+    notes += (fitted.line,) if fitted.line else ()
+    return Prepared(dataclasses.replace(cfg, remat=fitted.remat), out, fitted.program.module, fitted.config,
+                    rules, opt_rules, mesh, tokenizer, train_data, eval_data, resume_step, fitted.program, notes,
+                    memory)
 
 
 def data_config_of(cfg: TrainConfig):
@@ -257,6 +273,44 @@ def _agree(fn):
     return result
 
 
+class _Undo:
+    """What ``--out`` held before this command wrote to it: ``restore()`` removes every file and
+    directory it added and puts back, byte for byte, the files a run's start rewrites (run.json,
+    metrics.jsonl); the lock file is the lock's."""
+
+    def __init__(self, out: str):
+        from shardzoo.train.metrics import METRICS_FILE
+        from shardzoo.train.rundir import LOCK_FILE
+
+        self.out = out
+        self.paths = self._paths() | {LOCK_FILE}
+        self.saved = {}
+        for name in ("run.json", METRICS_FILE):  # what a run's start rewrites
+            path = os.path.join(out, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    self.saved[path] = f.read()
+
+    def _paths(self) -> set[str]:
+        found = set()
+        for root, dirs, files in os.walk(self.out):
+            found.update(os.path.relpath(os.path.join(root, n), self.out) for n in dirs + files)
+        return found
+
+    def restore(self) -> None:
+        import shutil
+
+        for name in sorted(self._paths() - self.paths):  # a new directory comes before what is in it
+            path = os.path.join(self.out, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.lexists(path):
+                os.remove(path)
+        for path, data in self.saved.items():
+            with open(path, "wb") as f:
+                f.write(data)
+
+
 DONE, PREEMPTED, NOTHING_TO_DO, INTERRUPTED, NONFINITE = (
     "done", "preempted", "nothing to do", "interrupted", "non-finite")
 
@@ -307,7 +361,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     main = is_main_process()
     cfg, init_config, init_meta = _agree(lambda: with_init_model(cfg))  # --init-from: its model
     p = _agree(lambda: prepare(cfg, init_config))
-    cfg = dataclasses.replace(cfg, out=p.out)
+    cfg = dataclasses.replace(p.cfg, out=p.out)
     checkpoints = os.path.join(p.out, CHECKPOINTS)
     if p.resume_step is not None and cfg.steps <= p.resume_step:
         return RunResult(NOTHING_TO_DO, p.out, p.resume_step,
@@ -327,6 +381,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
         base = cfg.model if not cfg.init_from else cfg.init_from if is_hub_id(cfg.init_from) \
             else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
+    undo = _Undo(p.out) if main else None  # a step out of memory at its start leaves --out as it was
     if main:  # validated: from here on we write (a Ctrl-C waits for these writes: the resume reads them)
         with interrupt.uncut():
             os.makedirs(p.out, exist_ok=True)
@@ -353,21 +408,29 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     log(str(p.rules))
     if p.opt_rules is not None:
         log(f"optimizer state: {p.opt_rules}")
-    log(p.program.plan(name=_model_name(cfg)).format())
+    log(p.program.plan(device_memory=p.device_memory, name=_model_name(cfg)).format())
     trainer_class = Trainer
     if cfg.task == "grpo":
         from shardzoo.train.rollouts import GRPOTrainer as trainer_class
-    trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
-                      opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
-                      program=p.program, log=log, reference_params=reference_params)
-    log(trainer.describe())
-    log(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
-        f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")
+    trainer = saved_at_start = None
     try:
+        trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
+                                opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
+                                program=p.program, log=log, reference_params=reference_params)
+        saved_at_start = trainer.last_saved
+        log(trainer.describe())
+        log(f"compiled the train step in {trainer.compile_seconds:.1f}s; "
+            f"training steps {trainer.start_step + 1}..{cfg.steps} to {p.out}")
         history = trainer.fit()
     except NonFiniteError as e:
         saved = None if e.last_checkpoint is None else os.path.join(checkpoints, str(e.last_checkpoint))
         return RunResult(NONFINITE, p.out, e.step, checkpoint=saved, message=str(e), main_process=main)
+    except Exception as e:
+        if not fit.is_out_of_memory(e):
+            raise
+        if undo is not None and (trainer is None or trainer.last_saved == saved_at_start):
+            undo.restore()  # nothing new to keep: no step of this command was saved
+        raise fit.StepDoesNotFit(fit.out_of_memory_message(cfg, p.config, p.device_memory, e)) from None
     saved = os.path.join(checkpoints, str(trainer.last_saved))
     last = next((r for r in reversed(history) if "loss" in r), None)
     loss = last["loss"] if last else None

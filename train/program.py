@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import time
 import warnings
 from typing import Any
 
@@ -195,6 +196,7 @@ class Program:
         self.abstract = with_shardings(abstract, self.shardings)
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
         self._old_logps_step = None
+        self.compile_seconds = None  # how long the train step took to compile (once compiled)
         self._decoders: dict = {}
 
     # ------------------------------------------------------------------ the one init
@@ -288,7 +290,9 @@ class Program:
         """The compiled train step (compiled once per Program): ``(state, batch, rng) ->
         (new_state, metrics)``, ``state`` donated."""
         if self._train_step is None:
+            t0 = time.perf_counter()
             self._train_step = self.lower().compile()
+            self.compile_seconds = time.perf_counter() - t0
         return self._train_step
 
     def compiled_eval_step(self):

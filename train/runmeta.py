@@ -83,6 +83,16 @@ def _flat(records: dict) -> dict:
     return {**records.get("arch", {}), **records.get("execution", {})} if "arch" in records else records
 
 
+# How a step runs, not what it computes: a resume may change it (e.g. --remat full where the
+# step no longer fits), and its new checkpoints record the new value.
+RESUMABLE_CHANGES = ("remat_policy",)
+
+
+def recorded_remat(meta: dict) -> str | None:
+    """The remat policy a checkpoint's model config records (None: it records none)."""
+    return _flat(meta.get("config") or {}).get("remat_policy")
+
+
 def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str, where: str) -> None:
     """A resumed run must ask for the model config and optimizer its checkpoint holds."""
     saved_model = meta.get("model")
@@ -91,7 +101,7 @@ def check_same_model(meta: dict, model: str | None, config: dict, optimizer: str
             f"{where} holds model {saved_model!r}, not {model!r}: use another --out or --model {saved_model}"
         )
     saved, new = _flat(_resolved_dict(meta)), _flat(jsonable(config))
-    diff = [k for k in sorted(set(saved) | set(new)) if saved.get(k) != new.get(k)]
+    diff = [k for k in sorted(set(saved) | set(new)) if saved.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
     if diff:
         had = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
         asked = ", ".join(f"{k}={new.get(k)!r}" for k in diff)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardzoo.data import DataConfig, load_source, load_tokenizer, make_datasets
-from shardzoo.data.corpus import stdlib_files
+from shardzoo.data.corpus import stdlib_corpus, stdlib_files
 from shardzoo.data.sources import parse_hub_spec
 
 DOCS = [f'document {i}\nwith, a comma and "quotes" ✓ {"z" * i}' for i in range(6)]
@@ -70,6 +70,24 @@ def test_embedded_stdlib_corpus():
     assert ds[0]["text"] == files[0].read_text(encoding="utf-8", errors="replace")
     assert [f.name for f in files] == sorted(f.name for f in files)
     assert sum(len(t.encode()) for t in ds["text"]) <= 4 << 20
+
+
+def test_stdlib_corpus_needs_no_pickled_fingerprint(monkeypatch):
+    """datasets 5.0.1 with pyarrow 25 could not dill-pickle a new dataset's state to fingerprint
+    it (``PicklingError: Can't pickle <class 'MonthDayNano'>``): the corpus gives its own
+    fingerprint, a hash of its texts, so that hashing is never asked for."""
+    import pickle
+
+    import datasets.arrow_dataset
+
+    def unpicklable(dataset):
+        raise pickle.PicklingError("Can't pickle <class 'MonthDayNano'>")
+
+    monkeypatch.setattr(datasets.arrow_dataset, "generate_fingerprint", unpicklable)
+    ds = load_source("stdlib")
+    assert ds["text"] == [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()]
+    assert ds._fingerprint == load_source("stdlib")._fingerprint  # the same texts, the same cache key
+    assert stdlib_corpus(max_files=3)._fingerprint != ds._fingerprint
 
 
 def test_hub_spec_syntax():

@@ -173,6 +173,11 @@ BAD = {
     "empty dataset": (["--data", "{files}/empty.jsonl"], "empty dataset"),
     "missing config file": (["--config", "nope.yaml"], "--config nope.yaml"),
     "batch not divisible": (["--batch-size", "12"], "not divisible by the 8 devices"),
+    "bad remat": (["--remat", "fast"], "--remat 'fast': choose auto or one of"),
+    "bad device memory": (["--device-memory", "lots"], "device memory 'lots'"),
+    # a resume to a later step whose compiled step does not fit: the fit is decided before any write
+    "step does not fit": (["--device-memory", "10kB", "--steps", str(STEPS + 1)],
+                          "the train step does not fit one device: it needs "),
 }
 
 
@@ -196,6 +201,44 @@ def test_a_bad_input_creates_no_out_dir(files, tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["train", *_args(out, files / "corpus.jsonl"), "--model", "llama-huge"]) == 2
     assert not out.exists()
+
+
+def test_a_step_that_does_not_fit_is_one_line_and_creates_no_out_dir(files, tmp_path, capsys):
+    out = tmp_path / "never"
+    capsys.readouterr()
+    assert main(["train", *_args(out, files / "corpus.jsonl"), "--device-memory", "10kB", "--remat", "auto"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "remat none " in lines[0] and "remat full " in lines[0], lines
+    assert "one device has 10.00 kB (--device-memory 10kB; a step may use 9.70 kB)" in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_step_out_of_memory_while_running_is_one_line_and_undone(reference, files, tmp_path, fresh, monkeypatch,
+                                                                    capsys, snapshot):
+    """XLA's RESOURCE_EXHAUSTED at the first step (here faked, after the metrics and TensorBoard
+    files were opened): one line, exit 2, and --out as it was (a fresh one gone, a resumed run's
+    files byte for byte)."""
+    from shardzoo.train.trainer import Trainer
+
+    def out_of_memory(self, end):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.50G.")
+
+    monkeypatch.setattr(Trainer, "_loop", out_of_memory)
+    out = tmp_path / "fresh" if fresh else reference[0]
+    before = None if fresh else snapshot(out)
+    capsys.readouterr()
+    assert main(["train", *_args(out, files / "corpus.jsonl"), "--steps", str(STEPS + 1)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["shardzoo train: error: the train step (remat none) ran out of device memory while "
+                     "running: try a smaller --batch-size (now 8) or --seq-len (now 16), --remat full, --override "
+                     "param_dtype=bfloat16 (params and optimizer state in half the bytes), the optimizer state "
+                     "sharded (--opt-rules zero1, or --rules fsdp over more devices) or --grad-accum 2 (the batch "
+                     "in smaller microbatches)"]
+    if fresh:
+        assert not out.exists()
+    else:
+        assert snapshot(out) == before
 
 
 def test_a_rule_file_typo_lists_every_problem_typo_first(files, tmp_path, capsys):
