@@ -187,7 +187,9 @@ def rollout_layout(cfg, config):
     """The model GRPO trains: its layers unrolled unless ``--override scan_layers=...`` says
     otherwise. The rollouts decode the train state's own params as the model is built
     (``models/decode.py``): a scanned stack's weights are sliced out layer by layer at every
-    decoding step, unrolled ones are read where they are."""
+    decoding step (no copy of the stack, but whether XLA reads a slice as fast as an unrolled
+    layer's own array is for the chip to show: bench/bench_decode_depth.py), unrolled ones are
+    read where they are."""
     from shardzoo.models import parse_overrides
 
     execution = getattr(config, "execution", None)
