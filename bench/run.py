@@ -64,6 +64,9 @@ BENCHES = (
           "bench_lora.py", quick=("--rounds", "1")),
     Bench("decode", "sampling throughput of the Program's decoding against transformers' generate, batch "
           "1, 16, 64, 128 new tokens; model FLOP/s of the matmul peak", "bench_decode.py", quick=("--quick",)),
+    Bench("decode_depth", "decoding's compile time against depth (4, 8, 16 layers), scanned against unrolled "
+          "layers; tokens/s and the fraction of the bandwidth bound", "bench_decode_depth.py",
+          quick=("--layers", "2,4", "--new", "8")),
     Bench("mixers", "token mixers (attention, short convolution, Gated DeltaNet, Mamba2): forward+backward "
           "tokens/s of one layer at sequence 512, 2048, 8192", "bench_mixers.py",
           quick=("--lengths", "256,512", "--rounds", "1")),

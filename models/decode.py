@@ -3,8 +3,11 @@
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
-leaf has a leading layers axis (``Program.generate`` decodes with the layers unrolled:
-``unrolled_params``). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
+leaf has a leading layers axis. Decoding scans those layers as training does (compile time flat
+in depth): the layer scan reads the stacked cache only and returns what each layer wrote
+(``cache_writes``: an attention layer's new positions, a recurrent layer's whole state), which
+``write_cache`` puts into the stack after the scan, so the sampling loop updates the cache in
+place (a scan's per-layer cache outputs would be a new stacked cache every step). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
 state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
 inputs, and their ``conv_segment_ids``; a mamba layer (models/ssm.py) its convolutions' last
 inputs (``conv_x_state``, ``conv_b_state``, ``conv_c_state`` and their segment ids) and its
@@ -39,19 +42,31 @@ def cache_init_fn(module, batch_size: int, max_length: int):
     return first_call
 
 
-def unrolled_params(layout, params):
-    """``params`` of a model with scanned layers as the same model with every layer unrolled
-    (``layers_i``) takes them: each stacked leaf cut into its layers. Decoding runs the layers
-    unrolled: each layer's cache is then its own array, updated in place by the sampling loop,
-    where a scan over the stacked cache would write the whole cache anew every step."""
-    out = {k: v for k, v in params.items() if k != "layers" and not k.startswith("layers_")}
-    for path, layers, stacked in layout.param_layout():
-        tree = params
-        for name in path:
-            tree = tree[name]
-        for k, layer in enumerate(layers):
-            out[f"layers_{layer}"] = jax.tree.map(lambda x, k=k: x[k], tree) if stacked else tree
-    return out
+def cache_writes(old, new, length: int):
+    """What one layer's decoding call of ``length`` tokens wrote into its cache ``old`` (``new``:
+    the cache after it): of an attention cache (a subtree with ``cache_index``) the ``length``
+    new positions of each [batch, cache_length, ...] array, at the old index, and the new index;
+    every other state (convolutions', recurrences') whole. The layer scan emits these."""
+    if not isinstance(new, dict):
+        return new
+    if "cache_index" not in new:
+        return {k: cache_writes(old[k], v, length) for k, v in new.items()}
+    i = old["cache_index"]
+    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=1)
+            for k, v in new.items()}
+
+
+def write_cache(cache, writes):
+    """The stacked cache (a leading layers axis) with the layer scan's ``writes``
+    (``cache_writes``, stacked) in it: an attention cache's new positions written in place at the
+    index (every layer's index is the same), the other states replaced."""
+    if not isinstance(writes, dict):
+        return writes
+    if "cache_index" not in writes:
+        return {k: write_cache(cache[k], v) for k, v in writes.items()}
+    i = cache["cache_index"][0]
+    return {k: v if k == "cache_index" else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=2)
+            for k, v in writes.items()}
 
 
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):

@@ -34,6 +34,7 @@ from shardzoo.models.attention import Attention
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.conv_mixer import ShortConv
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
+from shardzoo.models.decode import cache_writes, write_cache
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
 from shardzoo.models.layout import Layout, layout_of
@@ -388,6 +389,8 @@ class Transformer(nn.Module):
         if sched is not None and not self.is_initializing():  # init builds the same tree by nn.scan
             fn = functools.partial(_apply_layer, cfg, period[0], placement, block)
             return pipeline(sched, placement, fn, self.variables["params"]["layers"], x, positions, segment_ids)
+        if decode and self.has_variable("cache", "layers"):  # the cache exists: decode it in place
+            return self._decode_scan(x, positions, segment_ids, period)
         stack = nn.scan(
             block if layout.period == 1 else PeriodBlock,
             variable_axes={c: 0 for c in ("params", "cache", "losses", "metrics", "router_load", "intermediates")},
@@ -401,4 +404,28 @@ class Transformer(nn.Module):
         else:
             layers = stack(cfg, period, placement, deterministic, decode, name="layers")
         x, _ = layers(x, positions, segment_ids)
+        return x
+
+    def _decode_scan(self, x, positions, segment_ids, period):
+        """Decoding through the scanned layers (``models/decode.py``): the stacked cache is read
+        only inside the layer scan, each layer giving back what it wrote (``cache_writes``), and
+        written once after it (``write_cache``): a new token's keys and values land in place, where
+        nn.scan's per-layer cache outputs would build a new stacked cache every step."""
+        cfg, placement = self.config, self.placement
+        params = nn.meta.unbox(self.variables["params"]["layers"])
+        cache = nn.meta.unbox(self.variables["cache"]["layers"])
+        if len(period) == 1:
+            layer = Block(cfg, period[0], placement, decode=True, parent=None)
+        else:
+            layer = PeriodBlock(cfg, period, placement, decode=True, parent=None)
+        length = x.shape[1]
+
+        def step(x, xs):
+            p, c = xs  # this layer's params and cache
+            x, new = layer.apply({"params": p, "cache": c}, x, positions, segment_ids, mutable=["cache"])
+            x = x[0] if isinstance(x, tuple) else x  # PeriodBlock returns (x, None)
+            return x, cache_writes(c, new["cache"], length)
+
+        x, writes = jax.lax.scan(step, x, (params, cache))
+        self.put_variable("cache", "layers", write_cache(cache, writes))
         return x

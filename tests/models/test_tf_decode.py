@@ -1,5 +1,7 @@
 """KV-cache decoding equals full forward passes; the sampler and ``generate`` behave."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,10 +27,12 @@ def _params(module, x):
 
 
 # mistral: sliding window 4 (shorter than the sequence), GQA, scanned layers;
-# gpt2: learned positions, biases, MHA, unrolled layers.
+# gpt2: learned positions, biases, MHA, unrolled layers; llama: an unrolled first layer, two
+# scanned periods of two layers (``layers/sub_j``) and an unrolled last layer.
 @pytest.mark.parametrize("name,overrides", [
     ("mistral-tiny", dict(sliding_window=4)),
     ("gpt2-tiny", dict(scan_layers=False)),
+    ("llama-tiny", dict(num_hidden_layers=6, scan_layout=(1, 2, 2))),
 ])
 def test_cached_decoding_matches_full_forward(name, overrides):
     module, config = get_model(name, **TINY, **overrides)
@@ -149,11 +153,11 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
     program = Program(config, get_rules("tp"), make_mesh("data=4,tensor=2"))
-    cache = program.new_cache(4, 16)  # decoding's: one per layer (its layers unrolled)
-    assert sorted(cache) == ["layers_0", "layers_1"]
-    key = cache["layers_1"]["attn"]["cached_key"]
-    assert key.shape == (4, 16, 2, 8)
-    assert key.addressable_shards[0].data.shape == (1, 16, 1, 8)  # batch/4, kv_heads/2
+    cache = program.new_cache(4, 16)  # decoding's: the scanned layers' stacked
+    assert sorted(cache) == ["layers"]
+    key = cache["layers"]["attn"]["cached_key"]
+    assert key.shape == (2, 4, 16, 2, 8)
+    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2
 
 
 def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
@@ -171,31 +175,43 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
         got = program.generate(placed, prompt, max_new_tokens=7, **kw)
         np.testing.assert_array_equal(got, want)
     _, shardings = program.cache_shardings(4, 12)
-    attn = shardings["layers_0"]["attn"]
-    assert attn["cached_key"].spec == P(("data", "fsdp"), None, "tensor", None)
-    assert attn["cached_segment_ids"].spec == P(("data", "fsdp"), None)
+    attn = shardings["layers"]["attn"]
+    assert attn["cached_key"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert attn["cached_segment_ids"].spec == P(None, ("data", "fsdp"), None)
     cache = program.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
-        assert cache["layers_0"]["attn"][name].sharding == attn[name], name
-    assert cache["layers_0"]["attn"]["cached_key"].addressable_shards[0].data.shape == (1, 12, 1, 8)
+        assert cache["layers"]["attn"][name].sharding == attn[name], name
+    assert cache["layers"]["attn"]["cached_key"].addressable_shards[0].data.shape == (2, 1, 12, 1, 8)
 
 
-def test_unrolled_params_feed_the_unrolled_model_the_same_layers():
-    """Decoding runs the layers unrolled: the scanned params cut per layer (an unrolled prefix,
-    two-layer periods and an unrolled rest) give the unrolled model the scanned one's logits."""
-    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=6, scan_layout=(1, 2, 2))
+def _generate_hlo(layers):
+    """The compiled ``generate`` of a scanned llama-tiny of ``layers`` layers (2 rows, a 16-token
+    prompt, 240 new tokens), its stacked key cache's shape and the whole cache's bytes."""
+    _, config = get_model("llama-tiny", **dict(TINY, max_position_embeddings=256), num_hidden_layers=layers)
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
-    params = program.init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
-    assert sorted(params) == ["embed", "final_norm", "layers", "layers_0", "layers_5", "lm_head"]
-    unrolled = program.decoding_params(params)
-    assert sorted(k for k in unrolled if k.startswith("layers")) == [f"layers_{i}" for i in range(6)]
-    np.testing.assert_array_equal(unrolled["layers_3"]["attn"]["q"]["kernel"],
-                                  params["layers"]["sub_0"]["attn"]["q"]["kernel"][1])  # layer 1 + 2*1 + 0
-    x = jax.random.randint(jax.random.key(6), (B, L), 0, config.vocab_size)
-    want = jax.jit(program.module.apply, compiler_options=FAST)({"params": params}, x)
-    got = jax.jit(program.decoder.apply, compiler_options=FAST)({"params": unrolled}, x)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    assert float(jnp.abs(want).max()) > 0.1  # not all zeros
+    compiled, _ = program._compile_generate((2, 16), 240, 0.0, 0, 1.0, (), 0)
+    shapes, _ = program.cache_shardings(2, 256)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    return compiled, shapes["layers"]["attn"]["cached_key"].shape, whole
+
+
+def test_scanned_decoding_writes_the_stacked_cache_in_place_and_compiles_one_layer():
+    """Decoding scans the layers and carries the stacked cache through the sampling loop in
+    place: no copy of a stacked cache array anywhere in the program (nn.scan's per-layer cache
+    outputs copied it five times), the temporaries beyond the cache itself do not grow with the
+    layers (theirs did, by a cache), and 8 layers compile to as many instructions as 4."""
+    seen = {}
+    for layers in (4, 8):
+        compiled, key_shape, whole = _generate_hlo(layers)
+        text = compiled.as_text()
+        stacked = "f32[" + ",".join(map(str, key_shape)) + "]"
+        assert key_shape[0] == layers and stacked in text
+        copies = re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text)
+        assert stacked not in copies, copies
+        instructions = len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", text, re.M))
+        seen[layers] = (compiled.memory_analysis().temp_size_in_bytes - whole, instructions)
+    assert seen[8][0] <= seen[4][0] + 8 * 1024, seen  # 4 more layers' cache: 270 KB
+    assert seen[8][1] == seen[4][1], seen
 
 
 def test_top_k_and_top_p_thresholds_equal_sorting():
