@@ -1,8 +1,8 @@
 """The execution record: how a model runs, apart from what it is.
 
 Dtypes, scanning and its layout, rematerialization, the pipeline's microbatches, the attention
-implementation, context-parallel attention, MoE dispatch and capacity, projection fusion and
-LoRA adapters. None of it changes the model's numbers beyond float rounding (LoRA adds
+implementation, context-parallel attention, MoE dispatch and capacity, projection fusion, the
+vocabulary-tiled loss and LoRA adapters. None of it changes the model's numbers beyond float rounding (LoRA adds
 parameters that start at zero); a Hugging Face config.json records none of it.
 """
 
@@ -63,6 +63,12 @@ class Execution:
     # moves by this much, up when the expert took less than its share of the batch, down when
     # more (train/step.py's balance_router_bias); 0: off. Needs a router with a correction bias.
     router_bias_update_rate: float = 0.0
+    # the loss from the hidden states in chunks, never the [tokens, vocab] logits at once
+    # (models/tiled_loss.py): "auto" where the float32 logits of a call exceed
+    # tiled_loss.AUTO_BYTES (256 MiB), "on", "off"; chunks of length positions (all rows) and vocab
+    tiled_loss: str = "auto"
+    loss_length_chunk: int = 512
+    loss_vocab_chunk: int = 8192
     lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
     lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -73,8 +79,9 @@ class Execution:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         check_fields(self, {"dtype": DTYPES, "param_dtype": DTYPES, "remat_policy": tuple(REMAT_POLICIES),
                             "attention_impl": ATTENTION_IMPLS,
-                            "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES},
-                     ("pipeline_repeats", "linear_attention_chunk"))
+                            "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
+                            "tiled_loss": ("auto", "on", "off")},
+                     ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
         layout = self.scan_layout

@@ -42,6 +42,7 @@ from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.ring_attention import enter_ring, unzigzag
+from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -320,7 +321,8 @@ def pipeline_schedule(config: TransformerConfig, placement, layout: Layout, batc
 
 
 class Transformer(nn.Module):
-    """The decoder LM. ``__call__(inputs, positions, segment_ids, deterministic, decode)`` -> logits.
+    """The decoder LM. ``__call__(inputs, positions, segment_ids, deterministic, decode)`` -> logits;
+    with ``head=False``, ``HeadInputs`` (the normed hidden states and the head's weights) instead.
 
     With ``decode=True`` the layers read and write a "cache" collection (see models/decode.py);
     the first such call (``init``) sizes the cache by the length of its inputs.
@@ -330,7 +332,7 @@ class Transformer(nn.Module):
     placement: object = None  # sharding.partition.Placement: the mesh and rules (None: one device)
 
     @nn.compact
-    def __call__(self, inputs, positions=None, segment_ids=None, deterministic=True, decode=False):
+    def __call__(self, inputs, positions=None, segment_ids=None, deterministic=True, decode=False, head=True):
         cfg, a, e, placement = self.config, self.config.arch, self.config.execution, self.placement
         if positions is None:
             if decode:
@@ -363,22 +365,24 @@ class Transformer(nn.Module):
         if ring:
             x = unzigzag(x, placement)  # the natural order again; the norm and head work per token
         x = make_norm(cfg, "final_norm")(x)
+        dt = dtype_of(e.dtype)
         if a.tie_word_embeddings:
-            logits = embed.attend(x)
+            kernel, bias = embed.embedding.astype(dt).T, None  # [embed, vocab]
             if a.lm_head_bias:  # a tied head's own bias
                 bias = self.param("lm_head_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
-                                  (a.vocab_size,), dtype_of(e.param_dtype))
-                logits = logits + bias.astype(logits.dtype)
+                                  (a.vocab_size,), dtype_of(e.param_dtype)).astype(dt)
         else:
-            logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head", **kw)(x)
-        if a.logits_scaling != 1.0:  # Granite
-            logits = logits / jnp.asarray(a.logits_scaling, logits.dtype)
-        if a.logit_scale != 1.0:  # Cohere
-            logits = logits * jnp.asarray(a.logit_scale, logits.dtype)
-        if a.final_logit_softcapping:
-            cap = jnp.asarray(a.final_logit_softcapping, logits.dtype)
-            logits = cap * jnp.tanh(logits / cap)
-        return constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]
+            kernel, bias, _ = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head",
+                                     **kw).weights((a.hidden_size,))
+        out = HeadInputs(x, kernel, bias, a.logits_scaling, a.logit_scale, a.final_logit_softcapping or 0.0,
+                         e.loss_length_chunk, e.loss_vocab_chunk)
+        if not head:  # the loss tiles the head itself (models/tiled_loss.py)
+            return out.replace(hidden=constrain(x, BLE, placement))
+        return constrain(head_logits(out), (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]
+
+    def tiles_loss(self, tokens: int) -> bool:
+        """Whether a loss over ``tokens`` tokens asks for ``head=False`` (execution.tiled_loss)."""
+        return tiles(self.config.execution, tokens, self.config.arch.vocab_size)
 
     def _scan(self, x, positions, segment_ids, specs, layout: Layout, deterministic, decode):
         """The scanned layers: one period a step (or the pipeline over the stack)."""

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardzoo.errors import UserError
+from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train.tasks import Field, Task
 
@@ -60,10 +61,11 @@ class RewardError(UserError):
     """A reward function raised, or returned the wrong count or a value that is not a finite number."""
 
 
-def token_logps(logits, targets):
-    """Each target's log-probability ``[rows, length]`` from logits ``[rows, length, vocab]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], logp
+def token_logps(outputs, targets):
+    """``(each target's log-probability, the softmax's entropy)``, each ``[rows, length]``, from
+    logits ``[rows, length, vocab]`` (or ``HeadInputs``: tiled, ``models/tiled_loss.py``)."""
+    stats = token_stats(outputs, targets)
+    return stats.logp, stats.entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,10 @@ class GRPOTask(Task):
     epsilon_high: float = 0.2
     num_iterations: int = 1
     max_completion_length: int = 64
+
+    @property
+    def tiles_head(self) -> bool:
+        return True  # the loss reads the targets' log-probabilities; the entropy (a metric) tiles too
 
     @property
     def reference_keys(self) -> tuple[str, ...]:
@@ -125,7 +131,7 @@ class GRPOTask(Task):
         totals = self.step_totals(batch) if totals is None else totals
         w = batch["weights"].astype(jnp.float32)
         mask = batch["loss_mask"].astype(jnp.float32) * w[:, None]  # [rows, length]
-        logps, logp = token_logps(outputs, batch["targets"])
+        logps, entropy = token_logps(outputs, batch["targets"])
         per_token, ratio, kl = self.per_token(logps, batch)
         masked = per_token * mask
         if self.loss == "grpo":
@@ -137,7 +143,6 @@ class GRPOTask(Task):
         advantages = batch["advantages"].astype(jnp.float32)[:, None]
         low = ((ratio < 1.0 - self.epsilon) & (advantages < 0)).astype(jnp.float32)
         high = ((ratio > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [rows, length]
         out = {"loss": loss, "weight": jnp.sum(w), "completion_tokens": jnp.sum(mask),
                "entropy": jnp.sum(entropy * mask), "clip_ratio/low_mean": jnp.sum(low * mask),
                "clip_ratio/high_mean": jnp.sum(high * mask),

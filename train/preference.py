@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from shardzoo.errors import UserError
+from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train.tasks import Field, Task
 
@@ -51,12 +52,11 @@ def log1mexp(x):
     return jnp.where(x < t, jnp.log1p(-jnp.exp(jnp.minimum(x, t))), jnp.log(-jnp.expm1(jnp.maximum(x, t))))
 
 
-def sequence_logps(logits, batch):
+def sequence_logps(outputs, batch):
     """``(summed completion log-probs [batch, 2], completion tokens [batch, 2])`` of the pairs'
-    sequences from the model's ``[2 * batch, length, vocab]`` logits."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    targets = batch["targets"].reshape(logp.shape[:2])
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [2 * batch, length]
+    sequences from the model's ``[2 * batch, length, vocab]`` logits (or ``HeadInputs``: tiled)."""
+    targets = batch["targets"].reshape((-1,) + batch["targets"].shape[2:])
+    picked = token_stats(outputs, targets).logp  # [2 * batch, length]
     mask = batch["loss_mask"].astype(jnp.float32)  # [batch, 2, length]
     picked = picked.reshape(mask.shape)
     return jnp.sum(picked * mask, axis=-1), jnp.sum(mask, axis=-1)
@@ -71,6 +71,10 @@ class PreferenceTask(Task):
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0
+
+    @property
+    def tiles_head(self) -> bool:
+        return True  # the loss reads the targets' log-probabilities only
 
     @property
     def uses_reference(self) -> bool:

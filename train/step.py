@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from shardzoo.models.lora import join, split
+from shardzoo.models.tiled_loss import token_stats
 from shardzoo.train.tasks import forward
 
 
@@ -168,9 +169,8 @@ def old_logps_step(params, batch, *, module, task):
 def score_step(params, batch, *, module, task):
     """Per row of ``batch``: the summed log-probability of its weighted targets, and whether
     each of them is the model's greedy guess (multiple choice, ``train/evaluate.py``)."""
-    logits, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [batch, length, vocab]
-    picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    stats = token_stats(outputs, batch["targets"])  # [batch, length] each
     weights = batch["weights"].astype(jnp.float32)
-    greedy = (jnp.argmax(logp, axis=-1) == batch["targets"]) | (weights == 0)
-    return {"logprob": jnp.sum(picked * weights, axis=-1), "greedy": jnp.all(greedy, axis=-1)}
+    greedy = (stats.target >= stats.max) | (weights == 0)
+    return {"logprob": jnp.sum(stats.logp * weights, axis=-1), "greedy": jnp.all(greedy, axis=-1)}

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from shardzoo.errors import UserError
+from shardzoo.models.tiled_loss import HeadInputs, token_stats
 from shardzoo.sharding import axes as ax
 
 
@@ -73,6 +74,12 @@ class Task:
             return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
         return (batch["inputs"],), {}
 
+    @property
+    def tiles_head(self) -> bool:
+        """Whether the loss reads only per-token statistics of the logits (their logsumexp, the
+        target's logit), so a model may leave its head to the loss (``models/tiled_loss.py``)."""
+        return self.name == "lm"
+
     def step_totals(self, batch):
         """What a task needs of the step's whole batch besides its weight (None: nothing)."""
         return None
@@ -95,6 +102,11 @@ class Task:
     def sums(self, outputs, batch) -> dict:
         """``loss`` (weighted sum of per-example/token losses), ``weight``, and ``correct``."""
         weights = batch["weights"].astype(jnp.float32)
+        if isinstance(outputs, HeadInputs):  # the model left its head to the tiled loss
+            stats = token_stats(outputs, batch["targets"])
+            correct = (stats.target >= stats.max).astype(jnp.float32)
+            return {"loss": jnp.sum((stats.lse - stats.target) * weights), "weight": jnp.sum(weights),
+                    "correct": jnp.sum(correct * weights)}
         outputs = outputs.astype(jnp.float32)
         if self.name == "regression":
             losses = jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)  # [batch]
@@ -132,8 +144,13 @@ def forward(task: Task, module, params, batch, rng, deterministic: bool, extra: 
     ``aux_loss`` sums the model's ``losses`` collection (MoE router losses, already weighted);
     ``model_metrics`` averages each sown ``metrics`` entry over layers and calls. With
     ``extra`` collections (e.g. ``router_load``), a fourth item: those collections as sown.
+    ``outputs`` are ``HeadInputs`` in place of logits where the task and the model's
+    ``execution.tiled_loss`` tile the head (``models/tiled_loss.py``).
     """
     args, kwargs = task.model_args(batch)
+    tiles = getattr(module, "tiles_loss", None)  # zoo Transformers; a toy module has none
+    if task.tiles_head and tiles is not None and tiles(args[0].size):
+        kwargs["head"] = False
     outputs, collections = module.apply(
         {"params": params}, *args, **kwargs, deterministic=deterministic,
         rngs={"dropout": rng}, mutable=["losses", "metrics", *extra],

@@ -1,0 +1,229 @@
+"""A vocabulary-tiled head and cross-entropy: per-token statistics of the logits without forming them.
+
+The decoder's head (``Transformer``) maps the normed hidden states ``[rows, length, embed]``
+through ``kernel [embed, vocab]`` (the lm_head, or the tied embedding transposed), an optional
+bias and the family's logit transforms (Granite's ``logits_scaling``, Cohere's ``logit_scale``,
+Gemma's ``final_logit_softcapping``). A language-model loss only needs, per token, the
+logsumexp of its logits and its target's logit (log p(target) = target logit - logsumexp); the
+float32 logits of 4 x 2048 tokens over a 128k vocabulary take 4.2 GB.
+
+``token_stats`` computes them in chunks: a scan over chunks of ``length`` positions (all rows
+at once, so a batch sharded over devices stays sharded) and, inside, over chunks of the
+vocabulary with an online logsumexp. Its backward (``jax.custom_vjp``) recomputes each chunk's
+logits and accumulates the gradients of the hidden states, kernel and bias, so no [tokens, vocab]
+array exists at any time. Its XLA reference path is the untiled computation on full logits
+(``head_logits``), which is also what the model returns when asked for logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# execution.tiled_loss == "auto" tiles where the float32 logits of a call would take more
+# than this: one row of 2048 tokens over a 32k vocabulary; below it the untiled head is cheap.
+AUTO_BYTES = 256 * 2**20
+
+
+@struct.dataclass
+class HeadInputs:
+    """What the head would be applied to, in place of the logits: the normed hidden states
+    ``[rows, length, embed]``, the head's ``kernel [embed, vocab]`` and ``bias [vocab]`` (or
+    None) in the compute dtype, and its static transforms and chunk sizes."""
+
+    hidden: jax.Array
+    kernel: jax.Array
+    bias: jax.Array | None
+    logits_scaling: float = struct.field(pytree_node=False, default=1.0)  # Granite: logits / this
+    logit_scale: float = struct.field(pytree_node=False, default=1.0)  # Cohere: logits * this
+    softcap: float = struct.field(pytree_node=False, default=0.0)  # cap * tanh(logits / cap); 0: off
+    length_chunk: int = struct.field(pytree_node=False, default=512)
+    vocab_chunk: int = struct.field(pytree_node=False, default=8192)
+
+
+class TokenStats(NamedTuple):
+    """Per-token float32 statistics of the logits, each ``[rows, length]``. Gradients flow
+    through ``lse`` and ``target`` only; ``max`` and ``entropy`` are metrics."""
+
+    lse: jax.Array  # logsumexp over the vocabulary
+    target: jax.Array  # the target's logit
+    max: jax.Array  # the largest logit (the target is the greedy guess iff target >= max)
+    entropy: jax.Array  # of the softmax
+
+    @property
+    def logp(self):
+        """log p(target)."""
+        return self.target - self.lse
+
+
+def tiles(execution, tokens: int, vocab: int) -> bool:
+    """Whether ``execution.tiled_loss`` ("auto", "on", "off") tiles a call over ``tokens``."""
+    if execution.tiled_loss == "auto":
+        return tokens * vocab * 4 > AUTO_BYTES
+    return execution.tiled_loss == "on"
+
+
+def _logits(h, kernel, bias, scaling, scale, softcap):
+    """The head on ``h [..., embed]``, in the kernel's dtype: the model's own arithmetic."""
+    logits = jnp.tensordot(h.astype(kernel.dtype), kernel, axes=1)
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
+    if scaling != 1.0:  # Granite
+        logits = logits / jnp.asarray(scaling, logits.dtype)
+    if scale != 1.0:  # Cohere
+        logits = logits * jnp.asarray(scale, logits.dtype)
+    if softcap:
+        cap = jnp.asarray(softcap, logits.dtype)
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def head_logits(head: HeadInputs, hidden=None):
+    """The logits ``[..., vocab]`` of ``hidden`` (default: ``head.hidden``): the untiled head."""
+    hidden = head.hidden if hidden is None else hidden
+    return _logits(hidden, head.kernel, head.bias, head.logits_scaling, head.logit_scale, head.softcap)
+
+
+def reference_stats(logits, targets) -> TokenStats:
+    """``TokenStats`` from full logits ``[rows, length, vocab]``: the XLA reference path."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    p = jax.lax.stop_gradient(jnp.exp(logits - lse[..., None]))
+    entropy = jax.lax.stop_gradient(lse) - jnp.sum(p * jax.lax.stop_gradient(logits), axis=-1)
+    return TokenStats(lse, target, jax.lax.stop_gradient(jnp.max(logits, axis=-1)), entropy)
+
+
+def token_stats(outputs, targets) -> TokenStats:
+    """``TokenStats`` of a model's outputs on ``targets [rows, length]``: tiled when the model
+    returned ``HeadInputs``, else from its logits."""
+    if not isinstance(outputs, HeadInputs):
+        return reference_stats(outputs, targets)
+    h = outputs
+    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk)
+    lse, target, mx, entropy = _tiled(static, h.hidden, h.kernel, h.bias, targets)
+    return TokenStats(lse, target, jax.lax.stop_gradient(mx), jax.lax.stop_gradient(entropy))
+
+
+# ------------------------------------------------------------------------------------- tiled
+def _pad(x, axis: int, size: int):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _layout(static, hidden, kernel, bias, targets):
+    """Chunked views: hidden ``[n_l, rows, lc, embed]``, targets ``[n_l, rows, lc]``, the kernel
+    and bias padded to whole vocabulary chunks."""
+    *_, lc, vc = static
+    rows, length, embed = hidden.shape
+    vocab = kernel.shape[1]
+    lc, vc = min(lc, length), min(vc, vocab)
+    n_l, n_v = -(-length // lc), -(-vocab // vc)
+    hidden = _pad(hidden, 1, n_l * lc).reshape(rows, n_l, lc, embed).swapaxes(0, 1)
+    targets = _pad(targets, 1, n_l * lc).reshape(rows, n_l, lc).swapaxes(0, 1)
+    kernel = _pad(kernel, 1, n_v * vc)
+    bias = None if bias is None else _pad(bias, 0, n_v * vc)
+    return hidden, targets, kernel, bias, lc, vc, n_l, n_v
+
+
+def _chunk(static, kernel, bias, vc, v):
+    """Vocabulary chunk ``v``: its kernel and bias slices, and its columns' ids ``[vc]``."""
+    start = v * vc
+    k = jax.lax.dynamic_slice_in_dim(kernel, start, vc, axis=1)
+    b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, vc, axis=0)
+    return k, b, start + jnp.arange(vc)
+
+
+def _chunk_logits(static, h, k, b, cols, vocab):
+    """float32 logits ``[rows, lc, vc]`` of a chunk; columns past the vocabulary at -inf."""
+    z = _logits(h, k, b, *static[:3]).astype(jnp.float32)
+    return jnp.where(cols < vocab, z, -jnp.inf)
+
+
+def _forward(static, hidden, kernel, bias, targets):
+    vocab, length = kernel.shape[1], hidden.shape[1]
+    hs, ts, kernel_p, bias_p, lc, vc, n_l, n_v = _layout(static, hidden, kernel, bias, targets)
+    rows = hidden.shape[0]
+
+    def over_length(_, xs):
+        h, t = xs  # [rows, lc, embed], [rows, lc]
+
+        def over_vocab(carry, v):
+            m, s, u, tgt = carry
+            k, b, cols = _chunk(static, kernel_p, bias_p, vc, v)
+            z = _chunk_logits(static, h, k, b, cols, vocab)  # [rows, lc, vc]
+            m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+            e = jnp.exp(z - m_new[..., None])
+            decay = jnp.exp(m - m_new)
+            s = s * decay + jnp.sum(e, axis=-1)
+            u = u * decay + jnp.sum(e * jnp.where(cols < vocab, z, 0.0), axis=-1)
+            tgt = tgt + jnp.sum(jnp.where(cols == t[..., None], z, 0.0), axis=-1)
+            return (m_new, s, u, tgt), None
+
+        zeros = jnp.zeros((rows, lc), jnp.float32)
+        init = (jnp.full((rows, lc), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+        (m, s, u, tgt), _ = jax.lax.scan(over_vocab, init, jnp.arange(n_v))
+        lse = m + jnp.log(s)
+        return None, (lse, tgt, m, lse - u / s)
+
+    _, outs = jax.lax.scan(over_length, None, (hs, ts))
+    # [n_l, rows, lc] -> [rows, length]
+    return tuple(o.swapaxes(0, 1).reshape(rows, n_l * lc)[:, :length] for o in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled(static, hidden, kernel, bias, targets):
+    return _forward(static, hidden, kernel, bias, targets)
+
+
+def _tiled_fwd(static, hidden, kernel, bias, targets):
+    outs = _forward(static, hidden, kernel, bias, targets)
+    return outs, (hidden, kernel, bias, targets, outs[0])
+
+
+def _tiled_bwd(static, res, cotangents):
+    """d logit = g_lse * softmax + g_target * onehot, chunk by chunk (the max and entropy are
+    metrics: their cotangents are dropped); the vocabulary is the outer loop so each kernel
+    chunk's gradient sums over the tokens in a small carry."""
+    hidden, kernel, bias, targets, lse = res
+    g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents[:2])
+    rows, length, embed = hidden.shape
+    vocab = kernel.shape[1]
+    hs, ts, kernel_p, bias_p, lc, vc, n_l, n_v = _layout(static, hidden, kernel, bias, targets)
+    chunked = lambda x: _pad(x, 1, n_l * lc).reshape(rows, n_l, lc).swapaxes(0, 1)
+    lses, g_lses, g_tgts = chunked(lse), chunked(g_lse), chunked(g_tgt)
+
+    def over_vocab(dh, v):
+        k, b, cols = _chunk(static, kernel_p, bias_p, vc, v)
+
+        def over_length(carry, xs):
+            dk, db = carry
+            h, t, lse_c, gl, gt = xs
+            fn = lambda h, k, b: _logits(h, k, b, *static[:3]).astype(jnp.float32)
+            z, vjp = jax.vjp(fn, h, k, b)
+            p = jnp.exp(jnp.where(cols < vocab, z, -jnp.inf) - lse_c[..., None])
+            dz = gl[..., None] * p + jnp.where(cols == t[..., None], gt[..., None], 0.0)
+            dh_c, dk_c, db_c = vjp(dz)
+            dk = dk + dk_c.astype(jnp.float32)
+            db = None if db is None else db + db_c.astype(jnp.float32)
+            return (dk, db), dh_c.astype(jnp.float32)
+
+        init = (jnp.zeros(k.shape, jnp.float32), None if b is None else jnp.zeros(b.shape, jnp.float32))
+        (dk, db), dh_v = jax.lax.scan(over_length, init, (hs, ts, lses, g_lses, g_tgts))
+        db = None if db is None else db.astype(bias.dtype)
+        return dh + dh_v, (dk.astype(kernel.dtype), db)
+
+    dh0 = jnp.zeros((n_l, rows, lc, embed), jnp.float32)
+    dh, (dks, dbs) = jax.lax.scan(over_vocab, dh0, jnp.arange(n_v))
+    dh = dh.swapaxes(0, 1).reshape(rows, n_l * lc, embed)[:, :length].astype(hidden.dtype)
+    dk = dks.transpose(1, 0, 2).reshape(embed, n_v * vc)[:, :vocab]
+    db = None if dbs is None else dbs.reshape(n_v * vc)[:vocab]
+    return dh, dk, db, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
