@@ -65,7 +65,8 @@ class Execution:
     router_bias_update_rate: float = 0.0
     # the loss from the hidden states in chunks, never the [tokens, vocab] logits at once
     # (models/tiled_loss.py): "auto" where the float32 logits of a call exceed
-    # tiled_loss.AUTO_BYTES (256 MiB), "on", "off"; chunks of length positions (all rows) and vocab
+    # tiled_loss.AUTO_BYTES (256 MiB), "on", "off"; chunks of at most so many positions (all rows)
+    # and vocabulary columns, strided (each chunk keeps a sharded axis sharded)
     tiled_loss: str = "auto"
     loss_length_chunk: int = 512
     loss_vocab_chunk: int = 8192

@@ -9,7 +9,9 @@ float32 logits of 4 x 2048 tokens over a 128k vocabulary take 4.2 GB.
 
 ``token_stats`` computes them in chunks: a scan over chunks of ``length`` positions (all rows
 at once, so a batch sharded over devices stays sharded) and, inside, over chunks of the
-vocabulary with an online logsumexp. Its backward (``jax.custom_vjp``) recomputes each chunk's
+vocabulary with an online logsumexp. Chunks are strided (chunk ``i`` of ``n`` holds entries
+``i, i + n, ...``), so a length or vocabulary sharded in blocks over devices stays sharded in
+every chunk: under tensor parallelism each device computes its own columns' logits only. Its backward (``jax.custom_vjp``) recomputes each chunk's
 logits and accumulates the gradients of the hidden states, kernel and bias, so no [tokens, vocab]
 array exists at any time. Its XLA reference path is the untiled computation on full logits
 (``head_logits``), which is also what the model returns when asked for logits.
@@ -116,27 +118,33 @@ def _pad(x, axis: int, size: int):
     return jnp.pad(x, pad)
 
 
+def _strided(x, axis: int, n: int):
+    """``x`` with ``axis`` split into ``n`` strided chunks, the chunk axis first: chunk ``i``
+    holds entries ``i, i + n, i + 2n, ...`` (``axis`` zero-padded to a multiple of ``n``), so
+    where ``axis`` is sharded in contiguous blocks each chunk stays sharded the same way."""
+    size = -(-x.shape[axis] // n)
+    x = _pad(x, axis, size * n)
+    x = x.reshape(x.shape[:axis] + (size, n) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis + 1, 0)
+
+
+def _unstrided(x, axis: int, length: int):
+    """The inverse of ``_strided`` (the chunk axis first), cut back to ``length`` entries."""
+    x = jnp.moveaxis(x, 0, axis + 1)
+    x = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
 def _layout(static, hidden, kernel, bias, targets):
-    """Chunked views: hidden ``[n_l, rows, lc, embed]``, targets ``[n_l, rows, lc]``, the kernel
-    and bias padded to whole vocabulary chunks."""
-    *_, lc, vc = static
-    rows, length, embed = hidden.shape
-    vocab = kernel.shape[1]
-    lc, vc = min(lc, length), min(vc, vocab)
-    n_l, n_v = -(-length // lc), -(-vocab // vc)
-    hidden = _pad(hidden, 1, n_l * lc).reshape(rows, n_l, lc, embed).swapaxes(0, 1)
-    targets = _pad(targets, 1, n_l * lc).reshape(rows, n_l, lc).swapaxes(0, 1)
-    kernel = _pad(kernel, 1, n_v * vc)
-    bias = None if bias is None else _pad(bias, 0, n_v * vc)
-    return hidden, targets, kernel, bias, lc, vc, n_l, n_v
-
-
-def _chunk(static, kernel, bias, vc, v):
-    """Vocabulary chunk ``v``: its kernel and bias slices, and its columns' ids ``[vc]``."""
-    start = v * vc
-    k = jax.lax.dynamic_slice_in_dim(kernel, start, vc, axis=1)
-    b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, vc, axis=0)
-    return k, b, start + jnp.arange(vc)
+    """Chunked views: hidden ``[n_l, rows, lc, embed]`` and targets ``[n_l, rows, lc]`` (strided
+    positions), kernel ``[n_v, embed, vc]`` and bias ``[n_v, vc]`` (strided vocabulary columns:
+    a vocabulary sharded over devices stays sharded within each chunk; no device computes
+    another's columns)."""
+    n_l = -(-hidden.shape[1] // min(static[3], hidden.shape[1]))
+    n_v = -(-kernel.shape[1] // min(static[4], kernel.shape[1]))
+    hs, ts, ks = _strided(hidden, 1, n_l), _strided(targets, 1, n_l), _strided(kernel, 1, n_v)
+    bs = None if bias is None else _strided(bias, 0, n_v)
+    return hs, ts, ks, bs, n_v
 
 
 def _chunk_logits(static, h, k, b, cols, vocab):
@@ -147,15 +155,16 @@ def _chunk_logits(static, h, k, b, cols, vocab):
 
 def _forward(static, hidden, kernel, bias, targets):
     vocab, length = kernel.shape[1], hidden.shape[1]
-    hs, ts, kernel_p, bias_p, lc, vc, n_l, n_v = _layout(static, hidden, kernel, bias, targets)
-    rows = hidden.shape[0]
+    hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
+    vocab_ids = jnp.arange(ks.shape[-1]) * n_v  # chunk v's columns: these + v
 
     def over_length(_, xs):
         h, t = xs  # [rows, lc, embed], [rows, lc]
 
-        def over_vocab(carry, v):
+        def over_vocab(carry, xs):
             m, s, u, tgt = carry
-            k, b, cols = _chunk(static, kernel_p, bias_p, vc, v)
+            k, b, v = xs
+            cols = vocab_ids + v
             z = _chunk_logits(static, h, k, b, cols, vocab)  # [rows, lc, vc]
             m_new = jnp.maximum(m, jnp.max(z, axis=-1))
             e = jnp.exp(z - m_new[..., None])
@@ -165,15 +174,14 @@ def _forward(static, hidden, kernel, bias, targets):
             tgt = tgt + jnp.sum(jnp.where(cols == t[..., None], z, 0.0), axis=-1)
             return (m_new, s, u, tgt), None
 
-        zeros = jnp.zeros((rows, lc), jnp.float32)
-        init = (jnp.full((rows, lc), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-        (m, s, u, tgt), _ = jax.lax.scan(over_vocab, init, jnp.arange(n_v))
+        zeros = jnp.zeros(t.shape, jnp.float32)
+        init = (jnp.full(t.shape, -jnp.inf, jnp.float32), zeros, zeros, zeros)
+        (m, s, u, tgt), _ = jax.lax.scan(over_vocab, init, (ks, bs, jnp.arange(n_v)))
         lse = m + jnp.log(s)
         return None, (lse, tgt, m, lse - u / s)
 
-    _, outs = jax.lax.scan(over_length, None, (hs, ts))
-    # [n_l, rows, lc] -> [rows, length]
-    return tuple(o.swapaxes(0, 1).reshape(rows, n_l * lc)[:, :length] for o in outs)
+    _, outs = jax.lax.scan(over_length, None, (hs, ts))  # each [n_l, rows, lc]
+    return tuple(_unstrided(o, 1, length) for o in outs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -192,19 +200,20 @@ def _tiled_bwd(static, res, cotangents):
     chunk's gradient sums over the tokens in a small carry."""
     hidden, kernel, bias, targets, lse = res
     g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents[:2])
-    rows, length, embed = hidden.shape
-    vocab = kernel.shape[1]
-    hs, ts, kernel_p, bias_p, lc, vc, n_l, n_v = _layout(static, hidden, kernel, bias, targets)
-    chunked = lambda x: _pad(x, 1, n_l * lc).reshape(rows, n_l, lc).swapaxes(0, 1)
-    lses, g_lses, g_tgts = chunked(lse), chunked(g_lse), chunked(g_tgt)
+    length, vocab = hidden.shape[1], kernel.shape[1]
+    hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
+    n_l = hs.shape[0]
+    lses, g_lses, g_tgts = (_strided(x, 1, n_l) for x in (lse, g_lse, g_tgt))
+    vocab_ids = jnp.arange(ks.shape[-1]) * n_v
+    fn = lambda h, k, b: _logits(h, k, b, *static[:3]).astype(jnp.float32)
 
-    def over_vocab(dh, v):
-        k, b, cols = _chunk(static, kernel_p, bias_p, vc, v)
+    def over_vocab(dh, xs):
+        k, b, v = xs
+        cols = vocab_ids + v
 
         def over_length(carry, xs):
             dk, db = carry
             h, t, lse_c, gl, gt = xs
-            fn = lambda h, k, b: _logits(h, k, b, *static[:3]).astype(jnp.float32)
             z, vjp = jax.vjp(fn, h, k, b)
             p = jnp.exp(jnp.where(cols < vocab, z, -jnp.inf) - lse_c[..., None])
             dz = gl[..., None] * p + jnp.where(cols == t[..., None], gt[..., None], 0.0)
@@ -215,14 +224,13 @@ def _tiled_bwd(static, res, cotangents):
 
         init = (jnp.zeros(k.shape, jnp.float32), None if b is None else jnp.zeros(b.shape, jnp.float32))
         (dk, db), dh_v = jax.lax.scan(over_length, init, (hs, ts, lses, g_lses, g_tgts))
-        db = None if db is None else db.astype(bias.dtype)
-        return dh + dh_v, (dk.astype(kernel.dtype), db)
+        return dh + dh_v, (dk.astype(kernel.dtype), None if db is None else db.astype(bias.dtype))
 
-    dh0 = jnp.zeros((n_l, rows, lc, embed), jnp.float32)
-    dh, (dks, dbs) = jax.lax.scan(over_vocab, dh0, jnp.arange(n_v))
-    dh = dh.swapaxes(0, 1).reshape(rows, n_l * lc, embed)[:, :length].astype(hidden.dtype)
-    dk = dks.transpose(1, 0, 2).reshape(embed, n_v * vc)[:, :vocab]
-    db = None if dbs is None else dbs.reshape(n_v * vc)[:vocab]
+    dh0 = jnp.zeros(hs.shape, jnp.float32)
+    dh, (dks, dbs) = jax.lax.scan(over_vocab, dh0, (ks, bs, jnp.arange(n_v)))
+    dh = _unstrided(dh, 1, length).astype(hidden.dtype)
+    dk = _unstrided(dks, 1, vocab)
+    db = None if dbs is None else _unstrided(dbs, 0, vocab)
     return dh, dk, db, None
 
 
