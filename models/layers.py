@@ -251,7 +251,7 @@ def fused(linears, x):
 
 
 class Embed(nn.Module):
-    """A lookup table (rows, embed); ``attend`` gives logits against it (tied output head)."""
+    """A lookup table (rows, embed); a tied output head reads ``embedding`` as its kernel."""
 
     num_embeddings: int
     features: int
@@ -269,10 +269,6 @@ class Embed(nn.Module):
 
     def __call__(self, ids):
         return jnp.take(self.embedding, ids, axis=0).astype(dtype_of(self.dtype))
-
-    def attend(self, x):
-        dt = dtype_of(self.dtype)
-        return jnp.einsum("ble,ve->blv", x.astype(dt), self.embedding.astype(dt))
 
 
 # ------------------------------------------------------------------------------------- mlps

@@ -26,6 +26,7 @@ from shardzoo.train.grpo import grpo_task, token_logps
 from shardzoo.train.optim import make_optimizer
 from shardzoo.train.preference import preference_task, sequence_logps
 from shardzoo.train.program import Program
+from shardzoo.train.step import score_step
 from shardzoo.train.tasks import forward, get_task
 
 ROWS, LENGTH, EMBED, VOCAB = 3, 10, 16, 70
@@ -154,14 +155,17 @@ SETTINGS = TrainConfig(batch_size=8, seq_len=16, optimizer="sgd", lr=1.0, warmup
 
 @functools.cache
 def _step(tiled: str, rules: str):
-    """One SGD step of llama-tiny (fresh init, seed 0) under ``rules``: (metrics, params)."""
+    """The eval step's sums and one SGD step of llama-tiny (fresh init, seed 0) under ``rules``:
+    (metrics with the eval sums as ``eval_*``, params after the step)."""
     _, config = get_model("llama-tiny", **TINY, tiled_loss=tiled)
     mesh = make_mesh("", devices=jax.devices()[:1]) if rules == "dp" else make_mesh("fsdp=2,tensor=4")
     program = Program(config, get_rules(rules), mesh, optimizer=functools.partial(make_optimizer, SETTINGS),
                       batch_size=8, seq_len=16)
-    state = program.init(jax.random.PRNGKey(0))
-    new, metrics = program.compiled_train_step()(state, program.place(_lm_batch()), jax.random.PRNGKey(0))
-    return jax.device_get(metrics), jax.device_get(new.params)
+    state, batch = program.init(jax.random.PRNGKey(0)), program.place(_lm_batch())
+    sums = jax.device_get(program.compiled_eval_step()(state.params, batch))
+    new, metrics = program.compiled_train_step()(state, batch, jax.random.PRNGKey(0))
+    metrics = {**jax.device_get(metrics), **{f"eval_{k}": v for k, v in sums.items()}}
+    return metrics, jax.device_get(new.params)
 
 
 @pytest.mark.parametrize("rules", ["dp", "fsdp_tp"])
@@ -169,7 +173,7 @@ def test_train_step_tiled_equals_untiled_and_one_device(rules):
     """Vocab on the tensor axis under fsdp_tp: the scan over vocabulary chunks of a sharded head."""
     want_m, want_p = _step("off", "dp")
     for got_m, got_p in (_step("on", rules), _step("off", rules)):
-        for key in ("loss", "grad_norm", "accuracy"):
+        for key in ("loss", "grad_norm", "accuracy", "eval_loss", "eval_correct", "eval_weight"):
             np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, atol=1e-5, err_msg=key)
         for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -253,3 +257,9 @@ def test_forward_tiles_only_where_the_task_and_execution_say():
     off, _ = get_model("llama-tiny", **TINY, tiled_loss="off")
     outputs, _, _ = forward(get_task("lm"), off, params, batch, jax.random.PRNGKey(0), True)
     assert outputs.shape == (2, 4, 512)
+    # multiple-choice scoring (train/step.py's score_step) reads the same statistics
+    batch["targets"] = batch["targets"].at[0].set(jnp.argmax(outputs[0], -1))  # row 0: greedy
+    got, want = (score_step(params, batch, module=m, task=get_task("lm")) for m in (module, off))
+    np.testing.assert_allclose(got["logprob"], want["logprob"], rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got["greedy"], want["greedy"])
+    assert bool(want["greedy"][0]) and not bool(want["greedy"][1])
