@@ -2,8 +2,8 @@
 
 Dtypes, scanning and its layout, rematerialization, the pipeline's microbatches, the attention
 implementation, context-parallel attention, MoE dispatch and capacity, projection fusion, the
-vocabulary-tiled loss and LoRA adapters. None of it changes the model's numbers beyond float rounding (LoRA adds
-parameters that start at zero); a Hugging Face config.json records none of it.
+vocabulary-tiled loss and LoRA adapters. None of it changes the model's numbers beyond float
+rounding (LoRA adds parameters that start at zero); a Hugging Face config.json records none of it.
 """
 
 from __future__ import annotations

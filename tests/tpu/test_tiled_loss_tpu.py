@@ -1,6 +1,6 @@
 """The vocabulary-tiled loss on a TPU at llama3.2-1b's head: 4 x 2048 tokens, embed 2048, vocab
 128256, bf16 hidden states and head, float32 loss. Skips off a TPU; run there with
-``JAX_PLATFORMS=tpu python3 -m pytest -q -p no:cacheprovider tests/tpu/test_tiled_loss_tpu.py``.
+``JAX_PLATFORMS=tpu python3 -m pytest -q tests/tpu/test_tiled_loss_tpu.py``.
 
 Tolerances: both paths compute the bf16 logits with the same matmul, but XLA may tile a chunk's
 contraction differently from the whole one's, so single logits can differ by a bf16 rounding
