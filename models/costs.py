@@ -93,7 +93,9 @@ saved, so one more ``saved("none")`` of the largest layer (or the logits' float3
 V, when larger).
 ``head``: the final norm's 3 D float32 intermediates and the log-softmax's float32 ``exp``
 of the logits, V per token (and with final_logit_softcapping tanh's output and its
-derivative, 2 V).
+derivative, 2 V). With the tiled loss (``models/tiled_loss.py``, ``execution.tiled_loss``)
+only one chunk of them exists at a time: V becomes ``loss_vocab_chunk`` and the length
+``loss_length_chunk``.
 ``batch``: the step's input arrays (inputs, targets, positions, segment_ids int32; weights
 float32): 20 bytes per token.
 ``pipeline`` (the rules split the layer stack into S stages, ``models/pipeline.py``): every
@@ -118,6 +120,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from shardzoo.models.attention import attention_kernel
+from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -441,13 +444,16 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
     recompute = largest if policy != "none" else 0
-    logits = t(a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4)
+    vocab, length_share = a.vocab_size, 1.0  # the logits that exist at once
+    if tiles(e, tok, a.vocab_size):  # the tiled loss: one chunk of positions x one of the vocabulary
+        vocab, length_share = min(a.vocab_size, e.loss_vocab_chunk), min(1.0, e.loss_length_chunk / seq_len)
+    logits = int(t(vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4) * length_share)
     others = {
         "batch": t(5, BL, 4),
         "mask": 0 if flash or ring > 1 or not attends else t(h * seq_len, BHL, 1),
         "backward": max(largest, logits),
         "head": t(3 * d, BLE, 4) + logits
-        + (t(2 * a.vocab_size, (ax.BATCH, ax.LENGTH, ax.VOCAB)) if a.final_logit_softcapping else 0),
+        + (int(t(2 * vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB)) * length_share) if a.final_logit_softcapping else 0),
     }
     if ring > 1 and not gathered and attends:  # the diagonal block's two float32 cotangents, (length / ring)^2 each
         others["ring_diagonal"] = 2 * t(h * seq_len, BHL, 4) // ring

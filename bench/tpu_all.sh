@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything measured on one TPU v5e chip, in one command per part (each under the device tool's
+# 10-minute limit); results go to $OUT (or bench/results/tpu_run/) as they finish.
+#
+#   bash bench/tpu_all.sh install tests              # the machine's install, then tests/tpu
+#   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
+#   bash bench/tpu_all.sh install decode:llama3.2-1b moe
+#
+# install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-bench/results/tpu_run}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+for part in "$@"; do
+  case "$part" in
+    install)
+      if [ ! -d /tmp/site/flax ]; then
+        PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+          --index-url file:///opt/pypi/simple --target /tmp/site flax optax orbax-checkpoint einops \
+          datasets pyarrow pyyaml safetensors tokenizers jinja2 tqdm tensorboardX matplotlib pytest 2>&1 | tail -3
+      fi
+      mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/shardzoo
+      export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:/tmp/pkg
+      python3 -c "import jax, flax, datasets, pyarrow; print(jax.devices(), jax.__version__, flax.__version__, datasets.__version__, pyarrow.__version__)"
+      ;;
+    tests|tests:*)
+      sel=${part#tests}; sel=${sel#:}
+      JAX_PLATFORMS=tpu timeout 540 python3 -m pytest -q -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
+        | tee "$out/tpu_tests.log" | tail -60
+      ;;
+    mfu:*)
+      timeout 560 python3 bench/tpu_mfu.py --only "${part#mfu:}" --steps 5 --timeout 300 \
+        --out "$out/tpu_mfu_${part#mfu:}.md" > "$out/tpu_mfu_${part#mfu:}.log" 2>&1
+      cat "$out/tpu_mfu_${part#mfu:}.md"; grep -E "^batch|fits|Error|error" "$out/tpu_mfu_${part#mfu:}.log" | tail -30
+      ;;
+    decode:*)
+      timeout 400 python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \
+        --prompt 128 --new 256 --layers 0 --out "$out/tpu_decode_${part#decode:}.md" 2>&1 | tail -20
+      ;;
+    moe)
+      JAX_PLATFORMS=tpu timeout 300 python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \
+        --length 1024 --dtype bfloat16 --rounds 3 --iters 2 --out "$out/tpu_moe.md" 2>&1 | tail -20
+      ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
