@@ -97,10 +97,12 @@ def add_plot_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plot(args) -> int:
-    """Draw the run's train and eval loss curves to a PNG."""
+    """Draw the run's train and eval loss curves, and its task's learning signals, to a PNG."""
     from shardzoo.train.metrics import plot_losses
+    from shardzoo.train.rundir import read_run_json
+    from shardzoo.train.tasks import run_signals
 
-    print(plot_losses(args.out, args.output))
+    print(plot_losses(args.out, args.output, run_signals(read_run_json(args.out))))
     return 0
 
 

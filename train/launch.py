@@ -30,6 +30,7 @@ from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rul
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.metrics import signal_keys
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -377,5 +378,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                          main_process=main)
     status = PREEMPTED if trainer.stop_signal == signal.SIGTERM else DONE
     summary = f"; loss {loss:.4f}" if loss is not None else ""
+    for key in signal_keys(trainer.program.task.signals, last or {}):  # what the task learns from
+        summary += f", {key} {last[key]:.4f}" if isinstance(last[key], float) else ""
     return RunResult(status, p.out, trainer.final_step, loss, saved,
                      f"stopped at step {trainer.final_step}{summary}; checkpoint {saved}", main_process=main)
