@@ -31,6 +31,7 @@ from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
 from shardzoo.train.metrics import signal_keys
+from shardzoo.train.optim import warmup_note
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -349,8 +350,9 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     if cfg.init_from and p.resume_step is None:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
                                                     init_meta.get("family"))
-    for note in p.notes:
-        log(note)
+    for note in (*p.notes, warmup_note(cfg)):
+        if note:
+            log(note)
     log(str(p.rules))
     if p.opt_rules is not None:
         log(f"optimizer state: {p.opt_rules}")
