@@ -19,6 +19,7 @@ from shardzoo.cli import main
     ("rms_norm_eps=-1", "rms_norm_eps=-1.0 must be a finite number > 0"),
     ("rope_theta=0", "rope_theta=0.0 must be a finite number > 0"),
     ("head_dim=15", "rotary embeddings turn pairs of features: head_dim=15"),
+    ("hiden_size=128", "unknown override hiden_size (did you mean hidden_size?)"),
 ])
 def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, expected, capsys):
     out = tmp_path / "never"
@@ -30,7 +31,9 @@ def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, 
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--temperature", "nan"], "a finite --temperature >= 0"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature -1 must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
     (["--max-new-tokens", "100000"], "exceed the model's"),
 ])
 def test_generate_refuses_values_that_give_garbage(cli, reference, flags, expected, capsys):
