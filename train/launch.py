@@ -299,7 +299,8 @@ def run(cfg: TrainConfig, hooks=(), log=None) -> RunResult:
     lock = DirLock(cfg.out, "--out") if is_main_process() else None
     _agree(lambda: lock and lock.acquire())
     try:
-        return _run(cfg, hooks, xla_flags, log)
+        with interrupt.undone(lock.release if lock is not None else lambda: None):  # a Ctrl-C at start-up
+            return _run(cfg, hooks, xla_flags, log)
     finally:
         if lock is not None:
             lock.release()

@@ -100,6 +100,8 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
         if lines[0] == "shardzoo train: interrupted (Ctrl-C); nothing more was saved":
             kinds.append("before the loop")
             assert not (out / "checkpoints").exists() or latest_step(str(out / "checkpoints")) is None
+            # the --out it created is gone unless the run wrote its files there (no empty dir, no lock)
+            assert not out.exists() or (out / "run.json").exists() and not (out / ".shardzoo.lock").exists()
         else:
             saved = latest_step(str(out / "checkpoints"))
             assert lines[0] == (f"shardzoo train: interrupted: saved step {saved} to {out}/checkpoints/{saved}; "
