@@ -96,6 +96,8 @@ def test_plot_into_a_read_only_directory(cli, reference, tmp_path, unshare):
 
 DATA = {  # file name, bytes, what the one line must say
     "not utf-8": ("notes.txt", b"hello\nw\xf6rld\n", "is not UTF-8 text: byte 0xf6 at byte offset 7 (line 2)"),
+    "jsonl not utf-8": ("rows.jsonl", b'{"text": "hello"}\n{"text": "w\xf6rld"}\n',
+                        "is not UTF-8 text: byte 0xf6 at byte offset 29 (line 2)"),
     "bad json line": ("rows.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', "rows.jsonl, line 3: not valid JSON"),
     "bad csv row": ("rows.csv", b"text,id\nhello,1\nworld,2,3\n", "rows.csv, line 3: 3 fields where the header has 2"),
 }
