@@ -30,7 +30,7 @@ from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rul
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
-from shardzoo.train.metrics import signal_keys
+from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
@@ -131,7 +131,6 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
         raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
     check_run_dir(out)
-    outdir.check_fresh_start(cfg, out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
@@ -330,6 +329,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
         base = cfg.model if not cfg.init_from else cfg.init_from if is_hub_id(cfg.init_from) \
             else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
+    orphans = None  # metrics.jsonl rows of no checkpoint, set aside by a fresh start
     if main:  # validated: from here on we write (a Ctrl-C waits for these writes: the resume reads them)
         with interrupt.uncut():
             os.makedirs(p.out, exist_ok=True)
@@ -337,6 +337,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             # a resume keeps the run's tokenizer files (checked equal above)
             if p.tokenizer is not None and (p.resume_step is None or not os.path.isdir(tokenizer_dir)):
                 p.tokenizer.save(tokenizer_dir)
+            orphans = None if p.resume_step is not None or cfg.restart else set_aside_orphans(p.out)
             _write_json(os.path.join(p.out, "run.json"), {
                 **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
                 "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
@@ -351,7 +352,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     if cfg.init_from and p.resume_step is None:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
                                                     init_meta.get("family"))
-    for note in (*p.notes, warmup_note(cfg)):
+    for note in (*p.notes, orphans, warmup_note(cfg)):
         if note:
             log(note)
     log(str(p.rules))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import json
 import math
@@ -59,6 +60,26 @@ def headline(record: dict, signals=()) -> dict:
              *signal_keys([f"eval_{p}{s}" for p in signals for s in ("", "_sampled")], record),
              "tokens_per_sec", "examples_per_sec"]
     return {k: record[k] for k in dict.fromkeys(names) if k in record}
+
+
+def set_aside_orphans(out_dir: str) -> str | None:
+    """A fresh start in a run dir whose ``metrics.jsonl`` holds rows but which has no checkpoint
+    (its first save failed, it was killed before it, or its checkpoints were deleted): those rows
+    belong to no checkpoint, so the file is moved to ``metrics.jsonl.orphaned-<time>`` (kept,
+    never deleted) and the run starts. Returns the line that says so, or None."""
+    path = os.path.join(out_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return None
+    steps = [r["step"] for r in read_metrics(path) if isinstance(r.get("step"), int)]
+    if not steps:
+        return None
+    dest = f"{path}.orphaned-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    k = 1
+    while os.path.lexists(dest):
+        dest, k = f"{path}.orphaned-{datetime.datetime.now():%Y%m%d-%H%M%S}-{k}", k + 1
+    os.replace(path, dest)
+    return (f"{path} held steps up to {max(steps)} but no checkpoint they belong to: moved it to {dest}; "
+            "training from step 0")
 
 
 def _number(value):
