@@ -160,3 +160,33 @@ def test_ctrl_c_through_a_pipe_whose_reader_dies_with_it_saves_and_resumes(cli, 
         cli.stop(proc)
     assert len(head.stdout.splitlines()) == 1
     assert latest_step(str(out / "checkpoints")) == 8 and cli.losses(out) == cli.losses(reference)
+
+
+def test_ctrl_c_at_start_up_removes_the_out_this_command_created(cli, tmp_path):
+    """What ``train`` does between taking the lock on a new --out and writing run.json there
+    (``launch.run``), held open: the Ctrl-C that ends the process removes that empty directory
+    and its lock (was: an empty --out left behind); a directory that was there stays."""
+    script = ("import sys, time\n"
+              "from shardzoo import interrupt\n"
+              "interrupt.watch('train')\n"
+              "from shardzoo.train.rundir import DirLock\n"
+              "lock = DirLock(sys.argv[1])\n"
+              "lock.acquire()\n"
+              "with interrupt.undone(lock.release):\n"
+              "    print('locked', flush=True)\n"
+              "    time.sleep(60)\n")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for out in (tmp_path / "new" / "run", existing):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(out)], env=cli.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "locked\n"
+            assert (out / ".shardzoo.lock").exists()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+        finally:
+            cli.stop(proc)
+        assert proc.stderr.read() == "shardzoo train: interrupted (Ctrl-C); nothing more was saved\n"
+        assert not (out / ".shardzoo.lock").exists()
+    assert not (tmp_path / "new").exists() and existing.is_dir()

@@ -50,3 +50,23 @@ def test_plot_draws_a_panel_per_signal_of_the_runs_task(tmp_path):
     alone = _png_height(plot_losses(str(tmp_path), str(tmp_path / "loss.png")))
     panels = _png_height(plot_losses(str(tmp_path), str(tmp_path / "signals.png"), signals))
     assert panels > alone * 2  # three panels below the loss: reward and each function's mean
+
+
+def test_sampled_and_whole_split_eval_accuracy_are_told_apart(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    drawn, plot = {}, Axes.plot
+
+    def recording(self, *args, **kwargs):
+        lines = plot(self, *args, **kwargs)
+        drawn[kwargs.get("label")] = (lines[0].get_color(), lines[0].get_marker())
+        return lines
+
+    monkeypatch.setattr(Axes, "plot", recording)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, "loss": 1.0, "eval_loss_sampled": 1.1, "eval_accuracy_sampled": 0.5}) + "\n")
+        f.write(json.dumps({"step": 2, "eval_loss": 1.2, "eval_accuracy": 0.6}) + "\n")
+    plot_losses(str(tmp_path), str(tmp_path / "loss.png"))
+    sampled, whole = drawn["eval accuracy (sampled)"], drawn["eval accuracy (whole split)"]
+    assert sampled[0] != whole[0] and sampled[1] != whole[1], drawn
