@@ -35,7 +35,7 @@ def warmup_note(cfg) -> str | None:
         return None
     return (f"note: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning rate rises "
             f"linearly the whole run and never reaches --lr {cfg.lr:g} (give --warmup-steps below "
-            f"{cfg.steps}, e.g. {max(cfg.steps // 10, 0)}, or 0)")
+            f"{cfg.steps}, e.g. {cfg.steps // 10})")
 
 
 def decay_mask(boxed_params):
