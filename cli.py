@@ -97,10 +97,12 @@ def add_plot_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plot(args) -> int:
-    """Draw the run's train and eval loss curves to a PNG."""
+    """Draw the run's train and eval loss curves, and its task's learning signals, to a PNG."""
     from shardzoo.train.metrics import plot_losses
+    from shardzoo.train.rundir import read_run_json
+    from shardzoo.train.tasks import run_signals
 
-    print(plot_losses(args.out, args.output))
+    print(plot_losses(args.out, args.output, run_signals(read_run_json(args.out))))
     return 0
 
 
@@ -148,10 +150,13 @@ def cmd_generate(args) -> int:
     from shardzoo.train import hf_io, prompts
     from shardzoo.train.defaults import mesh_and_rules
 
-    if (args.max_new_tokens < 1 or not args.temperature >= 0 or args.top_k < 0
-            or not 0 < args.top_p <= 1 or not math.isfinite(args.temperature)):
-        raise UserError("need --max-new-tokens >= 1, a finite --temperature >= 0, --top-k >= 0 and "
-                        "0 < --top-p <= 1")
+    for bad, flag, want in ((args.max_new_tokens < 1, "--max-new-tokens", "must be 1 or more"),
+                            (not (math.isfinite(args.temperature) and args.temperature >= 0), "--temperature",
+                             "must be a finite number >= 0 (0 is greedy)"),
+                            (args.top_k < 0, "--top-k", "must be 0 (off) or more"),
+                            (not 0 < args.top_p <= 1, "--top-p", "must be in (0, 1] (1 is off)")):
+        if bad:
+            raise UserError(f"{flag} {getattr(args, flag[2:].replace('-', '_')):g} {want}")
     if args.step is not None and args.checkpoint is None:
         raise UserError("--step picks a checkpoint of a run: it goes with --checkpoint, not --hf")
     prompt = (prompts.read_prompt_file(args.prompt_file) if args.prompt_file is not None

@@ -17,8 +17,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="a registered model (see shardzoo.models.list_models())")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="change a config field, e.g. --override remat_policy=full (repeatable)")
-    p.add_argument("--rules", required=True, metavar="NAME|FILE",
-                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, cp, cp_fsdp, ep) or a YAML/JSON rule file")
+    p.add_argument("--rules", default=None, metavar="NAME|FILE",
+                   help="a preset (dp, fsdp, tp, fsdp_tp, sp, cp, cp_fsdp, ep) or a YAML/JSON rule file "
+                        "(default: as train's, fsdp on a mesh of more than one device, dp on one)")
     p.add_argument("--mesh", required=True, metavar="SPEC",
                    help="e.g. fsdp=32,tensor=8; a spec without -1 that does not match the local "
                         "device count is planned on an abstract mesh (no devices needed)")
@@ -87,16 +88,16 @@ def cmd_plan(args) -> int:
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.defaults import default_seq_len
+    from shardzoo.train.defaults import default_rules, default_seq_len
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
-    rules = get_rules(args.rules)
     opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
     if not args.mesh.strip():
         raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")
     mesh = planning_mesh(args.mesh)
     devices = math.prod(mesh_shape(mesh).values())
+    rules = get_rules(args.rules or default_rules(devices))
     batch = args.batch_size if args.batch_size is not None else devices
     seq_len = args.seq_len if args.seq_len is not None else default_seq_len(config)
     positions = getattr(config, "max_positions", None)
@@ -145,7 +146,7 @@ def add_advise_args(p: argparse.ArgumentParser) -> None:
                    help="change a config field (repeatable); remat_policy=... keeps that one policy")
     p.add_argument("--devices", type=int, required=True, help="how many devices to plan for")
     p.add_argument("--device-memory", required=True, metavar="KIND|SIZE",
-                   help="h100, h200, a100, v5p, v5e, or a size like 80GB (h100's compute and links)")
+                   help="h100, h200, a100, v5p, v5e, v4, or a size like 80GB (h100's compute and links)")
     p.add_argument("--devices-per-host", type=int, default=None,
                    help="devices sharing the fast link (default: the kind's, 8 for GPUs)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: --devices)")

@@ -8,7 +8,8 @@ the main thread is inside XLA (a compile, a step), and answers it here:
   and end with exit 130 (the Trainer's own message); a second one ends the process at once;
 - at any other moment (start-up, compiling, another command): the process ends at once with one
   line and exit 130, once the write in progress that must not be cut (``uncut``: run.json, the
-  tokenizer files) is done, so the run directory stays as a resume expects it.
+  tokenizer files) is done, so the run directory stays as a resume expects it; what ``undone``
+  registered runs first (a lock and an ``--out`` this command created and left empty go).
 
 Used in-process (tests calling ``cli.main``), none of this is installed and Python's own
 KeyboardInterrupt and the Trainer's signal handler behave as before.
@@ -29,6 +30,7 @@ UNCUT_WAIT_S = 5.0  # how long a Ctrl-C waits for a write that must not be cut
 _lock = threading.Lock()
 _stoppers: list = []  # callables(signum) of the Trainer loops that run now
 _writing = 0  # writes in progress that an exit must not cut
+_undo: list = []  # callables run before a Ctrl-C ends the process (``undone``)
 _count = 0  # Ctrl-Cs seen
 _watching = False
 
@@ -58,6 +60,19 @@ def uncut():
             _writing -= 1
 
 
+@contextlib.contextmanager
+def undone(fn):
+    """While inside, a Ctrl-C that ends the process calls ``fn()`` first: e.g. an ``--out`` that
+    this command created and has left empty is removed (``rundir.DirLock.release``)."""
+    with _lock:
+        _undo.append(fn)
+    try:
+        yield
+    finally:
+        with _lock:
+            _undo.remove(fn)
+
+
 def answer(command: str) -> None:
     """What one Ctrl-C does (called by ``watch``'s thread): stop the running loop, or end now."""
     global _count
@@ -70,6 +85,9 @@ def answer(command: str) -> None:
     deadline = time.monotonic() + UNCUT_WAIT_S
     while _writing and time.monotonic() < deadline:
         time.sleep(0.01)
+    for fn in reversed(list(_undo)):
+        with contextlib.suppress(Exception):
+            fn()
     name = f"shardzoo {command}" if command else "shardzoo"
     print(f"{name}: interrupted (Ctrl-C); nothing more was saved", file=sys.stderr, flush=True)
     sys.stdout.flush()

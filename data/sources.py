@@ -14,6 +14,7 @@ Spec syntax, tried in this order:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import glob
@@ -109,6 +110,11 @@ def _load_local(spec: str, files: list[str], cache_dir: str | None) -> datasets.
     (builder,) = builders
     if all(os.path.getsize(f) == 0 for f in files):
         raise DataError(f"data {spec!r}: empty dataset (every file is empty: {', '.join(files)})")
+    if builder == "json":  # pyarrow's JSON reader takes bytes that are not UTF-8 and fails on first use
+        for path in files:
+            problem = _utf8_problem(path)
+            if problem:
+                raise DataError(f"data {spec!r}: {problem}")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
         with _quiet_datasets():
@@ -149,14 +155,35 @@ def diagnose(builder: str, files: list[str]) -> str | None:
             continue
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw.count(b"\n", 0, e.start) + 1
-            return (f"{path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset {e.start} "
-                    f"(line {line}); convert the file to UTF-8")
+        except UnicodeDecodeError:
+            return _utf8_problem(path)
         problem = _json_problem(text) if builder == "json" else _csv_problem(text) if builder == "csv" else None
         if problem:
             return f"{path}, {problem}"
     return None
+
+
+def _utf8_problem(path: str) -> str | None:
+    """Where ``path`` stops being UTF-8 (the byte, its offset and line), read in 1 MiB chunks;
+    None when it is UTF-8 throughout."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                bad = offset - pending + e.start
+                f.seek(0)
+                head = f.read(bad + 1)
+                line = head.count(b"\n", 0, bad) + 1
+                return (f"{path} is not UTF-8 text: byte 0x{head[bad]:02x} at byte offset {bad} "
+                        f"(line {line}); convert the file to UTF-8")
+            if not chunk:
+                return None
+            offset += len(chunk)
 
 
 def _json_problem(text: str) -> str | None:

@@ -80,6 +80,12 @@ def apply_overrides(config, overrides: dict, where: str = "config"):
     types = config.field_types()
     unknown = sorted(set(overrides) - set(types))
     if unknown:
+        import difflib
+
+        near = {k: difflib.get_close_matches(k, types, n=1) for k in unknown}
+        if all(near.values()):  # typos: name the field meant instead of listing them all
+            raise ModelError(f"{where}: unknown override " + ", ".join(
+                f"{k} (did you mean {near[k][0]}?)" for k in unknown))
         raise ModelError(f"{where}: unknown override {', '.join(unknown)}; fields: {', '.join(sorted(types))}")
     values = {k: coerce(v, types[k][1], f"{where}: override {k}", ModelError) for k, v in overrides.items()}
     try:

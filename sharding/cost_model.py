@@ -97,7 +97,7 @@ class Device:
 
 # Sources: NVIDIA H100 / H200 / A100 datasheets and DGX H100 / A100 user guides (bf16 dense
 # Tensor Core peak; NVLink 900 / 600 GB/s both ways per GPU; one 400 / 200 Gb/s InfiniBand
-# adapter per GPU); Google Cloud TPU v5p / v5e system-architecture pages (bf16 peak, HBM,
+# adapter per GPU); Google Cloud TPU v5p / v5e / v4 system-architecture pages (bf16 peak, HBM,
 # ICI 4800 / 1600 Gbps per chip, pod slices of 8960 / 256 chips). DCN per chip is an
 # assumption (a host's ~100-200 Gb/s shared by its 4 chips), stated as such.
 DEVICES = {
@@ -113,6 +113,9 @@ DEVICES = {
     "v5e": Device("v5e", int(DEVICE_MEMORY["v5e"]), 197e12, 100e9, 6.25e9, 256,
                   "TPU v5e: 197 TFLOP/s bf16, ICI 1600 Gbps/chip (half one way), 256-chip pods; "
                   "DCN 6.25 GB/s/chip assumed"),
+    "v4": Device("v4", int(DEVICE_MEMORY["v4"]), 275e12, 150e9, 6.25e9, 4096,
+                 "TPU v4: 275 TFLOP/s bf16, ICI 2400 Gbps/chip (half one way), 4096-chip pods; "
+                 "DCN 6.25 GB/s/chip assumed"),
 }
 
 
@@ -127,9 +130,6 @@ def get_device(text, per_host: int | None = None) -> Device:
         except UserError:
             raise AdviseError(f"--device-memory {text!r}: expected one of {', '.join(DEVICES)} "
                               "or a size like 80GB (sizes take h100's compute and links)") from None
-        if key in DEVICE_MEMORY:  # a memory-only kind (v4): no compute or link constants here
-            raise AdviseError(f"--device-memory {text!r}: no compute or link constants for it; "
-                              f"use one of {', '.join(DEVICES)} or a size like 32GB")
         if nbytes <= 0:
             raise AdviseError(f"--device-memory {text!r}: the size must be positive")
         h = DEVICES["h100"]

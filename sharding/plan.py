@@ -171,6 +171,16 @@ class Plan:
             if d.losers
         ]
 
+    def _shown_rules(self) -> list[int]:
+        """The rules of the logical names this model's arrays have (not a Mamba's ``ssm_*`` for a
+        Llama): each that decides a dimension or asks for a mesh axis; a ``name->null`` that
+        never wins (a fallback behind an earlier rule of that name) is left out. The JSON keeps
+        the whole table."""
+        dims = [d for row in self.params + self.activations for d in row.array.dims]
+        names, winners = {d.logical for d in dims}, {d.winner for d in dims}
+        return [i for i, (name, axes) in enumerate(self.rules)
+                if name in names and (i in winners or axes not in (None, (), ""))]
+
     def to_dict(self) -> dict:
         est = self.activation_estimate
         return {
@@ -203,7 +213,7 @@ class Plan:
         if self.workload:
             w = self.workload
             out.append("workload: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in w.items() if v is not None))
-        out += _wrap_entries([rule_text(self.rules, i) for i in range(len(self.rules))], "rules: ", 100)
+        out += _wrap_entries([rule_text(self.rules, i) for i in self._shown_rules()], "rules: ", 100)
         out.append("")
         sections = (("parameters", self.params), ("activations (logical constraints)", self.activations))
         for title, rows in sections:

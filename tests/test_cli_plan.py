@@ -37,6 +37,19 @@ def test_table(capsys):
     assert "device v5e (16 GB): fits" in out
 
 
+def test_rules_default_as_trains_and_only_the_models_axes_are_listed(capsys):
+    """Without --rules, plan takes train's default (fsdp on more than one device, dp on one); the
+    rules line names only the logical axes the model has, each rule that decides one once."""
+    status, out, err = _run(capsys, "plan", "--model", "llama-tiny", "--mesh", "fsdp=8")
+    assert status == 0 and err == "", err
+    assert "rules 'fsdp' on mesh fsdp=8" in out
+    rules = " ".join(line for line in out.split("\n\n")[0].splitlines()[2:])
+    assert "#0 batch->data,fsdp" in rules and "batch->null" not in rules, rules
+    assert "ssm_" not in rules and "linear_" not in rules and "#11 layers->null" in rules, rules
+    status, out, _ = _run(capsys, "plan", "--model", "llama-tiny", "--mesh", "data=1")
+    assert status == 0 and "rules 'dp' on mesh one device" in out, out
+
+
 def test_the_header_states_the_workload_and_the_verdict_is_asked_for(capsys):
     """plan says what it plans (batch, sequence, dtypes, remat), keeps each rule whole on its
     line, names only the mesh axes that split, and without a device memory (and no accelerator

@@ -99,8 +99,12 @@ def verify(root: str, step: int) -> str | None:
     event loop, each printing a traceback."""
     problem = damage(root, step)
     state = os.path.join(root, str(step), "state")
-    if problem or not os.path.isfile(os.path.join(state, "manifest.ocdbt")):
+    if problem:
         return problem
+    if not os.path.isfile(os.path.join(state, "manifest.ocdbt")):
+        with open(os.path.join(state, "_METADATA"), "rb") as f:  # damage() parsed it
+            ocdbt = json.loads(f.read()).get("use_ocdbt", False)
+        return "state/manifest.ocdbt is missing" if ocdbt else None  # orbax would find no array
     import tensorstore as ts
 
     try:
@@ -194,6 +198,18 @@ class _OrbaxErrors(logging.Filter):
 
     def filter(self, record):
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+class _MetadataParseErrors(logging.Filter):
+    """Drops orbax's ``Failed to json parse Metadata file`` errors, which it logs each time it
+    lists the steps of a run with an empty or garbled step metadata file: ``damage`` names that
+    file in the one line the readers print (``newest_restorable``, ``Checkpointer.set_aside``)."""
+
+    def filter(self, record):
+        return not ("orbax" in record.pathname and str(record.msg).startswith("Failed to json parse"))
+
+
+logging.getLogger("absl").addFilter(_MetadataParseErrors())
 
 
 class Checkpointer:

@@ -351,8 +351,9 @@ HELP = {
     "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep": "checkpoints to keep",
-    "restart": "train an --out that has metrics but no checkpoint again from step 0 (its metrics.jsonl "
-               "starts over); without it such a run is refused. A run with a checkpoint resumes as usual",
+    "restart": "train an --out that has metrics but no checkpoint again from step 0, its metrics.jsonl "
+               "started over; without it that file is kept as metrics.jsonl.orphaned-TIME. A run with a "
+               "checkpoint resumes as usual",
     "eval_every": "evaluate every N steps (0: only at the end)",
     "eval_steps": "batches per periodic evaluation (the final one scores the whole eval split)",
     "log_every": "log metrics every N steps",

@@ -173,7 +173,8 @@ def grpo_task(loss: str | None = None, beta: float | None = None, epsilon: float
     if not (math.isfinite(beta) and beta >= 0):
         raise UserError(f"--beta must be a finite number >= 0, got {beta}")
     high = epsilon if epsilon_high is None else epsilon_high
-    return GRPOTask("grpo", "completions", "policy_loss", has_accuracy=False, has_perplexity=False, loss=loss,
+    return GRPOTask("grpo", "completions", "policy_loss", has_accuracy=False, has_perplexity=False,
+                    signals=("reward", "rewards/*/mean"), loss=loss,
                     beta=beta, epsilon=float(epsilon), epsilon_high=float(high), num_iterations=int(num_iterations),
                     max_completion_length=int(max_completion_length))
 

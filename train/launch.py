@@ -30,6 +30,8 @@ from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rul
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.metrics import set_aside_orphans, signal_keys
+from shardzoo.train.optim import warmup_note
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -132,7 +134,6 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
         raise ConfigError(f"{checkpoints} exists and is not a directory: move it away or choose another --out")
     check_run_dir(out)
-    outdir.check_fresh_start(cfg, out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
@@ -351,7 +352,8 @@ def run(cfg: TrainConfig, hooks=(), log=None) -> RunResult:
     lock = DirLock(cfg.out, "--out") if is_main_process() else None
     _agree(lambda: lock and lock.acquire())
     try:
-        return _run(cfg, hooks, xla_flags, log)
+        with interrupt.undone(lock.release if lock is not None else lambda: None):  # a Ctrl-C at start-up
+            return _run(cfg, hooks, xla_flags, log)
     finally:
         if lock is not None:
             lock.release()
@@ -382,6 +384,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             else os.path.abspath(cfg.init_from)
         meta["lora"] = {"base": base, "adapters_from": cfg.lora_from and os.path.abspath(cfg.lora_from)}
     undo = _Undo(p.out) if main else None  # a step out of memory at its start leaves --out as it was
+    orphans = None  # metrics.jsonl rows of no checkpoint, set aside by a fresh start
     if main:  # validated: from here on we write (a Ctrl-C waits for these writes: the resume reads them)
         with interrupt.uncut():
             os.makedirs(p.out, exist_ok=True)
@@ -389,6 +392,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             # a resume keeps the run's tokenizer files (checked equal above)
             if p.tokenizer is not None and (p.resume_step is None or not os.path.isdir(tokenizer_dir)):
                 p.tokenizer.save(tokenizer_dir)
+            orphans = None if p.resume_step is not None or cfg.restart else set_aside_orphans(p.out)
             _write_json(os.path.join(p.out, "run.json"), {
                 **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
                 "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
@@ -403,8 +407,9 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     if cfg.init_from and p.resume_step is None:
         init_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,
                                                     init_meta.get("family"))
-    for note in p.notes:
-        log(note)
+    for note in (*p.notes, orphans, warmup_note(cfg)):
+        if note:
+            log(note)
     log(str(p.rules))
     if p.opt_rules is not None:
         log(f"optimizer state: {p.opt_rules}")
@@ -440,5 +445,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                          main_process=main)
     status = PREEMPTED if trainer.stop_signal == signal.SIGTERM else DONE
     summary = f"; loss {loss:.4f}" if loss is not None else ""
+    for key in signal_keys(trainer.program.task.signals, last or {}):  # what the task learns from
+        summary += f", {key} {last[key]:.4f}" if isinstance(last[key], float) else ""
     return RunResult(status, p.out, trainer.final_step, loss, saved,
                      f"stopped at step {trainer.final_step}{summary}; checkpoint {saved}", main_process=main)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import fnmatch
 import json
 import math
 import os
@@ -41,6 +43,45 @@ def truncate_metrics(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def signal_keys(patterns, keys) -> list[str]:
+    """The metric names among ``keys`` that match a task's signal ``patterns`` (``Task.signals``),
+    in the order of the patterns."""
+    found = []
+    for pattern in patterns:
+        found += [k for k in keys if fnmatch.fnmatchcase(k, pattern) and k not in found]
+    return found
+
+
+def headline(record: dict, signals=()) -> dict:
+    """The figures a log line shows of ``record``: the loss, the task's learning signals (train
+    and eval), eval loss and accuracy, and throughput."""
+    names = ["loss", *signal_keys(signals, record), "eval_loss", "eval_loss_sampled", "eval_accuracy",
+             "eval_accuracy_sampled",
+             *signal_keys([f"eval_{p}{s}" for p in signals for s in ("", "_sampled")], record),
+             "tokens_per_sec", "examples_per_sec"]
+    return {k: record[k] for k in dict.fromkeys(names) if k in record}
+
+
+def set_aside_orphans(out_dir: str) -> str | None:
+    """A fresh start in a run dir whose ``metrics.jsonl`` holds rows but which has no checkpoint
+    (its first save failed, it was killed before it, or its checkpoints were deleted): those rows
+    belong to no checkpoint, so the file is moved to ``metrics.jsonl.orphaned-<time>`` (kept,
+    never deleted) and the run starts. Returns the line that says so, or None."""
+    path = os.path.join(out_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return None
+    steps = [r["step"] for r in read_metrics(path) if isinstance(r.get("step"), int)]
+    if not steps:
+        return None
+    dest = f"{path}.orphaned-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    k = 1
+    while os.path.lexists(dest):
+        dest, k = f"{path}.orphaned-{datetime.datetime.now():%Y%m%d-%H%M%S}-{k}", k + 1
+    os.replace(path, dest)
+    return (f"{path} held steps up to {max(steps)} but no checkpoint they belong to: moved it to {dest}; "
+            "training from step 0")
+
+
 def _number(value):
     value = float(value)
     return value if math.isfinite(value) else str(value)  # NaN/Inf as strings: strict JSON
@@ -62,8 +103,9 @@ class MetricsLogger:
     """
 
     def __init__(self, out_dir: str, total_steps: int, start_step: int, tensorboard: bool = False,
-                 active: bool = True, wandb_project: str | None = None, settings: dict | None = None):
-        self.active = active
+                 active: bool = True, wandb_project: str | None = None, settings: dict | None = None,
+                 signals: tuple[str, ...] = ()):
+        self.active, self.signals = active, tuple(signals)
         self.path = os.path.join(out_dir, METRICS_FILE)
         self.file = self.bar = self.tb = self.wandb = None
         if not active:
@@ -96,8 +138,7 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, float)}, step=int(step))
-        shown = {k: record[k] for k in ("loss", "eval_loss", "eval_loss_sampled", "eval_accuracy",
-                                        "eval_accuracy_sampled", "tokens_per_sec", "examples_per_sec") if k in record}
+        shown = headline(record, self.signals)
         if self.bar.disable:
             print(f"step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in shown.items()), flush=True)
         else:
@@ -166,8 +207,15 @@ def _check_plot_target(out_path: str) -> None:
                         f"{', '.join('.' + f for f in PLOT_FORMATS)}")
 
 
-def plot_losses(run_dir: str, out_path: str | None = None) -> str:
-    """Draw train and eval loss against step from ``RUN/metrics.jsonl`` to a PNG; return its path."""
+def _series(records, key):
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return tuple(zip(*points, strict=True)) if points else None
+
+
+def plot_losses(run_dir: str, out_path: str | None = None, signals: tuple[str, ...] = ()) -> str:
+    """Draw train and eval loss against step from ``RUN/metrics.jsonl`` to a PNG, and below it
+    one panel per learning signal of the task (``signals``: ``Task.signals`` patterns, e.g.
+    GRPO's reward and each reward function's mean), train and eval; return the file's path."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise PlotError(f"{path}: no such file (is {run_dir} a shardzoo run directory?)")
@@ -177,38 +225,48 @@ def plot_losses(run_dir: str, out_path: str | None = None) -> str:
     curves = {}
     for key, label in (("loss", "train"), ("eval_loss_sampled", "eval (sampled, --eval-steps)"),
                        ("eval_loss", "eval (whole split)")):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        if points:
-            curves[label] = list(zip(*points, strict=True))
+        if _series(records, key):
+            curves[label] = _series(records, key)
     if not curves:
         raise PlotError(f"{path}: no loss values to plot")
+    keys = dict.fromkeys(k for r in records for k in r)
+    panels = [k for k in signal_keys(signals, keys) if _series(records, k)]
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(7, 4.5 + 2.5 * len(panels)), sharex=True,
+                             squeeze=False)
+    axis = axes[0][0]
     for label, (steps, losses) in curves.items():
         axis.plot(steps, losses, marker="o" if label.startswith("eval") else None, markersize=4, label=label)
-    axis.set_xlabel("step")
     axis.set_ylabel("loss")
     axis.set_title(os.path.basename(os.path.abspath(run_dir)))
     axis.grid(alpha=0.3)
     handles, labels = axis.get_legend_handles_labels()
-    accuracy = {label: [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-                for key, label in (("eval_accuracy_sampled", "eval accuracy (sampled)"),
-                                   ("eval_accuracy", "eval accuracy (whole split)"))}
-    if any(accuracy.values()):  # accuracy on its own axis, at the right
+    accuracy = {label: (_series(records, key), style) for key, label, style in (
+        ("eval_accuracy_sampled", "eval accuracy (sampled)", dict(marker="^", color="tab:olive")),
+        ("eval_accuracy", "eval accuracy (whole split)", dict(marker="s", color="tab:green")))}
+    if any(points for points, _ in accuracy.values()):  # accuracy on its own axis, at the right
         right = axis.twinx()
-        for label, points in accuracy.items():
+        for label, (points, style) in accuracy.items():
             if points:
-                steps, values = zip(*points, strict=True)
-                right.plot(steps, values, linestyle="--", marker="s", markersize=4, color="tab:green", label=label)
+                right.plot(*points, linestyle="--", markersize=4, label=label, **style)
         right.set_ylabel("accuracy")
         more_handles, more_labels = right.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     axis.legend(handles, labels)
+    for (panel,), key in zip(axes[1:], panels, strict=True):
+        panel.plot(*_series(records, key), label="train")
+        for suffix, label, marker in (("_sampled", "eval (sampled)", "^"), ("", "eval (whole split)", "s")):
+            if _series(records, f"eval_{key}{suffix}"):
+                panel.plot(*_series(records, f"eval_{key}{suffix}"), marker=marker, markersize=4, label=label)
+        panel.set_ylabel(key)
+        panel.grid(alpha=0.3)
+        panel.legend()
+    axes[-1][0].set_xlabel("step")
     try:
         fig.savefig(out_path, dpi=100, bbox_inches="tight")
     except OSError as e:

@@ -26,6 +26,18 @@ def make_schedule(cfg) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
+def warmup_note(cfg) -> str | None:
+    """One line for a run whose warm-up lasts the whole run (``--warmup-steps`` >= ``--steps``,
+    e.g. the default 20 on a 20-step try): its learning rate never reaches ``--lr``. The run
+    keeps what it was given (a resume must see the same schedule); the line says so and how to
+    change it."""
+    if not 0 < cfg.steps <= cfg.warmup_steps:
+        return None
+    return (f"note: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning rate rises "
+            f"linearly the whole run and never reaches --lr {cfg.lr:g} (give --warmup-steps below "
+            f"{cfg.steps}, e.g. {cfg.steps // 10})")
+
+
 def decay_mask(boxed_params):
     """True for kernels and embeddings: >=2 dims besides the scanned ``layers`` axis, not a bias/scale.
 

@@ -1,7 +1,6 @@
 """What an existing ``--out`` may hold, checked before a run writes anything: not a place inside
-another run's checkpoints, not metrics without a checkpoint (unless ``--restart``), and a run to
-resume only with the model, optimizer, tokenizer, sequence length and batch size it was trained
-with. Reads only.
+another run's checkpoints, and a run to resume only with the model, optimizer, tokenizer,
+sequence length and batch size it was trained with. Reads only.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from shardzoo.train.checkpoint import (
     read_meta,
     verify,
 )
-from shardzoo.train.config import ConfigError, TrainConfig
-from shardzoo.train.metrics import METRICS_FILE, read_metrics
+from shardzoo.train.config import ConfigError
 from shardzoo.train.runmeta import check_same_model, config_to_dict
 from shardzoo.train.sources import WORDS, classify, is_checkpoints_dir, is_step_dir
 
@@ -46,20 +44,6 @@ def check_out(out: str) -> None:
         if parent == probe:
             return
         probe = parent
-
-
-def check_fresh_start(cfg: TrainConfig, out: str) -> None:
-    """A run with logged metrics but no checkpoint (deleted, or never saved) would start over
-    and overwrite them: only with ``--restart``."""
-    root = os.path.join(out, CHECKPOINTS)
-    metrics = os.path.join(out, METRICS_FILE)
-    if cfg.restart or all_steps(root) or not os.path.isfile(metrics):
-        return
-    logged = [r.get("step") for r in read_metrics(metrics) if isinstance(r.get("step"), int)]
-    if logged:
-        raise ConfigError(f"--out {out} holds {METRICS_FILE} up to step {max(logged)} but no checkpoint "
-                          f"to resume from ({root} has no step): --restart trains it again from step 0 "
-                          f"and starts {METRICS_FILE} over; or choose another --out")
 
 
 def check_resume(cfg, out, config, tokenizer, mesh, rules) -> tuple[int | None, tuple[str, ...]]:

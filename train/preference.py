@@ -177,7 +177,8 @@ def preference_task(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: f
         raise UserError(f"--label-smoothing must be in [0, 0.5), got {label_smoothing}")
     if cpo_alpha < 0:
         raise UserError(f"--cpo-alpha must be 0 or more, got {cpo_alpha}")
-    return PreferenceTask("dpo", "pairs", f"{loss}_loss", has_accuracy=False, has_perplexity=False, loss=loss,
+    return PreferenceTask("dpo", "pairs", f"{loss}_loss", has_accuracy=False, has_perplexity=False,
+                          signals=("rewards/accuracies", "rewards/margins"), loss=loss,
                           beta=float(beta), label_smoothing=float(label_smoothing),
                           simpo_gamma=float(simpo_gamma), cpo_alpha=float(cpo_alpha))
 

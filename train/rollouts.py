@@ -202,12 +202,35 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
                                         skip_bad=cfg.skip_missing)
     elif cfg.eval_fraction:
         prompts, eval_prompts = split_prompts(prompts, cfg.eval_fraction, cfg.seed)
+    try_reward_functions(functions, prompts)
     weights = cfg.reward_weights if cfg.reward_weights is not None else (1.0,) * len(functions)
     sampling = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     return Rollouts(prompts, tokenizer, functions, weights, group=cfg.num_generations, iterations=cfg.num_iterations,
                     scale=cfg.scale_rewards, prompt_width=width, completion=completion, sampling=sampling,
                     batch_size=cfg.batch_size, seed=cfg.seed, aggregation=cfg.multi_objective_aggregation,
                     mask_truncated=cfg.mask_truncated_completions, eval_prompts=eval_prompts)
+
+
+def try_reward_functions(functions, prompts) -> None:
+    """Call each reward function once, as a rollout calls it, on the first prompt (its columns)
+    with an empty completion, before anything compiles or is written. A ``TypeError`` (the
+    signature: TRL passes ``prompts, completions, completion_ids`` and every column as keywords)
+    or a ``KeyError`` (a column the data lacks) does not depend on the completion, so it is a
+    one-line UserError here; any other failure may be the placeholder's, and is left to the
+    first rollout (which stops the run with one line)."""
+    if not len(prompts.prompts):
+        return
+    completion = [{"role": "assistant", "content": ""}] if prompts.conversational else ""
+    columns = {k: v[:1] for k, v in prompts.columns.items()}
+    for f in functions:
+        try:
+            f.fn(prompts=prompts.prompts[:1], completions=[completion], completion_ids=[[]], **columns)
+        except (TypeError, KeyError) as e:
+            raise UserError(f"reward function {f.name} ({f.spec}) raised {type(e).__name__}: {e} when called "
+                            f"once before training (columns {', '.join(sorted(columns)) or 'none'})".splitlines()[0]) \
+                from None
+        except Exception:  # noqa: BLE001 - maybe the empty placeholder's fault: the rollouts will tell
+            pass
 
 
 class GRPOTrainer(Trainer):

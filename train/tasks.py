@@ -50,6 +50,10 @@ class Task:
     loss_name: str  # the task loss's metric name: "ce_loss" or "mse"
     has_accuracy: bool
     has_perplexity: bool
+    # the metrics that show what the task learns from (shell patterns over metric names, e.g.
+    # ``rewards/*/mean``): the console, the progress bar, the final line and ``shardzoo plot``
+    # show them beside the loss
+    signals: tuple[str, ...] = ()
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         """The batch's entries for ``batch_size`` rows (``seq_len`` tokens each for ``lm``)."""
@@ -120,18 +124,22 @@ class Task:
 TASKS = {
     "lm": Task("lm", "tokens", "ce_loss", has_accuracy=True, has_perplexity=True),
     "classification": Task("classification", "examples", "ce_loss", has_accuracy=True,
-                           has_perplexity=False),
+                           has_perplexity=False, signals=("accuracy",)),
     "regression": Task("regression", "examples", "mse", has_accuracy=False, has_perplexity=False),
 }
 
 
 def get_task(config_or_name) -> Task:
     """The task of a model config (its ``task`` field) or by name (``dpo``: preference pairs,
-    ``train/preference.py``, with its default loss)."""
+    ``train/preference.py``, and ``grpo``, ``train/grpo.py``, each with its default loss)."""
     if config_or_name == "dpo":
         from shardzoo.train.preference import preference_task
 
         return preference_task()
+    if config_or_name == "grpo":
+        from shardzoo.train.grpo import grpo_task
+
+        return grpo_task()
     name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "task", None)
     if name not in TASKS:
         raise UserError(f"task {name!r} is not one of {', '.join(TASKS)}")
@@ -178,3 +186,13 @@ def summarize_eval(task: Task, totals: dict) -> dict:
         out["eval_accuracy"] = float(totals["correct"]) / weight
     out.update({f"eval_{k}": float(v) for k, v in task.extra_metrics(totals, weight).items()})
     return out
+
+
+def run_signals(run: dict | None) -> tuple[str, ...]:
+    """The signal patterns (``Task.signals``) of the task a run's ``run.json`` trained."""
+    settings = (run or {}).get("settings") or {}
+    name = (settings.get("task") or {}).get("task") or ((run or {}).get("config") or {}).get("task") or "lm"
+    try:
+        return get_task(name).signals
+    except UserError:
+        return ()

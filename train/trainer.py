@@ -305,7 +305,8 @@ class Trainer:
         with interrupt.stoppable(lambda signum: self._on_signal(signum, None)):
             self.logger = MetricsLogger(cfg.out, cfg.steps, self.start_step, cfg.tensorboard, is_main_process(),
                                         getattr(cfg, "wandb", None),
-                                        cfg.to_sections() if hasattr(cfg, "to_sections") else None)
+                                        cfg.to_sections() if hasattr(cfg, "to_sections") else None,
+                                        signals=self.program.task.signals)
             previous = {}
             if threading.current_thread() is threading.main_thread():
                 previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -23,9 +23,16 @@ def _truncate_arrays(run, step):
             fh.truncate(10)
 
 
+def _remove_manifest(run, step):
+    os.remove(run / "checkpoints" / str(step) / "state" / "manifest.ocdbt")
+
+
+@pytest.mark.parametrize("damage", [_truncate_arrays, _remove_manifest])
 def test_a_truncated_newest_checkpoint_is_moved_aside_and_training_continues_from_the_one_before(
-        cli, reference, run_copy):
-    _truncate_arrays(run_copy, 8)
+        cli, reference, run_copy, damage):
+    """Its array files truncated, or the index of them gone (``state/manifest.ocdbt``: was "nothing
+    to do" with the same --steps, and a traceback with more)."""
+    damage(run_copy, 8)
     damaged = cli.snapshot(run_copy / "checkpoints" / "8")
     done = cli.train(run_copy)  # the same command as the reference's
     assert done.returncode == 0, done.stderr
@@ -64,6 +71,19 @@ def test_generate_passes_over_a_damaged_step_and_leaves_the_run_as_it_is(cli, ru
     assert len(lines) == 1 and "checkpoint step 8" in lines[0] and says in lines[0], lines
     assert "using step 4" in lines[0] and captured.out.startswith("the quick")
     assert cli.snapshot(run_copy) == before
+
+
+def test_generate_on_an_empty_step_metadata_file_prints_its_one_line_only(cli, run_copy):
+    """orbax logs ``ERROR:absl:Failed to json parse Metadata file`` each time it lists the steps
+    (four times here, before the warning); the warning names the file. A subprocess: under
+    pytest, absl's records go to pytest's log capture, not to stderr."""
+    (run_copy / "checkpoints" / "8" / "_CHECKPOINT_METADATA").write_text("")
+    done = cli.run("generate", "--checkpoint", run_copy, "--prompt", "the quick", "--max-new-tokens", "4",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=1")  # no cache-replication warnings
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (f"shardzoo: warning: checkpoint step 8 in {run_copy}/checkpoints cannot be "
+                                   "restored (_CHECKPOINT_METADATA is empty); using step 4"), done.stderr
+    assert done.stdout.startswith("the quick")
 
 
 def test_export_hf_of_a_named_damaged_step_exits_2(cli, run_copy, tmp_path, capsys):

@@ -19,6 +19,7 @@ from shardzoo.cli import main
     ("rms_norm_eps=-1", "rms_norm_eps=-1.0 must be a finite number > 0"),
     ("rope_theta=0", "rope_theta=0.0 must be a finite number > 0"),
     ("head_dim=15", "rotary embeddings turn pairs of features: head_dim=15"),
+    ("hiden_size=128", "unknown override hiden_size (did you mean hidden_size?)"),
 ])
 def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, expected, capsys):
     out = tmp_path / "never"
@@ -30,7 +31,9 @@ def test_a_bad_config_field_is_refused_at_construction(cli, tmp_path, override, 
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--temperature", "nan"], "a finite --temperature >= 0"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature -1 must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p 0 must be in (0, 1]"),
     (["--max-new-tokens", "100000"], "exceed the model's"),
 ])
 def test_generate_refuses_values_that_give_garbage(cli, reference, flags, expected, capsys):
@@ -93,6 +96,8 @@ def test_plot_into_a_read_only_directory(cli, reference, tmp_path, unshare):
 
 DATA = {  # file name, bytes, what the one line must say
     "not utf-8": ("notes.txt", b"hello\nw\xf6rld\n", "is not UTF-8 text: byte 0xf6 at byte offset 7 (line 2)"),
+    "jsonl not utf-8": ("rows.jsonl", b'{"text": "hello"}\n{"text": "w\xf6rld"}\n',
+                        "is not UTF-8 text: byte 0xf6 at byte offset 29 (line 2)"),
     "bad json line": ("rows.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', "rows.jsonl, line 3: not valid JSON"),
     "bad csv row": ("rows.csv", b"text,id\nhello,1\nworld,2,3\n", "rows.csv, line 3: 3 fields where the header has 2"),
 }

@@ -1,7 +1,7 @@
 """Paths that name the wrong thing end in one line where they enter, and change nothing: an
---out inside a run's checkpoints, a run whose checkpoints are gone but whose metrics are not,
-a garbled run.json, a missing --hf dir, a directory that is no model, /dev/null as data; and
-export-lora follows the readers' rule (the newest step that restores)."""
+--out inside a run's checkpoints, a garbled run.json, a missing --hf dir, a directory that is no
+model, /dev/null as data; metrics of no checkpoint are set aside, not a refusal; and export-lora
+follows the readers' rule (the newest step that restores)."""
 
 import os
 import shutil
@@ -29,15 +29,25 @@ def test_out_at_a_runs_checkpoint_is_refused_before_anything_is_written(cli, run
     assert cli.snapshot(run_copy) == before
 
 
-def test_a_run_whose_checkpoints_were_deleted_is_refused_unless_restart(cli, run_copy, capsys):
+def test_metrics_of_no_checkpoint_are_set_aside_and_the_run_starts(cli, run_copy, capsys):
+    """A run whose first save failed, that was killed before it, or whose checkpoints were deleted
+    holds metrics.jsonl rows that belong to no checkpoint: the same command keeps them as
+    metrics.jsonl.orphaned-TIME, says so in one line, and trains (was: refused, exit 2);
+    ``--restart`` starts metrics.jsonl over instead."""
     for step in (4, 8):
         shutil.rmtree(run_copy / "checkpoints" / str(step))
-    before = cli.snapshot(run_copy)
-    line = _refused(cli, capsys, cli.args(run_copy))
-    assert "holds metrics.jsonl up to step 8 but no checkpoint" in line and "--restart" in line, line
-    assert cli.snapshot(run_copy) == before  # metrics.jsonl kept
-    assert main(cli.args(run_copy, 1, "--restart")) == 0  # asked for: it starts over
+    logged = (run_copy / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(cli.args(run_copy, 1)) == 0
+    captured = capsys.readouterr()
+    (orphaned,) = run_copy.glob("metrics.jsonl.orphaned-*")
+    assert orphaned.read_bytes() == logged  # kept whole
+    assert f"{run_copy}/metrics.jsonl held steps up to 8 but no checkpoint they belong to: moved it to " \
+        f"{orphaned}; training from step 0" in captured.out.splitlines(), captured.out
     assert sorted(cli.losses(run_copy)) == [1]
+    shutil.rmtree(run_copy / "checkpoints" / "1")
+    assert main(cli.args(run_copy, 1, "--restart")) == 0  # asked for: it starts over, nothing set aside
+    assert sorted(cli.losses(run_copy)) == [1] and len(list(run_copy.glob("metrics.jsonl.orphaned-*"))) == 1
 
 
 def test_a_garbled_run_json_is_reported_as_garbled(cli, run_copy, capsys):

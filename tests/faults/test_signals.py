@@ -1,7 +1,10 @@
 """Ctrl-C saves the current step and exits 130 with one line, and the resume ends bit-identical
 to an uninterrupted run; a second Ctrl-C aborts at once without saving."""
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -97,6 +100,8 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
         if lines[0] == "shardzoo train: interrupted (Ctrl-C); nothing more was saved":
             kinds.append("before the loop")
             assert not (out / "checkpoints").exists() or latest_step(str(out / "checkpoints")) is None
+            # the --out it created is gone unless the run wrote its files there (no empty dir, no lock)
+            assert not out.exists() or (out / "run.json").exists() and not (out / ".shardzoo.lock").exists()
         else:
             saved = latest_step(str(out / "checkpoints"))
             assert lines[0] == (f"shardzoo train: interrupted: saved step {saved} to {out}/checkpoints/{saved}; "
@@ -108,3 +113,80 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
         assert latest_step(str(out / "checkpoints")) == 8
     # the start-up moments reach before the loop, and the loop's more than one step
     assert kinds.count("before the loop") >= 3 and len(set(kinds) - {"before the loop"}) >= 3, kinds
+
+
+def _pipeline(cli, out, name, stderr, **env):
+    """``train`` into ``| tee``, both in one new process group (a shell's foreground job); returns
+    (train, tee)."""
+    proc = subprocess.Popen(cli.cmd(*cli.args(out)), env=cli.env(SZ_TEST_STEP_DELAY="0.3", **env),
+                            stdout=subprocess.PIPE, process_group=0, **stderr)
+    tee_with_ctrl_c = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execvp('tee', ['tee', sys.argv[1]])")  # even where the test's SIGINT is ignored
+    tee = subprocess.Popen([sys.executable, "-c", tee_with_ctrl_c, str(cli.root / f"{name}.log")], stdin=proc.stdout,
+                           stdout=subprocess.DEVNULL, process_group=proc.pid)
+    proc.stdout.close()  # the pipe's reader is tee alone
+    return proc, tee
+
+
+def test_ctrl_c_through_a_pipe_whose_reader_dies_with_it_saves_and_resumes(cli, reference, tmp_path):
+    """``train 2>&1 | tee log``, Ctrl-C to the whole job: tee dies of the same SIGINT, so every
+    line the run prints after it (the save's) goes to a closed pipe; the save must not depend on
+    them. Then ``train | head -1`` with stderr closed (``2>&-``): head leaves after one line and the
+    run trains on to its end."""
+    out = tmp_path / "tee"
+    proc, tee = _pipeline(cli, out, "tee", dict(stderr=subprocess.STDOUT))
+    try:
+        cli.wait_for(lambda: cli.logged_step(out) >= 5, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert tee.wait(timeout=30) != 0  # killed by the signal: the pipe has no reader
+        assert proc.wait(timeout=120) == 130
+    finally:
+        cli.stop(proc, tee)
+    saved = latest_step(str(out / "checkpoints"))
+    assert saved == cli.logged_step(out) and saved >= 5
+    done = cli.train(out)  # the same command resumes
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {out}/checkpoints/{saved}" in done.stdout
+    assert cli.losses(out) == cli.losses(reference)
+
+    out = tmp_path / "head"
+    closed_stderr = ["sh", "-c", 'exec "$@" 2>&-', "sh", *cli.cmd(*cli.args(out))]
+    proc = subprocess.Popen(closed_stderr, env=cli.env(), stdout=subprocess.PIPE)
+    head = subprocess.run(["head", "-1"], stdin=proc.stdout, capture_output=True, text=True, timeout=300)
+    proc.stdout.close()
+    try:
+        assert proc.wait(timeout=300) == 0
+    finally:
+        cli.stop(proc)
+    assert len(head.stdout.splitlines()) == 1
+    assert latest_step(str(out / "checkpoints")) == 8 and cli.losses(out) == cli.losses(reference)
+
+
+def test_ctrl_c_at_start_up_removes_the_out_this_command_created(cli, tmp_path):
+    """What ``train`` does between taking the lock on a new --out and writing run.json there
+    (``launch.run``), held open: the Ctrl-C that ends the process removes that empty directory
+    and its lock (was: an empty --out left behind); a directory that was there stays."""
+    script = ("import sys, time\n"
+              "from shardzoo import interrupt\n"
+              "interrupt.watch('train')\n"
+              "from shardzoo.train.rundir import DirLock\n"
+              "lock = DirLock(sys.argv[1])\n"
+              "lock.acquire()\n"
+              "with interrupt.undone(lock.release):\n"
+              "    print('locked', flush=True)\n"
+              "    time.sleep(60)\n")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for out in (tmp_path / "new" / "run", existing):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(out)], env=cli.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "locked\n"
+            assert (out / ".shardzoo.lock").exists()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+        finally:
+            cli.stop(proc)
+        assert proc.stderr.read() == "shardzoo train: interrupted (Ctrl-C); nothing more was saved\n"
+        assert not (out / ".shardzoo.lock").exists()
+    assert not (tmp_path / "new").exists() and existing.is_dir()

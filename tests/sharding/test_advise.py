@@ -199,6 +199,16 @@ def test_a_mesh_axis_that_shards_nothing_is_rejected():
 def test_device_kinds():
     assert get_device("h200").memory == 141e9 and get_device("v5e").per_host == 256
     assert get_device("80GB").peak_flops == get_device("h100").peak_flops
+    assert get_device("v4").memory == 32e9  # plan's device memory names are advise's too
+
+
+def test_plan_and_advise_take_the_same_device_memory_names(capsys):
+    from shardzoo.sharding.plan import DEVICE_MEMORY
+
+    for kind in DEVICE_MEMORY:
+        assert main(["advise", "--model", "llama-tiny", "--devices", "8", "--device-memory", kind, "--top", "1"]) == 0
+        assert main(["plan", "--model", "llama-tiny", "--mesh", "fsdp=8", "--device-memory", kind]) == 0
+    capsys.readouterr()
 
 
 def test_deepseek_v3_on_256_h200s(capsys):

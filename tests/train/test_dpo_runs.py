@@ -45,6 +45,7 @@ def records(root, out):
 def quiet(cfg):
     result = run(cfg, log=lambda line: None)
     assert result.status == DONE, result.message
+    assert ", rewards/accuracies " in result.message and ", rewards/margins " in result.message, result.message
     return result
 
 

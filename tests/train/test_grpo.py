@@ -56,6 +56,11 @@ def words(prompts, completions, completion_ids, **columns):
 def raises(prompts, completions, **columns):
     raise KeyError("no such column")
 
+def on_real_completions(prompts, completions, **columns):
+    if any(completions):  # the placeholder of the check before training is empty
+        raise ValueError("cannot parse the answer")
+    return [0.0] * len(completions)
+
 def length(prompts, completions, completion_ids, **columns):
     return [len(ids) / 10 for ids in completion_ids]
 
@@ -334,6 +339,7 @@ def records(hf, out):
 def quiet(cfg, hooks=()):
     result = run(cfg, log=lambda line: None, hooks=hooks)
     assert result.status == DONE, result.message
+    assert ", reward " in result.message, result.message  # the final line says what GRPO learns from
     return result
 
 
@@ -463,22 +469,40 @@ def test_reward_function_failures_are_one_line():
 
 
 def test_a_failing_reward_function_stops_the_run_with_one_line(hf, capsys):
+    """A function that raises whatever it is given (a missing column, a wrong signature) is found
+    by one call before anything compiles or is written; one that raises only on real samples
+    stops the run at its first rollout, with one line too."""
     from shardzoo.cli import main
     from shardzoo.errors import UserError
 
-    args = ["train", "--task", "grpo", "--init-from", str(hf.root / "policy"), "--data", hf.prompts,
-            "--reward-funcs", f"{hf.reward}:raises", "--batch-size", "8", "--num-generations", "4", "--seq-len", "24",
-            "--max-completion-length", "10", "--steps", "2", "--out", str(hf.root / "raising")]
+    def args(fn, out):
+        return ["train", "--task", "grpo", "--init-from", str(hf.root / "policy"), "--data", hf.prompts,
+                "--reward-funcs", f"{hf.reward}:{fn}", "--batch-size", "8", "--num-generations", "4",
+                "--seq-len", "24", "--max-completion-length", "10", "--steps", "2", "--out", str(hf.root / out)]
+
     capsys.readouterr()
-    assert main(args) == 2
+    assert main(args("raises", "raising")) == 2
+    captured = capsys.readouterr()
+    line = cli_one_line(captured.err)
+    assert line.startswith("shardzoo train: error: reward function raises ("), line
+    assert "rewards.py:raises) raised KeyError: 'no such column' when called once before training " \
+        "(columns target)" in line, line
+    assert captured.out == "" and not os.path.exists(hf.root / "raising")  # nothing compiled, nothing written
+    assert main(args("on_real_completions", "later")) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith("shardzoo train: error: reward function raises ("), err
-    assert last.endswith("rewards.py:raises) raised KeyError: 'no such column'"), last
-    assert not os.path.exists(hf.root / "raising" / "checkpoints" / "1")  # nothing trained on garbage
+    assert "Traceback" not in err and last.endswith(
+        "rewards.py:on_real_completions) raised ValueError: cannot parse the answer"), err
+    assert not os.path.exists(hf.root / "later" / "checkpoints" / "1")  # nothing trained on garbage
     with pytest.raises(UserError, match=r"--reward-funcs .*rewards.py:nothing: .* defines no function 'nothing'"):
         prepare(settings(hf, "missing", reward_funcs=(f"{hf.reward}:nothing",)))
     assert not os.path.exists(hf.root / "missing")
+
+
+def cli_one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
 
 
 def test_lora_grpo_reference_costs_no_parameter_bytes_and_its_merged_export_loads(hf):

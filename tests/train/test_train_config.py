@@ -46,3 +46,15 @@ def test_a_bad_config_file_names_the_setting(tmp_path, text, message):
 def test_flags_go_through_the_same_coercer():
     args = build_parser().parse_args(["train", "--out", "x", "--feature-columns", "pixels,extra"])
     assert config_from_args(args).feature_columns == ("pixels", "extra")
+
+
+def test_a_warm_up_as_long_as_the_run_is_said_in_one_line():
+    from shardzoo.train.optim import make_schedule, warmup_note
+
+    short = TrainConfig(steps=20, warmup_steps=20, lr=1e-3)
+    note = warmup_note(short)
+    assert note.startswith("note: --warmup-steps 20 >= --steps 20: ") and "never reaches --lr 0.001" in note
+    assert "\n" not in note and "--warmup-steps below 20, e.g. 2" in note
+    assert float(make_schedule(short)(short.steps - 1)) < short.lr  # what it says: the last step's lr is below
+    assert warmup_note(TrainConfig(steps=21, warmup_steps=20)) is None
+    assert warmup_note(TrainConfig(steps=5, warmup_steps=0)) is None
