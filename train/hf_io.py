@@ -212,7 +212,9 @@ def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")
     positions = config.max_positions
-    if len(ids) + max_new_tokens > positions:  # past them, rotary models too only produce noise
+    # a learned position table ends there; rotary positions go on (transformers generates on, and
+    # dynamic NTK scaling exists for exactly that)
+    if config.arch.position_embedding == "learned" and len(ids) + max_new_tokens > positions:
         raise UserError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
                         f"model's {positions} positions: use --max-new-tokens {max(positions - len(ids), 0)} "
                         f"or less")
