@@ -87,7 +87,7 @@ def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, fam
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     if has_tokenizer and jax.process_index() == 0:
         copy_tokenizer_files(hf_dir, tokenizer_dir)
-    meta = {**model_meta(config, None, family.name), "rules": rules.name,
+    meta = {**model_meta(config, None, family.name, hf.read_hf_config(hf_dir)), "rules": rules.name,
             "mesh": describe_mesh(mesh), "tokenizer": tokenizer_dir if has_tokenizer else "byte",
             "tokenizer_saved": has_tokenizer, "hf_source": os.path.abspath(hf_dir),
             "hf_model_type": model_type}
@@ -129,7 +129,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
         before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
         try:
             hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                     family=family)
+                                     family=family, base=source.meta.get("hf_config"))
             if tokenizer_spec and jax.process_index() == 0:
                 src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
                 if os.path.isdir(src):

@@ -89,7 +89,8 @@ def with_init_model(cfg: TrainConfig):
         tokenizer = cfg.tokenizer
     add_bos = cfg.add_bos or (tokenizer != "byte" and adds_bos(tokenizer))
     cfg = dataclasses.replace(cfg, model=source.model, tokenizer=tokenizer, add_bos=add_bos)
-    return cfg, config, {"model": source.model, "family": source.family}
+    return cfg, config, {"model": source.model, "family": source.family,
+                         "hf_config": source.meta.get("hf_config")}
 
 
 @dataclasses.dataclass
@@ -315,7 +316,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                          message=f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: "
                                  f"nothing to do (raise --steps to train further)", main_process=main)
     rules_spec = cfg.rules or p.rules.name
-    meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
+    meta = {**model_meta(p.config, cfg.model, init_meta.get("family"), init_meta.get("hf_config")),
             "overrides": parse_overrides(cfg.override), "rules": rules_spec,
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,

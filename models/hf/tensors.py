@@ -25,6 +25,7 @@ from shardzoo.models.hf.registry import (
     family_of_config,
     family_of_model_type,
     load_hf_config,
+    write_hf_config,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -308,14 +309,16 @@ def _to_host(x) -> np.ndarray:
 
 
 def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30,
-              family: str | None = None) -> dict:
+              family: str | None = None, base: dict | None = None) -> dict:
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``) that
     transformers' ``from_pretrained`` loads, in ``family``'s layout (default: the first family
-    that expresses ``config``). Returns the HF config dict."""
+    that expresses ``config``), keeping what ``base`` (the config.json it was imported from)
+    says beyond the architecture (``config_to_hf``); with ``generation_config.json``. Returns
+    the HF config dict."""
     import jax.numpy as jnp
     from safetensors.numpy import save_file
 
-    hf_config = config_to_hf(config, dtype, family)
+    hf_config = config_to_hf(config, dtype, family, base)
     out_dtype = jnp.dtype(dtype or config.param_dtype)
     flat = traverse_util.flatten_dict(params)
     glob, groups = _layer_weights(config, family_of_config(config, family))
@@ -377,6 +380,5 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             total += nbytes
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=1)
+    write_hf_config(hf_config, out_dir)
     return hf_config
