@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models.lora import linear_lora
+from shardzoo.models.lora import linear_lora, target_of
 from shardzoo.sharding import axes as ax
 
 
@@ -198,7 +198,7 @@ class Linear(nn.Module):
                 tuple(self.features), pdt,
             ).astype(dt)
         adapter = None
-        if self.lora and self.name in self.lora[2]:  # float32 adapters, whatever the base's dtype
+        if self.lora and target_of(self.name) in self.lora[2]:  # float32 adapters, whatever the base's dtype
             rank, scale, _ = self.lora
             bound = 1.0 / math.sqrt(math.prod(in_shape))  # PEFT: kaiming_uniform(a=sqrt(5))
             a_init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)

@@ -29,7 +29,7 @@ from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
-from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.lora_io import initial_params, lora_lines, with_lora
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
 from shardzoo.train.rundir import DirLock, check_run_dir
@@ -169,6 +169,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     else:
         train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
                                               mesh=mesh, rules=rules, seed=cfg.seed)
+    if model_info.lora_rank(config):  # what is adapted and what is not, before training
+        notes = (*lora_lines(config), *notes)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
 
