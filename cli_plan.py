@@ -87,7 +87,7 @@ def cmd_plan(args) -> int:
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.defaults import default_seq_len
+    from shardzoo.train.defaults import default_seq_len, pad_vocab
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
@@ -96,6 +96,7 @@ def cmd_plan(args) -> int:
     if not args.mesh.strip():
         raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")
     mesh = planning_mesh(args.mesh)
+    config, vocab_note = pad_vocab(config, rules, mesh)
     devices = math.prod(mesh_shape(mesh).values())
     batch = args.batch_size if args.batch_size is not None else devices
     seq_len = args.seq_len if args.seq_len is not None else default_seq_len(config)
@@ -131,6 +132,8 @@ def cmd_plan(args) -> int:
         out["compile"] = compiled
         print(json.dumps(out, indent=2))
     else:
+        if vocab_note:
+            print(vocab_note)
         print(result.format())
         if compiled:
             print()

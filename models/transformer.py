@@ -44,6 +44,8 @@ from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+# the parameters whose rows are the vocabulary, and that axis: padded to ``padded_vocab``
+VOCAB_PARAMS = {("embed", "embedding"): 0, ("lm_head", "kernel"): 1, ("lm_head", "bias"): 0, ("lm_head_bias",): 0}
 
 
 class TransformerConfig(ModelConfig):
@@ -135,6 +137,11 @@ class TransformerConfig(ModelConfig):
         """Activation bytes a train step keeps per device (``models/costs.py``)."""
         return transformer_activations(self, batch_size, seq_len or 1, shards,
                                        self.pipeline_plan(batch_size, shards))
+
+    @property
+    def padded_vocab(self) -> int:
+        """The embedding's and the head's rows: ``vocab_size`` rounded up to ``vocab_pad_multiple``."""
+        return -(-self.arch.vocab_size // self.execution.vocab_pad_multiple) * self.execution.vocab_pad_multiple
 
     @property
     def max_positions(self) -> int:
@@ -337,7 +344,7 @@ class Transformer(nn.Module):
         ring, (inputs, positions, segment_ids) = enter_ring(
             placement, decode, self.is_initializing(), inputs, positions, segment_ids)
         kw = dict(dtype=e.dtype, param_dtype=e.param_dtype, init_std=a.initializer_range)
-        embed = Embed(a.vocab_size, a.hidden_size, name="embed", **kw)
+        embed = Embed(cfg.padded_vocab, a.hidden_size, name="embed", real_rows=a.vocab_size, **kw)
         x = embed(inputs)  # [batch, length, embed]
         if a.scale_embeddings:  # Gemma: the scale rounded to the compute dtype, as HF does
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
@@ -364,10 +371,11 @@ class Transformer(nn.Module):
             logits = embed.attend(x)
             if a.lm_head_bias:  # a tied head's own bias
                 bias = self.param("lm_head_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
-                                  (a.vocab_size,), dtype_of(e.param_dtype))
+                                  (cfg.padded_vocab,), dtype_of(e.param_dtype))
                 logits = logits + bias.astype(logits.dtype)
         else:
-            logits = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head", **kw)(x)
+            logits = Linear((cfg.padded_vocab,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head",
+                            real_out=a.vocab_size, **kw)(x)
         if a.logits_scaling != 1.0:  # Granite
             logits = logits / jnp.asarray(a.logits_scaling, logits.dtype)
         if a.logit_scale != 1.0:  # Cohere
@@ -375,6 +383,9 @@ class Transformer(nn.Module):
         if a.final_logit_softcapping:
             cap = jnp.asarray(a.final_logit_softcapping, logits.dtype)
             logits = cap * jnp.tanh(logits / cap)
+        if cfg.padded_vocab != a.vocab_size:  # padding rows: never sampled, nothing in a softmax
+            real = jnp.arange(cfg.padded_vocab) < a.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]
 
     def _scan(self, x, positions, segment_ids, specs, layout: Layout, deterministic, decode):

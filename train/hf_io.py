@@ -24,7 +24,7 @@ from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
-from shardzoo.train.defaults import mesh_and_rules
+from shardzoo.train.defaults import mesh_and_rules, pad_vocab
 from shardzoo.train.hub import resolve_model_dir
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
@@ -55,7 +55,9 @@ def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = 
     ``Program`` of that model lays them out. See ``models.hf.load_hf_config``."""
     config = hf.load_hf_config(hf_dir, dtype, scan_layers, overrides)
     mesh = make_mesh("", devices=jax.devices()[:1]) if mesh is None else mesh
-    program = Program(config, get_rules(rules or "fsdp"), mesh)
+    rules = get_rules(rules or "fsdp")
+    config, _ = pad_vocab(config, rules, mesh)  # a tensor-parallel table: the padded embedding and head
+    program = Program(config, rules, mesh)
     return program.module, config, hf.load_hf_params(hf_dir, program.params_target(), config)
 
 

@@ -26,7 +26,7 @@ from shardzoo.train.checkpoint import (
     CHECKPOINTS,
 )
 from shardzoo.train.config import ConfigError, TrainConfig
-from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
+from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules, pad_vocab
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
 from shardzoo.train.lora_io import initial_params, lora_lines, with_lora
@@ -145,6 +145,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if max_len is not None and cfg.seq_len > max_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
     mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
+    config, vocab_note = pad_vocab(config, rules, mesh)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     program = _program(cfg, config, rules, opt_rules, mesh)
     module = program.module
@@ -171,6 +172,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                                               mesh=mesh, rules=rules, seed=cfg.seed)
     if model_info.lora_rank(config):  # what is adapted and what is not, before training
         notes = (*lora_lines(config), *notes)
+    if vocab_note:
+        notes = (vocab_note, *notes)
     return Prepared(cfg, out, module, config, rules, opt_rules, mesh, tokenizer, train_data, eval_data,
                     resume_step, program, notes)
 
