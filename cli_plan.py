@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
     from shardzoo.sharding.rules import get_rules
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.defaults import default_rules, default_seq_len
+    from shardzoo.train.defaults import default_rules, default_seq_len, pad_vocab
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
@@ -98,6 +98,7 @@ def cmd_plan(args) -> int:
     mesh = planning_mesh(args.mesh)
     devices = math.prod(mesh_shape(mesh).values())
     rules = get_rules(args.rules or default_rules(devices))
+    config, vocab_note = pad_vocab(config, rules, mesh)
     batch = args.batch_size if args.batch_size is not None else devices
     seq_len = args.seq_len if args.seq_len is not None else default_seq_len(config)
     positions = getattr(config, "max_positions", None)
@@ -132,6 +133,8 @@ def cmd_plan(args) -> int:
         out["compile"] = compiled
         print(json.dumps(out, indent=2))
     else:
+        if vocab_note:
+            print(vocab_note)
         print(result.format())
         if compiled:
             print()

@@ -42,10 +42,13 @@ def summarize(docs, rows, seq_len: int, layout: str) -> dict:
 
 
 def _piece(tokenizer, token: int) -> str:
-    names = {tokenizer.bos_id: "<bos>", tokenizer.eos_id: "<eos>", tokenizer.pad_id: "<pad>"}
-    text = tokenizer.decode([token])
-    if not text and token in names:
-        return names[token]
+    """A token's text, special tokens by their own (``<|user|>``); one with none (the byte
+    tokenizer's) by its role. Only called for tokens inside a document, so an id that is also the
+    pad id (an end of turn, GPT-2's eos) is named by its other role: padding is decided by segment."""
+    text = tokenizer.decode([token], skip_special=False)
+    if not text:
+        names = {tokenizer.pad_id: "<pad>", tokenizer.bos_id: "<bos>", tokenizer.eos_id: "<eos>"}
+        text = names.get(token, "")
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
 
 

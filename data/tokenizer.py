@@ -112,7 +112,8 @@ class ByteTokenizer:
         """``encode`` of many texts, as int32 arrays (no Python lists: fast on whole corpora)."""
         return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """The text of ``ids``; the special ids (pad, bos, eos) have none either way."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: str) -> None:
@@ -165,8 +166,9 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """The text of ``ids``; ``skip_special=False`` keeps special tokens' own text (``<|user|>``)."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def save(self, directory: str) -> None:
         """Write ``tokenizer.json``, the ``tokenizer_config.json`` it came with naming the special

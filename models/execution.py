@@ -73,6 +73,11 @@ class Execution:
     lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
     lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    # the embedding's and the head's vocab rows padded to a multiple of this (a tensor-parallel
+    # rule table needs the vocab divisible by its mesh axes; Megatron and MaxText pad the same
+    # way): the padded logits are the dtype's lowest value, never sampled nor in the loss's
+    # logsumexp, and no export or HF import sees the padding
+    vocab_pad_multiple: int = 1
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -96,4 +101,7 @@ class Execution:
         rate = self.router_bias_update_rate
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 0):
             raise ModelError(f"router_bias_update_rate={rate!r} must be a finite number >= 0 (0: off)")
+        if isinstance(self.vocab_pad_multiple, bool) or not isinstance(self.vocab_pad_multiple, int) \
+                or self.vocab_pad_multiple < 1:
+            raise ModelError(f"vocab_pad_multiple={self.vocab_pad_multiple!r} must be an integer >= 1 (1: no padding)")
         check_lora(self)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models.lora import linear_lora
+from shardzoo.models.lora import linear_lora, target_of
 from shardzoo.sharding import axes as ax
 
 
@@ -161,6 +161,17 @@ def linear_kw(config) -> dict:
 
 
 # ------------------------------------------------------------------------------- linear, embed
+def padded(init, real: int, axis: int):
+    """``init`` drawn with ``real`` entries along ``axis`` (0: all), then zero-padded to the
+    whole shape: a padded vocabulary starts from the numbers the unpadded model draws."""
+    def draw(key, shape, dtype=jnp.float32):
+        if not real or real == shape[axis]:
+            return init(key, shape, dtype)
+        x = init(key, tuple(real if k == axis else n for k, n in enumerate(shape)), dtype)
+        return jnp.pad(x, [(0, shape[k] - x.shape[k]) for k in range(len(shape))])
+    return draw
+
+
 class Linear(nn.Module):
     """``y = x · kernel (+ bias)``; the kernel is (inputs..., features...) with named axes.
 
@@ -178,6 +189,7 @@ class Linear(nn.Module):
     param_dtype: str = "float32"
     init_std: float = 0.02
     lora: tuple = ()
+    real_out: int = 0  # the last output dim's real size, the rest padding (0: none; the vocab's)
 
     @property
     def n_in(self) -> int:
@@ -187,9 +199,9 @@ class Linear(nn.Module):
     def weights(self, in_shape: tuple[int, ...]):
         """(kernel, bias or None, adapter or None) in the compute dtype; ``in_shape`` is the
         contracted dims; the adapter is ``(A, B, scale)``."""
-        init = nn.initializers.normal(stddev=self.init_std)
         pdt, dt = dtype_of(self.param_dtype), dtype_of(self.dtype)
         shape = tuple(in_shape) + tuple(self.features)
+        init = padded(nn.initializers.normal(stddev=self.init_std), self.real_out, len(shape) - 1)
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape, pdt)
         bias = None
         if self.use_bias:
@@ -198,7 +210,7 @@ class Linear(nn.Module):
                 tuple(self.features), pdt,
             ).astype(dt)
         adapter = None
-        if self.lora and self.name in self.lora[2]:  # float32 adapters, whatever the base's dtype
+        if self.lora and target_of(self.name) in self.lora[2]:  # float32 adapters, whatever the base's dtype
             rank, scale, _ = self.lora
             bound = 1.0 / math.sqrt(math.prod(in_shape))  # PEFT: kaiming_uniform(a=sqrt(5))
             a_init = lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound)
@@ -259,11 +271,13 @@ class Embed(nn.Module):
     dtype: str = "float32"
     param_dtype: str = "float32"
     init_std: float = 0.02
+    real_rows: int = 0  # rows past it are padding (0: none; a padded vocabulary)
 
     def setup(self):
+        init = padded(nn.initializers.normal(self.init_std), self.real_rows, 0)
         self.embedding = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (self.row_axis, ax.EMBED)),
+            nn.with_logical_partitioning(init, (self.row_axis, ax.EMBED)),
             (self.num_embeddings, self.features), dtype_of(self.param_dtype),
         )
 

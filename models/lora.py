@@ -21,7 +21,17 @@ from flax import traverse_util
 
 from shardzoo.models import ModelError
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections' names in layers.py
+# the projections' names in layers.py: attention, latent attention (DeepSeek's q_a, q_b, kv_a,
+# kv_b), MLP (dense and shared experts); routed experts are no Linear and are not adapted
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
+# Linears adapted as part of another target: latent attention's k_rope is the rest of HF's
+# kv_a_proj_with_mqa, which PEFT adapts as one Linear
+TARGET_OF = {"k_rope": "kv_a"}
+
+
+def target_of(name: str) -> str:
+    """The ``lora_targets`` name that adapts the Linear named ``name``."""
+    return TARGET_OF.get(name, name)
 ADAPTERS = ("lora_a", "lora_b")
 
 

@@ -45,6 +45,7 @@ class HeadInputs:
     softcap: float = struct.field(pytree_node=False, default=0.0)  # cap * tanh(logits / cap); 0: off
     length_chunk: int = struct.field(pytree_node=False, default=512)
     vocab_chunk: int = struct.field(pytree_node=False, default=8192)
+    vocab: int = struct.field(pytree_node=False, default=0)  # the real columns (0: all); the rest padding
 
 
 class TokenStats(NamedTuple):
@@ -87,7 +88,10 @@ def _logits(h, kernel, bias, scaling, scale, softcap):
 def head_logits(head: HeadInputs, hidden=None):
     """The logits ``[..., vocab]`` of ``hidden`` (default: ``head.hidden``): the untiled head."""
     hidden = head.hidden if hidden is None else hidden
-    return _logits(hidden, head.kernel, head.bias, head.logits_scaling, head.logit_scale, head.softcap)
+    logits = _logits(hidden, head.kernel, head.bias, head.logits_scaling, head.logit_scale, head.softcap)
+    if head.vocab and head.vocab < logits.shape[-1]:  # a padded vocabulary: never sampled, nothing in a softmax
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < head.vocab, logits, jnp.finfo(logits.dtype).min)
+    return logits
 
 
 def reference_stats(logits, targets) -> TokenStats:
@@ -106,7 +110,7 @@ def token_stats(outputs, targets) -> TokenStats:
     if not isinstance(outputs, HeadInputs):
         return reference_stats(outputs, targets)
     h = outputs
-    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk)
+    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab)
     lse, target, mx, entropy = _tiled(static, h.hidden, h.kernel, h.bias, targets)
     return TokenStats(lse, target, jax.lax.stop_gradient(mx), jax.lax.stop_gradient(entropy))
 
@@ -154,7 +158,7 @@ def _chunk_logits(static, h, k, b, cols, vocab):
 
 
 def _forward(static, hidden, kernel, bias, targets):
-    vocab, length = kernel.shape[1], hidden.shape[1]
+    vocab, length = static[5] or kernel.shape[1], hidden.shape[1]  # padded columns masked
     hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
     vocab_ids = jnp.arange(ks.shape[-1]) * n_v  # chunk v's columns: these + v
 
@@ -200,7 +204,7 @@ def _tiled_bwd(static, res, cotangents):
     chunk's gradient sums over the tokens in a small carry."""
     hidden, kernel, bias, targets, lse = res
     g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents[:2])
-    length, vocab = hidden.shape[1], kernel.shape[1]
+    length, vocab = hidden.shape[1], static[5] or kernel.shape[1]  # padded columns masked
     hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
     n_l = hs.shape[0]
     lses, g_lses, g_tgts = (_strided(x, 1, n_l) for x in (lse, g_lse, g_tgt))
@@ -229,8 +233,8 @@ def _tiled_bwd(static, res, cotangents):
     dh0 = jnp.zeros(hs.shape, jnp.float32)
     dh, (dks, dbs) = jax.lax.scan(over_vocab, dh0, (ks, bs, jnp.arange(n_v)))
     dh = _unstrided(dh, 1, length).astype(hidden.dtype)
-    dk = _unstrided(dks, 1, vocab)
-    db = None if dbs is None else _unstrided(dbs, 0, vocab)
+    dk = _unstrided(dks, 1, kernel.shape[1])
+    db = None if dbs is None else _unstrided(dbs, 0, kernel.shape[1])
     return dh, dk, db, None
 
 

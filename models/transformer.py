@@ -46,6 +46,8 @@ from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+# the parameters whose rows are the vocabulary, and that axis: padded to ``padded_vocab``
+VOCAB_PARAMS = {("embed", "embedding"): 0, ("lm_head", "kernel"): 1, ("lm_head", "bias"): 0, ("lm_head_bias",): 0}
 
 
 class TransformerConfig(ModelConfig):
@@ -139,6 +141,11 @@ class TransformerConfig(ModelConfig):
         """Activation bytes a train step keeps per device (``models/costs.py``)."""
         return transformer_activations(self, batch_size, seq_len or 1, shards,
                                        self.pipeline_plan(batch_size, shards))
+
+    @property
+    def padded_vocab(self) -> int:
+        """The embedding's and the head's rows: ``vocab_size`` rounded up to ``vocab_pad_multiple``."""
+        return -(-self.arch.vocab_size // self.execution.vocab_pad_multiple) * self.execution.vocab_pad_multiple
 
     @property
     def max_positions(self) -> int:
@@ -342,7 +349,7 @@ class Transformer(nn.Module):
         ring, (inputs, positions, segment_ids) = enter_ring(
             placement, decode, self.is_initializing(), inputs, positions, segment_ids)
         kw = dict(dtype=e.dtype, param_dtype=e.param_dtype, init_std=a.initializer_range)
-        embed = Embed(a.vocab_size, a.hidden_size, name="embed", **kw)
+        embed = Embed(cfg.padded_vocab, a.hidden_size, name="embed", real_rows=a.vocab_size, **kw)
         x = embed(inputs)  # [batch, length, embed]
         if a.scale_embeddings:  # Gemma: the scale rounded to the compute dtype, as HF does
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
@@ -370,12 +377,12 @@ class Transformer(nn.Module):
             kernel, bias = embed.embedding.astype(dt).T, None  # [embed, vocab]
             if a.lm_head_bias:  # a tied head's own bias
                 bias = self.param("lm_head_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.VOCAB,)),
-                                  (a.vocab_size,), dtype_of(e.param_dtype)).astype(dt)
+                                  (cfg.padded_vocab,), dtype_of(e.param_dtype)).astype(dt)
         else:
-            kernel, bias, _ = Linear((a.vocab_size,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head",
-                                     **kw).weights((a.hidden_size,))
+            kernel, bias, _ = Linear((cfg.padded_vocab,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head",
+                                     real_out=a.vocab_size, **kw).weights((a.hidden_size,))
         out = HeadInputs(x, kernel, bias, a.logits_scaling, a.logit_scale, a.final_logit_softcapping or 0.0,
-                         e.loss_length_chunk, e.loss_vocab_chunk)
+                         e.loss_length_chunk, e.loss_vocab_chunk, a.vocab_size)
         if not head:  # the loss tiles the head itself (models/tiled_loss.py)
             return out.replace(hidden=constrain(x, BLE, placement))
         return constrain(head_logits(out), (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]

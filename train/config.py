@@ -52,7 +52,7 @@ class TrainConfig:
     # LoRA (model section): adapters on the base model's projections, the only params trained
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None  # default: the rank (scale alpha / rank = 1)
-    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    lora_targets: tuple[str, ...] | None = None  # None: every Linear the model has but the lm head
     lora_base_dtype: str | None = None  # e.g. bfloat16: the frozen base's param_dtype
     lora_from: str | None = None  # a PEFT adapter dir to continue training (with --init-from)
     # the remat policy: "auto" (the fastest whose step fits the device, train/fit.py) or a policy
@@ -345,7 +345,8 @@ HELP = {
                  "model id ORG/NAME[@REVISION]",
     "lora_rank": "LoRA: train rank-R adapters on the frozen base (0: full fine-tuning)",
     "lora_alpha": "LoRA: the adapters' scale is alpha / rank (default: alpha = rank)",
-    "lora_targets": "LoRA: comma-separated projections to adapt, among q,k,v,o,gate,up,down",
+    "lora_targets": "LoRA: comma-separated projections to adapt, among q,k,v,o,gate,up,down and latent "
+                    "attention's q_a,q_b,kv_a,kv_b (default: every one the model has, PEFT's all-linear)",
     "lora_base_dtype": "LoRA: param dtype of the frozen base (e.g. bfloat16); adapters stay float32",
     "lora_from": "LoRA: start the adapters from a PEFT adapter dir (rank, alpha, targets from it); needs --init-from",
     "skip_nonfinite": "skip steps whose loss or gradient is NaN/Inf (and count them) instead of stopping",

@@ -67,3 +67,29 @@ def adds_bos(tokenizer) -> bool:
         return False
     plain, full = inner.encode("a", add_special_tokens=False).ids, inner.encode("a").ids
     return full[:1] == [bos] and plain[:1] != [bos]
+
+
+VOCAB_PAD = 128  # the multiple a padded vocabulary rounds up to (MaxText's default)
+
+
+def pad_vocab(config, rules, mesh):
+    """``(config, note)``: a Transformer whose vocab the mesh axes ``rules`` split it over do not
+    divide gets its embedding and head padded (``vocab_pad_multiple``: 128 and that product's
+    least common multiple), as Megatron and MaxText pad; ``note`` says so (None: unchanged)."""
+    import math
+
+    from shardzoo.sharding import axes as ax
+    from shardzoo.sharding.partition import mesh_axes_of
+    from shardzoo.sharding.validate import mesh_sizes
+
+    if not hasattr(config, "padded_vocab"):
+        return config, None
+    axes = mesh_axes_of(ax.VOCAB, rules, mesh)
+    split = math.prod(mesh_sizes(mesh)[a] for a in axes)
+    if config.padded_vocab % split == 0:
+        return config, None
+    multiple = math.lcm(VOCAB_PAD, split, config.vocab_pad_multiple)
+    padded = config.replace(vocab_pad_multiple=multiple)
+    return padded, (f"vocab_size {config.vocab_size} is not divisible by mesh axes {','.join(axes)} ({split}): "
+                    f"embedding and head padded to {padded.padded_vocab} rows (vocab_pad_multiple={multiple}); "
+                    "their logits are masked, and no export writes them")

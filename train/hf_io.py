@@ -24,7 +24,7 @@ from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
 from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
-from shardzoo.train.defaults import mesh_and_rules
+from shardzoo.train.defaults import mesh_and_rules, pad_vocab
 from shardzoo.train.hub import resolve_model_dir
 from shardzoo.train.program import Program
 from shardzoo.train.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
@@ -55,7 +55,9 @@ def load_hf(hf_dir: str, mesh=None, rules=None, dtype=None, scan_layers: bool = 
     ``Program`` of that model lays them out. See ``models.hf.load_hf_config``."""
     config = hf.load_hf_config(hf_dir, dtype, scan_layers, overrides)
     mesh = make_mesh("", devices=jax.devices()[:1]) if mesh is None else mesh
-    program = Program(config, get_rules(rules or "fsdp"), mesh)
+    rules = get_rules(rules or "fsdp")
+    config, _ = pad_vocab(config, rules, mesh)  # a tensor-parallel table: the padded embedding and head
+    program = Program(config, rules, mesh)
     return program.module, config, hf.load_hf_params(hf_dir, program.params_target(), config)
 
 
@@ -87,7 +89,7 @@ def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, fam
     has_tokenizer = os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     if has_tokenizer and jax.process_index() == 0:
         copy_tokenizer_files(hf_dir, tokenizer_dir)
-    meta = {**model_meta(config, None, family.name), "rules": rules.name,
+    meta = {**model_meta(config, None, family.name, hf.read_hf_config(hf_dir)), "rules": rules.name,
             "mesh": describe_mesh(mesh), "tokenizer": tokenizer_dir if has_tokenizer else "byte",
             "tokenizer_saved": has_tokenizer, "hf_source": os.path.abspath(hf_dir),
             "hf_model_type": model_type}
@@ -129,7 +131,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
         before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
         try:
             hf_config = hf.export_hf(config, params, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                     family=family)
+                                     family=family, base=source.meta.get("hf_config"))
             if tokenizer_spec and jax.process_index() == 0:
                 src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
                 if os.path.isdir(src):
@@ -212,7 +214,9 @@ def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
         raise UserError(f"the tokenizer gives id {max(ids)}, beyond the model's "
                         f"vocab_size {config.vocab_size}")
     positions = config.max_positions
-    if len(ids) + max_new_tokens > positions:  # past them, rotary models too only produce noise
+    # a learned position table ends there; rotary positions go on (transformers generates on, and
+    # dynamic NTK scaling exists for exactly that)
+    if config.arch.position_embedding == "learned" and len(ids) + max_new_tokens > positions:
         raise UserError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
                         f"model's {positions} positions: use --max-new-tokens {max(positions - len(ids), 0)} "
                         f"or less")

@@ -26,10 +26,10 @@ from shardzoo.train.checkpoint import (
     CHECKPOINTS,
 )
 from shardzoo.train.config import ConfigError, TrainConfig
-from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules
+from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules, pad_vocab
 from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.hub import is_hub_id
-from shardzoo.train.lora_io import initial_params, with_lora
+from shardzoo.train.lora_io import initial_params, lora_lines, with_lora
 from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
 from shardzoo.train.preference import check_reference, load_reference
@@ -91,7 +91,8 @@ def with_init_model(cfg: TrainConfig):
         tokenizer = cfg.tokenizer
     add_bos = cfg.add_bos or (tokenizer != "byte" and adds_bos(tokenizer))
     cfg = dataclasses.replace(cfg, model=source.model, tokenizer=tokenizer, add_bos=add_bos)
-    return cfg, config, {"model": source.model, "family": source.family}
+    return cfg, config, {"model": source.model, "family": source.family,
+                         "hf_config": source.meta.get("hf_config")}
 
 
 @dataclasses.dataclass
@@ -148,6 +149,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if max_len is not None and cfg.seq_len > max_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_len}")
     mesh, rules = mesh_and_rules(cfg.mesh, cfg.rules)
+    config, vocab_note = pad_vocab(config, rules, mesh)
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     memory = fit.device_memory(cfg)
     remat = fit.requested_remat(cfg, config, accelerator=jax.devices()[0].platform != "cpu")
@@ -184,6 +186,10 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         build = lambda c: program if c == config else _program(cfg, c, rules, opt_rules, mesh)  # noqa: E731
         fitted = fit.fit_step(cfg, config, build, memory, remat, recorded=recorded)
     notes += (fitted.line,) if fitted.line else ()
+    if model_info.lora_rank(config):  # what is adapted and what is not, before training
+        notes = (*lora_lines(config), *notes)
+    if vocab_note:
+        notes = (vocab_note, *notes)
     return Prepared(dataclasses.replace(cfg, remat=fitted.remat), out, fitted.program.module, fitted.config,
                     rules, opt_rules, mesh, tokenizer, train_data, eval_data, resume_step, fitted.program, notes,
                     memory)
@@ -371,7 +377,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                          message=f"{p.out} is at step {p.resume_step} and --steps is {cfg.steps}: "
                                  f"nothing to do (raise --steps to train further)", main_process=main)
     rules_spec = cfg.rules or p.rules.name
-    meta = {**model_meta(p.config, cfg.model, init_meta.get("family")),
+    meta = {**model_meta(p.config, cfg.model, init_meta.get("family"), init_meta.get("hf_config")),
             "overrides": parse_overrides(cfg.override), "rules": rules_spec,
             "opt_rules": cfg.opt_rules, "tokenizer": p.tokenizer.spec if p.tokenizer else None,
             "tokenizer_saved": p.tokenizer is not None, "data": cfg.data,

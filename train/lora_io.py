@@ -22,7 +22,7 @@ from flax import traverse_util
 from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, hf
 from shardzoo.models.hf.tensors import _layer_weights, put_leaf
-from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split
+from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split, target_of
 from shardzoo.train import model_info
 from shardzoo.train.config import ConfigError
 from shardzoo.train.defaults import mesh_and_rules
@@ -39,9 +39,11 @@ class AdapterError(UserError):
 
 
 # ------------------------------------------------------------------------------- the model
-def with_lora(cfg, config):
+def with_lora(cfg, config, family=None):
     """The model config a run trains: ``config`` with the run's LoRA settings (from the flags,
-    or the adapter dir of ``--lora-from``), and ``--lora-base-dtype`` as the base's dtype."""
+    or the adapter dir of ``--lora-from``), and ``--lora-base-dtype`` as the base's dtype.
+    ``--lora-targets`` by default: every projection the model has that ``family`` (default: the
+    first that expresses it) can export (PEFT's all-linear); named ones must be there."""
     if not cfg.lora_rank and not cfg.lora_from:
         return config
     if not model_info.has_lora(config):
@@ -61,10 +63,74 @@ def with_lora(cfg, config):
             raise ConfigError(f"--lora-rank {rank}, but --lora-from {cfg.lora_from} has r={conf['r']}")
         rank, alpha = conf["r"], float(conf.get("lora_alpha", 8))
         targets = tuple(t for t in TARGETS if f"{t}_proj" in modules)
-    fields = dict(lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+    fields = dict(lora_rank=rank, lora_alpha=alpha, lora_targets=TARGETS if targets is None else targets)
     if cfg.lora_base_dtype:
         fields["param_dtype"] = cfg.lora_base_dtype
-    return apply_overrides(config, fields, where="--lora-*")
+    adapted = apply_overrides(config, fields, where="--lora-*")
+    return adapted.replace(lora_targets=_checked_targets(adapted, family, targets is None))
+
+
+def _checked_targets(config, family, default: bool) -> tuple[str, ...]:
+    """The targets the model has: by default every one that ``export-lora`` can write (all it has
+    where it can write none: GPT-2's Conv1D), else the asked ones, each of which must be there
+    (a ConfigError naming it)."""
+    fam = _family(config, family)
+    if fam is None:
+        return tuple(config.lora_targets)
+    found = _found(config, fam)
+    missing = [t for t in config.lora_targets if t not in found]
+    if missing and not default:
+        have = ",".join(t for t in TARGETS if t in found)
+        raise ConfigError(f"--lora-targets {missing[0]}: {fam.name} has no such projection; its projections: {have}")
+    present = [t for t in config.lora_targets if t in found]
+    written = [t for t in present if all(map(_peft_linear, found[t]))]
+    return tuple(written if default and written else present)
+
+
+def _found(config, fam) -> dict:
+    """target -> the family's weights it adapts."""
+    found = {}
+    for w in _linears(config, fam):
+        found.setdefault(target_of(w.path[-2]), []).append(w)
+    return found
+
+
+def lora_lines(config, family=None) -> list[str]:
+    """What a LoRA run adapts and what it does not, for the run's first lines."""
+    fam = _family(config, family)
+    found = {} if fam is None else _found(config, fam)
+    where = {t: "/".join(sorted({".".join(w.path[:-2]) for w in ws})) for t, ws in found.items()}
+    adapted = ", ".join(f"{t} ({where[t]})" if t in where else t for t in config.lora_targets)
+    left = [t for t in found if t not in config.lora_targets]
+    lines = [f"LoRA rank {config.lora_rank}: adapts {adapted}",
+             "LoRA: not adapted: " + ", ".join(left + ["routed experts and routers", "embeddings and lm head",
+                                                      "norms"])]
+    fused = [f"{t} ({found[t][0].name})" for t in config.lora_targets
+             if t in found and not all(map(_peft_linear, found[t]))]
+    if fused:
+        lines.append(f"LoRA: export-lora cannot write {', '.join(fused)} (not one Linear in {fam.name}); "
+                     "export-hf --merge-lora merges them into the weights")
+    return lines
+
+
+def _family(config, family):
+    try:
+        return hf.family_of_config(config.replace(lora_rank=0), family)
+    except hf.HFError:
+        return None
+
+
+def _linears(config, fam) -> list:
+    """The family's weights that are kernels of Linears a LoRA target adapts (one per layer kind)."""
+    _, groups = _layer_weights(config, fam)
+    return [w for _, _, _, ws in groups for w in ws
+            if len(w.path) >= 2 and w.path[-1] == "kernel" and target_of(w.path[-2]) in TARGETS]
+
+
+def _peft_linear(w) -> bool:
+    """Whether PEFT adapts ``w``'s HF tensor as one ``nn.Linear`` (a column block of one too)."""
+    return (w.op == "linear" and w.name.endswith(".weight") and not w.interleaved and w.groups == 1
+            and not w.experts)
 
 
 def _as_list(value) -> list[str]:
@@ -98,23 +164,23 @@ def _same_adapters(cfg, config, source) -> bool:
 
 
 # ------------------------------------------------------------------------- PEFT names
-def _modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, str]]:
-    """``(leaf path without its last name, model layers, stacked, target, HF module)`` of each
-    adapted projection, from the family's weight map and the config's ``param_layout`` (a
-    stacked leaf holds its layers on a leading axis in that order)."""
+def _modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, str, tuple[int, int]]]:
+    """``(leaf path without its last name, model layers, stacked, target, HF module, part)`` of
+    each adapted projection, from the family's weight map and the config's ``param_layout`` (a
+    stacked leaf holds its layers on a leading axis in that order); ``part`` (j, n): the leaf is
+    the j-th of n column blocks of the HF Linear (DeepSeek's kv_a and k_rope)."""
     fam = hf.family_of_config(config.replace(lora_rank=0), family)
     _, groups = _layer_weights(config, fam)
     out = []
     for prefix, layers, stacked, weights in groups:
-        by_path = {w.path: w for w in weights}
-        for t in config.lora_targets:
-            owner = "mlp" if t in ("gate", "up", "down") else "attn"
-            w = by_path.get((owner, t, "kernel"))
-            if w is None or w.op != "linear" or w.part != (0, 1) or not w.name.endswith(".weight"):
-                where = "no HF tensor" if w is None else f"HF tensor {w.name} (fused or not a Linear)"
-                raise AdapterError(f"family {fam.name} stores projection {t!r} as {where}: "
-                                   f"PEFT adapters cover separate q/k/v/o/gate/up/down Linears only")
-            out.append((prefix + w.path[:-1], layers, stacked, t, w.name.removesuffix(".weight")))
+        for w in weights:
+            if len(w.path) < 2 or w.path[-1] != "kernel" or target_of(w.path[-2]) not in config.lora_targets:
+                continue
+            t = target_of(w.path[-2])
+            if not _peft_linear(w):
+                raise AdapterError(f"family {fam.name} stores projection {t!r} as HF tensor {w.name} (fused "
+                                   f"or not a Linear): PEFT adapters cover separate Linears only")
+            out.append((prefix + w.path[:-1], layers, stacked, t, w.name.removesuffix(".weight"), w.part))
     return out
 
 
@@ -140,7 +206,10 @@ def load_adapters(path: str, target, config, family=None):
                                    f"model wants {list(shape)}")
             return t
 
-        for path_, layers, stacked, _, module in _modules(config, family):
+        for path_, layers, stacked, _, module, part in _modules(config, family):
+            if part[1] > 1:
+                raise AdapterError(f"--lora-from {path}: {module} is one HF Linear made of {part[1]} of "
+                                   "shardzoo's projections; reading its adapter is not supported")
             for leaf_name, letter in (("lora_a", "A"), ("lora_b", "B")):
                 leaf = flat[path_ + (leaf_name,)]
                 per_layer = leaf.shape[1:] if stacked else leaf.shape
@@ -177,19 +246,36 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
         raise AdapterError(f"{checkpoint_dir} has no LoRA adapters (a run trained with --lora-rank has)")
     family = source.family  # of the step the params came from (the readers' rule)
     flat = traverse_util.flatten_dict(params)
-    tensors, modules = {}, []
-    for path_, layers, stacked, t, module in _modules(config, family):
+    tensors, modules, parts = {}, set(), {}
+    for path_, layers, stacked, _, module, part in _modules(config, family):
         a, b = (np.asarray(_host(flat[path_ + (n,)]), np.float32) for n in ("lora_a", "lora_b"))
         for k, j in enumerate(layers):
             aj, bj = (a[k], b[k]) if stacked else (a, b)
             name = PREFIX + module.replace("{i}", str(j))
-            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(aj.reshape(-1, config.lora_rank).T)
-            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(bj.reshape(config.lora_rank, -1).T)
-        modules.append(f"{t}_proj")
+            parts.setdefault(name, {})[part] = (aj.reshape(-1, config.lora_rank).T, bj.reshape(config.lora_rank, -1).T)
+        modules.add(module.rsplit(".", 1)[-1])
+    rank_pattern = {}
+    for name, blocks in parts.items():
+        ordered = [blocks[k] for k in sorted(blocks)]
+        # n blocks of one HF Linear: one adapter of rank n * r, A stacked, B block-diagonal
+        a_all = np.concatenate([a for a, _ in ordered], axis=0)
+        b_all = np.zeros((sum(b.shape[0] for _, b in ordered), a_all.shape[0]), np.float32)
+        row = 0
+        for k, (_, b) in enumerate(ordered):
+            b_all[row:row + b.shape[0], k * config.lora_rank:(k + 1) * config.lora_rank] = b
+            row += b.shape[0]
+        tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_all)
+        tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_all)
+        if len(ordered) > 1:
+            rank_pattern[name.rsplit(".", 1)[-1]] = len(ordered)
+    alpha = lora_scale(config) * config.lora_rank
     conf = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
-        "lora_alpha": lora_scale(config) * config.lora_rank, "lora_dropout": 0.0,
-        "target_modules": sorted(set(modules)), "bias": "none", "fan_in_fan_out": False,
+        "lora_alpha": alpha, "lora_dropout": 0.0,
+        # a fused Linear's adapter: rank and alpha n times (the same alpha / r)
+        "rank_pattern": {m: n * config.lora_rank for m, n in rank_pattern.items()},
+        "alpha_pattern": {m: n * alpha for m, n in rank_pattern.items()},
+        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "base_model_name_or_path": base or source.lora_base,
     }

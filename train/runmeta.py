@@ -32,18 +32,20 @@ def config_to_dict(config) -> dict:
     return jsonable(config.resolved().to_dict())
 
 
-def model_meta(config, model: str | None = None, family: str | None = None) -> dict:
+def model_meta(config, model: str | None = None, family: str | None = None, hf_config: dict | None = None) -> dict:
     """What a checkpoint records of its model: ``model``, the zoo preset the run started from
     (None when it started from an HF dir or a run that had none), ``family``, the Hugging Face
     family whose config class rebuilds it (default: the first that expresses ``config``; None
-    if none does), and the whole ``config``."""
+    if none does), and the whole ``config``; ``hf_config``: the config.json it was imported from,
+    whose fields beyond the architecture an export writes back."""
     hf = hf_module()
     if family is None and hf is not None:
         try:
             family = hf.family_of_config(config).name
         except hf.HFError:
             family = None
-    return {"model": model, "family": family, "config": config_to_dict(config)}
+    meta = {"model": model, "family": family, "config": config_to_dict(config)}
+    return meta | ({"hf_config": hf_config} if hf_config else {})
 
 
 def config_from_meta(meta: dict, where: str = "the checkpoint"):

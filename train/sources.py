@@ -166,6 +166,12 @@ class HFSource(Source):
         """config.json as this shardzoo's config, with ``dtype``, scanning and ``overrides``."""
         return self._hf.load_hf_config(self.path, dtype, scan_layers, overrides)
 
+    @property
+    def meta(self) -> dict:
+        """The family, and config.json whole: an export writes back what it says beyond the
+        architecture (``pad_token_id``, dropouts, ...)."""
+        return {"model": None, "family": self.family, "hf_config": self._hf.read_hf_config(self.path)}
+
     @functools.cached_property
     def family(self) -> str:
         model_type = self._hf.read_hf_config(self.path).get("model_type")

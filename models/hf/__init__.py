@@ -24,6 +24,7 @@ from shardzoo.models.hf.registry import (
     family_of_config,
     family_of_model_type,
     load_hf_config,
+    write_hf_config,
 )
 from shardzoo.models.hf.tensors import (
     INDEX_FILE,
@@ -40,5 +41,5 @@ __all__ = [
     "FAMILIES", "INDEX_FILE", "ROPE_TYPES", "SINGLE_FILE", "SUPPORTED", "Family", "HFError",
     "SafetensorsReader", "Weight", "config_from_hf", "config_to_hf", "export_hf", "family_named",
     "family_of_config", "family_of_model_type", "hf_to_leaf", "is_hf_dir", "leaf_to_hf",
-    "load_hf_config", "load_hf_params", "put_leaf", "read_hf_config",
+    "load_hf_config", "load_hf_params", "put_leaf", "read_hf_config", "write_hf_config",
 ]

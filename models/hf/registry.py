@@ -11,6 +11,7 @@ family cannot express a value, e.g. Llama's single bias flag for q/k/v and o).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from shardzoo.models import apply_overrides, register
@@ -54,7 +55,7 @@ from shardzoo.models.hf import (
     stablelm,
     starcoder2,
 )
-from shardzoo.models.hf.base import Family, HFConfig, HFError, read_hf_config
+from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
 
 # In order of preference: a config two families express exports as the first (llama over mistral).
@@ -178,12 +179,74 @@ def _shared_to_hf(family: Family, a) -> dict:
                 tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
 
 
-def config_to_hf(config, dtype: str | None = None, family: str | None = None) -> dict:
-    """An HF ``config.json`` dict for ``config``, in ``family`` or the first that expresses it."""
+# keys of an imported config.json an export never carries over: bookkeeping transformers writes
+# afresh, the dtype and architectures the export sets, and what describes files the export does
+# not write (quantized weights: they are written dequantized; remote code)
+_NOT_CARRIED = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+                "quantization_config", "auto_map"}
+
+
+def _carried(base: dict, written: dict) -> dict:
+    """``written`` over the imported ``base``: what the import had and the architecture does not
+    say (``pad_token_id: null``, dropouts, ``use_cache``, ...) survives, the import's own value of
+    an inert field (``INERT``) over the family's choice; rotary keys come from one side only."""
+    out = {k: v for k, v in base.items() if k not in _NOT_CARRIED
+           and not (k in ROPE_KEYS and any(r in written for r in ROPE_KEYS))}
+    for key, value in written.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ROPE_KEYS:
+            out[key] = _carried(out[key], value)  # a nested config (llama4's text_config)
+        elif not (key in INERT and key in base):
+            out[key] = value
+    return out
+
+
+def _reads_as(family: Family, hf: dict, arch) -> bool:
+    try:
+        return arch_from_hf(family, hf) == arch
+    except HFError:
+        return False
+
+
+def config_to_hf(config, dtype: str | None = None, family: str | None = None, base: dict | None = None) -> dict:
+    """An HF ``config.json`` dict for ``config``, in ``family`` or the first that expresses it.
+    With ``base``, the config.json it was imported from: every field of ``base`` kept, in its
+    own spelling (``head_dim: null``, no ``n_ctx``, its rotary keys) wherever that reads back as
+    the same architecture; what an ``--override`` changed is written as the family writes it."""
     chosen = family_of_config(config, family)
     arch = getattr(config, "arch", config)
     dtype = dtype or getattr(getattr(config, "execution", None), "param_dtype", "float32")
-    return _shared_to_hf(chosen, arch) | {"torch_dtype": dtype} | chosen.to_hf(arch)
+    written = _shared_to_hf(chosen, arch) | {"torch_dtype": dtype} | chosen.to_hf(arch)
+    if not base or base.get("model_type") not in chosen.model_types:
+        return written
+    merged = _carried(base, written)
+    if not _reads_as(chosen, merged, arch):  # keep the inert fields only
+        return written | {k: base[k] for k in INERT if k in base}
+    rope = [k for k in ROPE_KEYS if k in written]
+    for keys in [rope] + [[k] for k in written if k not in ROPE_KEYS and k not in _NOT_CARRIED]:
+        trial = {k: v for k, v in merged.items() if k not in keys} | {k: base[k] for k in keys + (
+            [r for r in ROPE_KEYS if r in base] if keys is rope else []) if k in base}
+        if keys and trial != merged and _reads_as(chosen, trial, arch):
+            merged = trial  # the import's spelling means the same
+    return merged
+
+
+def write_hf_config(hf_config: dict, out_dir: str) -> None:
+    """``config.json`` and ``generation_config.json`` of ``hf_config``, in the key spelling of
+    the installed transformers (``rope_parameters``, ``dtype`` in 5.x) when it is installed;
+    else as given (keys transformers 4 and 5 both read)."""
+    try:
+        from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+    except ImportError:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
+        ids = {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=1)
+        return
+    # the config.json transformers writes spells infinity {"__float__": "Infinity"}
+    config = AutoConfig.for_model(**getattr(PretrainedConfig, "_decode_special_floats", lambda d: d)(hf_config))
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
 
 
 def load_hf_config(hf_dir: str, dtype=None, scan_layers: bool = True, overrides=None) -> TransformerConfig:

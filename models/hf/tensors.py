@@ -25,7 +25,9 @@ from shardzoo.models.hf.registry import (
     family_of_config,
     family_of_model_type,
     load_hf_config,
+    write_hf_config,
 )
+from shardzoo.models.transformer import VOCAB_PARAMS
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -236,7 +238,9 @@ def load_hf_params(hf_dir: str, target, config=None):
     glob, groups = _layer_weights(config, family)
     plan = [(w.path, (None,), False, w) for w in glob]
     plan += [(prefix + w.path, layers, stacked, w) for prefix, layers, stacked, ws in groups for w in ws]
-    _check(plan, flat, reader, hf_dir)
+    hf_shapes = {path: jax.ShapeDtypeStruct(_unpadded(config, path, leaf.shape), leaf.dtype)
+                 for path, leaf in flat.items()}  # the vocab rows HF has (vocab_pad_multiple)
+    _check(plan, hf_shapes, reader, hf_dir)
     params = {}
     for path, layers, stacked, w in _bar(plan, "import"):
         leaf = flat[path]
@@ -244,9 +248,24 @@ def load_hf_params(hf_dir: str, target, config=None):
             read = functools.partial(_read_stacked, reader, w, leaf.shape[1:], layers)
             params[path] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read, leaf.shape[0])
         else:
-            read = functools.partial(_read, reader, w, leaf.shape, layers[0])
+            read = functools.partial(_read, reader, w, hf_shapes[path].shape, layers[0])
+            if hf_shapes[path].shape != leaf.shape:  # padding rows: zeros
+                read = functools.partial(_padded, read, leaf.shape)
             params[path] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read)
     return traverse_util.unflatten_dict(params)
+
+
+def _unpadded(config, path, shape) -> tuple[int, ...]:
+    """``shape`` of the parameter at ``path`` without the vocab rows ``vocab_pad_multiple`` adds."""
+    axis = VOCAB_PARAMS.get(path)
+    if axis is None or getattr(config, "padded_vocab", None) in (None, config.vocab_size):
+        return tuple(shape)
+    return tuple(config.vocab_size if k == axis else n for k, n in enumerate(shape))
+
+
+def _padded(read, shape) -> np.ndarray:
+    x = read()
+    return np.pad(x, [(0, want - have) for have, want in zip(x.shape, shape, strict=True)])
 
 
 def _bar(items: list, desc: str):
@@ -308,14 +327,16 @@ def _to_host(x) -> np.ndarray:
 
 
 def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30,
-              family: str | None = None) -> dict:
+              family: str | None = None, base: dict | None = None) -> dict:
     """Write ``config.json`` and safetensors (sharded with an index past ``max_shard_bytes``) that
     transformers' ``from_pretrained`` loads, in ``family``'s layout (default: the first family
-    that expresses ``config``). Returns the HF config dict."""
+    that expresses ``config``), keeping what ``base`` (the config.json it was imported from)
+    says beyond the architecture (``config_to_hf``); with ``generation_config.json``. Returns
+    the HF config dict."""
     import jax.numpy as jnp
     from safetensors.numpy import save_file
 
-    hf_config = config_to_hf(config, dtype, family)
+    hf_config = config_to_hf(config, dtype, family, base)
     out_dtype = jnp.dtype(dtype or config.param_dtype)
     flat = traverse_util.flatten_dict(params)
     glob, groups = _layer_weights(config, family_of_config(config, family))
@@ -356,8 +377,9 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
                 flush()
             current[name] = arr
 
-    for w in glob:
-        emit(w, None, _to_host(flat[w.path]))
+    for w in glob:  # without the vocab padding rows
+        leaf = _to_host(flat[w.path])
+        emit(w, None, leaf[tuple(slice(0, n) for n in _unpadded(config, w.path, leaf.shape))])
     leaves = [(prefix, layers, stacked, w) for prefix, layers, stacked, ws in groups for w in ws]
     for prefix, layers, stacked, w in _bar(leaves, "export"):
         leaf = _to_host(flat[prefix + w.path])
@@ -377,6 +399,5 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             total += nbytes
         with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=1)
+    write_hf_config(hf_config, out_dir)
     return hf_config

@@ -111,7 +111,7 @@ def test_format_row_brackets_what_does_not_train():
     class Tok:
         bos_id, eos_id, pad_id = 257, 258, 256
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special=True):
             return bytes(i for i in ids if i < 256).decode()
 
     from shardzoo.data.packing import Rows
@@ -145,3 +145,33 @@ def test_a_null_text_is_refused_as_training_refuses_it(tmp_path, capsys):
     rc, out, err = run(capsys, "--data", data)
     line = one_line(err)
     assert rc == 2 and "row 2 has no value in column 'text'" in line and "--skip-missing" in line, line
+
+
+def test_special_tokens_show_their_text_and_an_end_of_turn_equal_to_pad_is_not_padding(tmp_path, capsys):
+    """A chat tokenizer whose end of turn is also its pad id (GPT-2 style): ``<|user|>`` and
+    ``<|endoftext|>`` print as themselves inside the row, padding only where the row is padding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
+    bpe.train_from_iterator(["hi", "hello"] * 4, trainers.BpeTrainer(
+        vocab_size=270, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tok / "tokenizer.json"))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"}))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
+    flags = ["--data", data, "--chat-column", "messages", "--tokenizer", tok, "--seq-len", 12, "--batch-size", 1]
+    (row,) = show(capsys, *flags)["shown"]
+    words = [t["text"] for t in row["tokens"] if t["segment"]]
+    assert words == ["<|user|>", "hi", "<|endoftext|>", "<|assistant|>", "hello", "<|endoftext|>"], words
+    pad_id = load_tokenizer(str(tok)).pad_id
+    assert row["tokens"][2]["id"] == row["tokens"][-1]["id"] == pad_id  # the same id, told apart by segment
+    # the loss mask: the assistant's reply and its end of turn train, the user's turn does not
+    assert [t["train"] for t in row["tokens"] if t["segment"]] == [False] * 4 + [True] * 2
+    human = run(capsys, *flags)[1]
+    assert "[[<|user|>|hi|<|endoftext|>|<|assistant|>]]|hello|<|endoftext|> + 6 x <pad>" in human, human

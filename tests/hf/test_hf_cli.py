@@ -161,6 +161,9 @@ def test_train_settings_rebuild_the_hf_model(llama, tmp_path):
                                                     override=("remat_policy=full",)))
     assert cfg.tokenizer == hf_dir and not cfg.add_bos  # this BPE has no bos post-processor
     assert config == load_hf_config(hf_dir).replace(remat_policy="full")
-    assert meta == {"model": None, "family": "llama"} and cfg.model is None
+    # config.json whole: an export writes back its fields beyond the architecture
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    assert meta == {"model": None, "family": "llama", "hf_config": hf_config} and cfg.model is None
     plain = TrainConfig(out=str(tmp_path))
     assert with_init_model(plain) == (plain, None, {})  # no --init-from: --model builds it

@@ -73,6 +73,7 @@ from shardzoo.models.hf import (
     config_to_hf,
     family_of_config,
     load_hf_config,
+    write_hf_config,
 )
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import TransformerConfig
@@ -388,3 +389,39 @@ def test_phi3_import_then_export_hf_writes_phi3_again(tmp_path):
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
     assert "model.layers.0.mlp.gate_up_proj.weight" in names
     assert not any("q_proj" in n for n in names)
+
+
+FILLED = {"architectures", "dtype", "transformers_version"}  # a model's save adds them to its config's
+
+
+def exported_config(hf_config, tmp_path, model_type) -> tuple[dict, dict]:
+    """(config.json as transformers saved ``hf_config``, config.json of its import exported):
+    configs only, no weights."""
+    src, out = tmp_path / "hf", tmp_path / "out"
+    hf_config.save_pretrained(src)
+    imported = json.loads((src / "config.json").read_text())
+    out.mkdir()
+    write_hf_config(config_to_hf(load_hf_config(str(src)), family=model_type, base=imported), str(out))
+    return imported, json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_export_writes_back_every_config_json_field_of_the_import(model_type, tmp_path):
+    """Key by key in the installed transformers' spelling, but the keys a model's save fills in;
+    with a generation_config.json naming the same special tokens."""
+    imported, exported = exported_config(TINY[model_type](), tmp_path, model_type)
+    assert set(exported) - set(imported) <= FILLED
+    for key in sorted(set(imported) - FILLED):
+        assert exported.get(key, "missing") == imported[key], key
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    text = imported.get("text_config", imported)
+    for key in ("bos_token_id", "eos_token_id"):
+        assert generation.get(key) == text.get(key), key
+
+
+def test_an_import_without_pad_token_exports_none_and_transformers_builds_it(tmp_path):
+    """GLM-4's pad id defaults to 151329: an import that says null must not export it into a
+    vocabulary of 128 (transformers then refuses: padding_idx must be within num_embeddings)."""
+    imported, exported = exported_config(Glm4Config(**DIMS, head_dim=16, pad_token_id=None), tmp_path, "glm4")
+    assert imported["pad_token_id"] is None and exported["pad_token_id"] is None
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "out"))  # builds

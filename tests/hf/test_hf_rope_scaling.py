@@ -18,12 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from shardzoo.errors import UserError
 from shardzoo.models import ModelError, get_config
 from shardzoo.models.arch import TransformerArch
 from shardzoo.models.attention import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.hf_io import generate_text, load_hf
 from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -181,3 +182,43 @@ def test_each_type_checks_its_keys_in_one_line(scaling, match):
     with pytest.raises(ModelError, match=match) as e:
         TransformerArch(**DIMS, rope_scaling=scaling)
     assert "\n" not in str(e.value)
+
+
+class _Ids:
+    """A tokenizer over written ids ("5 17 3"), so generated text reads back as token ids."""
+
+    bos_id = eos_id = pad_id = 0
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return "".join(f" {int(i)}" for i in ids)
+
+
+@pytest.mark.parametrize("built", ["dynamic"], indirect=True)
+def test_generate_goes_past_max_positions_on_rotary_models_as_transformers(built):
+    """``shardzoo generate``'s path: 4 prompt tokens + 16 new ones past max_position_embeddings=8
+    of a dynamic-NTK Llama (its purpose); greedy tokens equal transformers'."""
+    path, _, _ = built
+    prompt = TOKENS[:1, :4]
+    with torch.no_grad():
+        want = fresh(path).generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0, min_new_tokens=16).numpy()
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
+    _, config, params = load_hf(path, mesh=mesh, rules=rules)
+    config = config.replace(eos_token_id=None)  # as transformers' eos_token_id=None: all 16 tokens
+    text = " ".join(map(str, prompt[0]))
+    got = generate_text(config, params, _Ids(), text, mesh, rules, max_new_tokens=16)
+    assert got.split() == [str(t) for t in want[0]]
+
+
+def test_generate_past_learned_positions_is_refused(tmp_path):
+    """GPT-2's position table has 8 rows: 4 + 5 tokens is one line naming --max-new-tokens."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=128, n_embd=16, n_layer=1, n_head=2, n_positions=8).save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    with pytest.raises(UserError, match="4 prompt tokens \\+ --max-new-tokens 5 exceed the model's 8 positions"):
+        generate_text(config, None, _Ids(), "1 2 3 4", None, None, max_new_tokens=5)
+    assert config.arch.position_embedding == "learned"
