@@ -52,7 +52,9 @@ from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
 from shardzoo.train.tasks import Field, Task
 
-LOSSES = ("grpo", "bnpo", "dr_grpo")
+LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's loss_type
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clipped losses (their clip_ratio metrics)
+LEVELS = ("token", "sequence")  # TRL's importance_sampling_level
 SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids")
 
 
@@ -66,16 +68,50 @@ def token_logps(logits, targets):
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], logp
 
 
+def masked_row_mean(x, mask):
+    """Per row, the mean of ``x`` over its masked tokens ``[rows, 1]`` (TRL: count clamped at 1)."""
+    return jnp.sum(x * mask, -1, keepdims=True) / jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1.0)
+
+
+def gamma_weights(advantages, log_ratio, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's ``phi(w) = e^lambda w^k e^(-lambda w)`` of the sequence ratio ``w`` ``[rows, 1]``,
+    in log space and without gradient, as TRL's ``get_gamma_weights``."""
+    lower = math.log(1e-8)
+    seq = jnp.sum(jnp.clip(log_ratio, -20.0, 20.0) * mask, -1, keepdims=True)
+    log_w = jnp.clip(seq, lower, 20.0)
+    nonneg = advantages >= 0
+    k = jnp.where(nonneg, k_pos, k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return jax.lax.stop_gradient(jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOTask(Task):
-    """The GRPO loss on a rollout batch (see the module docstring)."""
+    """The GRPO (or RLOO) loss on a rollout batch (see the module docstring)."""
 
-    loss: str = "grpo"
+    loss: str = "dapo"
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float = 0.2
     num_iterations: int = 1
     max_completion_length: int = 64
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    delta: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """RLOO puts its KL (first order, summed per completion) in the reward, GRPO in the loss."""
+        return self.name == "rloo"
 
     @property
     def reference_keys(self) -> tuple[str, ...]:
@@ -100,57 +136,135 @@ class GRPOTask(Task):
         return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
 
     def step_totals(self, batch) -> dict:
-        """The step's completions and completion tokens (bnpo and dr_grpo divide by them)."""
+        """The step's completions and completion tokens (bnpo, dapo, cispo, vespo and dr_grpo divide by them)."""
         w = batch["weights"].astype(jnp.float32)
         tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32) * w[:, None])
         return {"rows": jnp.maximum(jnp.sum(w), 1e-8), "tokens": jnp.maximum(tokens, 1.0)}
 
-    def per_token(self, logps, batch):
-        """``(per-token loss, ratio, kl or None)``, each ``[rows, length]``."""
-        old = batch["old_logps"] if self.num_iterations > 1 else jax.lax.stop_gradient(logps)
-        ratio = jnp.exp(logps - old)
-        clipped = jnp.clip(ratio, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
+    def old_logps(self, logps, batch):
+        """The old policy's per-token log-probs: the rollout's, or ``stop_gradient(logps)`` with
+        one iteration (the ratio is exactly 1)."""
+        return batch["old_logps"] if self.num_iterations > 1 else jax.lax.stop_gradient(logps)
+
+    def per_token(self, logps, batch, mask=None):
+        """``(per-token loss, coef_1, kl or None, extra)`` as TRL's ``_compute_loss`` before the
+        aggregation; ``coef_1`` (the importance weight) is ``[rows, length]`` or, at the sequence
+        level, ``[rows, 1]``; ``extra`` holds vespo's ``phi_seq``."""
+        mask = batch["loss_mask"].astype(jnp.float32) if mask is None else mask
         advantages = batch["advantages"].astype(jnp.float32)[:, None]
-        loss = -jnp.minimum(ratio * advantages, clipped * advantages)
+        log_ratio = logps - self.old_logps(logps, batch)
+        weights = log_ratio if self.importance_sampling_level == "token" else masked_row_mean(log_ratio, mask)
+        coef_1 = jnp.exp(weights)
         kl = None
         if self.beta:
             delta = batch["ref_logps"] - logps
             kl = jnp.exp(delta) - delta - 1.0
-            loss = loss + self.beta * kl
-        return loss, ratio, kl
+            if self.use_bias_correction_kl:  # TRL's default: the KL times the importance weight
+                kl = kl * coef_1
+        extra = {}
+        if self.loss == "cispo":
+            loss = -jax.lax.stop_gradient(jnp.minimum(coef_1, self.epsilon_high)) * advantages * logps
+        elif self.loss == "sapo":
+            tau = jnp.where(advantages > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
+            loss = -jax.nn.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau * advantages
+        elif self.loss == "vespo":
+            extra["phi_seq"] = gamma_weights(advantages, log_ratio, mask, self.vespo_k_pos, self.vespo_lambda_pos,
+                                             self.vespo_k_neg, self.vespo_lambda_neg)
+            loss = -extra["phi_seq"] * advantages * logps
+        else:
+            coef_2 = jnp.clip(coef_1, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
+            if self.delta is not None:  # two-sided clipping (TRL's clip metrics then see the clamped ratio)
+                coef_1 = jnp.minimum(coef_1, self.delta)
+            loss = -jnp.minimum(coef_1 * advantages, coef_2 * advantages)
+        return loss, coef_1, kl, extra
 
     def sums(self, outputs, batch, totals=None) -> dict:
         """Sums over the rows; ``sums["loss"] / sum(weights)`` is the step's loss (see the module
-        docstring: bnpo and dr_grpo scale by the step's totals)."""
+        docstring: some losses scale by the step's totals)."""
+        if self.name == "rloo":
+            return self.rloo_sums(outputs, batch)
         totals = self.step_totals(batch) if totals is None else totals
         w = batch["weights"].astype(jnp.float32)
-        mask = batch["loss_mask"].astype(jnp.float32) * w[:, None]  # [rows, length]
+        loss_mask = batch["loss_mask"].astype(jnp.float32)
+        mask = loss_mask * w[:, None]  # [rows, length]
         logps, logp = token_logps(outputs, batch["targets"])
-        per_token, ratio, kl = self.per_token(logps, batch)
-        masked = per_token * mask
-        if self.loss == "grpo":
-            loss = jnp.sum(jnp.sum(masked, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0) * w)
-        elif self.loss == "bnpo":
-            loss = jnp.sum(masked) * totals["rows"] / totals["tokens"]
-        else:  # dr_grpo
-            loss = jnp.sum(masked) / self.max_completion_length
-        advantages = batch["advantages"].astype(jnp.float32)[:, None]
-        low = ((ratio < 1.0 - self.epsilon) & (advantages < 0)).astype(jnp.float32)
-        high = ((ratio > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [rows, length]
+        per_token, coef_1, kl, extra = self.per_token(logps, batch, loss_mask)
+        scoring = mask  # the tokens the policy term acts on
+        if self.top_entropy_quantile < 1.0:  # TRL's get_high_entropy_mask: the batch's top tokens by entropy
+            threshold = jnp.nanquantile(jnp.where(mask > 0, entropy, jnp.nan), 1.0 - self.top_entropy_quantile)
+            high_entropy = (entropy * mask >= threshold).astype(jnp.float32)
+            per_token, scoring = per_token * high_entropy, mask * high_entropy
+        if kl is not None:
+            per_token = per_token + self.beta * kl
+        masked = per_token * mask
+        if self.loss in ("grpo", "sapo"):
+            loss = jnp.sum(jnp.sum(masked, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0) * w)
+        elif self.loss == "dr_grpo":
+            loss = jnp.sum(masked) / self.max_completion_length
+        elif self.loss == "luspo":
+            loss = jnp.sum(masked)
+        else:  # bnpo, dapo, cispo, vespo: over the step's completion tokens
+            loss = jnp.sum(masked) * totals["rows"] / totals["tokens"]
         out = {"loss": loss, "weight": jnp.sum(w), "completion_tokens": jnp.sum(mask),
-               "entropy": jnp.sum(entropy * mask), "clip_ratio/low_mean": jnp.sum(low * mask),
-               "clip_ratio/high_mean": jnp.sum(high * mask),
-               "clip_ratio/region_mean": jnp.sum(jnp.maximum(low, high) * mask)}
+               "entropy": jnp.sum(entropy * mask)}
+        if self.entropy_coef:  # TRL's bonus: the micro-batch's mean entropy over the scoring tokens
+            bonus = jnp.sum(entropy * scoring) / jnp.maximum(jnp.sum(scoring), 1.0)
+            out["policy_loss"] = loss
+            out["loss"] = loss - self.entropy_coef * bonus * jnp.sum(w)
+        rows = coef_1.shape[-1] == 1  # the sequence level: one weight per completion, metrics over rows
+
+        def total(x):
+            return jnp.sum(x * w[:, None]) if rows else jnp.sum(x * mask)
+
+        advantages = batch["advantages"].astype(jnp.float32)[:, None]
+        if self.loss in CLIPPED:
+            low = ((coef_1 < 1.0 - self.epsilon) & (advantages < 0)).astype(jnp.float32)
+            high = ((coef_1 > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
+            out.update({"clip_ratio/low_mean": total(low), "clip_ratio/high_mean": total(high),
+                        "clip_ratio/region_mean": total(jnp.maximum(low, high))})
+        elif self.loss == "cispo":
+            out["cispo_clip_ratio"] = total(((coef_1 > self.epsilon_high) & (advantages > 0)).astype(jnp.float32))
+        elif self.loss == "vespo":
+            out["vespo/phi_seq_mean"] = jnp.sum(extra["phi_seq"] * w[:, None])
         if kl is not None:
             out["kl"] = jnp.sum(kl * mask)
         return out
 
+    def rloo_sums(self, outputs, batch) -> dict:
+        """RLOO's loss as TRL's ``RLOOTrainer._compute_loss``: the sequence's ratio of summed
+        log-probs, clipped as PPO's, the mean over completions; clip ratios over completions."""
+        w = batch["weights"].astype(jnp.float32)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        logps, logp = token_logps(outputs, batch["targets"])
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [rows, length]
+        seq, old = jnp.sum(logps * mask, -1), jnp.sum(self.old_logps(logps, batch) * mask, -1)  # [rows]
+        coef_1 = jnp.exp(seq - old)
+        coef_2 = jnp.clip(coef_1, 1.0 - self.epsilon, 1.0 + self.epsilon_high)
+        advantages = batch["advantages"].astype(jnp.float32)
+        loss = -jnp.minimum(coef_1 * advantages, coef_2 * advantages)
+        low = ((coef_1 < 1.0 - self.epsilon) & (advantages < 0)).astype(jnp.float32)
+        high = ((coef_1 > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
+        tokens = mask * w[:, None]
+        return {"loss": jnp.sum(loss * w), "weight": jnp.sum(w), "completion_tokens": jnp.sum(tokens),
+                "entropy": jnp.sum(entropy * tokens), "clip_ratio/low_mean": jnp.sum(low * w),
+                "clip_ratio/high_mean": jnp.sum(high * w), "clip_ratio/region_mean": jnp.sum(jnp.maximum(low, high) * w)}
+
     def extra_metrics(self, sums, total_weight) -> dict:
-        """Means over the step's completion tokens, as TRL's ``global_masked_mean``."""
+        """TRL's ``global_masked_mean``: means over the step's completion tokens, or over its
+        completions for the per-completion values (the sequence level, RLOO's ratios, vespo's phi)."""
         tokens = jnp.maximum(sums["completion_tokens"], 1.0)
-        names = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-        return {k: sums[k] / tokens for k in names if k in sums}
+        per_row = self.name == "rloo" or self.importance_sampling_level == "sequence"
+        out = {k: sums[k] / tokens for k in ("kl", "entropy") if k in sums}
+        for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
+            if k in sums:
+                out[k] = sums[k] / (total_weight if per_row else tokens)
+        if "vespo/phi_seq_mean" in sums:
+            out["vespo/phi_seq_mean"] = sums["vespo/phi_seq_mean"] / total_weight
+        if "policy_loss" in sums:
+            out.update({"policy_loss": sums["policy_loss"] / total_weight,
+                        "entropy_coef": jnp.asarray(self.entropy_coef, jnp.float32)})
+        return out
 
     def reference_logps(self, outputs, batch):
         """Per-token log-probs ``[rows, length]`` (the reference's, or the old policy's)."""
@@ -158,19 +272,31 @@ class GRPOTask(Task):
 
 
 def grpo_task(loss: str | None = None, beta: float | None = None, epsilon: float = 0.2,
-              epsilon_high: float | None = None, num_iterations: int = 1,
-              max_completion_length: int = 64) -> GRPOTask:
-    """The ``grpo`` task; bad settings are one-line UserErrors."""
-    loss = loss or "grpo"
-    if loss not in LOSSES:
-        raise UserError(f"--loss {loss!r}: --task grpo takes one of {', '.join(LOSSES)}")
-    beta = 0.0 if beta is None else float(beta)
+              epsilon_high: float | None = None, num_iterations: int = 1, max_completion_length: int = 64,
+              name: str = "grpo", **options) -> GRPOTask:
+    """The ``grpo`` task (``name="rloo"``: RLOO's, its loss TRL's RLOOTrainer's); ``options``:
+    the other GRPOTask fields (TRL's names). Bad settings are one-line UserErrors."""
+    if name == "rloo":
+        if loss is not None:
+            raise UserError(f"--loss {loss!r}: --task rloo has one loss (TRL's RLOOTrainer has no loss_type)")
+        loss = "rloo"
+    else:
+        loss = loss or "dapo"
+        if loss not in LOSSES:
+            raise UserError(f"--loss {loss!r}: --task grpo takes one of {', '.join(LOSSES)}")
+    level = options.get("importance_sampling_level", "token")
+    if level not in LEVELS:
+        raise UserError(f"--importance-sampling-level {level!r}: choose token or sequence")
+    beta = (0.05 if name == "rloo" else 0.0) if beta is None else float(beta)
     if not (math.isfinite(beta) and beta >= 0):
         raise UserError(f"--beta must be a finite number >= 0, got {beta}")
+    quantile = options.get("top_entropy_quantile", 1.0)
+    if not 0.0 <= quantile <= 1.0:
+        raise UserError(f"--top-entropy-quantile must be in [0, 1], got {quantile}")
     high = epsilon if epsilon_high is None else epsilon_high
-    return GRPOTask("grpo", "completions", "policy_loss", has_accuracy=False, has_perplexity=False, loss=loss,
+    return GRPOTask(name, "completions", "policy_loss", has_accuracy=False, has_perplexity=False, loss=loss,
                     beta=beta, epsilon=float(epsilon), epsilon_high=float(high), num_iterations=int(num_iterations),
-                    max_completion_length=int(max_completion_length))
+                    max_completion_length=int(max_completion_length), **options)
 
 
 # ------------------------------------------------------------------------------ rewards
@@ -191,7 +317,7 @@ def rollout_layout(cfg, config):
     from shardzoo.models import parse_overrides
 
     execution = getattr(config, "execution", None)
-    if getattr(cfg, "task", None) != "grpo" or not getattr(execution, "scan_layers", False):
+    if getattr(cfg, "task", None) not in ("grpo", "rloo") or not getattr(execution, "scan_layers", False):
         return config
     if "scan_layers" in parse_overrides(getattr(cfg, "override", None) or []):
         return config
@@ -281,6 +407,30 @@ def advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.ndarray,
     centred = r - mean
     out = centred if scale == "none" else centred / (std + np.float32(1e-4))
     return np.nan_to_num(out, nan=0.0).astype(np.float32), std
+
+
+def rloo_rewards(per_function: np.ndarray, weights, group: int, kl: np.ndarray | None = None, beta: float = 0.0,
+                 normalize: bool = False, clip=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rewards, advantages, std)`` as TRL's ``RLOOTrainer``: the weighted sum of the functions'
+    rewards (NaN where none scored), clipped to ``clip`` (MIN, MAX), less ``beta`` times each
+    completion's summed KL ``kl``, minus the mean of its group's other scored completions
+    (leave-one-out); with ``normalize`` the batch's advantages to mean 0, std 1 (+ 1e-4). An
+    unscored completion, or one alone in its group, gets advantage 0. ``rewards`` (what the metrics
+    report) is the weighted sum; ``std`` the group's spread of the penalised rewards."""
+    logged = weighted_sum(per_function, weights)
+    r = logged if clip is None else np.clip(logged, clip[0], clip[1])
+    if beta:
+        r = r - np.float32(beta) * np.asarray(kl, np.float32)
+    grouped = r.reshape(-1, group).astype(np.float32)
+    counts = (~np.isnan(grouped)).sum(1, keepdims=True).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        baselines = (np.nansum(grouped, 1, keepdims=True, dtype=np.float32) - grouped) / (counts - 1)
+    adv = (grouped - baselines).ravel()
+    if normalize:
+        mean, std = nan_mean_std(adv, 0)
+        adv = (adv - mean) / (std + np.float32(1e-4))
+    std = np.repeat(nan_mean_std(grouped, 1)[1][:, 0], group)
+    return logged, np.nan_to_num(adv, nan=0.0).astype(np.float32), std
 
 
 def weighted_sum(per_function: np.ndarray, weights, unscored: np.ndarray | None = None) -> np.ndarray:
