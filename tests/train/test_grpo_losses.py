@@ -216,6 +216,7 @@ def our_rloo_rollout_and_step(hf, program, shift, **data_kw):
                                  **{"normalize_advantages": False, "reward_clip_range": None, **data_kw})
     trainer = types.SimpleNamespace(train_data=data, program=program, reference_params=hf.ref_params)
     host, metrics = GRPOTrainer.rollout(trainer, hf.params, [0, 1], 0)
+    host["old_logps"] = np.array(host["old_logps"])
     host["old_logps"][:, WIDTH - 1] += shift
     return first_step(program, hf.params, host), metrics, host["advantages"]
 
