@@ -119,8 +119,10 @@ class GRPOTask(Task):
 
     @property
     def later_keys(self) -> tuple[str, ...]:
-        """Batch entries computed on the device after the rollout: old and reference log-probs."""
-        return (("old_logps",) if self.num_iterations > 1 else ()) + self.reference_keys
+        """Batch entries computed on the device after the rollout: old and reference log-probs (RLOO's
+        KL in the reward needs the old policy's with one iteration too)."""
+        old = self.num_iterations > 1 or (self.kl_in_reward and self.beta)
+        return (("old_logps",) if old else ()) + self.reference_keys
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         rows, names = (batch_size, seq_len), (ax.BATCH, ax.LENGTH)

@@ -240,10 +240,9 @@ class GRPOTrainer(Trainer):
             cut = truncated(got.tokens[:, width:], lengths, ended, tok.pad_id)
             host["loss_mask"] = host["loss_mask"] * (~cut)[:, None].astype(np.float32)
         task, old, extra = program.task, None, {}
-        if task.num_iterations > 1 or (task.kl_in_reward and task.beta):  # the old policy's: these params, once
-            old = host_array(program.compiled_old_logps_step()(params, program.place_global(host))["old_logps"])
-            if task.num_iterations > 1:
-                host["old_logps"] = old
+        if "old_logps" in task.later_keys:  # the old policy's: these params, once per rollout
+            old = host["old_logps"] = host_array(
+                program.compiled_old_logps_step()(params, program.place_global(host))["old_logps"])
         if task.beta:  # the reference's: a frozen copy, or these params with the LoRA adapters off
             reference = self.reference_params if self.reference_params is not None else params
             placed = program.place_global(host)

@@ -221,15 +221,18 @@ def our_rloo_rollout_and_step(hf, program, shift, **data_kw):
     return first_step(program, hf.params, host), metrics, host["advantages"]
 
 
-@pytest.mark.parametrize("options", [{}, {"normalize_advantages": True, "reward_clip_range": (-0.5, 1.5)}])
-def test_rloo_rollout_loss_and_metrics_equal_trls_rlootrainer(hf, options):
-    shift = np.array([0.5, -0.4, 0.05, -0.3, 0.35, -0.02], np.float32)
+@pytest.mark.parametrize("iterations,options", [(1, {}), (2, {}),
+                                                (2, {"normalize_advantages": True, "reward_clip_range": (-0.5, 1.5)})])
+def test_rloo_rollout_loss_and_metrics_equal_trls_rlootrainer(hf, iterations, options):
+    """One iteration (TRL's default: the ratio is 1), and two with old log-probs shifted per
+    completion (an earlier policy: some ratios clip)."""
+    shift = np.array([0.5, -0.4, 0.05, -0.3, 0.35, -0.02], np.float32) * (iterations - 1)
     want_loss, want, want_adv = trl_rloo_rollout_and_step(hf, shift, **options)
-    task = grpo_task(None, BETA, 0.2, 0.28, num_iterations=2, max_completion_length=COMPLETION, name="rloo")
+    task = grpo_task(None, BETA, 0.2, 0.28, num_iterations=iterations, max_completion_length=COMPLETION, name="rloo")
     got, rollout, adv = our_rloo_rollout_and_step(hf, program_of(hf, task), shift, **options)
     np.testing.assert_allclose(adv, want_adv, atol=ATOL)
     assert abs(got["loss"] - want_loss) < ATOL, (got["loss"], want_loss)
-    assert want["kl"] != 0 and 0 < want["clip_ratio/region_mean"] < 1
+    assert want["kl"] != 0 and (iterations == 1 or 0 < want["clip_ratio/region_mean"] < 1)
     got.update(rollout)
     for name, value in want.items():
         if name in ("clip_ratio/low_min", "clip_ratio/high_max", "num_tokens") or "terminated" in name \
