@@ -1,5 +1,5 @@
-"""GRPO as a task: completions sampled on the training mesh, scored by reward functions, and the
-clipped-ratio loss of TRL's ``GRPOTrainer`` (its names, its formulas).
+"""GRPO and RLOO as tasks: completions sampled on the training mesh, scored by reward functions, and
+the losses of TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (their names, their formulas).
 
 A step (``GRPOTrainer.train_step``): every ``num_iterations`` steps a *rollout*: the next
 ``batch_size / G`` prompts, each repeated ``G = num_generations`` times, are continued by the
@@ -20,21 +20,36 @@ The batch (``[rows, length]``, a row = left-padded prompt + completion, ``length
 the target is a completion token, its eos included), ``advantages``, ``weights`` ``[rows]`` and
 ``old_logps`` / ``ref_logps`` ``[rows, length]`` when used.
 
-The loss (TRL's ``_compute_loss``, token-level importance sampling), per completion token ``t``
-with ``p_t`` the policy's log-prob, ``o_t`` the old policy's (``stop_gradient(p_t)`` with one
-iteration: the ratio is exactly 1), ``q_t`` the reference's::
+The loss (TRL 1.16's ``_compute_loss``), per completion token ``t`` with ``p_t`` the policy's
+log-prob, ``o_t`` the old policy's (``stop_gradient(p_t)`` with one iteration: the ratio is exactly
+1), ``q_t`` the reference's; the importance weight ``w = exp(p_t - o_t)`` per token, or with
+``importance_sampling_level="sequence"`` (GSPO) ``exp`` of the completion's mean log-ratio::
 
-    ratio = exp(p_t - o_t);  l_t = -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)
-    l_t += beta (exp(q_t - p_t) - (q_t - p_t) - 1)            # k3 estimator of KL, beta > 0
+    l_t = -min(w A, clip(w, 1 - eps, 1 + eps_high) A)         # grpo, bnpo, dr_grpo, dapo, luspo
+    l_t = -stop_gradient(min(w, eps_high)) A p_t              # cispo
+    l_t = -sigmoid(tau (w - 1)) 4 / tau A                     # sapo, tau by the sign of A
+    l_t = -phi(w_seq) A p_t                                   # vespo, phi a gamma weight (no gradient)
+    l_t += beta (exp(q_t - p_t) - (q_t - p_t) - 1) w          # k3 KL, beta > 0 (w: use_bias_correction_kl)
 
-aggregated by ``loss`` (TRL's ``loss_type``): ``grpo`` the mean over completions of each one's
-mean over its tokens; ``bnpo`` the mean over the batch's completion tokens; ``dr_grpo`` the sum
-over tokens divided by ``completions * max_completion_length``.
+aggregated by ``loss`` (TRL's ``loss_type``): ``grpo`` and ``sapo`` the mean over completions of
+each one's mean over its tokens; ``dapo`` (the default), ``bnpo``, ``cispo`` and ``vespo`` the mean
+over the step's completion tokens; ``dr_grpo`` the sum over tokens divided by ``completions *
+max_completion_length``; ``luspo`` the mean over completions of each one's sum. ``delta`` clamps
+``w`` from above in the clipped losses, ``top_entropy_quantile`` keeps the policy term on the
+batch's highest-entropy tokens, ``entropy_coef`` subtracts the mean entropy.
+
+RLOO (``name="rloo"``, TRL's ``RLOOTrainer``): the KL is in the reward (``rloo_rewards``: the
+first-order ``o_t - q_t`` summed per completion, times beta), the advantage is leave-one-out, and
+the loss is the clipped ratio of the completion's summed log-probs, the mean over completions.
 
 Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length`` (``min``, ``max``, ``clipped_ratio``),
-``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``;
-and ``time/sampling_s``, ``time/scoring_s`` of the step's rollout.
+``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``
+(over completions at the sequence level and for RLOO), ``cispo_clip_ratio``,
+``vespo/phi_seq_mean``, ``policy_loss`` and ``entropy_coef`` with an entropy bonus; and
+``time/sampling_s``, ``time/scoring_s`` of the step's rollout. TRL's ``clip_ratio/low_min`` and
+``high_max`` (a min and a max over completions, which the step's summed metrics cannot carry
+through gradient accumulation) are not logged.
 """
 
 from __future__ import annotations

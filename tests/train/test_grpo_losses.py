@@ -291,3 +291,7 @@ def test_a_resumed_rloo_run_samples_and_trains_as_the_uninterrupted_one(hf):
     for key in ("loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"):
         assert resumed[4][key] == straight[4][key], key
     assert straight[1]["kl"] == pytest.approx(0.0, abs=1e-7) and straight[3]["kl"] != 0  # the policy moved off
+    from shardzoo.train import evaluate  # shardzoo eval scores an rloo run by its rewards, as a grpo run
+
+    got = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight"), temperature=0.0))
+    assert got["task"] == "rewards" and got["prompts"] == 8 and 0 <= got["reward"] <= 1
