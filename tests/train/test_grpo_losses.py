@@ -291,7 +291,34 @@ def test_a_resumed_rloo_run_samples_and_trains_as_the_uninterrupted_one(hf):
     for key in ("loss", "reward", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"):
         assert resumed[4][key] == straight[4][key], key
     assert straight[1]["kl"] == pytest.approx(0.0, abs=1e-7) and straight[3]["kl"] != 0  # the policy moved off
-    from shardzoo.train import evaluate  # shardzoo eval scores an rloo run by its rewards, as a grpo run
+    from shardzoo.train import evaluate
 
+    # shardzoo eval scores an rloo run by its rewards, as a grpo run
     got = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "straight"), temperature=0.0))
     assert got["task"] == "rewards" and got["prompts"] == 8 and 0 <= got["reward"] <= 1
+
+
+def test_bad_loss_settings_are_one_line_config_errors():
+    import argparse
+
+    from shardzoo.train.config import ConfigError, add_arguments, config_from_args
+
+    base = dict(reward_funcs=("r.py:f",), batch_size=8, num_generations=4)
+    cases = [(dict(task="rloo", loss="sapo"), "--loss 'sapo': --task rloo has one loss"),
+             (dict(task="rloo", sapo_temperature_neg=2.0), "--sapo-temperature-neg is a setting of --task grpo"),
+             (dict(task="rloo", scale_rewards="batch"), "--scale-rewards is a setting of --task grpo"),
+             (dict(task="grpo", normalize_advantages=True), "--normalize-advantages is a setting of --task rloo"),
+             (dict(task="grpo", importance_sampling_level="word"), "--importance-sampling-level 'word': choose"),
+             (dict(task="grpo", top_entropy_quantile=1.5), "--top-entropy-quantile must be in [0, 1], got 1.5"),
+             (dict(task="rloo", reward_clip_range=(2.0, 1.0)), "--reward-clip-range takes MIN,MAX with MIN <= MAX"),
+             (dict(task="lm", entropy_coef=0.1, reward_funcs=(), num_generations=8), "--entropy-coef is a setting of")]
+    for kw, words in cases:
+        with pytest.raises(ConfigError) as e:
+            TrainConfig(**{**base, **kw})
+        assert words in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--task", "grpo", "--reward-funcs", "r.py:f", "--batch-size", "8", "--num-generations", "4"]
+    assert config_from_args(parser.parse_args(args)).use_bias_correction_kl  # TRL's default
+    cfg = config_from_args(parser.parse_args(args + ["--no-use-bias-correction-kl", "--loss", "vespo"]))
+    assert not cfg.use_bias_correction_kl and cfg.loss == "vespo"
