@@ -322,3 +322,16 @@ def test_bad_loss_settings_are_one_line_config_errors():
     assert config_from_args(parser.parse_args(args)).use_bias_correction_kl  # TRL's default
     cfg = config_from_args(parser.parse_args(args + ["--no-use-bias-correction-kl", "--loss", "vespo"]))
     assert not cfg.use_bias_correction_kl and cfg.loss == "vespo"
+
+
+def test_shardzoo_plan_counts_rloos_reference_and_rollouts(capsys):
+    from shardzoo.cli import main
+
+    base = ["plan", "--model", "llama-tiny", "--task", "rloo", "--batch-size", "32", "--num-generations", "8",
+            "--seq-len", "64", "--rules", "fsdp", "--mesh", "fsdp=8"]
+    assert main(base) == 0  # TRL's RLOO default beta 0.05: a reference model
+    shown = capsys.readouterr().out
+    assert "reference model" in shown and "rollouts (KV cache)" in shown
+    assert main(base + ["--beta", "0"]) == 0
+    shown = capsys.readouterr().out
+    assert "reference model" not in shown and "rollouts (KV cache)" in shown
