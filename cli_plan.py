@@ -37,14 +37,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "grpo"),
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "grpo", "rloo"),
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
-                        "grpo: sampled completions (--batch-size counts them), the reference model's bytes "
+                        "grpo, rloo: sampled completions (--batch-size counts them), the reference model's bytes "
                         "(with --beta > 0) and the rollouts' decoding cache")
     p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default), ipo, hinge, simpo or orpo; "
-                                                "--task grpo: grpo (default), bnpo or dr_grpo")
+                                                "--task grpo: dapo (default), grpo, bnpo, dr_grpo, cispo, sapo, "
+                                                "luspo or vespo")
     p.add_argument("--beta", type=float, default=None,
-                   help="--task grpo: the KL coefficient (default 0: no reference model); --task dpo: its beta")
+                   help="--task grpo: the KL coefficient (default 0: no reference model); --task rloo: the KL "
+                        "penalty in the reward (default 0.05); --task dpo: its beta")
     p.add_argument("--num-generations", type=int, default=None,
                    help="--task grpo: completions per prompt (default: TrainConfig's)")
     p.add_argument("--precompute-reference", action="store_true",

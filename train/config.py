@@ -26,11 +26,16 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "grpo")
+TASKS = (None, "lm", "dpo", "grpo", "rloo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo")
+GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's
+IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+GRPO_OPTIONS = ("importance_sampling_level", "use_bias_correction_kl", "delta", "sapo_temperature_neg",
+                "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                "top_entropy_quantile", "entropy_coef")  # TRL's GRPOConfig's, not RLOOConfig's
+RLOO_OPTIONS = ("normalize_advantages", "reward_clip_range")
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -77,10 +82,11 @@ class TrainConfig:
     batch_size: int = 16  # global, over all devices and microbatches
     seq_len: int = 128
     # task: None trains what the model does (next tokens, or its labels); "dpo": preference pairs;
-    # "grpo": reinforcement learning on sampled completions scored by reward functions
+    # "grpo": reinforcement learning on sampled completions scored by reward functions; "rloo": the same
+    # rollouts, RLOO's leave-one-out advantages and loss
     task: str | None = None
-    loss: str | None = None  # dpo: sigmoid (default) | ipo | hinge | simpo | orpo; grpo: grpo (default) | bnpo | dr_grpo
-    beta: float | None = None  # dpo: 0.1 by default; grpo: the KL coefficient, 0 by default (no reference)
+    loss: str | None = None  # dpo: sigmoid (default) | ipo | hinge | simpo | orpo; grpo: GRPO_LOSSES, dapo (default)
+    beta: float | None = None  # dpo: 0.1 by default; grpo: the KL coefficient, 0 by default (no reference); rloo: 0.05
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0  # simpo: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
@@ -96,6 +102,20 @@ class TrainConfig:
     scale_rewards: str = "group"  # group | batch | none
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (each function's own)
     mask_truncated_completions: bool = False  # completions without an eos do not score (DAPO)
+    importance_sampling_level: str = "token"  # or sequence (GSPO)
+    use_bias_correction_kl: bool = True  # the KL term times the importance weight (DeepSeek-V3.2)
+    delta: float | None = None  # two-sided clipping: the ratio's upper bound (INTELLECT-2)
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0  # the policy term on the top share of tokens by entropy
+    entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef * mean entropy
+    # rloo (TRL's RLOOConfig names and defaults)
+    normalize_advantages: bool = False  # the batch's advantages to mean 0, std 1
+    reward_clip_range: tuple[float, ...] | None = None  # MIN,MAX of the summed rewards
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -158,11 +178,11 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        if self.task not in ("dpo", "grpo"):
+        if self.task not in ("dpo", "grpo", "rloo"):
             tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
                      if getattr(self, n) not in (None, False)]
             if tuned:
-                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo or grpo")
+                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, grpo or rloo")
         if self.task != "dpo" and self.precompute_reference:
             raise ConfigError("--precompute-reference is a setting of --task dpo")
         self._check_grpo()
@@ -178,20 +198,31 @@ class TrainConfig:
             )
 
     def _check_grpo(self) -> None:
-        """The GRPO settings: each in range, and none changed from its default without --task grpo."""
+        """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
         defaults = TrainConfig.__dataclass_fields__
         names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
-                 "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions", "temperature",
-                 "top_k", "top_p")
-        if self.task != "grpo":
-            changed = [n for n in names if getattr(self, n) != defaults[n].default]
-            if changed:
-                raise ConfigError(f"--{_flag(changed[0])} is a setting of --task grpo")
+                 "mask_truncated_completions", "temperature", "top_k", "top_p")
+        only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
+        for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
+            changed = [n for n in settings if getattr(self, n) != defaults[n].default]
+            if self.task not in task and changed:
+                raise ConfigError(f"--{_flag(changed[0])} is a setting of --task {' or '.join(task)}")
+        if self.task not in ("grpo", "rloo"):
             return
+        if self.task == "rloo" and self.loss is not None:
+            raise ConfigError(f"--loss {self.loss!r}: --task rloo has one loss (TRL's RLOOTrainer has no loss_type)")
         if self.loss is not None and self.loss not in GRPO_LOSSES:
             raise ConfigError(f"--loss {self.loss!r}: --task grpo takes one of {', '.join(GRPO_LOSSES)}")
         if self.beta is not None and not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ConfigError(f"--beta must be a finite number >= 0 for --task grpo, got {self.beta}")
+            raise ConfigError(f"--beta must be a finite number >= 0 for --task {self.task}, got {self.beta}")
+        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
+            raise ConfigError(f"--importance-sampling-level {self.importance_sampling_level!r}: choose one of "
+                              f"{', '.join(IMPORTANCE_LEVELS)}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        clip = self.reward_clip_range
+        if clip is not None and (len(clip) != 2 or not clip[0] <= clip[1]):
+            raise ConfigError(f"--reward-clip-range takes MIN,MAX with MIN <= MAX, got {','.join(map(str, clip))}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
                               f"{len(self.reward_funcs)} --reward-funcs")
@@ -220,7 +251,7 @@ class TrainConfig:
             raise ConfigError(f"--max-completion-length {completion} must be from 1 to --seq-len - 1 "
                               f"({self.seq_len - 1}): each row holds the prompt and its completion")
         if self.precompute_reference:
-            raise ConfigError("--precompute-reference: GRPO's completions are sampled while training; "
+            raise ConfigError(f"--precompute-reference: {self.task.upper()}'s completions are sampled while training; "
                               "the reference scores them as they come")
 
     def _check_distributed(self) -> None:
@@ -263,7 +294,9 @@ SECTIONS = {
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
-             "temperature", "top_k", "top_p"),
+             "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
+             "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+             "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef", "normalize_advantages", "reward_clip_range"),
     "optimizer": ("steps", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                   "clip_norm", "grad_accum", "seed", "skip_nonfinite"),
     "sharding": ("rules", "opt_rules", "mesh"),
@@ -299,11 +332,11 @@ HELP = {
     "max_completion_length": "--task dpo: keep the first N tokens of each completion; --task grpo: tokens "
                              "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
     "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected) "
-            "or grpo (prompts, sampled completions, --reward-funcs)",
+            "grpo (prompts, sampled completions, --reward-funcs) or rloo (the same, RLOO's advantages and loss)",
     "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), ipo, hinge, simpo or orpo; --task grpo: "
-            "grpo (default), bnpo or dr_grpo",
+            "dapo (default, as TRL 1.16), grpo, bnpo, dr_grpo, cispo, sapo, luspo or vespo",
     "beta": "--task dpo: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
-            "(default 0: no reference model)",
+            "(default 0: no reference model); --task rloo: the KL penalty in the reward (default 0.05)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
     "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
@@ -318,7 +351,23 @@ HELP = {
                                    "sum normalised over the batch), as TRL",
     "mask_truncated_completions": "--task grpo: completions that reach --max-completion-length without an eos do "
                                   "not score in the loss (DAPO; they still count in their group's rewards)",
-    "temperature": "--task grpo: sampling temperature",
+    "importance_sampling_level": "--task grpo: the ratio per token, or per completion (sequence: the mean "
+                                 "log-ratio of its tokens, GSPO)",
+    "use_bias_correction_kl": "--task grpo: multiply the KL term by the importance weight (TRL's default; "
+                              "--no-use-bias-correction-kl: the plain k3 estimate)",
+    "delta": "--task grpo: two-sided clipping: the ratio's upper bound in the clipped losses (INTELLECT-2)",
+    "sapo_temperature_neg": "--loss sapo: the gate's temperature on non-positive advantages",
+    "sapo_temperature_pos": "--loss sapo: the gate's temperature on positive advantages",
+    "vespo_k_pos": "--loss vespo: the power k on non-negative advantages",
+    "vespo_lambda_pos": "--loss vespo: the decay lambda on non-negative advantages",
+    "vespo_k_neg": "--loss vespo: the power k on negative advantages",
+    "vespo_lambda_neg": "--loss vespo: the decay lambda on negative advantages",
+    "top_entropy_quantile": "--task grpo: the policy term on this top share of the batch's completion tokens "
+                            "by entropy (1: all)",
+    "entropy_coef": "--task grpo: an entropy bonus, the loss minus entropy-coef times the mean entropy",
+    "normalize_advantages": "--task rloo: the batch's advantages to mean 0 and std 1",
+    "reward_clip_range": "--task rloo: MIN,MAX clip of the summed rewards (before the KL penalty)",
+    "temperature": "--task grpo/rloo: sampling temperature",
     "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
     "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
     "label_smoothing": "--task dpo: label smoothing of sigmoid and simpo (conservative DPO), in [0, 0.5)",
@@ -377,7 +426,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}
@@ -405,8 +454,9 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
         kw = {"dest": name, "default": argparse.SUPPRESS}
         default = getattr(defaults, name)
         help_text = HELP[name] + ("" if default in (None, (), False) else f" (default: {default})")
-        if tp is bool:
-            group.add_argument(f"--{_flag(name)}", action="store_true", help=help_text, **kw)
+        if tp is bool:  # on by default: --no-NAME turns it off
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            group.add_argument(f"--{_flag(name)}", action=action, help=help_text, **kw)
         elif name == "override":
             group.add_argument("--override", action="append", metavar=METAVARS[name], help=help_text, **kw)
         elif typing.get_origin(tp) is tuple:  # a comma-separated list, coerced with the rest
@@ -414,6 +464,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
                        "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS,
+                       "importance_sampling_level": IMPORTANCE_LEVELS,
                        "multi_objective_aggregation": AGGREGATIONS}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)

@@ -480,7 +480,7 @@ def run(s: EvalSettings) -> dict:
     whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
     run_task = ((whole_run.get("settings") or {}).get("task") or {}).get("task")
     if s.task is None:  # the run's own task
-        s = dataclasses.replace(s, task={"dpo": "dpo", "grpo": "rewards"}.get(run_task, "lm"))
+        s = dataclasses.replace(s, task={"dpo": "dpo", "grpo": "rewards", "rloo": "rewards"}.get(run_task, "lm"))
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
     if s.reference is not None and s.task != "dpo":
@@ -584,7 +584,7 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
                         "held-out prompts as --data)")
     temperature = s.temperature if s.temperature is not None else task.get("temperature", 1.0)
     group = s.num_generations if s.num_generations is not None else \
-        (task.get("num_generations") if task.get("task") == "grpo" else None) or 1
+        (task.get("num_generations") if task.get("task") in ("grpo", "rloo") else None) or 1
     if temperature == 0 and s.num_generations is None:
         group = 1  # greedy: one completion per prompt
     if group < 1:
@@ -609,7 +609,7 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
     if split != "all":
         train, held_out = split_prompts(prompts, fraction, seed)
         prompts = held_out if split == "eval" else train
-    rows = s.batch_size or (data_settings.get("batch_size") if task.get("task") == "grpo" else None) \
+    rows = s.batch_size or (data_settings.get("batch_size") if task.get("task") in ("grpo", "rloo") else None) \
         or mesh.size * max(1, 8 // mesh.size)
     per_call = max(1, rows // group)  # a grpo run's: its rollouts' shape (its evaluations' calls and keys)
     program = Program(config, rules, mesh)

@@ -163,7 +163,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
     data_config = data_config_of(cfg)
-    if cfg.task == "grpo":  # prompts, sampled and scored while training (train/rollouts.py)
+    if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/rollouts.py)
         from shardzoo.train.rollouts import rollout_data
 
         train_data, eval_data = rollout_data(cfg, tokenizer), None
@@ -421,7 +421,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
         log(f"optimizer state: {p.opt_rules}")
     log(p.program.plan(device_memory=p.device_memory, name=_model_name(cfg)).format())
     trainer_class = Trainer
-    if cfg.task == "grpo":
+    if cfg.task in ("grpo", "rloo"):
         from shardzoo.train.rollouts import GRPOTrainer as trainer_class
     trainer = saved_at_start = None
     try:

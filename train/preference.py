@@ -192,7 +192,7 @@ def run_task(cfg, config):
     from shardzoo.train.tasks import get_task
 
     name = getattr(cfg, "task", None)
-    if name == "grpo":
+    if name in ("grpo", "rloo"):
         return _grpo_run_task(cfg, config)
     if name != "dpo":
         if name == "lm" and getattr(config, "task", "lm") != "lm":
@@ -214,15 +214,18 @@ def run_task(cfg, config):
 
 
 def _grpo_run_task(cfg, config):
-    """``--task grpo``'s task and reference: none with ``--beta 0``, else the LoRA base (adapters
-    off) or a frozen copy, as DPO's."""
+    """``--task grpo``'s (or ``rloo``'s) task and reference: none with ``--beta 0``, else the LoRA
+    base (adapters off) or a frozen copy, as DPO's."""
     from shardzoo.train import model_info
+    from shardzoo.train.config import GRPO_OPTIONS
     from shardzoo.train.grpo import grpo_task
     from shardzoo.train.rollouts import completion_length
 
     if getattr(config, "task", "lm") != "lm":
-        raise UserError(f"--task grpo trains a language model; the model does {config.task}")
-    task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations, completion_length(cfg))
+        raise UserError(f"--task {cfg.task} trains a language model; the model does {config.task}")
+    options = {n: getattr(cfg, n) for n in GRPO_OPTIONS} if cfg.task == "grpo" else {}
+    task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations, completion_length(cfg),
+                     name=cfg.task, **options)
     if not task.beta:
         if cfg.reference:
             raise UserError("--reference: --beta 0 uses no reference model (give --beta > 0 or drop --reference)")

@@ -470,7 +470,7 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "grpo") else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "grpo", "rloo") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
@@ -484,7 +484,7 @@ class Program:
     def rollout_bytes(self) -> int | None:
         """GRPO: what the decoding cache that samples a step's completions (a batch of
         ``seq_len`` positions) costs one device; None for other tasks."""
-        if self.task.name != "grpo":
+        if self.task.name not in ("grpo", "rloo"):
             return None
         return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 

@@ -30,6 +30,7 @@ from shardzoo.train.grpo import (
     left_pad,
     load_reward_function,
     nan_mean_std,
+    rloo_rewards,
     rollout_rows,
     score,
     truncated,
@@ -54,11 +55,13 @@ class Rollouts:
 
     def __init__(self, prompts, tokenizer, functions, weights, *, group: int, iterations: int, scale: str,
                  prompt_width: int, completion: int, sampling: dict, batch_size: int, seed: int,
-                 aggregation: str = "sum_then_normalize", mask_truncated: bool = False, eval_prompts=None):
+                 aggregation: str = "sum_then_normalize", mask_truncated: bool = False, eval_prompts=None,
+                 normalize_advantages: bool = False, reward_clip_range=None):
         self.prompts, self.tokenizer, self.functions = prompts, tokenizer, functions
         self.weights = np.asarray(weights, np.float32)
         self.group, self.iterations, self.scale = group, iterations, scale
         self.aggregation, self.mask_truncated = aggregation, mask_truncated
+        self.normalize_advantages, self.reward_clip_range = normalize_advantages, reward_clip_range  # RLOO's
         self.eval_prompts = eval_prompts  # a PromptSet of held-out prompts, or None
         self.prompt_width, self.completion, self.sampling = prompt_width, completion, sampling
         self.iterator = PromptIterator(len(prompts), batch_size // group, seed)
@@ -185,7 +188,7 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
     from shardzoo.data import load_source
 
     if not cfg.reward_funcs:
-        raise UserError("--task grpo needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
+        raise UserError(f"--task {cfg.task} needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
     completion = completion_length(cfg)
     width = cfg.seq_len - completion
@@ -208,7 +211,8 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
     return Rollouts(prompts, tokenizer, functions, weights, group=cfg.num_generations, iterations=cfg.num_iterations,
                     scale=cfg.scale_rewards, prompt_width=width, completion=completion, sampling=sampling,
                     batch_size=cfg.batch_size, seed=cfg.seed, aggregation=cfg.multi_objective_aggregation,
-                    mask_truncated=cfg.mask_truncated_completions, eval_prompts=eval_prompts)
+                    mask_truncated=cfg.mask_truncated_completions, eval_prompts=eval_prompts,
+                    normalize_advantages=cfg.normalize_advantages, reward_clip_range=cfg.reward_clip_range)
 
 
 def try_reward_functions(functions, prompts) -> None:
@@ -234,7 +238,7 @@ def try_reward_functions(functions, prompts) -> None:
 
 
 class GRPOTrainer(Trainer):
-    """The Trainer of ``--task grpo``: a rollout every ``num_iterations`` steps, then the step."""
+    """The Trainer of ``--task grpo`` and ``rloo``: a rollout every ``num_iterations`` steps, then the step."""
 
     def train_step(self, state, batch) -> tuple:
         data = self.train_data
@@ -246,27 +250,40 @@ class GRPOTrainer(Trainer):
         return new_state, {**step_metrics, **metrics}
 
     def rollout(self, params, indices, step: int) -> tuple[dict, dict]:
-        """``(host batch, metrics)`` of a new rollout for the prompts at ``indices``."""
+        """``(host batch, metrics)`` of a new rollout for the prompts at ``indices``: GRPO's group
+        advantages, or RLOO's leave-one-out ones of the rewards less the KL (``task.kl_in_reward``)."""
         data, program, tok = self.train_data, self.program, self.train_data.tokenizer
         t0 = time.perf_counter()
         got = data.sample(program, params, data.prompts, indices, data.key(step))
         lengths, ended, width = got.lengths, got.ended, data.prompt_width
-        rewards, advantage, std = group_rewards(got.rewards, data.weights, data.group, data.scale, data.aggregation)
+        rows = len(got.tokens)
         host = {**rollout_rows(got.tokens, got.prompt_lengths, lengths, width, tok.pad_id),
-                "advantages": advantage, "weights": np.ones(len(got.tokens), np.float32)}
+                "advantages": np.zeros(rows, np.float32), "weights": np.ones(rows, np.float32)}
         if data.mask_truncated:  # TRL's mask_truncated_completions: they stay in the groups, out of the loss
             cut = truncated(got.tokens[:, width:], lengths, ended, tok.pad_id)
             host["loss_mask"] = host["loss_mask"] * (~cut)[:, None].astype(np.float32)
-        task = program.task
-        if task.num_iterations > 1:  # the old policy's log-probs: these params, once per rollout
-            placed = program.place_global(host)
-            host["old_logps"] = host_array(program.compiled_old_logps_step()(params, placed)["old_logps"])
+        task, old, extra = program.task, None, {}
+        if "old_logps" in task.later_keys:  # the old policy's: these params, once per rollout
+            old = host["old_logps"] = host_array(
+                program.compiled_old_logps_step()(params, program.place_global(host))["old_logps"])
         if task.beta:  # the reference's: a frozen copy, or these params with the LoRA adapters off
             reference = self.reference_params if self.reference_params is not None else params
             placed = program.place_global(host)
             host["ref_logps"] = host_array(program.compiled_reference_step()(reference, placed)["ref_logps"])
+        if task.kl_in_reward:  # RLOO: the first-order KL of each completion, summed, in its reward
+            kl = None
+            if task.beta:
+                per_token = (old - host["ref_logps"]) * host["loss_mask"]
+                kl = per_token.sum(1, dtype=np.float32)
+                extra["kl"] = float(per_token.sum(dtype=np.float32) / max(float(host["loss_mask"].sum()), 1.0))
+            rewards, advantage, std = rloo_rewards(got.rewards, data.weights, data.group, kl, task.beta,
+                                                   data.normalize_advantages, data.reward_clip_range)
+        else:
+            rewards, advantage, std = group_rewards(got.rewards, data.weights, data.group, data.scale,
+                                                    data.aggregation)
+        host["advantages"] = advantage
         total = time.perf_counter() - t0
-        metrics = {**reward_metrics(got.rewards, data.weights, data.functions, lengths, ended),
+        metrics = {**reward_metrics(got.rewards, data.weights, data.functions, lengths, ended), **extra,
                    "frac_reward_zero_std": float(np.isclose(std, 0.0).mean()),
                    "time/sampling_s": got.sampling_s, "time/scoring_s": total - got.sampling_s}
         return host, metrics

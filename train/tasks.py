@@ -17,6 +17,7 @@ and multi-device reductions all divide once, by the total weight, at the end.
 - ``grpo``: completions sampled from prompts and scored by reward functions (``train/grpo.py``):
   ``[batch, length]`` sequences, a completion-token mask, each completion's advantage, and the
   old policy's and the reference's per-token log-probabilities where the loss uses them.
+- ``rloo``: GRPO's batch, RLOO's leave-one-out advantages and sequence-level loss (``train/grpo.py``).
 """
 
 from __future__ import annotations

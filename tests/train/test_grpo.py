@@ -111,7 +111,8 @@ def torch_logps(model, grad=False):
 
 
 def torch_loss(policy, reference, advantage, old_shift, loss_type, beta, eps=0.2, eps_high=0.28):
-    """TRL's ``_compute_loss`` formula, written here on transformers' logits: ``(loss, kl, clip)``."""
+    """TRL's ``_compute_loss`` formula, written here on transformers' logits: ``(loss, kl, clip)``;
+    the KL term times the ratio, as TRL 1.16's default ``use_bias_correction_kl``."""
     logps = torch_logps(policy, grad=True)
     refs = torch_logps(reference) if beta else None
     per_row, tokens, kl_sum, low_sum, high_sum = [], 0, 0.0, 0.0, 0.0
@@ -122,7 +123,7 @@ def torch_loss(policy, reference, advantage, old_shift, loss_type, beta, eps=0.2
         loss = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
         if beta:
             d = refs[i] - lp
-            kl = torch.exp(d) - d - 1
+            kl = (torch.exp(d) - d - 1) * ratio
             loss = loss + beta * kl
             kl_sum += float(kl.detach().sum())
         low_sum += float(((ratio < 1 - eps) & (a < 0)).sum())
@@ -295,7 +296,7 @@ def test_one_iteration_without_reference_has_ratio_one_and_no_clipping(ours):
     placed = program.place(rollout_batch(advantage))
     outputs, _, _ = forward(task, program.module, ours.params, placed, jax.random.PRNGKey(0), deterministic=True)
     logps = task.reference_logps(outputs, placed)
-    _, ratio, kl = task.per_token(logps, placed)
+    _, ratio, kl, _ = task.per_token(logps, placed)
     assert kl is None and np.all(np.asarray(ratio) == 1.0)
     state = program.init(np.zeros(2, np.uint32), params=ours.params)
     _, metrics = program.compiled_train_step()(state, placed, np.zeros(2, np.uint32))
