@@ -40,7 +40,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
                         "grpo: sampled completions (--batch-size counts them), the reference model's bytes "
                         "(with --beta > 0) and the rollouts' decoding cache")
-    p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default), ipo, hinge, simpo or orpo; "
+    p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default) or any of TRL's loss_type (a reference "
+                                                "unless simpo or orpo); "
                                                 "--task grpo: grpo (default), bnpo or dr_grpo")
     p.add_argument("--beta", type=float, default=None,
                    help="--task grpo: the KL coefficient (default 0: no reference model); --task dpo: its beta")

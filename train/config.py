@@ -27,7 +27,8 @@ from shardzoo.values import check_seed, coerce
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
 TASKS = (None, "lm", "dpo", "grpo")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -84,6 +85,11 @@ class TrainConfig:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0  # simpo: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
+    loss_weights: tuple[float, ...] | None = None  # dpo: one per comma-separated --loss (TRL's MPO; default 1 each)
+    ld_alpha: float | None = None  # dpo: LD-DPO's weight of the tokens past the shorter completion's length
+    f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
     # grpo (TRL's GRPOConfig names and defaults)
@@ -165,6 +171,7 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo or grpo")
         if self.task != "dpo" and self.precompute_reference:
             raise ConfigError("--precompute-reference is a setting of --task dpo")
+        self._check_dpo()
         self._check_grpo()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -176,6 +183,20 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
             )
+
+    def _check_dpo(self) -> None:
+        """The DPO loss settings: none changed from its default without --task dpo, the losses known."""
+        defaults = TrainConfig.__dataclass_fields__
+        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+        if self.task != "dpo":
+            changed = [n for n in names if getattr(self, n) != defaults[n].default]
+            if changed:
+                raise ConfigError(f"--{_flag(changed[0])} is a setting of --task dpo")
+            return
+        unknown = [x for x in (self.loss or "sigmoid").split(",") if x not in DPO_LOSSES]
+        if unknown:
+            raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
+                              f"{', '.join(DPO_LOSSES)}")
 
     def _check_grpo(self) -> None:
         """The GRPO settings: each in range, and none changed from its default without --task grpo."""
@@ -260,7 +281,8 @@ SECTIONS = {
              "max_completion_length", "tokenizer", "add_bos",
              "batch_size",
              "seq_len"),
-    "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
+    "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p"),
@@ -300,8 +322,9 @@ HELP = {
                              "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
     "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected) "
             "or grpo (prompts, sampled completions, --reward-funcs)",
-    "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), ipo, hinge, simpo or orpo; --task grpo: "
-            "grpo (default), bnpo or dr_grpo",
+    "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
+            "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (several comma-separated, "
+            "weighted by --loss-weights), or simpo / orpo; --task grpo: grpo (default), bnpo or dr_grpo",
     "beta": "--task dpo: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
             "(default 0: no reference model)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
@@ -321,8 +344,17 @@ HELP = {
     "temperature": "--task grpo: sampling temperature",
     "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
     "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
-    "label_smoothing": "--task dpo: label smoothing of sigmoid and simpo (conservative DPO), in [0, 0.5)",
+    "label_smoothing": "--task dpo: label smoothing of sigmoid, simpo (conservative DPO), aot; robust's flip "
+                       "probability; exo_pair's epsilon; in [0, 0.5)",
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
+    "loss_weights": "--task dpo: comma-separated weights of the comma-separated --loss types (TRL's loss_weights, "
+                    "MPO; default: 1 each)",
+    "ld_alpha": "--task dpo: LD-DPO's alpha in [0, 1]: the weight of the completion tokens past the shorter "
+                "completion's length (default: none, plain sums)",
+    "f_divergence_type": "--task dpo: f-DPO's regularizer: reverse_kl, forward_kl, js_divergence or alpha_divergence "
+                         "(with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft)",
+    "f_alpha_divergence_coef": "--f-divergence-type alpha_divergence: its alpha",
+    "discopop_tau": "--loss discopop: its temperature tau",
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
     "reference": "--task dpo: the reference model (a run, a checkpoint or an HF dir); default: the initial "
                  "policy (with LoRA: the base, adapters off, no second copy)",
@@ -411,7 +443,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
-                       "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS,
+                       "scale_rewards": SCALE_REWARDS,
                        "multi_objective_aggregation": AGGREGATIONS}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,
                                metavar=METAVARS.get(name), **kw)

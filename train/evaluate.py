@@ -267,14 +267,14 @@ def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, ru
     its loss and reward metrics on preference pairs (the run's held-out pairs with ``--split
     eval``), against the reference it trained with."""
     from shardzoo.data import make_preference_eval_dataset
-    from shardzoo.train.preference import preference_task
+    from shardzoo.train.preference import DPO_SETTINGS, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
     model_settings = settings.get("model") or {}
     if task_settings.get("task") != "dpo" and s.reference is None:
         raise UserError("--task dpo of a model that did not train on preference pairs needs --reference DIR")
-    names = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha")
+    names = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS)
     task = preference_task(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
     recorded = {k: v for k, v in data_settings.items() if v is not None}
     data, split = s.data or recorded.get("data"), s.split
