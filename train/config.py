@@ -26,7 +26,8 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "grpo")
+TASKS = (None, "lm", "dpo", "kto", "grpo")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
 GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo")
@@ -90,6 +91,8 @@ class TrainConfig:
     f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
+    undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
     # grpo (TRL's GRPOConfig names and defaults)
@@ -164,13 +167,13 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        if self.task not in ("dpo", "grpo"):
+        if self.task not in ("dpo", "kto", "grpo"):
             tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
                      if getattr(self, n) not in (None, False)]
             if tuned:
-                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo or grpo")
-        if self.task != "dpo" and self.precompute_reference:
-            raise ConfigError("--precompute-reference is a setting of --task dpo")
+                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto or grpo")
+        if self.task not in ("dpo", "kto") and self.precompute_reference:
+            raise ConfigError("--precompute-reference is a setting of --task dpo or kto")
         self._check_dpo()
         self._check_grpo()
         if self.optimizer not in OPTIMIZERS:
@@ -185,8 +188,13 @@ class TrainConfig:
             )
 
     def _check_dpo(self) -> None:
-        """The DPO loss settings: none changed from its default without --task dpo, the losses known."""
+        """The DPO and KTO loss settings: none changed from its default without its task, the losses known."""
         defaults = TrainConfig.__dataclass_fields__
+        kto = [n for n in ("desirable_weight", "undesirable_weight") if getattr(self, n) != defaults[n].default]
+        if self.task != "kto" and kto:
+            raise ConfigError(f"--{_flag(kto[0])} is a setting of --task kto")
+        if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
+            raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
         names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
         if self.task != "dpo":
             changed = [n for n in names if getattr(self, n) != defaults[n].default]
@@ -282,7 +290,8 @@ SECTIONS = {
              "batch_size",
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
-             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "reference",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
+             "undesirable_weight", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p"),
@@ -317,15 +326,15 @@ HELP = {
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
     "skip_missing": "skip rows whose text, prompt or completion is missing (null), and bad preference pairs "
                     "(empty completion, chosen = rejected), with a count; default: refuse them",
-    "max_prompt_length": "--task dpo/grpo: keep the last N tokens of each prompt",
-    "max_completion_length": "--task dpo: keep the first N tokens of each completion; --task grpo: tokens "
+    "max_prompt_length": "--task dpo/kto/grpo: keep the last N tokens of each prompt",
+    "max_completion_length": "--task dpo/kto: keep the first N tokens of each completion; --task grpo: tokens "
                              "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
-    "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected) "
-            "or grpo (prompts, sampled completions, --reward-funcs)",
+    "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected), "
+            "kto (unpaired rows: prompt/completion/label) or grpo (prompts, sampled completions, --reward-funcs)",
     "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
             "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (several comma-separated, "
-            "weighted by --loss-weights), or simpo / orpo; --task grpo: grpo (default), bnpo or dr_grpo",
-    "beta": "--task dpo: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
+            "weighted by --loss-weights), or simpo / orpo; --task kto: kto (default) or apo_zero_unpaired; --task grpo: grpo (default), bnpo or dr_grpo",
+    "beta": "--task dpo/kto: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
             "(default 0: no reference model)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
@@ -355,10 +364,12 @@ HELP = {
                          "(with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft)",
     "f_alpha_divergence_coef": "--f-divergence-type alpha_divergence: its alpha",
     "discopop_tau": "--loss discopop: its temperature tau",
+    "desirable_weight": "--task kto: weight of the desirable rows' losses (TRL's desirable_weight)",
+    "undesirable_weight": "--task kto: weight of the undesirable rows' losses (TRL's undesirable_weight)",
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
-    "reference": "--task dpo: the reference model (a run, a checkpoint or an HF dir); default: the initial "
+    "reference": "--task dpo/kto: the reference model (a run, a checkpoint or an HF dir); default: the initial "
                  "policy (with LoRA: the base, adapters off, no second copy)",
-    "precompute_reference": "--task dpo: compute the reference log-probs once before training and store them "
+    "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
                             "with the run (OUT/reference_logps*.npy); no reference model while training",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
     "add_bos": "start every document with bos",
