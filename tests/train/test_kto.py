@@ -44,7 +44,8 @@ def hf(tmp_path_factory):
     policy = save_llama(root / "policy", len(tok), seed=1, tokenizer=tok)
     reference = save_llama(root / "reference", len(tok), seed=0, tokenizer=tok)  # a KL estimate > 0
     return types.SimpleNamespace(root=root, tok=tok, policy=policy, reference=reference,
-                                 rows=write_jsonl(root / "rows.jsonl", KTO_ROWS))
+                                 rows=write_jsonl(root / "rows.jsonl", KTO_ROWS),
+                                 more=write_jsonl(root / "more.jsonl", KTO_ROWS * 2))
 
 
 _TRL = {}
@@ -144,8 +145,9 @@ def test_a_label_that_is_not_a_bool_is_one_line_naming_file_row_and_column(hf, t
 
 
 def settings(hf, out, **kw):
+    """A run on the 8 devices: 8 rows a step."""
     base = dict(out=str(hf.root / out), init_from=str(hf.root / "policy"), reference=str(hf.root / "reference"),
-                task="kto", data=hf.rows, batch_size=ROWS, seq_len=SEQ, steps=4, lr=1e-2, warmup_steps=0,
+                task="kto", data=hf.more, batch_size=8, seq_len=SEQ, steps=4, lr=1e-2, warmup_steps=0,
                 schedule="constant", log_every=1, save_every=2, eval_every=0, **WEIGHTS)
     return TrainConfig(**{**base, **kw})
 
@@ -160,16 +162,29 @@ def quiet(cfg):
     assert result.status == DONE, result.message
 
 
-def test_a_resumed_kto_run_equals_the_uninterrupted_one(hf):
+@pytest.fixture(scope="module")
+def straight(hf):
     quiet(settings(hf, "straight"))
+    return {r["step"]: r for r in records(hf, "straight") if "loss" in r}
+
+
+def test_a_resumed_kto_run_equals_the_uninterrupted_one(hf, straight):
     quiet(settings(hf, "resumed", steps=2))
     quiet(settings(hf, "resumed"))
-    straight = {r["step"]: r for r in records(hf, "straight") if "loss" in r}
     resumed = {r["step"]: r for r in records(hf, "resumed") if "loss" in r}
     for step in (3, 4):
         for key in ("loss", "kl", "rewards/chosen", "rewards/margins", "logps/rejected", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
     assert straight[4]["loss"] < straight[1]["loss"]  # it learns
+
+
+def test_precomputed_reference_gives_the_same_first_step(hf, straight):
+    """The reference log-probs of each row and of its KL row, stored with the run."""
+    quiet(settings(hf, "pre", precompute_reference=True, steps=1))
+    assert (hf.root / "pre" / "reference_logps.npy").exists()
+    first = {r["step"]: r for r in records(hf, "pre") if "loss" in r}[1]
+    for key in ("loss", *METRICS):
+        assert first[key] == pytest.approx(straight[1][key], abs=1e-5), key
 
 
 def test_eval_of_a_kto_run_equals_its_final_held_out_metrics(hf):
@@ -178,7 +193,7 @@ def test_eval_of_a_kto_run_equals_its_final_held_out_metrics(hf):
     quiet(settings(hf, "held", steps=2, eval_fraction=0.5))
     final = [r for r in records(hf, "held") if "eval_loss" in r][-1]
     metrics = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "held"), split="eval"))
-    assert metrics["task"] == "kto" and metrics["examples"] == 4 and metrics["reference"] == "frozen copy"
+    assert metrics["task"] == "kto" and metrics["examples"] == 8 and metrics["reference"] == "frozen copy"
     for key in ("loss", *METRICS):
         assert metrics[key] == pytest.approx(final[f"eval_{key}"], abs=1e-5), key
-    assert evaluate.format_metrics(metrics).startswith("kto (kto, beta 0.1, reference: frozen copy) over 4 examples")
+    assert evaluate.format_metrics(metrics).startswith("kto (kto, beta 0.1, reference: frozen copy) over 8 examples")
