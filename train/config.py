@@ -174,6 +174,8 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto or grpo")
         if self.task not in ("dpo", "kto") and self.precompute_reference:
             raise ConfigError("--precompute-reference is a setting of --task dpo or kto")
+        if self.task not in ("dpo", "kto", "grpo") and self.loss is not None:
+            raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
         self._check_dpo()
         self._check_grpo()
         if self.optimizer not in OPTIMIZERS:
