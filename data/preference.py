@@ -20,6 +20,10 @@ Bad rows (a null value, an empty completion, chosen identical to rejected, a com
 entirely) are a ``DataError`` naming the data, the row (1-based) and the column, or, with
 ``skip_bad``, skipped and counted in one warning line.
 
+Unpaired (KTO) rows (``tokenize_unpaired``): TRL's ``prompt`` / ``completion`` / bool ``label``,
+each tokenized as a pair's chosen side; ``kl_pairs`` gives each its mismatched second sequence
+(TRL's KL completion), and the batches carry ``labels``.
+
 Batches (``PreferenceRows.batch``), each ``[batch, 2, seq_len]`` with the chosen sequence first:
 ``inputs``, ``targets``, ``positions``, ``segment_ids`` (int32) and ``loss_mask`` (float32: 1
 where the target is a completion token); per pair ``weights`` (1, 0 for the rows that fill up an
