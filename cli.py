@@ -237,12 +237,13 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "
                         "choices, label} (e.g. JSONL)")
-    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo", "rewards"),
+    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo", "kto", "rewards"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
                         "accuracy by each choice's log-likelihood; dpo: the preference loss and TRL's "
-                        "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference; "
+                        "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference; kto: "
+                        "the KTO loss, kl, rewards/* and logps/* over prompt/completion/label rows; "
                         "rewards: completions sampled for the prompts of --data, scored by reward functions "
-                        "(default: the --checkpoint run's task: dpo for a preference run, rewards for a "
+                        "(default: the --checkpoint run's task: dpo or kto for such a run, rewards for a "
                         "grpo run, else lm)")
     p.add_argument("--reward-funcs", default=None, metavar="FILE.py:FN,...",
                    help="--task rewards: reward functions, TRL's signature (default: the grpo run's)")
@@ -258,7 +259,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="--task rewards: sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="--task rewards: nucleus sampling's mass")
     p.add_argument("--reference", default=None, metavar="DIR",
-                   help="--task dpo: the reference model, a run or HF dir (default: the run's --reference, "
+                   help="--task dpo/kto: the reference model, a run or HF dir (default: the run's --reference, "
                         "else its --init-from)")
     p.add_argument("--target-delimiter", default=None, metavar="TEXT",
                    help="multiple-choice: what joins context and choice, as lm-evaluation-harness's "

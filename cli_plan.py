@@ -37,11 +37,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "grpo", "rloo"),
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo"),
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
+                        "kto: as dpo, a row and its mismatched KL row for each example; "
                         "grpo, rloo: sampled completions (--batch-size counts them), the reference model's bytes "
                         "(with --beta > 0) and the rollouts' decoding cache")
-    p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default), ipo, hinge, simpo or orpo; "
+    p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default) or any of TRL's loss_type (a reference "
+                                                "unless simpo or orpo); "
                                                 "--task grpo: dapo (default), grpo, bnpo, dr_grpo, cispo, sapo, "
                                                 "luspo or vespo")
     p.add_argument("--beta", type=float, default=None,

@@ -72,6 +72,9 @@ conversations sharing their first turns), one pair per row, batches of ``[batch,
 sequences (chosen first) with a completion-token ``loss_mask``, pair ``weights`` and
 ``truncated`` flags; ``max_prompt_length``/``max_completion_length`` truncate; bad rows are a
 ``DataError`` naming file, row and column, or skipped and counted with ``skip_missing``.
+With ``unpaired=True`` (KTO): TRL's ``prompt``/``completion``/bool ``label`` rows, each as the same
+``[2, seq_len]`` layout (the row, then its prompt with the previous row's completion within each
+batch-sized run: the KL row) and a ``labels`` entry.
 
 Prompts for reinforcement learning (GRPO; ``prompts.py``): TRL's ``prompt`` column as text or as
 conversations (rendered with the chat template and its generation prompt), each kept to its last

@@ -20,7 +20,7 @@ from shardzoo.data.packing import (
     tokenize_documents,
     tokenize_examples,
 )
-from shardzoo.data.preference import pack_pairs, tokenize_pairs
+from shardzoo.data.preference import kl_pairs, pack_pairs, tokenize_pairs, tokenize_unpaired
 from shardzoo.data.sources import STDLIB, check_text_column, load_source, without_missing
 from shardzoo.data.tokenizer import BYTE_SPEC, load_tokenizer
 
@@ -43,6 +43,7 @@ class DataConfig:
     feature_columns: tuple[str, ...] | None = None  # None: every column except the label
     skip_missing: bool = False  # rows with a null text/prompt/completion: skipped and counted, not refused
     preference: bool = False  # prompt/chosen/rejected pairs (DPO and its variants; preference.py)
+    unpaired: bool = False  # with preference: prompt/completion/label rows (KTO), each with its mismatched pair
     max_prompt_length: int | None = None  # pairs: keep the prompt's last N tokens
     max_completion_length: int | None = None  # pairs: keep each completion's first N tokens
 
@@ -294,8 +295,9 @@ def make_labelled_datasets(
     return train_iter, eval_iter
 
 
-def _pair_readers(config: DataConfig, tokenizer, seq_len: int):
-    """``(pairs(spec), pack(pairs))``: a source's tokenized preference pairs, and their rows."""
+def _pair_readers(config: DataConfig, tokenizer, seq_len: int, batch_size: int):
+    """``(pairs(spec), pack(pairs))``: a source's tokenized preference pairs, and their rows
+    (unpaired rows with their mismatched KL pairs within runs of ``batch_size`` rows)."""
     if config.examples or config.chat or config.labelled:
         raise DataError("preference pairs are read from 'prompt'/'chosen'/'rejected' columns: drop "
                         "--prompt-column/--completion-column/--chat-column/--label-column")
@@ -306,9 +308,12 @@ def _pair_readers(config: DataConfig, tokenizer, seq_len: int):
 
     def pairs(spec):
         ds = load_source(spec, cache_dir=config.cache_dir)
-        return tokenize_pairs(ds, tokenizer, spec, add_bos=config.add_bos, skip_bad=config.skip_missing)
+        tokenize = tokenize_unpaired if config.unpaired else tokenize_pairs
+        return tokenize(ds, tokenizer, spec, add_bos=config.add_bos, skip_bad=config.skip_missing)
 
     def pack(p):
+        if config.unpaired:
+            p = kl_pairs(p, batch_size)
         return pack_pairs(p, seq_len, tokenizer.pad_id, config.max_prompt_length, config.max_completion_length)
 
     return pairs, pack
@@ -323,7 +328,7 @@ def make_preference_eval_dataset(config: DataConfig, tokenizer, seq_len: int, gl
         raise DataError(f"--split {split!r}: expected all, train or eval")
     if split != "all" and not 0.0 < config.eval_fraction < 1.0:
         raise DataError(f"--split {split} needs the --eval-fraction in (0, 1) the run held out")
-    pairs, pack = _pair_readers(config, tokenizer, seq_len)
+    pairs, pack = _pair_readers(config, tokenizer, seq_len, global_batch_size)
     rows = pairs(config.data)
     if split != "all":
         if len(rows) < 2:
@@ -348,7 +353,7 @@ def make_preference_datasets(
     pair per row, ``[2, seq_len]`` tokens (chosen, rejected); resumable like every iterator."""
     _check_eval_split(config)
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer
-    pairs, pack = _pair_readers(config, tokenizer, seq_len)
+    pairs, pack = _pair_readers(config, tokenizer, seq_len, global_batch_size)
     train_pairs, eval_pairs = pairs(config.data), None
     if config.eval_data:
         eval_pairs = pairs(config.eval_data)

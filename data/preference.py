@@ -20,6 +20,10 @@ Bad rows (a null value, an empty completion, chosen identical to rejected, a com
 entirely) are a ``DataError`` naming the data, the row (1-based) and the column, or, with
 ``skip_bad``, skipped and counted in one warning line.
 
+Unpaired (KTO) rows (``tokenize_unpaired``): TRL's ``prompt`` / ``completion`` / bool ``label``,
+each tokenized as a pair's chosen side; ``kl_pairs`` gives each its mismatched second sequence
+(TRL's KL completion), and the batches carry ``labels``.
+
 Batches (``PreferenceRows.batch``), each ``[batch, 2, seq_len]`` with the chosen sequence first:
 ``inputs``, ``targets``, ``positions``, ``segment_ids`` (int32) and ``loss_mask`` (float32: 1
 where the target is a completion token); per pair ``weights`` (1, 0 for the rows that fill up an
@@ -39,6 +43,7 @@ from shardzoo.data.errors import DataError
 from shardzoo.sharding import axes as ax
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"
+COMPLETION, LABEL = "completion", "label"
 SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
@@ -78,6 +83,7 @@ class Pairs:
     rejected: list
     rows: np.ndarray  # each pair's row in the data (0-based)
     spec: str = ""  # the data they came from
+    labels: np.ndarray | None = None  # unpaired (KTO) rows: each completion's label (desirable: True)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -85,7 +91,8 @@ class Pairs:
     def select(self, indices) -> Pairs:
         idx = [int(i) for i in indices]
         return Pairs([self.prompts[i] for i in idx], [self.chosen[i] for i in idx],
-                     [self.rejected[i] for i in idx], self.rows[idx], self.spec)
+                     [self.rejected[i] for i in idx], self.rows[idx], self.spec,
+                     None if self.labels is None else self.labels[idx])
 
 
 class _Tokenizer:
@@ -156,32 +163,81 @@ def tokenize_pairs(ds, tokenizer, spec: str, *, add_bos: bool = False, skip_bad:
     return Pairs(prompts, chosen, rejected, np.asarray(rows, np.int64), spec)
 
 
-def _one_pair(tok, example, implicit: bool, conversational: bool, spec: str, row: int):
+def _one_pair(tok, example, implicit: bool, conversational: bool, spec: str, row: int, unpaired: bool = False):
+    """One pair's token ids, or (``unpaired``: KTO's ``completion`` in both sides) one example's."""
     where = f"data {spec!r}: row {row + 1}"
+    named = (lambda c: COMPLETION if c in (CHOSEN, REJECTED) else c) if unpaired else (lambda c: c)
     for column, value in example.items():
         if value is None:
-            raise DataError(f"{where} has no value in column {column!r} (null)")
+            raise DataError(f"{where} has no value in column {named(column)!r} (null)")
         if conversational and isinstance(value, (list, tuple)) and not value:
             continue  # an empty completion is refused below; an empty prompt is allowed
         if _is_chat(value) != conversational:
             kind = "conversations" if conversational else "text"
-            raise DataError(f"{where}, column {column!r}: holds a {type(value).__name__}, but the data's "
-                            f"'chosen' column holds {kind}")
+            raise DataError(f"{where}, column {named(column)!r}: holds a {type(value).__name__}, but the data's "
+                            f"{named(CHOSEN)!r} column holds {kind}")
     if implicit:
         prompt, chosen, rejected = extract_prompt(example[CHOSEN], example[REJECTED])
     else:
         prompt, chosen, rejected = example[PROMPT], example[CHOSEN], example[REJECTED]
     for column, value in ((CHOSEN, chosen), (REJECTED, rejected)):
         if len(value) == 0 or (isinstance(value, str) and not value.strip()):
-            raise DataError(f"{where}, column {column!r}: empty completion"
+            raise DataError(f"{where}, column {named(column)!r}: empty completion"
                             + (" (after the prompt both completions share)" if implicit else ""))
-    if chosen == rejected:
+    if chosen == rejected and not unpaired:
         raise DataError(f"{where}, column 'chosen': identical to column 'rejected'")
     p, c, r = tok.pair(prompt, chosen, rejected, row)
     for column, ids in ((CHOSEN, c), (REJECTED, r)):
         if len(ids) == 0:
-            raise DataError(f"{where}, column {column!r}: no completion token after tokenizing")
+            raise DataError(f"{where}, column {named(column)!r}: no completion token after tokenizing")
     return p, c, r
+
+
+def tokenize_unpaired(ds, tokenizer, spec: str, *, add_bos: bool = False, skip_bad: bool = False) -> Pairs:
+    """Every row of ``ds`` as an unpaired (KTO) example: TRL's ``prompt`` / ``completion`` (text or
+    conversations, tokenized as a pair's chosen side) and ``label`` (a bool: desirable). The
+    ``rejected`` side holds the completion again until ``kl_pairs`` sets the mismatched one."""
+    columns = ds.column_names
+    for column in (PROMPT, COMPLETION, LABEL):
+        if column not in columns:
+            raise DataError(f"data {spec!r} has no column {column!r}: unpaired (KTO) data needs 'prompt', "
+                            f"'completion' and 'label' columns; its columns are: {', '.join(columns)}")
+    conversational = _is_chat(ds[0][COMPLETION])
+    tok = _Tokenizer(tokenizer, spec, add_bos, conversational)
+    prompts, completions, labels, rows, bad = [], [], [], [], []
+    for row, example in enumerate(ds.select_columns([PROMPT, COMPLETION, LABEL])):
+        try:
+            label = example[LABEL]
+            if not isinstance(label, (bool, np.bool_)):
+                raise DataError(f"data {spec!r}: row {row + 1}, column 'label': holds {label!r}, not a bool "
+                                "(true: a desirable completion, false: an undesirable one)")
+            p, c, _ = _one_pair(tok, {PROMPT: example[PROMPT], CHOSEN: example[COMPLETION],
+                                      REJECTED: example[COMPLETION]}, False, conversational, spec, row, unpaired=True)
+        except DataError as e:
+            if not skip_bad:
+                raise DataError(f"{e} (or pass --skip-missing to skip such rows)") from None
+            bad.append(str(e))
+            continue
+        prompts.append(np.asarray(p, np.int32))
+        completions.append(np.asarray(c, np.int32))
+        labels.append(bool(label))
+        rows.append(row)
+    if bad:
+        sys.stderr.write(f"shardzoo: warning: data {spec!r}: skipped {len(bad)} of {len(ds)} bad rows "
+                         f"(--skip-missing); the first: {bad[0]}\n")
+    if not prompts:
+        raise DataError(f"data {spec!r}: no usable row in its {len(ds)} rows")
+    return Pairs(prompts, completions, list(completions), np.asarray(rows, np.int64), spec, np.asarray(labels, bool))
+
+
+def kl_pairs(pairs: Pairs, batch_size: int) -> Pairs:
+    """KTO's mismatched pairs as TRL's KTOTrainer builds them: within each run of ``batch_size``
+    rows, row ``i``'s second sequence is its prompt with row ``i - 1``'s completion (cyclically)."""
+    kl = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs.chosen[start:start + batch_size]
+        kl.extend(chunk[-1:] + chunk[:-1])
+    return dataclasses.replace(pairs, rejected=kl)
 
 
 @dataclasses.dataclass
@@ -194,6 +250,7 @@ class PreferenceRows:
     truncated: np.ndarray  # [pairs] bool
     pad_id: int
     ref_logps: np.ndarray | None = None  # [pairs, 2] float32 once the reference is stored
+    labels: np.ndarray | None = None  # [pairs] bool: unpaired (KTO) rows' labels
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -206,6 +263,8 @@ class PreferenceRows:
     def shapes(self) -> dict:
         shapes = dict.fromkeys(SEQ_KEYS, (2, self.seq_len))
         shapes.update(weights=(), truncated=())
+        if self.labels is not None:
+            shapes["labels"] = ()
         if self.ref_logps is not None:
             shapes["ref_logps"] = (2,)
         return shapes
@@ -214,6 +273,8 @@ class PreferenceRows:
     def axes(self) -> dict:
         axes = dict.fromkeys(SEQ_KEYS, (ax.BATCH, None, ax.LENGTH))
         axes.update(weights=(ax.BATCH,), truncated=(ax.BATCH,))
+        if self.labels is not None:
+            axes["labels"] = (ax.BATCH,)
         if self.ref_logps is not None:
             axes["ref_logps"] = (ax.BATCH, None)
         return axes
@@ -244,6 +305,8 @@ class PreferenceRows:
             "weights": real.astype(np.float32),
             "truncated": (real & self.truncated[picked]).astype(np.float32),
         }
+        if self.labels is not None:
+            out["labels"] = (real & self.labels[picked]).astype(np.float32)
         if self.ref_logps is not None:
             out["ref_logps"] = np.where(real[:, None], self.ref_logps[picked], 0).astype(np.float32)
         return out
@@ -275,4 +338,4 @@ def pack_pairs(pairs: Pairs, seq_len: int, pad_id: int, max_prompt_length: int |
             row = int(pairs.rows[i]) + 1
             raise DataError(f"data {pairs.spec!r}: row {row}: its prompt of {len(prompt)} tokens leaves no completion token "
                             f"within --seq-len {seq_len}; raise --seq-len or set --max-prompt-length")
-    return PreferenceRows(tokens, lengths, prompt_lengths, truncated, pad_id)
+    return PreferenceRows(tokens, lengths, prompt_lengths, truncated, pad_id, labels=pairs.labels)

@@ -26,8 +26,10 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "grpo", "rloo")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
 GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -90,6 +92,13 @@ class TrainConfig:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0  # simpo: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
+    loss_weights: tuple[float, ...] | None = None  # dpo: one per comma-separated --loss (TRL's MPO; default 1 each)
+    ld_alpha: float | None = None  # dpo: LD-DPO's weight of the tokens past the shorter completion's length
+    f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+    desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
+    undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
     # grpo (TRL's GRPOConfig names and defaults)
@@ -178,13 +187,16 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be a finite number >= 0, got {value}")
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        if self.task not in ("dpo", "grpo", "rloo"):
+        if self.task not in ("dpo", "kto", "grpo", "rloo"):
             tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
                      if getattr(self, n) not in (None, False)]
             if tuned:
-                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, grpo or rloo")
-        if self.task != "dpo" and self.precompute_reference:
-            raise ConfigError("--precompute-reference is a setting of --task dpo")
+                raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto, grpo or rloo")
+        if self.task not in ("dpo", "kto") and self.precompute_reference:
+            raise ConfigError("--precompute-reference is a setting of --task dpo or kto")
+        if self.task not in ("dpo", "kto", "grpo") and self.loss is not None:
+            raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
+        self._check_dpo()
         self._check_grpo()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
@@ -196,6 +208,25 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
             )
+
+    def _check_dpo(self) -> None:
+        """The DPO and KTO loss settings: none changed from its default without its task, the losses known."""
+        defaults = TrainConfig.__dataclass_fields__
+        kto = [n for n in ("desirable_weight", "undesirable_weight") if getattr(self, n) != defaults[n].default]
+        if self.task != "kto" and kto:
+            raise ConfigError(f"--{_flag(kto[0])} is a setting of --task kto")
+        if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
+            raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
+        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+        if self.task != "dpo":
+            changed = [n for n in names if getattr(self, n) != defaults[n].default]
+            if changed:
+                raise ConfigError(f"--{_flag(changed[0])} is a setting of --task dpo")
+            return
+        unknown = [x for x in (self.loss or "sigmoid").split(",") if x not in DPO_LOSSES]
+        if unknown:
+            raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
+                              f"{', '.join(DPO_LOSSES)}")
 
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
@@ -291,7 +322,9 @@ SECTIONS = {
              "max_completion_length", "tokenizer", "add_bos",
              "batch_size",
              "seq_len"),
-    "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "reference",
+    "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
+             "undesirable_weight", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
@@ -328,14 +361,17 @@ HELP = {
     "eval_fraction": "fraction of the documents held out for evaluation (default: 0.05 of stdlib, else 0)",
     "skip_missing": "skip rows whose text, prompt or completion is missing (null), and bad preference pairs "
                     "(empty completion, chosen = rejected), with a count; default: refuse them",
-    "max_prompt_length": "--task dpo/grpo: keep the last N tokens of each prompt",
-    "max_completion_length": "--task dpo: keep the first N tokens of each completion; --task grpo: tokens "
+    "max_prompt_length": "--task dpo/kto/grpo: keep the last N tokens of each prompt",
+    "max_completion_length": "--task dpo/kto: keep the first N tokens of each completion; --task grpo: tokens "
                              "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
-    "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected) "
-            "grpo (prompts, sampled completions, --reward-funcs) or rloo (the same, RLOO's advantages and loss)",
-    "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), ipo, hinge, simpo or orpo; --task grpo: "
-            "dapo (default, as TRL 1.16), grpo, bnpo, dr_grpo, cispo, sapo, luspo or vespo",
-    "beta": "--task dpo: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
+    "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected), "
+            "kto (unpaired rows: prompt/completion/label), grpo (prompts, sampled completions, --reward-funcs) "
+            "or rloo (the same, RLOO's advantages and loss)",
+    "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
+            "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (several comma-separated, "
+            "weighted by --loss-weights), or simpo / orpo; --task kto: kto (default) or apo_zero_unpaired; "
+            "--task grpo: dapo (default, as TRL 1.16), grpo, bnpo, dr_grpo, cispo, sapo, luspo or vespo",
+    "beta": "--task dpo/kto: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
             "(default 0: no reference model); --task rloo: the KL penalty in the reward (default 0.05)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
@@ -370,12 +406,23 @@ HELP = {
     "temperature": "--task grpo/rloo: sampling temperature",
     "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
     "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
-    "label_smoothing": "--task dpo: label smoothing of sigmoid and simpo (conservative DPO), in [0, 0.5)",
+    "label_smoothing": "--task dpo: label smoothing of sigmoid, simpo (conservative DPO), aot; robust's flip "
+                       "probability; exo_pair's epsilon; in [0, 0.5)",
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
+    "loss_weights": "--task dpo: comma-separated weights of the comma-separated --loss types (TRL's loss_weights, "
+                    "MPO; default: 1 each)",
+    "ld_alpha": "--task dpo: LD-DPO's alpha in [0, 1]: the weight of the completion tokens past the shorter "
+                "completion's length (default: none, plain sums)",
+    "f_divergence_type": "--task dpo: f-DPO's regularizer: reverse_kl, forward_kl, js_divergence or alpha_divergence "
+                         "(with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft)",
+    "f_alpha_divergence_coef": "--f-divergence-type alpha_divergence: its alpha",
+    "discopop_tau": "--loss discopop: its temperature tau",
+    "desirable_weight": "--task kto: weight of the desirable rows' losses (TRL's desirable_weight)",
+    "undesirable_weight": "--task kto: weight of the undesirable rows' losses (TRL's undesirable_weight)",
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
-    "reference": "--task dpo: the reference model (a run, a checkpoint or an HF dir); default: the initial "
+    "reference": "--task dpo/kto: the reference model (a run, a checkpoint or an HF dir); default: the initial "
                  "policy (with LoRA: the base, adapters off, no second copy)",
-    "precompute_reference": "--task dpo: compute the reference log-probs once before training and store them "
+    "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
                             "with the run (OUT/reference_logps*.npy); no reference model while training",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
     "add_bos": "start every document with bos",
@@ -463,7 +510,7 @@ def add_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
             group.add_argument(f"--{_flag(name)}", help=help_text, metavar=METAVARS.get(name), **kw)
         else:
             choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "task": TASKS[1:],
-                       "loss": DPO_LOSSES + GRPO_LOSSES, "scale_rewards": SCALE_REWARDS,
+                       "scale_rewards": SCALE_REWARDS,
                        "importance_sampling_level": IMPORTANCE_LEVELS,
                        "multi_objective_aggregation": AGGREGATIONS}.get(name)
             group.add_argument(f"--{_flag(name)}", type=tp, choices=choices, help=help_text,

@@ -46,7 +46,7 @@ from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.tasks import summarize_eval
 
-TASKS = ("lm", "multiple-choice", "dpo", "rewards")
+TASKS = ("lm", "multiple-choice", "dpo", "kto", "rewards")
 MC_COLUMNS = ("context", "choices", "label")
 TARGET_DELIMITER = " "  # lm-evaluation-harness's default target_delimiter
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
@@ -236,7 +236,8 @@ def evaluate_preference(program: Program, params, reference, batches) -> dict:
     if not count or totals["weight"] <= 0:
         raise UserError("the evaluation data has no preference pairs")
     summary = summarize_eval(program.task, totals)
-    return {"task": "dpo", "loss": summary.pop("eval_loss"), "pairs": int(round(totals["weight"])),
+    rows = "examples" if program.task.name == "kto" else "pairs"
+    return {"task": program.task.name, "loss": summary.pop("eval_loss"), rows: int(round(totals["weight"])),
             "batches": count, **{k.removeprefix("eval_"): v for k, v in summary.items()}}
 
 
@@ -262,20 +263,26 @@ def _reference_params(program: Program, task_settings: dict, model_settings: dic
     return program.init(keys[1], params=given).params
 
 
+WHAT = {"dpo": "preference pairs", "kto": "unpaired (KTO) rows"}
+
+
 def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, rules, tokenizer) -> dict:
     """``shardzoo eval`` of a preference (``--task dpo``) run, or of a model with ``--task dpo``:
     its loss and reward metrics on preference pairs (the run's held-out pairs with ``--split
     eval``), against the reference it trained with."""
     from shardzoo.data import make_preference_eval_dataset
-    from shardzoo.train.preference import preference_task
+    from shardzoo.train.preference import DPO_SETTINGS, kto_task, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
     model_settings = settings.get("model") or {}
-    if task_settings.get("task") != "dpo" and s.reference is None:
-        raise UserError("--task dpo of a model that did not train on preference pairs needs --reference DIR")
-    names = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha")
-    task = preference_task(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
+    if task_settings.get("task") != s.task and s.reference is None:
+        raise UserError(f"--task {s.task} of a model that did not train on {WHAT[s.task]} needs --reference DIR")
+    if s.task == "kto":
+        names, make = ("loss", "beta", "desirable_weight", "undesirable_weight"), kto_task
+    else:
+        names, make = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS), preference_task
+    task = make(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
     recorded = {k: v for k, v in data_settings.items() if v is not None}
     data, split = s.data or recorded.get("data"), s.split
     if data is None:
@@ -287,7 +294,7 @@ def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, ru
     seed = s.seed if s.seed is not None else (settings.get("optimizer") or {}).get("seed", 0)
     add_bos = s.add_bos or recorded.get("add_bos", False)
     data_config = DataConfig(data=data, eval_fraction=fraction or 0.0, tokenizer=tokenizer.spec, add_bos=add_bos,
-                             preference=True, skip_missing=recorded.get("skip_missing", False),
+                             preference=True, unpaired=s.task == "kto", skip_missing=recorded.get("skip_missing", False),
                              max_prompt_length=recorded.get("max_prompt_length"),
                              max_completion_length=recorded.get("max_completion_length"))
     seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
@@ -480,11 +487,11 @@ def run(s: EvalSettings) -> dict:
     whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
     run_task = ((whole_run.get("settings") or {}).get("task") or {}).get("task")
     if s.task is None:  # the run's own task
-        s = dataclasses.replace(s, task={"dpo": "dpo", "grpo": "rewards", "rloo": "rewards"}.get(run_task, "lm"))
+        s = dataclasses.replace(s, task={"dpo": "dpo", "kto": "kto", "grpo": "rewards", "rloo": "rewards"}.get(run_task, "lm"))
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
-    if s.reference is not None and s.task != "dpo":
-        raise UserError("--reference goes with --task dpo")
+    if s.reference is not None and s.task not in ("dpo", "kto"):
+        raise UserError("--reference goes with --task dpo or kto")
     given = [f for f in REWARD_FLAGS if getattr(s, f) != EvalSettings.__dataclass_fields__[f].default]
     if given and s.task != "rewards":
         raise UserError(f"--{given[0].replace('_', '-')} goes with --task rewards")
@@ -510,9 +517,9 @@ def run(s: EvalSettings) -> dict:
         if model_info.task(config) != "lm":
             raise UserError(f"--task rewards samples from a language model; this model does {model_info.task(config)}")
         return _finish(s, evaluate_rewards_run(s, whole_run, config, params, mesh, rules, tokenizer))
-    if s.task == "dpo":
+    if s.task in ("dpo", "kto"):
         if model_info.task(config) != "lm":
-            raise UserError(f"--task dpo scores a language model; this model does {model_info.task(config)}")
+            raise UserError(f"--task {s.task} scores a language model; this model does {model_info.task(config)}")
         return _finish(s, evaluate_preference_run(s, whole_run, config, params, mesh, rules, tokenizer))
     if model_info.task(config) != "lm":
         return _finish(s, evaluate_labelled_run(s, recorded, config, params, mesh, rules, tokenizer))
@@ -656,6 +663,11 @@ def format_metrics(metrics: dict) -> str:
                 f"loss {metrics['loss']:.4f}; per class: {per_class}")
     if metrics["task"] == "regression":
         return f"regression over {metrics['examples']} examples: mse {metrics['loss']:.6g}"
+    if metrics["task"] == "kto":
+        return (f"kto ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
+                f"{metrics['examples']} examples: loss {metrics['loss']:.4f}, kl {metrics['kl']:.4f}, rewards/margins "
+                f"{metrics['rewards/margins']:.4f}, logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected "
+                f"{metrics['logps/rejected']:.4f}")
     if metrics["task"] == "dpo":
         return (f"dpo ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
                 f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "

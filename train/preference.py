@@ -7,14 +7,16 @@ length]``, their completion-token mask ``loss_mask``, the pair ``weights`` and `
 ``--precompute-reference``). The model sees the pairs as ``[2 * batch, length]`` rows, a reshape
 that keeps each device's rows on it.
 
-``loss`` (TRL's ``loss_type``; ``beta``, ``label_smoothing`` as TRL's ``DPOConfig``/``CPOConfig``):
+``loss`` (TRL's ``loss_type``, one or several comma-separated, summed with ``loss_weights`` as
+TRL's MPO; ``beta``, ``label_smoothing`` and the rest as TRL's ``DPOConfig``/``CPOConfig``): with
+``d = (pc - rc) - (pr - rr)`` (summed completion log-probs of policy ``p`` and reference ``r``),
+each of TRL 1.16 DPOTrainer's losses term by term (``sigmoid`` smoothed by ``label_smoothing`` as
+conservative DPO; ``ipo`` and ``sigmoid_norm`` on log-ratios per completion token; ``aot`` sorts
+over the batch, the fill-up pairs last; ``sft`` the chosen tokens' NLL over the batch). ``ld_alpha``
+(LD-DPO) weights the tokens past the shorter completion's length in the summed log-probs of
+policy and reference; ``f_divergence_type`` (f-DPO) replaces each log-ratio by ``f'`` of the ratio
+in the losses built on ``d``. Without a reference:
 
-- ``sigmoid`` (DPO): ``-(1-ls) logsig(beta d) - ls logsig(-beta d)``, ``d = (pc - rc) - (pr - rr)``
-  (summed completion log-probs of policy ``p`` and reference ``r``; ``ls = 0`` is TRL's ``sigmoid``,
-  ``ls > 0`` conservative DPO);
-- ``hinge``: ``relu(1 - beta d)``;
-- ``ipo``: ``((pc - rc) / nc - (pr - rr) / nr - 1 / (2 beta))**2`` (log-ratios per completion token,
-  as TRL's DPOTrainer);
 - ``simpo`` (TRL's CPOTrainer ``loss_type="simpo"``): no reference; per-token average log-probs
   ``ac, ar``, ``-(1-ls) logsig(beta (ac - ar - gamma/beta)) - ls logsig(-...)``, plus ``cpo_alpha``
   times the chosen completions' NLL (per token over the batch; TRL's default 1.0, here 0);
@@ -30,6 +32,7 @@ times the average log-prob without a reference), ``rewards/accuracies``, ``rewar
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +42,13 @@ from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train.tasks import Field, Task
 
-LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+          "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids")
+DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
@@ -62,15 +69,49 @@ def sequence_logps(outputs, batch):
     return jnp.sum(picked * mask, axis=-1), jnp.sum(mask, axis=-1)
 
 
+def ld_mask(loss_mask, ld_alpha: float):
+    """LD-DPO's token weights (TRL's ``ld_alpha``): 1 on the first ``min(chosen, rejected)``
+    completion tokens of each sequence (the shared length), ``ld_alpha`` on the rest."""
+    mask = loss_mask.astype(jnp.float32)  # [batch, 2, length]
+    position = jnp.cumsum(mask, axis=-1)
+    shared = jnp.min(jnp.sum(mask, axis=-1), axis=1)[:, None, None]  # [batch, 1, 1]
+    return mask * jnp.where(position <= shared, 1.0, ld_alpha)
+
+
+def f_scores(ratios, kind: str, alpha: float):
+    """The f-DPO scores of the log-ratios (TRL's ``f_divergence_type``): ``f'(pi / ref)``."""
+    if kind == "forward_kl":
+        return 1.0 - jnp.exp(-ratios)
+    if kind == "js_divergence":
+        return math.log(2.0) + jax.nn.log_sigmoid(ratios)
+    if kind == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
+        return (jnp.exp(jnp.minimum((alpha - 1.0) * ratios, 80.0)) - 1.0) / (alpha - 1.0)
+    return ratios  # reverse_kl (and the alpha -> 1 limit)
+
+
+def _sorted_valid(x, valid):
+    """``x`` sorted over the batch with the invalid (fill-up) pairs last."""
+    return jnp.sort(jnp.where(valid, x, jnp.inf))
+
+
 @dataclasses.dataclass(frozen=True)
 class PreferenceTask(Task):
     """DPO and its variants on preference pairs (see the module docstring)."""
 
-    loss: str = "sigmoid"
+    loss: str = "sigmoid"  # one of LOSSES, or several comma-separated (combined with loss_weights)
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     cpo_alpha: float = 0.0
+    loss_weights: tuple[float, ...] | None = None
+    ld_alpha: float | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return tuple(self.loss.split(","))
 
     @property
     def tiles_head(self) -> bool:
@@ -107,27 +148,32 @@ class PreferenceTask(Task):
         chosen = jnp.sum(batch["loss_mask"][:, 0].astype(jnp.float32), axis=-1)
         return {"pairs": jnp.maximum(jnp.sum(w), 1e-8), "chosen_tokens": jnp.maximum(jnp.sum(chosen * w), 1e-8)}
 
+    def _logps(self, outputs, batch):
+        """``(log-probs as the loss sees them, plain summed log-probs, completion tokens)``, each
+        ``[batch, 2]``; the first is LD-DPO's weighted sum with ``ld_alpha``."""
+        logps, tokens = sequence_logps(outputs, batch)
+        if self.ld_alpha is None:
+            return logps, logps, tokens
+        weighted, _ = sequence_logps(outputs, {**batch, "loss_mask": ld_mask(batch["loss_mask"], self.ld_alpha)})
+        return weighted, logps, tokens
+
     def sums(self, outputs, batch, totals=None) -> dict:
         """Weighted sums over the pairs; ``sums[k] / sum(weights)`` is the step's ``k`` (the NLL
         term is scaled so that it averages over the step's chosen tokens, as TRL's)."""
         totals = self.step_totals(batch) if totals is None else totals
         w = batch["weights"].astype(jnp.float32)
-        logps, tokens = sequence_logps(outputs, batch)  # [batch, 2]
-        nll = -jnp.sum(logps[:, 0] * w) * totals["pairs"] / totals["chosen_tokens"]
+        logps, plain, tokens = self._logps(outputs, batch)  # [batch, 2]
+        nll = -jnp.sum(plain[:, 0] * w) * totals["pairs"] / totals["chosen_tokens"]
         extra = {}
         if self.uses_reference:
             ratios = logps - batch["ref_logps"].astype(jnp.float32)  # [batch, 2]
             rewards = self.beta * ratios
-            delta = ratios[:, 0] - ratios[:, 1]
-            if self.loss == "sigmoid":
-                losses = self._smoothed(self.beta * delta)
-            elif self.loss == "hinge":
-                losses = jax.nn.relu(1.0 - self.beta * delta)
-            else:  # ipo: log-ratios per completion token
-                per_token = ratios / jnp.maximum(tokens, 1.0)
-                losses = (per_token[:, 0] - per_token[:, 1] - 1.0 / (2.0 * self.beta)) ** 2
+            weights = self.loss_weights or (1.0,) * len(self.losses)
+            loss = 0.0
+            for name, weight in zip(self.losses, weights, strict=True):
+                term = nll if name == "sft" else jnp.sum(self._pair_losses(name, ratios, logps, batch, tokens, w) * w)
+                loss = loss + weight * term
             shown = logps
-            loss = jnp.sum(losses * w)
         else:
             average = logps / jnp.maximum(tokens, 1.0)
             rewards, shown = self.beta * average, average
@@ -151,6 +197,50 @@ class PreferenceTask(Task):
             **extra,
         }
 
+    def _pair_losses(self, name, ratios, logps, batch, tokens, w):
+        """Loss ``name``'s per-pair losses ``[batch]`` (TRL's DPOTrainer, term by term)."""
+        beta, ls = self.beta, self.label_smoothing
+        scores = f_scores(ratios, self.f_divergence_type, self.f_alpha_divergence_coef)
+        z = beta * (scores[:, 0] - scores[:, 1])
+        cr, rr = beta * ratios[:, 0], beta * ratios[:, 1]
+        sig = jax.nn.log_sigmoid
+        if name == "sigmoid":
+            return self._smoothed(z)
+        if name == "hinge":
+            return jax.nn.relu(1.0 - z)
+        if name in ("ipo", "sigmoid_norm"):
+            per_token = scores / jnp.maximum(tokens, 1.0)
+            d = per_token[:, 0] - per_token[:, 1]
+            return (d - 1.0 / (2.0 * beta)) ** 2 if name == "ipo" else -sig(beta * d)
+        if name == "exo_pair":
+            return (jax.nn.sigmoid(z) * (sig(z) - math.log1p(-ls))
+                    + jax.nn.sigmoid(-z) * (sig(-z) - math.log(ls)))
+        if name == "nca_pair":
+            return -sig(cr) - 0.5 * sig(-cr) - 0.5 * sig(-rr)
+        if name == "robust":
+            return (-(1.0 - ls) * sig(z) + ls * sig(-z)) / (1.0 - 2.0 * ls)
+        if name == "bco_pair":
+            return -sig(cr) - sig(-rr)
+        if name == "sppo_hard":
+            return (ratios[:, 0] - 0.5 / beta) ** 2 + (ratios[:, 1] + 0.5 / beta) ** 2
+        if name in ("aot", "aot_unpaired"):
+            valid = w > 0  # fill-up pairs sort last in both lists, so the real pairs' ranks still match
+            if name == "aot":
+                ref = batch["ref_logps"].astype(jnp.float32)
+                a, b = logps[:, 0] - logps[:, 1], ref[:, 0] - ref[:, 1]
+            else:
+                a, b = ratios[:, 0], ratios[:, 1]
+            ranked = jnp.sort(jnp.where(valid, 0.0, 1.0))  # 0 for the first sum(valid) ranks
+            delta = jnp.where(ranked == 0.0, _sorted_valid(a, valid) - _sorted_valid(b, valid), 0.0)
+            return self._smoothed(beta * delta)
+        if name == "apo_zero":
+            return 1.0 - jax.nn.sigmoid(cr) + jax.nn.sigmoid(rr)
+        if name == "apo_down":
+            return jax.nn.sigmoid(cr) + 1.0 - jax.nn.sigmoid(beta * (ratios[:, 0] - ratios[:, 1]))
+        # discopop
+        modulation = jax.nn.sigmoid(z / self.discopop_tau)
+        return -sig(z) * (1.0 - modulation) + jnp.exp(-z) * modulation
+
     def _smoothed(self, z):
         ls = self.label_smoothing
         return -(1.0 - ls) * jax.nn.log_sigmoid(z) - ls * jax.nn.log_sigmoid(-z)
@@ -162,30 +252,132 @@ class PreferenceTask(Task):
         return out
 
     def reference_logps(self, outputs, batch):
-        """The reference's ``ref_logps`` entry from its logits on the pairs."""
-        return sequence_logps(outputs, batch)[0]
+        """The reference's ``ref_logps`` entry from its logits on the pairs (LD-DPO's weighted sum
+        with ``ld_alpha``)."""
+        return self._logps(outputs, batch)[0]
 
 
 def preference_task(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
-                    simpo_gamma: float = 0.5, cpo_alpha: float = 0.0) -> PreferenceTask:
-    """The ``dpo`` task with one of ``LOSSES``; bad settings are one-line UserErrors."""
-    if loss not in LOSSES:
-        raise UserError(f"--loss {loss!r}: choose one of {', '.join(LOSSES)}")
+                    simpo_gamma: float = 0.5, cpo_alpha: float = 0.0, loss_weights=None, ld_alpha=None,
+                    f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
+                    discopop_tau: float = 0.05) -> PreferenceTask:
+    """The ``dpo`` task with one or more (comma-separated) of ``LOSSES``; bad settings are
+    one-line UserErrors (TRL's checks)."""
+    losses = tuple(x.strip() for x in str(loss).split(","))
+    for name in losses:
+        if name not in LOSSES:
+            raise UserError(f"--loss {name!r}: choose one or more (comma-separated) of {', '.join(LOSSES)}")
+    if len(losses) > 1 and set(losses) & set(REFERENCE_FREE):
+        raise UserError(f"--loss {loss}: {'/'.join(REFERENCE_FREE)} use no reference and do not combine")
+    if len(set(losses)) != len(losses):
+        raise UserError(f"--loss {loss}: names a loss twice")
+    if loss_weights is not None:
+        loss_weights = tuple(float(x) for x in loss_weights)
+        if len(loss_weights) != len(losses):
+            raise UserError(f"--loss-weights has {len(loss_weights)} values for {len(losses)} --loss types")
     if not beta > 0:
         raise UserError(f"--beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
         raise UserError(f"--label-smoothing must be in [0, 0.5), got {label_smoothing}")
+    if "exo_pair" in losses and label_smoothing == 0.0:
+        raise UserError("--loss exo_pair needs --label-smoothing > 0 (the EXO paper's epsilon, e.g. 1e-3)")
     if cpo_alpha < 0:
         raise UserError(f"--cpo-alpha must be 0 or more, got {cpo_alpha}")
-    return PreferenceTask("dpo", "pairs", f"{loss}_loss", has_accuracy=False, has_perplexity=False,
-                          signals=("rewards/accuracies", "rewards/margins"), loss=loss,
-                          beta=float(beta), label_smoothing=float(label_smoothing),
-                          simpo_gamma=float(simpo_gamma), cpo_alpha=float(cpo_alpha))
+    if ld_alpha is not None and not 0.0 <= ld_alpha <= 1.0:
+        raise UserError(f"--ld-alpha must be in [0, 1], got {ld_alpha}")
+    if ld_alpha is not None and set(losses) & set(REFERENCE_FREE):
+        raise UserError(f"--ld-alpha is a setting of the reference-based losses, not --loss {loss}")
+    if f_divergence_type not in F_DIVERGENCES:
+        raise UserError(f"--f-divergence-type {f_divergence_type!r}: choose one of {', '.join(F_DIVERGENCES)}")
+    if f_divergence_type != "reverse_kl" and not set(losses) <= set(F_DIVERGENCE_LOSSES):
+        raise UserError(f"--f-divergence-type {f_divergence_type} goes only with --loss "
+                        f"{', '.join(F_DIVERGENCE_LOSSES)} (TRL's), not {loss}")
+    if not discopop_tau > 0:
+        raise UserError(f"--discopop-tau must be > 0, got {discopop_tau}")
+    joined = ",".join(losses)
+    return PreferenceTask("dpo", "pairs", f"{joined.replace(',', '_')}_loss", has_accuracy=False,
+                          has_perplexity=False, signals=("rewards/accuracies", "rewards/margins"), loss=joined, beta=float(beta), label_smoothing=float(label_smoothing),
+                          simpo_gamma=float(simpo_gamma), cpo_alpha=float(cpo_alpha), loss_weights=loss_weights,
+                          ld_alpha=None if ld_alpha is None else float(ld_alpha),
+                          f_divergence_type=f_divergence_type, f_alpha_divergence_coef=float(f_alpha_divergence_coef),
+                          discopop_tau=float(discopop_tau))
+
+
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOTask(PreferenceTask):
+    """KTO on unpaired rows (TRL's KTOTrainer): each row's two sequences are its prompt with its
+    own completion and with the mismatched (KL) completion (``data/preference.py``'s ``kl_pairs``),
+    ``labels [batch]`` 1 for a desirable completion. With ``r`` the completion's log-ratio and
+    ``z = max(0, mean over the batch of the KL sequences' log-ratios)`` (no gradient), ``kto``:
+    ``desirable_weight (1 - sig(beta (r - z)))`` or ``undesirable_weight (1 - sig(beta (z - r)))``;
+    ``apo_zero_unpaired``: ``1 - sig(beta r)`` or ``sig(beta r)``; averaged over the rows. Metrics
+    as TRL's: ``kl``, and ``rewards/*``, ``logps/*`` averaged over the desirable (chosen) or
+    undesirable (rejected) rows (0 where the batch has none)."""
+
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        return {**super().fields(config, batch_size, seq_len),
+                "labels": Field((batch_size,), "float32", (ax.BATCH,))}
+
+    def sums(self, outputs, batch, totals=None) -> dict:
+        w = batch["weights"].astype(jnp.float32)
+        good = batch["labels"].astype(jnp.float32) * w
+        bad = w - good
+        logps, _ = sequence_logps(outputs, batch)  # [batch, 2]: the completion, the KL sequence
+        ratios = logps - batch["ref_logps"].astype(jnp.float32)
+        r = ratios[:, 0]
+        if self.loss == "kto":
+            kl = jnp.sum(ratios[:, 1] * w) / jnp.maximum(jnp.sum(w), 1e-8)
+            kl = jax.lax.stop_gradient(jnp.maximum(kl, 0.0))
+            chosen, rejected = 1.0 - jax.nn.sigmoid(self.beta * (r - kl)), 1.0 - jax.nn.sigmoid(self.beta * (kl - r))
+        else:  # apo_zero_unpaired
+            kl = jnp.zeros(())
+            chosen, rejected = 1.0 - jax.nn.sigmoid(self.beta * r), jax.nn.sigmoid(self.beta * r)
+        rewards = self.beta * r
+        return {
+            "loss": jnp.sum(self.desirable_weight * chosen * good + self.undesirable_weight * rejected * bad),
+            "weight": jnp.sum(w), "chosen": jnp.sum(good), "rejected": jnp.sum(bad), "kl": kl * jnp.sum(w),
+            "rewards/chosen": jnp.sum(rewards * good), "rewards/rejected": jnp.sum(rewards * bad),
+            "logps/chosen": jnp.sum(logps[:, 0] * good), "logps/rejected": jnp.sum(logps[:, 0] * bad),
+            "pairs_truncated": jnp.sum(batch["truncated"].astype(jnp.float32) * w),
+        }
+
+    def extra_metrics(self, sums, total_weight) -> dict:
+        """TRL's: each side's means over its rows, the margin of those means, the batch's ``kl``."""
+        out = {"kl": sums["kl"] / total_weight, "pairs_truncated": sums["pairs_truncated"]}
+        for side in ("chosen", "rejected"):
+            n = sums[side]
+            for kind in ("rewards", "logps"):
+                out[f"{kind}/{side}"] = jnp.where(n > 0, sums[f"{kind}/{side}"] / jnp.maximum(n, 1e-8), 0.0)
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def kto_task(loss: str = "kto", beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> KTOTask:
+    """The ``kto`` task (TRL's KTOConfig names); bad settings are one-line UserErrors."""
+    if loss not in KTO_LOSSES:
+        raise UserError(f"--loss {loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
+    if not beta > 0:
+        raise UserError(f"--beta must be > 0, got {beta}")
+    for name, value in (("desirable-weight", desirable_weight), ("undesirable-weight", undesirable_weight)):
+        if not value >= 0:
+            raise UserError(f"--{name} must be 0 or more, got {value}")
+    return KTOTask("kto", "examples", f"{loss}_loss", has_accuracy=False, has_perplexity=False,
+                   signals=("rewards/margins", "kl"), loss=loss,
+                   beta=float(beta), desirable_weight=float(desirable_weight),
+                   undesirable_weight=float(undesirable_weight))
 
 
 def run_task(cfg, config):
     """``(task, reference)`` of a run's settings (``cfg``, a TrainConfig) for the Program:
-    the model's own task and no reference, or ``--task dpo``'s, with its reference kind
+    the model's own task and no reference, or ``--task dpo``'s (or ``kto``'s), with its reference kind
     (``Program.reference``): ``stored`` with ``--precompute-reference``, ``adapters`` for a LoRA
     policy without ``--reference``, else ``copy`` (a frozen copy)."""
     from shardzoo.train import model_info
@@ -194,14 +386,18 @@ def run_task(cfg, config):
     name = getattr(cfg, "task", None)
     if name in ("grpo", "rloo"):
         return _grpo_run_task(cfg, config)
-    if name != "dpo":
+    if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")
         return get_task(config), None
     if getattr(config, "task", "lm") != "lm":
-        raise UserError(f"--task dpo trains a language model; the model does {config.task}")
+        raise UserError(f"--task {name} trains a language model; the model does {config.task}")
     beta = 0.1 if cfg.beta is None else cfg.beta
-    task = preference_task(cfg.loss or "sigmoid", beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha)
+    if name == "kto":
+        task = kto_task(cfg.loss or "kto", beta, cfg.desirable_weight, cfg.undesirable_weight)
+    else:
+        task = preference_task(cfg.loss or "sigmoid", beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha,
+                               **{n: getattr(cfg, n) for n in DPO_SETTINGS})
     if not task.uses_reference:
         if cfg.reference or cfg.precompute_reference:
             raise UserError(f"--loss {cfg.loss} uses no reference model: drop --reference/--precompute-reference")

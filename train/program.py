@@ -470,12 +470,12 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "grpo", "rloo") else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
                         remat=getattr(e, "remat_policy", None), optimizer="none" if self.tx is None else None)
-        rows = 2 if self.task.name == "dpo" else 1  # a preference pair is two sequences
+        rows = 2 if self.task.name in ("dpo", "kto") else 1  # a pair (kto: a row and its KL row): two sequences
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),

@@ -43,22 +43,37 @@ def hf(tmp_path_factory):
                                  pairs=write_jsonl(root / "pairs.jsonl", TEXT_PAIRS))
 
 
-def trl_dpo(hf, loss):
-    """TRL's DPOTrainer on the pairs: ``(loss, metrics, tokenized pairs)`` of its first batch."""
+_TRL = {}
+
+
+def trl_dpo(hf, loss, weights=None, **settings):
+    """TRL's DPOTrainer on the pairs: ``(loss, metrics, tokenized pairs)`` of its first batch with
+    ``loss_type`` the comma-separated ``loss`` and the other DPOConfig ``settings``. One trainer
+    per session, its loss settings set on it before each call (they are read at each step)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(hf.root / "trl"), beta=BETA, loss_type=[loss], report_to=[],
-                     per_device_train_batch_size=PAIRS, max_length=None, use_cpu=True, bf16=False,
-                     disable_dropout=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DPOTrainer(model=hf.policy, ref_model=hf.reference, args=args,
-                             train_dataset=Dataset.from_list(TEXT_PAIRS), processing_class=hf.tok)
-        examples = [trainer.train_dataset[i] for i in range(PAIRS)]
-        trainer.model.train()
-        with torch.no_grad():
-            value = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+    if id(hf) not in _TRL:
+        args = DPOConfig(output_dir=str(hf.root / "trl"), beta=BETA, loss_type=["sigmoid"], report_to=[],
+                         per_device_train_batch_size=PAIRS, max_length=None, use_cpu=True, bf16=False,
+                         disable_dropout=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _TRL[id(hf)] = DPOTrainer(model=hf.policy, ref_model=hf.reference, args=args,
+                                      train_dataset=Dataset.from_list(TEXT_PAIRS), processing_class=hf.tok)
+    trainer = _TRL[id(hf)]
+    losses = loss.split(",")
+    trainer.loss_types, trainer.loss_weights = losses, list(weights or [1.0] * len(losses))
+    trainer.label_smoothing = settings.get("label_smoothing", 0.0)
+    trainer.ld_alpha = settings.get("ld_alpha")
+    trainer.f_divergence_type = settings.get("f_divergence_type", "reverse_kl")
+    trainer.f_alpha_divergence_coef = settings.get("f_alpha_divergence_coef", 0.5)
+    trainer.args.discopop_tau = settings.get("discopop_tau", 0.05)
+    examples = [trainer.train_dataset[i] for i in range(PAIRS)]
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+    with torch.no_grad():
+        value = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     return float(value), metrics, examples
 
@@ -168,10 +183,13 @@ def test_label_smoothing_is_conservative_dpo(hf):
     assert smooth["loss"] == pytest.approx(plain["loss"] + 0.2 * plain["rewards/margins"], abs=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
-def test_fsdp_tp_on_8_devices_equals_one_device(hf, loss):
-    one, _ = ours(hf, loss)
-    eight, _ = ours(hf, loss, mesh_spec="fsdp=4,tensor=2", rules="fsdp_tp")
+@pytest.mark.parametrize("loss,settings", [("sigmoid", {}), ("orpo", {}),
+                                           ("aot,sft", {"loss_weights": (1.0, 0.5), "ld_alpha": 0.5})])
+def test_fsdp_tp_on_8_devices_equals_one_device(hf, loss, settings):
+    """The same step on 8 devices; aot sorts over the whole (sharded) batch, LD-DPO's weights
+    count the pair's tokens along the sharded length."""
+    one, _ = ours(hf, loss, **settings)
+    eight, _ = ours(hf, loss, mesh_spec="fsdp=4,tensor=2", rules="fsdp_tp", **settings)
     for name in ("loss", *METRICS, "grad_norm"):
         assert abs(eight[name] - one[name]) < 1e-5 * max(1.0, abs(one[name])), (name, eight[name], one[name])
 
@@ -183,3 +201,86 @@ def test_gradient_accumulation_gives_the_whole_batch_step(hf):
     two, _ = ours(hf, "orpo", grad_accum=2)
     for name in ("loss", "nll_loss", *METRICS, "grad_norm"):
         assert abs(two[name] - one[name]) < 1e-5 * max(1.0, abs(one[name])), (name, two[name], one[name])
+
+
+# Every loss TRL 1.16's DPOConfig.loss_type lists, their MPO combination, LD-DPO and the f-DPO
+# regularizers, each with the hyperparameters that change it (label smoothing where it enters).
+CASES = {
+    "sigmoid": ("sigmoid", None, {}),
+    "hinge": ("hinge", None, {}),
+    "ipo": ("ipo", None, {}),
+    "exo_pair": ("exo_pair", None, {"label_smoothing": 1e-3}),
+    "nca_pair": ("nca_pair", None, {}),
+    "robust": ("robust", None, {"label_smoothing": 0.1}),
+    "bco_pair": ("bco_pair", None, {}),
+    "sppo_hard": ("sppo_hard", None, {}),
+    "aot": ("aot", None, {"label_smoothing": 0.1}),
+    "aot_unpaired": ("aot_unpaired", None, {"label_smoothing": 0.1}),
+    "apo_zero": ("apo_zero", None, {}),
+    "apo_down": ("apo_down", None, {}),
+    "discopop": ("discopop", None, {"discopop_tau": 0.3}),
+    "sft": ("sft", None, {}),
+    "sigmoid_norm": ("sigmoid_norm", None, {}),
+    "mpo": ("sigmoid,bco_pair,sft", (0.8, 0.2, 1.0), {}),
+    "ld_alpha": ("sigmoid,sft", (0.8, 0.2), {"ld_alpha": 0.3}),
+    "forward_kl": ("sigmoid", None, {"f_divergence_type": "forward_kl"}),
+    "js_divergence": ("ipo", None, {"f_divergence_type": "js_divergence"}),
+    "alpha_divergence": ("robust,discopop", None, {"f_divergence_type": "alpha_divergence",
+                                                   "f_alpha_divergence_coef": 0.3, "label_smoothing": 0.1}),
+}
+
+
+@pytest.fixture(scope="module")
+def logits(hf):
+    """The policy's and the reference's logits on the first batch (one forward each), and the
+    placed batch: each loss below is the task's sums on them, as the train step computes them."""
+    from shardzoo.train.tasks import forward
+
+    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("dp")
+    _, config, params = load_hf(str(hf.root / "policy"), mesh=mesh, rules=rules)
+    _, _, ref_params = load_hf(str(hf.root / "reference"), mesh=mesh, rules=rules)
+    program = Program(config, rules, mesh, task=preference_task("sigmoid"), batch_size=PAIRS, seq_len=SEQ,
+                      reference="copy")
+    data = DataConfig(data=hf.pairs, preference=True, cache_dir=str(hf.root / "cache"))
+    train, _ = make_preference_datasets(data, load_tokenizer(str(hf.root / "policy")), SEQ, PAIRS, mesh=mesh,
+                                        rules=rules)
+    placed = program.place(next(train.with_rows(train.rows, in_order=True)))
+    run = jax.jit(lambda p, b: forward(program.task, program.module, p, b, jax.random.PRNGKey(0), True)[0])
+    return run(params, placed), run(ref_params, placed), placed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_trl_dpo_loss_equals_trl_on_the_first_batch(hf, logits, case):
+    """Loss and the rewards/* and logps/* metrics within 1e-5 of TRL's DPOTrainer (fp32)."""
+    loss, weights, settings = CASES[case]
+    want_loss, want, _ = trl_dpo(hf, loss, weights, **settings)
+    policy, reference, placed = logits
+    task = preference_task(loss, beta=BETA, loss_weights=weights, **settings)
+    batch = {**placed, "ref_logps": task.reference_logps(reference, placed)}
+    sums = jax.device_get(jax.jit(task.sums)(policy, batch))
+    got = {k: float(v) for k, v in task.extra_metrics(sums, sums["weight"]).items()}
+    got["loss"] = float(sums["loss"] / sums["weight"])
+    assert abs(want["rewards/margins"]) > 0.05 and abs(want_loss) > 1e-3
+    assert abs(got["loss"] - want_loss) < 1e-5 * max(1.0, abs(want_loss)), (got["loss"], want_loss)
+    for name in METRICS:
+        assert abs(got[name] - want[name]) < 1e-5 * max(1.0, abs(want[name])), (name, got[name], want[name])
+    _DIFFS[case] = {"loss": abs(got["loss"] - want_loss), **{n: abs(got[n] - want[n]) for n in METRICS}}
+
+
+_DIFFS = {}
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"loss": "sigmoid,foo"}, "--loss 'foo'"),
+    ({"loss": "sigmoid,sft", "loss_weights": (1.0,)}, "--loss-weights has 1 values for 2"),
+    ({"loss": "exo_pair"}, "--label-smoothing > 0"),
+    ({"loss": "bco_pair", "f_divergence_type": "js_divergence"}, "goes only with --loss"),
+    ({"loss": "sigmoid", "ld_alpha": 1.5}, "--ld-alpha must be in [0, 1]"),
+    ({"loss": "sigmoid,orpo"}, "do not combine"),
+])
+def test_bad_loss_settings_are_one_line_errors(settings, words):
+    from shardzoo.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        preference_task(**settings)
+    assert words in str(e.value) and "\n" not in str(e.value)
