@@ -454,12 +454,15 @@ def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=N
     )(x, top_idx, top_p, token_mask, weights, biases)
 
 
-def resolve_dispatch(dispatch: str, placement, dtype: str) -> str:
-    """The dispatch that ``auto`` stands for (see the module docstring); any other as it is."""
+def resolve_dispatch(dispatch: str, placement, dtype: str, clamped: bool = False) -> str:
+    """The dispatch that ``auto`` stands for (see the module docstring); any other as it is.
+    ``clamped`` (GPT-OSS's clamped SwiGLU): indexed, since on the chip gmm's bf16 gradients of
+    clamped experts strayed 7x further from float32 than indexed's (BENCHMARKS.md, TPU)."""
     if dispatch != "auto":
         return dispatch
     split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP))
-    return "gmm" if jax.default_backend() == "tpu" and dtype in GMM_DTYPES and not split else "indexed"
+    tpu = jax.default_backend() == "tpu" and dtype in GMM_DTYPES
+    return "gmm" if tpu and not split and not clamped else "indexed"
 
 
 def shard_map_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement, biases=None):
@@ -576,7 +579,7 @@ class MoeMLP(nn.Module):
         x = x.astype(dtype)
         scale_input = cfg.router_kind == "sigmoid_input"  # the weights scale what each expert reads
 
-        kind = resolve_dispatch(cfg.dispatch, self.placement, cfg.dtype)
+        kind = resolve_dispatch(cfg.dispatch, self.placement, cfg.dtype, bool(cfg.swiglu_limit))
         if kind == "gmm" and self.is_initializing():  # the same numbers without the kernel (or a mesh)
             kind = "dropless"
         if kind in ("dropless", "gmm"):

@@ -135,6 +135,7 @@ def test_auto_picks_gmm_only_on_a_tpu_with_whole_experts(monkeypatch):
     assert resolve_dispatch("auto", ep, "bfloat16") == "indexed"  # experts split: XLA's all-to-all
     assert resolve_dispatch("auto", tp, "bfloat16") == "indexed"  # mlp split
     assert resolve_dispatch("auto", None, "float16") == "indexed"  # not megablox's
+    assert resolve_dispatch("auto", None, "bfloat16", clamped=True) == "indexed"  # GPT-OSS's clamp
     assert resolve_dispatch("indexed", None, "bfloat16") == "indexed"
     # and the layer traces the kernel there (a trace only: no Mosaic compile on this CPU)
     cfg = dataclasses.replace(BASE, dispatch="auto")
