@@ -194,7 +194,7 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto, grpo or rloo")
         if self.task not in ("dpo", "kto") and self.precompute_reference:
             raise ConfigError("--precompute-reference is a setting of --task dpo or kto")
-        if self.task not in ("dpo", "kto", "grpo") and self.loss is not None:
+        if self.task not in ("dpo", "kto", "grpo", "rloo") and self.loss is not None:  # rloo: its own line
             raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
         self._check_dpo()
         self._check_grpo()
