@@ -1,12 +1,14 @@
 """Decoding's compile time against depth, scanned against unrolled layers, and its speed
 against the memory-bandwidth bound.
 
-``Program.generate`` decodes through the scanned layers (``models/decode.py``): the program
-holds one layer whatever the depth. Before, it unrolled every layer (what a model built with
-``scan_layers=False`` still does, so that is the "unrolled" column). For each model and layer
-count: the seconds ``generate``'s first call takes to compile (its compile alone), then the
-fastest of three later calls' tokens/s, and that rate as a fraction of the bandwidth bound: every step reads
-the weights once and the whole KV cache once (``--hbm`` bytes/s; 819e9 is a TPU v5e chip's).
+``Program.generate`` runs a scanned model's layers as ``execution.decode_layers`` says
+(``models/decode.py``): "scan" decodes through the layer scan (the program holds one layer
+whatever the depth), "unroll" (the default) unrolls every layer. Both rows decode the same
+scanned model, the "scanned" one with ``decode_layers="scan"``, the "unrolled" one with
+"unroll". For each model and layer count: the seconds ``generate``'s first call takes to
+compile (its compile alone), then the fastest of three later calls' tokens/s, and that rate as
+a fraction of the bandwidth bound: every step reads the weights once and the whole KV cache
+once (``--hbm`` bytes/s; 819e9 is a TPU v5e chip's).
 
     python bench/bench_decode_depth.py --out bench/results/decode_depth.md      # CPU: tiny llama, 4/8/16 layers
     python bench/bench_decode_depth.py --models llama3.2-1b,qwen3-0.6b --dtype bfloat16 \\
@@ -84,7 +86,8 @@ def main() -> None:
         for layers in (int(n) for n in args.layers.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 for scan in (True, False):
-                    overrides = dict(scan_layers=scan, dtype=args.dtype, param_dtype=args.dtype)
+                    overrides = dict(decode_layers="scan" if scan else "unroll", dtype=args.dtype,
+                                     param_dtype=args.dtype)
                     if tiny:
                         overrides.update(TINY, max_position_embeddings=args.prompt + args.new)
                     if layers:

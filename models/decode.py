@@ -3,13 +3,16 @@
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
-leaf has a leading layers axis. Decoding scans those layers as training does (compile time flat
-in depth): the layer scan reads the stacked cache only and returns what each layer wrote
-(``cache_writes``: an attention layer's new positions, a recurrent layer's whole state), which
-``write_cache`` puts into the stack after the scan, so the sampling loop updates the cache in
-place (a scan's per-layer cache outputs would be a new stacked cache every step). A conv layer (LFM2's short convolution, models/conv_mixer.py) keeps its own
-state instead: ``conv_state`` [batch, conv_width, conv_channels], its last conv_kernel - 1
-inputs, and their ``conv_segment_ids``; a mamba layer (models/ssm.py) its convolutions' last
+leaf has a leading layers axis. ``Program.generate`` runs scanned layers as
+``execution.decode_layers`` says. "unroll" (the default): the same model with every layer
+unrolled, the stacked params cut per layer (``unrolled_params``), each layer's cache its own
+array. "scan": the layers scanned as training does (compile time flat in depth): the layer scan
+reads the stacked cache only and returns what each layer wrote (``cache_writes``: an attention
+layer's new positions, a recurrent layer's whole state), which ``write_cache`` puts into the
+stack after the scan, so the sampling loop updates the cache in place (a scan's per-layer cache
+outputs would be a new stacked cache every step). A conv layer (LFM2's short convolution,
+models/conv_mixer.py) keeps its own state instead: ``conv_state`` [batch, conv_width,
+conv_channels], its last conv_kernel - 1 inputs, and their ``conv_segment_ids``; a mamba layer (models/ssm.py) its convolutions' last
 inputs (``conv_x_state``, ``conv_b_state``, ``conv_c_state`` and their segment ids) and its
 recurrent ``ssm_state`` [batch, ssm_heads, ssm_head_dim, ssm_state] with ``ssm_segment_ids``; a
 linear-attention layer (Qwen3-Next's Gated DeltaNet, models/linear_attention.py) its
@@ -40,6 +43,22 @@ def cache_init_fn(module, batch_size: int, max_length: int):
         return jax.tree.map(jnp.zeros_like, variables["cache"])  # boxed: logical axes kept
 
     return first_call
+
+
+def unrolled_params(layout, params):
+    """``params`` of a model with scanned layers as the same model with every layer unrolled
+    (``layers_i``) takes them: each stacked leaf cut into its layers. Decoding with
+    ``decode_layers="unroll"`` runs the layers so: each layer's cache is then its own array,
+    updated in place by the sampling loop (the cut is a copy of the stacked weights inside the
+    program; params already unrolled are read where they are)."""
+    out = {k: v for k, v in params.items() if k != "layers" and not k.startswith("layers_")}
+    for path, layers, stacked in layout.param_layout():
+        tree = params
+        for name in path:
+            tree = tree[name]
+        for k, layer in enumerate(layers):
+            out[f"layers_{layer}"] = jax.tree.map(lambda x, k=k: x[k], tree) if stacked else tree
+    return out
 
 
 def cache_writes(old, new, length: int):

@@ -341,11 +341,11 @@ class RewardFunction:
 
 def rollout_layout(cfg, config):
     """The model GRPO trains: its layers unrolled unless ``--override scan_layers=...`` says
-    otherwise. The rollouts decode the train state's own params as the model is built
-    (``models/decode.py``): a scanned stack's weights are sliced out layer by layer at every
-    decoding step (no copy of the stack, but whether XLA reads a slice as fast as an unrolled
-    layer's own array is for the chip to show: bench/bench_decode_depth.py), unrolled ones are
-    read where they are."""
+    otherwise. The rollouts decode the train state's own params, and decoding runs the layers
+    unrolled (``execution.decode_layers="unroll"``, the default: ``models/decode.py``): params
+    stacked by a scan would be cut into a copy of the layer weights by every rollout, unrolled
+    ones are read where they are. (``decode_layers="scan"`` decodes a stack without a copy, in
+    slower steps.)"""
     from shardzoo.models import parse_overrides
 
     execution = getattr(config, "execution", None)

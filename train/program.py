@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
 from shardzoo.models.attention import check_rope_decoding
-from shardzoo.models.decode import cache_init_fn, generate_tokens
+from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
 from shardzoo.models.layers import recording_constraints
 from shardzoo.models.lora import join, split
 from shardzoo.sharding.mesh import describe_mesh
@@ -357,13 +357,28 @@ class Program:
         return per_device_bytes(self.abstract.params, self.shardings.params) if self.reference == "copy" else 0
 
     # ------------------------------------------------------------------ decoding
+    @property
+    def _scan_decoding(self) -> bool:
+        return self.config.execution.decode_layers == "scan"
+
+    @functools.cached_property
+    def decoder(self):
+        """The module decoding runs: with ``decode_layers="unroll"`` this model with its layers
+        unrolled (``models.decode.unrolled_params``), with "scan" the model as built."""
+        return self.module if self._scan_decoding else self.config.replace(scan_layers=False).build(self.placement)
+
+    def decoding_params(self, params):
+        """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""
+        return params if self._scan_decoding else unrolled_params(self.config.layout(), params)
+
     def cache_shardings(self, batch_size: int, max_length: int):
         """``(abstract cache, shardings)`` of the decoding cache for ``batch_size`` rows of
-        ``max_length`` positions (a scanned stack's with a leading ``layers`` axis, an unrolled
-        layer's its own): its arrays' logical axes under the rules, like every array."""
-        init = cache_init_fn(self.module, batch_size, max_length)
+        ``max_length`` positions (``decode_layers="unroll"``: one per layer, ``layers_i``;
+        "scan": a scanned stack's with a leading ``layers`` axis, an unrolled layer's its own):
+        its arrays' logical axes under the rules, like every array."""
+        init = cache_init_fn(self.decoder, batch_size, max_length)
         with activate(self.mesh):
-            boxed = jax.eval_shape(init, self.abstract.params)
+            boxed = jax.eval_shape(lambda p: init(self.decoding_params(p)), self.abstract.params)
         report = check(boxed, self.rules, self.mesh, strict=False)
         return nn.meta.unbox(boxed), report.shardings(self.mesh)
 
@@ -419,7 +434,7 @@ class Program:
         def run(params, prompt, lengths, key_data):
             cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
                                  shapes, cache_shardings)
-            return generate_tokens(self.module, params, cache, prompt, lengths,
+            return generate_tokens(self.decoder, self.decoding_params(params), cache, prompt, lengths,
                                    jax.random.wrap_key_data(key_data),
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)

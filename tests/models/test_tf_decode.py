@@ -152,42 +152,82 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     specs = nn.get_partition_spec(boxed)["layers"]["attn"]
     assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
-    program = Program(config, get_rules("tp"), make_mesh("data=4,tensor=2"))
-    cache = program.new_cache(4, 16)  # decoding's: the scanned layers' stacked
+    mesh = make_mesh("data=4,tensor=2")
+    program = Program(config, get_rules("tp"), mesh)
+    cache = program.new_cache(4, 16)  # decoding's: one per layer (decode_layers="unroll")
+    assert sorted(cache) == ["layers_0", "layers_1"]
+    key = cache["layers_1"]["attn"]["cached_key"]
+    assert key.shape == (4, 16, 2, 8)
+    assert key.addressable_shards[0].data.shape == (1, 16, 1, 8)  # batch/4, kv_heads/2
+    scan = Program(config.replace(decode_layers="scan"), get_rules("tp"), mesh)
+    cache = scan.new_cache(4, 16)  # the scanned layers' stacked
     assert sorted(cache) == ["layers"]
     key = cache["layers"]["attn"]["cached_key"]
     assert key.shape == (2, 4, 16, 2, 8)
-    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # batch/4, kv_heads/2
+    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)
 
 
-def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device():
+@pytest.mark.parametrize("decode_layers,layer,lead", [("unroll", "layers_0", ()), ("scan", "layers", (None,))])
+def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_layers, layer, lead):
     """The Program's compiled decoding on 8 devices: every cache array sharded as its logical
     axes say under fsdp_tp (batch over data+fsdp, kv heads over tensor), the same greedy and
-    sampled tokens as one device."""
+    sampled tokens as one device (decoding unrolled); for either ``decode_layers``."""
     _, config = get_model("llama-tiny", **TINY)
     one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     params = one.init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
     prompt = np.asarray(jax.random.randint(jax.random.key(4), (4, 5), 0, config.vocab_size))
-    program = Program(config, get_rules("fsdp_tp"), make_mesh("fsdp=4,tensor=2"))
+    program = Program(config.replace(decode_layers=decode_layers), get_rules("fsdp_tp"), make_mesh("fsdp=4,tensor=2"))
     placed = jax.device_put(jax.device_get(params), program.shardings.params)
     for kw in (dict(), dict(temperature=1.0, top_k=20, seed=7)):
         want = one.generate(params, prompt, max_new_tokens=7, **kw)
         got = program.generate(placed, prompt, max_new_tokens=7, **kw)
         np.testing.assert_array_equal(got, want)
     _, shardings = program.cache_shardings(4, 12)
-    attn = shardings["layers"]["attn"]
-    assert attn["cached_key"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    assert attn["cached_segment_ids"].spec == P(None, ("data", "fsdp"), None)
+    attn = shardings[layer]["attn"]
+    assert attn["cached_key"].spec == P(*lead, ("data", "fsdp"), None, "tensor", None)
+    assert attn["cached_segment_ids"].spec == P(*lead, ("data", "fsdp"), None)
     cache = program.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
-        assert cache["layers"]["attn"][name].sharding == attn[name], name
-    assert cache["layers"]["attn"]["cached_key"].addressable_shards[0].data.shape == (2, 1, 12, 1, 8)
+        assert cache[layer]["attn"][name].sharding == attn[name], name
+    assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 12, 1, 8)
+
+
+def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
+    """``decode_layers="scan"`` (the layer scan over the stacked cache) and "unroll" (every layer
+    its own weights and cache) on the same params of an unrolled first layer, two scanned
+    periods of two layers and an unrolled last layer: the same greedy tokens from ``generate``,
+    and the same logits (1e-5) at the prefill and every one-token step."""
+    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=6, scan_layout=(1, 2, 2))
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {d: Program(config.replace(decode_layers=d), get_rules("dp"), mesh) for d in ("unroll", "scan")}
+    params = programs["scan"].init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
+    assert sorted(params) == ["embed", "final_norm", "layers", "layers_0", "layers_5", "lm_head"]
+    prompt = np.asarray(jax.random.randint(jax.random.key(6), (B, PREFILL), 0, config.vocab_size))
+    tokens = {d: p.generate(params, prompt, max_new_tokens=L - PREFILL) for d, p in programs.items()}
+    np.testing.assert_array_equal(tokens["scan"], tokens["unroll"])
+    step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    x = tokens["unroll"]
+    logits = {}
+    for d, program in programs.items():
+        module, weights, cache = program.decoder, program.decoding_params(params), program.new_cache(B, L)
+        assert sorted(cache) == (["layers", "layers_0", "layers_5"] if d == "scan" else [f"layers_{i}" for i in range(6)])
+        out, cache = step(module, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
+        outs = [out]
+        for i in range(PREFILL, L):
+            out, cache = step(module, weights, cache, x[:, i:i + 1], pos[:, i:i + 1])
+            outs.append(out)
+        logits[d] = np.asarray(jnp.concatenate(outs, axis=1))
+    np.testing.assert_allclose(logits["scan"], logits["unroll"], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.argmax(logits["scan"][:, PREFILL - 1:-1], -1), x[:, PREFILL:])  # greedy
+    assert np.abs(logits["unroll"]).max() > 0.1  # not all zeros
 
 
 def _generate_hlo(layers):
-    """The compiled ``generate`` of a scanned llama-tiny of ``layers`` layers (2 rows, a 16-token
-    prompt, 240 new tokens), its stacked key cache's shape and the whole cache's bytes."""
-    _, config = get_model("llama-tiny", **dict(TINY, max_position_embeddings=256), num_hidden_layers=layers)
+    """The compiled ``generate`` (``decode_layers="scan"``) of a scanned llama-tiny of ``layers``
+    layers (2 rows, a 16-token prompt, 240 new tokens), its stacked key cache's shape and the whole cache's bytes."""
+    _, config = get_model("llama-tiny", **dict(TINY, max_position_embeddings=256), num_hidden_layers=layers,
+                          decode_layers="scan")
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     compiled, _ = program._compile_generate((2, 16), 240, 0.0, 0, 1.0, (), 0)
     shapes, _ = program.cache_shardings(2, 256)
@@ -196,7 +236,7 @@ def _generate_hlo(layers):
 
 
 def test_scanned_decoding_writes_the_stacked_cache_in_place_and_compiles_one_layer():
-    """Decoding scans the layers and carries the stacked cache through the sampling loop in
+    """``decode_layers="scan"`` scans the layers and carries the stacked cache through the sampling loop in
     place: no copy of a stacked cache array anywhere in the program (nn.scan's per-layer cache
     outputs copied it five times), the temporaries beyond the cache itself do not grow with the
     layers (theirs did, by a cache), and 8 layers compile to as many instructions as 4."""

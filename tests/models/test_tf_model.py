@@ -314,7 +314,7 @@ def test_config_errors_and_moe_layer_pattern():
 @pytest.mark.parametrize("field, value", [
     ("hidden_act", "foo"), ("mlp_type", "swiglu"), ("position_embedding", "alibi"), ("norm_type", "batch"),
     ("remat_policy", "sometimes"), ("attention_impl", "flash"), ("dtype", "float8"),
-    ("param_dtype", "int8"), ("moe_dispatch", "sorted"), ("hidden_size", 0),
+    ("param_dtype", "int8"), ("moe_dispatch", "sorted"), ("decode_layers", "scanned"), ("hidden_size", 0),
     ("num_hidden_layers", 0), ("num_attention_heads", 0), ("intermediate_size", -1), ("vocab_size", 0),
     ("num_key_value_heads", 0), ("head_dim", 0), ("rope_scaling", "foo"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), ("rope_scaling", {"rope_type": "linear"}),

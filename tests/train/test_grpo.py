@@ -563,11 +563,11 @@ def test_shardzoo_plan_shows_the_reference_and_the_rollouts_of_a_grpo_run(capsys
 
 
 def test_rollouts_decode_the_train_state_params_without_a_copy(hf):
-    """GRPO trains its layers unrolled (unless --override scan_layers=... says otherwise), and
-    the compiled sampler reads the train state's params where they are in either layout:
-    decoding scans a scanned stack (models/decode.py) instead of cutting it into a copy of the
-    layer weights, so its temporaries exceed the unrolled sampler's by less than one layer's
-    weights (the copy took them all)."""
+    """GRPO trains its layers unrolled (unless --override scan_layers=... says otherwise), so
+    the compiled sampler reads the train state's params where they are: scanned layers would be
+    cut into a copy of the layer weights inside every rollout (XLA's temporaries show it), unless
+    decoding scans them (decode_layers=scan: less than one layer's weights more than unrolled).
+    Under fsdp rules decoding gathers the sharded weights in either layout."""
     def sampler_temp(program):
         fn, _ = program._compile_generate((6, WIDTH), 10, 1.0, 0, 1.0, (2,), 0)
         return fn.memory_analysis().temp_size_in_bytes
@@ -575,10 +575,16 @@ def test_rollouts_decode_the_train_state_params_without_a_copy(hf):
     # rules dp: the params whole on every device (under fsdp decoding gathers them, either way)
     ours = prepare(settings(hf, "layout-unrolled", rules="dp")).program
     scanned = prepare(settings(hf, "layout-scanned", rules="dp", override=["scan_layers=true"])).program
+    scan = prepare(settings(hf, "layout-scan", rules="dp",
+                            override=["scan_layers=true", "decode_layers=scan"])).program
     assert not ours.config.execution.scan_layers and scanned.config.execution.scan_layers
+    assert scan.config.execution.decode_layers == "scan" and ours.config.execution.decode_layers == "unroll"
     params = ours.abstract.params
     layers = [v for k, v in params.items() if k.startswith("layers")]
     layer_bytes = sum(x.size * x.dtype.itemsize for v in layers for x in jax.tree.leaves(v))
     assert len(layers) >= 2
-    extra = sampler_temp(scanned) - sampler_temp(ours)
+    base = sampler_temp(ours)
+    extra = sampler_temp(scanned) - base
+    assert extra >= 0.9 * layer_bytes, (extra, layer_bytes)
+    extra = sampler_temp(scan) - base
     assert extra < layer_bytes / len(layers), (extra, layer_bytes)
