@@ -37,8 +37,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo"),
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo", "reward"),
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
+                        "reward: preference pairs through a score-head model (no reference); "
                         "kto: as dpo, a row and its mismatched KL row for each example; "
                         "grpo, rloo: sampled completions (--batch-size counts them), the reference model's bytes "
                         "(with --beta > 0) and the rollouts' decoding cache")

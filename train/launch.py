@@ -204,7 +204,7 @@ def data_config_of(cfg: TrainConfig):
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
     data_fields = {f.name for f in dataclasses.fields(DataConfig)}
     data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task in ("dpo", "kto"),
+    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task in ("dpo", "kto", "reward"),
                              "unpaired": cfg.task == "kto"})
 
 

@@ -163,3 +163,49 @@ def test_a_margin_that_is_not_a_number_is_one_line(hf, tmp_path):
         make_preference_datasets(data, load_tokenizer(str(hf.root / "rm")), SEQ, PAIRS, mesh=mesh, rules=get_rules("dp"))
     msg = str(e.value)
     assert "\n" not in msg and "badm.jsonl" in msg and "row 2" in msg and "'margin'" in msg, msg
+
+
+def run_settings(hf, out, **kw):
+    from shardzoo.train.config import TrainConfig as Settings
+
+    pairs = write_jsonl(hf.root / "many.jsonl", [{**r, "margin": m} for r, m in zip(TEXT_PAIRS, MARGINS, strict=True)] * 4)
+    base = dict(out=str(hf.root / out), init_from=str(hf.root / "rm"), task="reward", data=pairs, batch_size=8,
+                seq_len=SEQ, steps=4, lr=1e-2, warmup_steps=0, schedule="constant", log_every=1, save_every=2,
+                eval_every=0, center_rewards_coefficient=CENTER)
+    return Settings(**{**base, **kw})
+
+
+def test_a_reward_run_learns_resumes_exactly_and_exports(hf, tmp_path):
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    from shardzoo.train.hf_io import export_hf as export_run
+    from shardzoo.train.launch import DONE, run
+
+    def records(out):
+        with open(hf.root / out / "metrics.jsonl") as f:
+            return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+
+    for out, steps in (("straight", 4), ("resumed", 2), ("resumed", 4)):
+        result = run(run_settings(hf, out, steps=steps), log=lambda line: None)
+        assert result.status == DONE, result.message
+    straight, resumed = records("straight"), records("resumed")
+    assert straight[4]["loss"] < straight[1]["loss"]  # it learns
+    for step in (3, 4):
+        for key in ("loss", "accuracy", "margin", "min_reward", "max_reward", "grad_norm"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+    export_run(str(hf.root / "straight"), str(tmp_path / "hf"))
+    back = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf"))
+    assert type(back).__name__ == "LlamaForSequenceClassification"
+
+
+def test_reward_task_refuses_a_model_without_a_score_head(hf, tmp_path):
+    from dpo_fixtures import save_llama
+
+    from shardzoo.train.launch import prepare, with_init_model
+
+    save_llama(tmp_path / "lm", len(hf.tok), seed=0, tokenizer=hf.tok)
+    cfg, config, _ = with_init_model(run_settings(hf, "nohead", init_from=str(tmp_path / "lm")))
+    with pytest.raises(UserError, match="--task reward trains a model with a score head"):
+        prepare(cfg, config)
