@@ -37,6 +37,12 @@ def reduce_sums(sums_k: dict) -> dict:
     return {k: ops.get(k[:4], jnp.sum)(v) for k, v in sums_k.items()}
 
 
+def merge_sums(a: dict, b: dict) -> dict:
+    """Two batches' sums as one's (``reduce_sums`` for evaluation's running totals, on the host)."""
+    ops = {"min_": min, "max_": max}
+    return {k: ops.get(k[:4], lambda x, y: x + y)(a[k], b[k]) for k in a}
+
+
 def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, skip_nonfinite=False,
                trains=None):
     """One optimizer step on ``batch``: ``(new_state, metrics)``.

@@ -59,7 +59,7 @@ def hf(tmp_path_factory):
     return types.SimpleNamespace(root=root, tok=tok, model=model, pairs=write_jsonl(root / "pairs.jsonl", rows))
 
 
-def ours(hf, mesh_spec="data=1", rules="dp"):
+def ours(hf, mesh_spec="data=1", rules="dp", grad_accum=1):
     """shardzoo's first train step on the pairs: ``(metrics, batch, config, params)``."""
     devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
     mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
@@ -67,7 +67,7 @@ def ours(hf, mesh_spec="data=1", rules="dp"):
     assert config.arch.score_head
     task = reward_task(CENTER)
     program = Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, SETTINGS), task=task,
-                      batch_size=PAIRS, seq_len=SEQ)
+                      batch_size=PAIRS, seq_len=SEQ, grad_accum=grad_accum)
     data = DataConfig(data=hf.pairs, preference=True, cache_dir=str(hf.root / "cache"))
     train, _ = make_preference_datasets(data, load_tokenizer(str(hf.root / "rm")), SEQ, PAIRS, mesh=mesh, rules=rules)
     batch = next(train.with_rows(train.rows, in_order=True))
@@ -118,6 +118,21 @@ def test_fsdp_tp_on_8_devices_equals_one_device(hf, one):
     eight, _, _, _ = ours(hf, mesh_spec="fsdp=4,tensor=2", rules="fsdp_tp")
     for name in ("loss", *METRICS, "grad_norm"):
         assert abs(eight[name] - one[0][name]) < 1e-5 * max(1.0, abs(one[0][name])), (name, eight[name], one[0][name])
+
+
+def test_gradient_accumulation_gives_the_whole_batch_step(hf, one):
+    """Two microbatches of 2 pairs: the same loss and metrics (min/max over both) and gradient."""
+    two, _, _, _ = ours(hf, grad_accum=2)
+    for name in ("loss", *METRICS, "grad_norm"):
+        assert abs(two[name] - one[0][name]) < 1e-5 * max(1.0, abs(one[0][name])), (name, two[name], one[0][name])
+
+
+def test_evaluation_totals_keep_the_min_and_max():
+    from shardzoo.train.step import merge_sums
+
+    merged = merge_sums({"loss": 1.0, "min_reward": -1.0, "max_reward": 2.0},
+                        {"loss": 0.5, "min_reward": -3.0, "max_reward": 1.0})
+    assert merged == {"loss": 1.5, "min_reward": -3.0, "max_reward": 2.0}
 
 
 def test_export_loads_as_llama_for_sequence_classification(hf, one, tmp_path):
