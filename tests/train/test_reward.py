@@ -224,3 +224,17 @@ def test_reward_task_refuses_a_model_without_a_score_head(hf, tmp_path):
     cfg, config, _ = with_init_model(run_settings(hf, "nohead", init_from=str(tmp_path / "lm")))
     with pytest.raises(UserError, match="--task reward trains a model with a score head"):
         prepare(cfg, config)
+
+
+def test_shardzoo_eval_scores_a_reward_model_as_its_first_step(hf, one):
+    """``shardzoo eval --task reward`` of the HF reward model over the pairs (one batch, 8 devices): TRL's metrics
+    of the first train step (the same params); its loss lacks that step's centering term (>= 0)."""
+    from shardzoo.train.evaluate import EvalSettings, format_metrics, run
+
+    got = run(EvalSettings(hf=str(hf.root / "rm"), task="reward", data=hf.pairs, batch_size=PAIRS, seq_len=SEQ,
+                           mesh="fsdp=4,tensor=2", rules="fsdp_tp"))
+    assert got["task"] == "reward" and got["pairs"] == PAIRS
+    for name in METRICS:
+        assert abs(got[name] - one[0][name]) < 1e-5 * max(1.0, abs(one[0][name])), (name, got[name], one[0][name])
+    assert 0.0 < got["loss"] <= one[0]["loss"] + 1e-6
+    assert format_metrics(got).startswith("reward over 4 pairs: loss ")
