@@ -238,3 +238,14 @@ def test_shardzoo_eval_scores_a_reward_model_as_its_first_step(hf, one):
         assert abs(got[name] - one[0][name]) < 1e-5 * max(1.0, abs(one[0][name])), (name, got[name], one[0][name])
     assert 0.0 < got["loss"] <= one[0]["loss"] + 1e-6
     assert format_metrics(got).startswith("reward over 4 pairs: loss ")
+
+
+def test_the_plan_counts_the_score_head_not_an_lm_head():
+    from shardzoo.models import get_model
+
+    _, lm = get_model("llama-tiny")
+    _, rm = get_model("llama-tiny", score_head=True)
+    params = rm.build().init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+    assert "score" in params and "lm_head" not in params
+    assert rm.num_params() == sum(x.size for x in jax.tree.leaves(params))
+    assert lm.num_params() - rm.num_params() == lm.arch.hidden_size * (lm.arch.vocab_size - 1)
