@@ -97,6 +97,8 @@ def cmd_plan(args) -> int:
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
+    if args.task == "reward" and config.task == "lm":  # as `train --task reward`: a score head for the LM head
+        config = config.replace(score_head=True)
     opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
     if not args.mesh.strip():
         raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")

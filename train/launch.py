@@ -138,6 +138,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
+    if cfg.task == "reward" and model_info.task(config) == "lm":  # an LM's reward model: a score head for its LM head
+        config = config.replace(score_head=True)
     labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(

@@ -390,8 +390,7 @@ def run_task(cfg, config):
         from shardzoo.train.reward import reward_task
 
         if not getattr(getattr(config, "arch", None), "score_head", False):
-            raise UserError("--task reward trains a model with a score head: --init-from an HF "
-                            "*ForSequenceClassification dir or a reward run, or --override score_head=true")
+            raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
         return reward_task(cfg.center_rewards_coefficient), None
     if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":

@@ -215,15 +215,25 @@ def test_a_reward_run_learns_resumes_exactly_and_exports(hf, tmp_path):
     assert type(back).__name__ == "LlamaForSequenceClassification"
 
 
-def test_reward_task_refuses_a_model_without_a_score_head(hf, tmp_path):
+def test_a_reward_run_from_a_causal_lm_keeps_its_body_and_drops_its_head(hf, tmp_path):
+    """``--task reward --init-from`` a LlamaForCausalLM dir (as transformers' SequenceClassification of
+    it): the body's weights are the LM's, a fresh ``score`` replaces ``lm_head``."""
     from dpo_fixtures import save_llama
 
     from shardzoo.train.launch import prepare, with_init_model
+    from shardzoo.train.lora_io import initial_params
 
-    save_llama(tmp_path / "lm", len(hf.tok), seed=0, tokenizer=hf.tok)
-    cfg, config, _ = with_init_model(run_settings(hf, "nohead", init_from=str(tmp_path / "lm")))
-    with pytest.raises(UserError, match="--task reward trains a model with a score head"):
-        prepare(cfg, config)
+    lm = save_llama(tmp_path / "lm", len(hf.tok), seed=0, tokenizer=hf.tok)
+    cfg, config, _ = with_init_model(run_settings(hf, "fromlm", init_from=str(tmp_path / "lm")))
+    p = prepare(cfg, config)
+    assert p.config.arch.score_head
+    params = initial_params(p.cfg, p.program.params_target(), p.config, p.mesh, p.rules)
+    assert "lm_head" not in params and "score" not in params  # the score head: the program's random init
+    state = p.program.init(np.zeros(2, np.uint32), params=params)
+    got = np.asarray(jax.device_get(state.params["final_norm"]["scale"]))
+    assert np.abs(got - lm.model.norm.weight.detach().numpy()).max() < 1e-6
+    assert state.params["score"]["kernel"].shape == (32, 1)
+
 
 
 def test_shardzoo_eval_scores_a_reward_model_as_its_first_step(hf, one):
