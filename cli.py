@@ -237,12 +237,13 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="a file, glob, directory, 'stdlib' or hub:NAME[:CONFIG][@SPLIT] (default: the "
                         "data of the --checkpoint run); --task multiple-choice: rows {context, "
                         "choices, label} (e.g. JSONL)")
-    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo", "kto", "rewards"),
+    p.add_argument("--task", default=None, choices=("lm", "multiple-choice", "dpo", "kto", "rewards", "reward"),
                    help="lm: loss, perplexity and token accuracy over every row; multiple-choice: "
                         "accuracy by each choice's log-likelihood; dpo: the preference loss and TRL's "
                         "rewards/* and logps/* over prompt/chosen/rejected pairs, against the reference; kto: "
                         "the KTO loss, kl, rewards/* and logps/* over prompt/completion/label rows; "
-                        "rewards: completions sampled for the prompts of --data, scored by reward functions "
+                        "rewards: completions sampled for the prompts of --data, scored by reward functions; "
+                        "reward: a reward model's loss, accuracy, margin and rewards over preference pairs "
                         "(default: the --checkpoint run's task: dpo or kto for such a run, rewards for a "
                         "grpo run, else lm)")
     p.add_argument("--reward-funcs", default=None, metavar="FILE.py:FN,...",

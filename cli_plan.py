@@ -37,8 +37,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo"),
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo", "reward"),
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
+                        "reward: preference pairs through a score-head model (no reference); "
                         "kto: as dpo, a row and its mismatched KL row for each example; "
                         "grpo, rloo: sampled completions (--batch-size counts them), the reference model's bytes "
                         "(with --beta > 0) and the rollouts' decoding cache")
@@ -96,6 +97,8 @@ def cmd_plan(args) -> int:
     from shardzoo.train.program import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
+    if args.task == "reward" and config.task == "lm":  # as `train --task reward`: a score head for the LM head
+        config = config.replace(score_head=True)
     opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
     if not args.mesh.strip():
         raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")

@@ -27,7 +27,8 @@ each tokenized as a pair's chosen side; ``kl_pairs`` gives each its mismatched s
 Batches (``PreferenceRows.batch``), each ``[batch, 2, seq_len]`` with the chosen sequence first:
 ``inputs``, ``targets``, ``positions``, ``segment_ids`` (int32) and ``loss_mask`` (float32: 1
 where the target is a completion token); per pair ``weights`` (1, 0 for the rows that fill up an
-epoch's last batch) and ``truncated`` (1 for a truncated pair), float32 ``[batch]``; and with
+epoch's last batch) and ``truncated`` (1 for a truncated pair) and ``margin`` (the optional
+``margin`` column, TRL's reward-model margin; 0 without), float32 ``[batch]``; and with
 reference log-probabilities stored (``with_reference``), ``ref_logps`` float32 ``[batch, 2]``.
 """
 
@@ -43,6 +44,7 @@ from shardzoo.data.errors import DataError
 from shardzoo.sharding import axes as ax
 
 PROMPT, CHOSEN, REJECTED = "prompt", "chosen", "rejected"
+MARGIN = "margin"  # reward models: TRL's optional per-pair margin column
 COMPLETION, LABEL = "completion", "label"
 SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -84,6 +86,7 @@ class Pairs:
     rows: np.ndarray  # each pair's row in the data (0-based)
     spec: str = ""  # the data they came from
     labels: np.ndarray | None = None  # unpaired (KTO) rows: each completion's label (desirable: True)
+    margins: np.ndarray | None = None  # the data's optional ``margin`` column (reward models), float32
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -92,7 +95,8 @@ class Pairs:
         idx = [int(i) for i in indices]
         return Pairs([self.prompts[i] for i in idx], [self.chosen[i] for i in idx],
                      [self.rejected[i] for i in idx], self.rows[idx], self.spec,
-                     None if self.labels is None else self.labels[idx])
+                     None if self.labels is None else self.labels[idx],
+                     None if self.margins is None else self.margins[idx])
 
 
 class _Tokenizer:
@@ -160,7 +164,20 @@ def tokenize_pairs(ds, tokenizer, spec: str, *, add_bos: bool = False, skip_bad:
                          f"pairs (--skip-missing); the first: {bad[0]}\n")
     if not prompts:
         raise DataError(f"data {spec!r}: no usable preference pair in its {len(ds)} rows")
-    return Pairs(prompts, chosen, rejected, np.asarray(rows, np.int64), spec)
+    margins = _margins(ds, spec, rows) if MARGIN in columns else None
+    return Pairs(prompts, chosen, rejected, np.asarray(rows, np.int64), spec, margins=margins)
+
+
+def _margins(ds, spec: str, rows: list) -> np.ndarray:
+    """The kept rows' ``margin`` values (TRL's reward-model column): a finite number each."""
+    values = ds[MARGIN]
+    out = np.zeros(len(rows), np.float32)
+    for i, row in enumerate(rows):
+        value = values[row]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise DataError(f"data {spec!r}: row {row + 1}, column {MARGIN!r}: {value!r} is not a finite number")
+        out[i] = value
+    return out
 
 
 def _one_pair(tok, example, implicit: bool, conversational: bool, spec: str, row: int, unpaired: bool = False):
@@ -251,6 +268,7 @@ class PreferenceRows:
     pad_id: int
     ref_logps: np.ndarray | None = None  # [pairs, 2] float32 once the reference is stored
     labels: np.ndarray | None = None  # [pairs] bool: unpaired (KTO) rows' labels
+    margins: np.ndarray | None = None  # [pairs] float32: the ``margin`` column (None: zeros)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -262,7 +280,7 @@ class PreferenceRows:
     @property
     def shapes(self) -> dict:
         shapes = dict.fromkeys(SEQ_KEYS, (2, self.seq_len))
-        shapes.update(weights=(), truncated=())
+        shapes.update(weights=(), truncated=(), margin=())
         if self.labels is not None:
             shapes["labels"] = ()
         if self.ref_logps is not None:
@@ -272,7 +290,7 @@ class PreferenceRows:
     @property
     def axes(self) -> dict:
         axes = dict.fromkeys(SEQ_KEYS, (ax.BATCH, None, ax.LENGTH))
-        axes.update(weights=(ax.BATCH,), truncated=(ax.BATCH,))
+        axes.update(weights=(ax.BATCH,), truncated=(ax.BATCH,), margin=(ax.BATCH,))
         if self.labels is not None:
             axes["labels"] = (ax.BATCH,)
         if self.ref_logps is not None:
@@ -304,6 +322,8 @@ class PreferenceRows:
             "loss_mask": np.concatenate([loss_mask, np.zeros_like(loss_mask[..., :1])], -1).astype(np.float32),
             "weights": real.astype(np.float32),
             "truncated": (real & self.truncated[picked]).astype(np.float32),
+            "margin": (np.zeros(len(indices)) if self.margins is None
+                       else np.where(real, self.margins[picked], 0.0)).astype(np.float32),
         }
         if self.labels is not None:
             out["labels"] = (real & self.labels[picked]).astype(np.float32)
@@ -338,4 +358,5 @@ def pack_pairs(pairs: Pairs, seq_len: int, pad_id: int, max_prompt_length: int |
             row = int(pairs.rows[i]) + 1
             raise DataError(f"data {pairs.spec!r}: row {row}: its prompt of {len(prompt)} tokens leaves no completion token "
                             f"within --seq-len {seq_len}; raise --seq-len or set --max-prompt-length")
-    return PreferenceRows(tokens, lengths, prompt_lengths, truncated, pad_id, labels=pairs.labels)
+    return PreferenceRows(tokens, lengths, prompt_lengths, truncated, pad_id, labels=pairs.labels,
+                          margins=pairs.margins)

@@ -102,6 +102,8 @@ class TransformerArch:
     # "xielu": xIELU with its four learned scalars per layer's MLP (Apertus; models/layers.py XIELU)
     hidden_act: str = feature("silu", lambda v: "xielu" if v == "xielu" else None)
     tie_word_embeddings: bool = False
+    # a scalar ``score`` head in place of the LM head: a reward model (HF's *ForSequenceClassification)
+    score_head: bool = False
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     # positions

@@ -265,14 +265,15 @@ def transformer_params(a, active: bool = False) -> int:
     there, trained by no gradient), and xIELU's ``beta`` and ``eps`` (buffers there too, fixed:
     ``buffers``); its ``alpha_p`` and ``alpha_n`` count, one each per layer."""
     d = a.hidden_size
-    total = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
+    head = d if a.score_head else 0 if a.tie_word_embeddings else a.vocab_size * d  # a reward model: [embed, 1]
+    total = a.vocab_size * d + head
     if a.position_embedding == "learned":
         total += a.max_position_embeddings * d
     per = 2 if a.norm_type == "layernorm" else 1  # weight and bias
     norm = d * per
     total += norm  # final norm
     norms = 4 if a.norm_position == "both" else 1 if a.parallel_residual else 2
-    if a.lm_head_bias:
+    if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():
         moe = spec.mlp == "moe"
@@ -309,7 +310,7 @@ def transformer_flops(a, seq_len: int) -> float:
     layer with its own window or chunk."""
     specs = a.layer_specs()
     matmul = sum(_layer_matmul_params(a, s.mlp == "moe", True, s.mixer == "conv", s.mixer, s.mlp) for s in specs)
-    matmul += a.vocab_size * a.hidden_size  # output head (tied or not)
+    matmul += (1 if a.score_head else a.vocab_size) * a.hidden_size  # output head (tied or not; a reward model's score)
     keys = 0.0  # keys a query sees on average, summed over layers
     state = 0.0  # the gated delta rule's multiply-adds per token, summed over layers
     for s in specs:
@@ -444,7 +445,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
     recompute = largest if policy != "none" else 0
-    vocab, length_share = a.vocab_size, 1.0  # the logits that exist at once
+    vocab, length_share = (1 if a.score_head else a.vocab_size), 1.0  # the logits (or scores) that exist at once
     if tiles(e, tok, a.vocab_size):  # the tiled loss: one chunk of positions x one of the vocabulary
         vocab, length_share = min(a.vocab_size, e.loss_vocab_chunk), min(1.0, e.loss_length_chunk / seq_len)
     logits = int(t(vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4) * length_share)

@@ -31,6 +31,7 @@ LINEAR_HEADS = "linear_heads"  # value heads of a linear-attention layer, each w
 LINEAR_KEY_HEADS = "linear_key_heads"  # query/key heads of a linear-attention layer (tensor)
 LINEAR_KEY_DIM = "linear_key_dim"  # features of a linear-attention key head: the state's rows (replicated)
 LINEAR_VALUE_DIM = "linear_value_dim"  # features of a linear-attention value head: the state's columns (replicated)
+SCORE = "score"  # a reward model's one score output (its ``score`` head's columns; replicated)
 
 ALL = (
     BATCH,
@@ -59,6 +60,7 @@ ALL = (
     LINEAR_KEY_HEADS,
     LINEAR_KEY_DIM,
     LINEAR_VALUE_DIM,
+    SCORE,
 )
 
 MEANINGS = {
@@ -88,4 +90,5 @@ MEANINGS = {
     LINEAR_KEY_HEADS: "query/key heads of a linear-attention layer (Gated DeltaNet)",
     LINEAR_KEY_DIM: "features of a linear-attention key head (the recurrent state's rows)",
     LINEAR_VALUE_DIM: "features of a linear-attention value head (the recurrent state's columns)",
+    SCORE: "a reward model's score output (the score head's one column)",
 }

@@ -26,7 +26,7 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo")
+TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo", "reward")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
@@ -99,6 +99,7 @@ class TrainConfig:
     discopop_tau: float = 0.05
     desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
     undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
+    center_rewards_coefficient: float | None = None  # reward: TRL's weight of mean((r_chosen + r_rejected)^2)
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
     # grpo (TRL's GRPOConfig names and defaults)
@@ -215,6 +216,8 @@ class TrainConfig:
         kto = [n for n in ("desirable_weight", "undesirable_weight") if getattr(self, n) != defaults[n].default]
         if self.task != "kto" and kto:
             raise ConfigError(f"--{_flag(kto[0])} is a setting of --task kto")
+        if self.task != "reward" and self.center_rewards_coefficient is not None:
+            raise ConfigError("--center-rewards-coefficient is a setting of --task reward")
         if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
             raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
         names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
@@ -324,7 +327,7 @@ SECTIONS = {
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
              "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
-             "undesirable_weight", "reference",
+             "undesirable_weight", "center_rewards_coefficient", "reference",
              "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
@@ -419,6 +422,8 @@ HELP = {
     "discopop_tau": "--loss discopop: its temperature tau",
     "desirable_weight": "--task kto: weight of the desirable rows' losses (TRL's desirable_weight)",
     "undesirable_weight": "--task kto: weight of the undesirable rows' losses (TRL's undesirable_weight)",
+    "center_rewards_coefficient": "--task reward: weight of mean((r_chosen + r_rejected)^2), TRL's "
+                                  "center_rewards_coefficient (default: none)",
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
     "reference": "--task dpo/kto: the reference model (a run, a checkpoint or an HF dir); default: the initial "
                  "policy (with LoRA: the base, adapters off, no second copy)",

@@ -44,9 +44,10 @@ from shardzoo.train.defaults import (
 )
 from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
+from shardzoo.train.step import merge_sums
 from shardzoo.train.tasks import summarize_eval
 
-TASKS = ("lm", "multiple-choice", "dpo", "kto", "rewards")
+TASKS = ("lm", "multiple-choice", "dpo", "kto", "rewards", "reward")
 MC_COLUMNS = ("context", "choices", "label")
 TARGET_DELIMITER = " "  # lm-evaluation-harness's default target_delimiter
 DATA_FIELDS = {f.name for f in dataclasses.fields(DataConfig)}
@@ -229,8 +230,8 @@ def evaluate_preference(program: Program, params, reference, batches) -> dict:
             placed = program.place(batch)
             if ref_step is not None:
                 placed = {**placed, **ref_step(params if reference is None else reference, placed)}
-            for key, value in jax.device_get(step(params, placed)).items():
-                totals[key] = totals.get(key, 0.0) + float(value)
+            out = {k: float(v) for k, v in jax.device_get(step(params, placed)).items()}
+            totals = merge_sums(totals, out) if totals else out  # the reward task's min/max: by min/max
             count += 1
             bar.update()
     if not count or totals["weight"] <= 0:
@@ -263,26 +264,34 @@ def _reference_params(program: Program, task_settings: dict, model_settings: dic
     return program.init(keys[1], params=given).params
 
 
-WHAT = {"dpo": "preference pairs", "kto": "unpaired (KTO) rows"}
+WHAT = {"dpo": "preference pairs", "kto": "unpaired (KTO) rows", "reward": "preference pairs"}
 
 
 def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, rules, tokenizer) -> dict:
     """``shardzoo eval`` of a preference (``--task dpo``) run, or of a model with ``--task dpo``:
     its loss and reward metrics on preference pairs (the run's held-out pairs with ``--split
-    eval``), against the reference it trained with."""
+    eval``), against the reference it trained with; ``--task reward``: a reward model's loss and
+    TRL's accuracy, margin and min/mean/max rewards on the pairs (no reference)."""
     from shardzoo.data import make_preference_eval_dataset
     from shardzoo.train.preference import DPO_SETTINGS, kto_task, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
     model_settings = settings.get("model") or {}
-    if task_settings.get("task") != s.task and s.reference is None:
-        raise UserError(f"--task {s.task} of a model that did not train on {WHAT[s.task]} needs --reference DIR")
-    if s.task == "kto":
-        names, make = ("loss", "beta", "desirable_weight", "undesirable_weight"), kto_task
+    if s.task == "reward":
+        from shardzoo.train.reward import reward_task
+
+        if not getattr(getattr(config, "arch", None), "score_head", False):
+            raise UserError("--task reward scores with a reward model: this model has no score head")
+        task = reward_task(task_settings.get("center_rewards_coefficient"))
     else:
-        names, make = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS), preference_task
-    task = make(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
+        if task_settings.get("task") != s.task and s.reference is None:
+            raise UserError(f"--task {s.task} of a model that did not train on {WHAT[s.task]} needs --reference DIR")
+        if s.task == "kto":
+            names, make = ("loss", "beta", "desirable_weight", "undesirable_weight"), kto_task
+        else:
+            names, make = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS), preference_task
+        task = make(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
     recorded = {k: v for k, v in data_settings.items() if v is not None}
     data, split = s.data or recorded.get("data"), s.split
     if data is None:
@@ -300,7 +309,7 @@ def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, ru
     seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
     batch_size = s.batch_size or mesh.size * max(1, 8 // mesh.size)
     reference = None
-    if task.uses_reference:
+    if getattr(task, "uses_reference", False):
         reference = "adapters" if model_info.lora_rank(config) and not (s.reference or task_settings.get("reference")) \
             else "copy"
     program = Program(config, rules, mesh, task=task, batch_size=batch_size, seq_len=seq_len, reference=reference)
@@ -308,9 +317,10 @@ def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, ru
     ref_params = _reference_params(program, task_settings, model_settings, seed, s)
     batches = make_preference_eval_dataset(data_config, tokenizer, seq_len, batch_size, split=split, seed=seed,
                                            mesh=mesh, rules=rules)
-    metrics = {**evaluate_preference(program, params, ref_params, batches), "split": split,
-               "loss_type": task.loss, "beta": task.beta,
-               "reference": {"copy": "frozen copy", "adapters": "the base (adapters off)"}.get(reference, "none")}
+    metrics = {**evaluate_preference(program, params, ref_params, batches), "split": split}
+    if s.task != "reward":
+        metrics.update(loss_type=task.loss, beta=task.beta, reference={
+            "copy": "frozen copy", "adapters": "the base (adapters off)"}.get(reference, "none"))
     if split != "all":
         metrics.update(eval_fraction=fraction, seed=seed)
     metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
@@ -487,7 +497,8 @@ def run(s: EvalSettings) -> dict:
     whole_run = _run_json(s.checkpoint) if s.checkpoint else {}
     run_task = ((whole_run.get("settings") or {}).get("task") or {}).get("task")
     if s.task is None:  # the run's own task
-        s = dataclasses.replace(s, task={"dpo": "dpo", "kto": "kto", "grpo": "rewards", "rloo": "rewards"}.get(run_task, "lm"))
+        s = dataclasses.replace(s, task={"dpo": "dpo", "kto": "kto", "grpo": "rewards", "rloo": "rewards",
+                                         "reward": "reward"}.get(run_task, "lm"))
     if s.task not in TASKS:
         raise UserError(f"--task {s.task!r}: expected one of {', '.join(TASKS)}")
     if s.reference is not None and s.task not in ("dpo", "kto"):
@@ -517,7 +528,7 @@ def run(s: EvalSettings) -> dict:
         if model_info.task(config) != "lm":
             raise UserError(f"--task rewards samples from a language model; this model does {model_info.task(config)}")
         return _finish(s, evaluate_rewards_run(s, whole_run, config, params, mesh, rules, tokenizer))
-    if s.task in ("dpo", "kto"):
+    if s.task in ("dpo", "kto", "reward"):
         if model_info.task(config) != "lm":
             raise UserError(f"--task {s.task} scores a language model; this model does {model_info.task(config)}")
         return _finish(s, evaluate_preference_run(s, whole_run, config, params, mesh, rules, tokenizer))
@@ -668,6 +679,10 @@ def format_metrics(metrics: dict) -> str:
                 f"{metrics['examples']} examples: loss {metrics['loss']:.4f}, kl {metrics['kl']:.4f}, rewards/margins "
                 f"{metrics['rewards/margins']:.4f}, logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected "
                 f"{metrics['logps/rejected']:.4f}")
+    if metrics["task"] == "reward":
+        return (f"reward over {metrics['pairs']} pairs: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f}, "
+                f"margin {metrics['margin']:.4f}, rewards min/mean/max {metrics['min_reward']:.4f} / "
+                f"{metrics['mean_reward']:.4f} / {metrics['max_reward']:.4f}")
     if metrics["task"] == "dpo":
         return (f"dpo ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
                 f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "

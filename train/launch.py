@@ -138,6 +138,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
     config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
+    if cfg.task == "reward" and model_info.task(config) == "lm":  # an LM's reward model: a score head for its LM head
+        config = config.replace(score_head=True)
     labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
@@ -204,7 +206,7 @@ def data_config_of(cfg: TrainConfig):
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
     data_fields = {f.name for f in dataclasses.fields(DataConfig)}
     data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task in ("dpo", "kto"),
+    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task in ("dpo", "kto", "reward"),
                              "unpaired": cfg.task == "kto"})
 
 

@@ -146,12 +146,35 @@ def initial_params(cfg, target, config, mesh, rules, family=None):
     from ``--lora-from`` when given, or from a LoRA run's checkpoint with the same rank and
     targets (else they are left to the program's random init)."""
     source = open_source(cfg.init_from, what="--init-from")
+    if getattr(config.arch, "score_head", False) and not getattr(source.config.arch, "score_head", False):
+        return lm_params_for_reward(source, target, config)
     if not model_info.lora_rank(config) or _same_adapters(cfg, config, source):
         return source.load_params(target, config)
     adapters, base = split(target, is_adapter)
     params = source.load_params(base, config)
     if cfg.lora_from:
         params = join(_adapter_source(cfg.lora_from).load_params(adapters, config, family), params)
+    return params
+
+
+def lm_params_for_reward(source, target, config):
+    """A causal LM's params for its reward model (``--task reward`` from an LM, as transformers'
+    ``*ForSequenceClassification`` of it): all but the LM head, read as the LM's; the ``score``
+    head is left to the program's random init."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    lm = config.replace(score_head=False)
+    base = {k: v for k, v in target.items() if k != "score"}
+    if lm.arch.lm_head_bias:
+        raise UserError(f"--init-from {source.path}: a reward model from an LM whose head has a bias is not "
+                        "supported; start from a *ForSequenceClassification dir")
+    if not lm.arch.tie_word_embeddings:
+        embedding = target["embed"]["embedding"]  # [vocab, embed]: the head is its transpose
+        spec = tuple(embedding.sharding.spec) + (None,) * (2 - len(embedding.sharding.spec))
+        sharding = NamedSharding(embedding.sharding.mesh, PartitionSpec(spec[1], spec[0]))
+        base["lm_head"] = {"kernel": jax.ShapeDtypeStruct(embedding.shape[::-1], embedding.dtype, sharding=sharding)}
+    params = source.load_params(base, lm)
+    params.pop("lm_head", None)
     return params
 
 

@@ -386,6 +386,12 @@ def run_task(cfg, config):
     name = getattr(cfg, "task", None)
     if name in ("grpo", "rloo"):
         return _grpo_run_task(cfg, config)
+    if name == "reward":
+        from shardzoo.train.reward import reward_task
+
+        if not getattr(getattr(config, "arch", None), "score_head", False):
+            raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
+        return reward_task(cfg.center_rewards_coefficient), None
     if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")

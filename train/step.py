@@ -30,6 +30,19 @@ def split_microbatches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
+def reduce_sums(sums_k: dict) -> dict:
+    """The step's sums from its microbatches' ``[k]`` sums: ``min_*`` / ``max_*`` entries (a task's
+    extremes, e.g. the reward task's ``min_reward``) by their min / max, the rest summed."""
+    ops = {"min_": jnp.min, "max_": jnp.max}
+    return {k: ops.get(k[:4], jnp.sum)(v) for k, v in sums_k.items()}
+
+
+def merge_sums(a: dict, b: dict) -> dict:
+    """Two batches' sums as one's (``reduce_sums`` for evaluation's running totals, on the host)."""
+    ops = {"min_": min, "max_": max}
+    return {k: ops.get(k[:4], lambda x, y: x + y)(a[k], b[k]) for k in a}
+
+
 def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, skip_nonfinite=False,
                trains=None):
     """One optimizer step on ``batch``: ``(new_state, metrics)``.
@@ -72,7 +85,7 @@ def train_step(state, batch, rng, *, module, task, tx, schedule, grad_accum=1, s
         zeros = jax.tree.map(jnp.zeros_like, trained)
         micro = (split_microbatches(batch, grad_accum), jnp.arange(grad_accum))
         grads, (objs, (sums_k, auxes, metrics_k)) = jax.lax.scan(body, zeros, micro)
-        loss, sums = jnp.sum(objs), jax.tree.map(jnp.sum, sums_k)
+        loss, sums = jnp.sum(objs), reduce_sums(sums_k)
         aux = None if auxes is None else jnp.mean(auxes)
         loads = metrics_k.pop("router_load", None)  # [k, ...]: each microbatch's shares
         model_metrics = jax.tree.map(jnp.mean, metrics_k)

@@ -31,6 +31,7 @@ from shardzoo.train.checkpoint import (
 )
 from shardzoo.train.metrics import MetricsLogger, progress
 from shardzoo.train.program import per_device_bytes, run_program
+from shardzoo.train.step import merge_sums
 from shardzoo.train.tasks import summarize_eval
 
 
@@ -260,7 +261,7 @@ class Trainer:
                 placed = self.complete(self.program.place(batch), self.state.params)
                 out = jax.device_get(step(self.state.params, placed))
                 out = {k: np.float64(v) for k, v in out.items()}
-                totals = out if totals is None else {k: totals[k] + out[k] for k in totals}
+                totals = out if totals is None else merge_sums(totals, out)
                 bar.update()
         if totals is None:
             return {}

@@ -120,7 +120,7 @@ def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
     view = HFConfig(hf, family, where)
     fields = family.from_hf(view)
     view.finish()
-    arch = TransformerConfig.ARCH(**fields)
+    arch = TransformerConfig.ARCH(**fields, score_head=is_reward_model(hf))
     # what the family read uses a feature it does not declare (a value it cannot compute right)
     missing = {name: used for name, used in used_features(arch).items() if name not in family.features}
     if missing:
@@ -128,6 +128,17 @@ def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
         raise HFError(f"{where}: {', '.join(used)} uses {name} ({FEATURES.get(name, name)}), which shardzoo's "
                       f"{family.name} does not implement")
     return arch
+
+
+def is_reward_model(hf: dict) -> bool:
+    """Whether a config.json is a one-score ``*ForSequenceClassification`` (a reward model)."""
+    names = hf.get("architectures") or []
+    if not (names and names[0].endswith("ForSequenceClassification")):
+        return False
+    labels = hf.get("num_labels", len(hf.get("id2label") or {0: 0, 1: 1}))
+    if labels != 1:
+        raise HFError(f"config.json: {names[0]} with num_labels={labels}; shardzoo reads reward models (num_labels=1)")
+    return True
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> dict:
@@ -172,9 +183,15 @@ def family_of_config(config, name: str | None = None) -> Family:
 
 def _shared_to_hf(family: Family, a) -> dict:
     eos = list(a.eos_token_id) if isinstance(a.eos_token_id, tuple) else a.eos_token_id
+    name = family.architecture
+    if getattr(a, "score_head", False):  # a reward model: HF's one-label sequence classifier
+        return dict(architectures=[name.replace("ForCausalLM", "ForSequenceClassification")],
+                    model_type=family.model_types[0], num_labels=1, id2label={"0": "LABEL_0"},
+                    label2id={"LABEL_0": 0}, vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
+                    tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
     if "text_config" in family.schema:  # a multimodal config: the family writes them in its text_config
-        return dict(architectures=[family.architecture], model_type=family.model_types[0])
-    return dict(architectures=[family.architecture], model_type=family.model_types[0],
+        return dict(architectures=[name], model_type=family.model_types[0])
+    return dict(architectures=[name], model_type=family.model_types[0],
                 vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
                 tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
 

@@ -294,7 +294,15 @@ def _layer_weights(config, family):
     specs = config.layer_specs()
     groups = [(prefix, layers, stacked, family.layer_weights(config.arch, specs[layers[0]]))
               for prefix, layers, stacked in config.param_layout()]
-    return family.global_weights(config.arch), groups
+    return score_weights(config.arch, family.global_weights(config.arch)), groups
+
+
+def score_weights(arch, weights: list) -> list:
+    """A reward model's global weights: HF's ``score.weight`` in place of the LM head."""
+    if not getattr(arch, "score_head", False):
+        return weights
+    kept = [w for w in weights if w.path[0] not in ("lm_head", "lm_head_bias")]
+    return kept + [Weight(("score", "kernel"), "score.weight", "linear")]
 
 
 def _check(plan, shapes, reader, hf_dir) -> None:

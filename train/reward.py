@@ -1,0 +1,89 @@
+"""Reward models as a task (``--task reward``): TRL 1.16 ``RewardTrainer``'s loss and metric names.
+
+The model is a zoo decoder with ``arch.score_head`` (a ``score`` Linear ``[embed, 1]`` in place of
+the LM head, HF's ``*ForSequenceClassification`` with ``num_labels=1``); the reward of a sequence
+is its score at the last real token (``segment_ids > 0``), as transformers reads it at the last
+non-pad token. The batch is ``data/preference.py``'s pairs ``[batch, 2, length]`` (chosen first),
+``weights`` and ``truncated`` ``[batch]``, and ``margin [batch]`` (TRL's optional column, 0 without).
+
+Per pair ``-logsigmoid(r_chosen - r_rejected - margin)``, plus ``center_rewards_coefficient *
+(r_chosen + r_rejected)^2`` (TRL's ``mean((rc + rr)^2)`` over the pairs); metrics ``accuracy``,
+``margin`` (mean ``rc - rr``), ``min_reward``, ``mean_reward``, ``max_reward`` over all rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from shardzoo.errors import UserError
+from shardzoo.sharding import axes as ax
+from shardzoo.train.tasks import Field, Task
+
+SEQ_KEYS = ("inputs", "positions", "segment_ids")
+METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+
+
+def sequence_rewards(scores, segment_ids):
+    """Each sequence's score at its last real token: ``[rows, length, 1]`` scores, ``[rows,
+    length]`` segment ids -> ``[rows]`` (a sequence without tokens reads position 0)."""
+    last = jnp.maximum(jnp.sum((segment_ids > 0).astype(jnp.int32), axis=-1) - 1, 0)
+    return jnp.take_along_axis(scores[..., 0].astype(jnp.float32), last[:, None], axis=-1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardTask(Task):
+    """A scalar reward on preference pairs (see the module docstring)."""
+
+    center_rewards_coefficient: float | None = None
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        pair, names = (batch_size, 2, seq_len), (ax.BATCH, None, ax.LENGTH)
+        fields = {k: Field(pair, "int32", names) for k in SEQ_KEYS}
+        for k in ("weights", "truncated", "margin"):
+            fields[k] = Field((batch_size,), "float32", (ax.BATCH,))
+        return fields
+
+    def model_args(self, batch) -> tuple[tuple, dict]:
+        rows = lambda x: x.reshape((-1,) + x.shape[2:])  # [batch, 2, length] -> [2 * batch, length]
+        return (rows(batch["inputs"]),), {"positions": rows(batch["positions"]),
+                                          "segment_ids": rows(batch["segment_ids"])}
+
+    def rewards(self, outputs, batch):
+        """``[batch, 2]``: the chosen and rejected sequences' rewards."""
+        segments = batch["segment_ids"]
+        return sequence_rewards(outputs, segments.reshape((-1,) + segments.shape[2:])).reshape(segments.shape[:2])
+
+    def sums(self, outputs, batch, totals=None) -> dict:
+        """Weighted sums over the pairs (``sums[k] / sum(weights)`` is the step's ``k``); the
+        rewards' min and max over the real pairs."""
+        w = batch["weights"].astype(jnp.float32)
+        r = self.rewards(outputs, batch)
+        diff = r[:, 0] - r[:, 1]
+        losses = -jax.nn.log_sigmoid(diff - batch["margin"].astype(jnp.float32))
+        if self.center_rewards_coefficient is not None:
+            losses = losses + self.center_rewards_coefficient * (r[:, 0] + r[:, 1]) ** 2
+        real = (w > 0)[:, None]
+        return {
+            "loss": jnp.sum(losses * w), "weight": jnp.sum(w),
+            "accuracy": jnp.sum((diff > 0).astype(jnp.float32) * w), "margin": jnp.sum(diff * w),
+            "mean_reward": jnp.sum(jnp.mean(r, axis=1) * w),
+            "min_reward": jnp.min(jnp.where(real, r, jnp.inf)), "max_reward": jnp.max(jnp.where(real, r, -jnp.inf)),
+            "pairs_truncated": jnp.sum(batch["truncated"].astype(jnp.float32) * w),
+        }
+
+    def extra_metrics(self, sums, total_weight) -> dict:
+        """TRL's metrics: means over the pairs, the min and max as they are, the truncated count."""
+        out = {k: sums[k] / total_weight for k in ("accuracy", "margin", "mean_reward")}
+        return {**out, "min_reward": sums["min_reward"], "max_reward": sums["max_reward"],
+                "pairs_truncated": sums["pairs_truncated"]}
+
+
+def reward_task(center_rewards_coefficient: float | None = None) -> RewardTask:
+    """The ``reward`` task; a negative coefficient is a one-line UserError."""
+    if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:
+        raise UserError(f"--center-rewards-coefficient must be 0 or more, got {center_rewards_coefficient}")
+    return RewardTask("reward", "examples", "loss", has_accuracy=False, has_perplexity=False,
+                      signals=("accuracy", "margin"), center_rewards_coefficient=center_rewards_coefficient)
