@@ -31,8 +31,12 @@ def generalized_jsd(student_logits, teacher_logits, *, beta: float = 0.5, temper
                     top_k: int = 0):
     """Per-position divergence ``[...]`` of the student's from the teacher's ``[..., vocab]``
     logits (the module docstring); float32."""
-    s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
-    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    low = jnp.finfo(jnp.float32).min  # a padded vocabulary's masked logits stay finite over a temperature < 1
+
+    def log_probs(logits):
+        return jax.nn.log_softmax(jnp.maximum(logits.astype(jnp.float32) / temperature, low), axis=-1)
+
+    s, t = log_probs(student_logits), log_probs(teacher_logits)
     if top_k:
         t, index = jax.lax.top_k(t, top_k)
         t = t - jax.nn.logsumexp(t, axis=-1, keepdims=True)
@@ -67,7 +71,8 @@ class DistillTask(Task):
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         fields = dict(Task.fields(dataclasses.replace(self, name="lm"), config, batch_size, seq_len))
-        fields["teacher_logits"] = Field((batch_size, seq_len, config.arch.vocab_size), "float32",
+        vocab = getattr(config, "padded_vocab", config.arch.vocab_size)  # the head's rows (padded: masked)
+        fields["teacher_logits"] = Field((batch_size, seq_len, vocab), "float32",
                                          (ax.BATCH, ax.LENGTH, ax.VOCAB))
         return fields
 
@@ -94,9 +99,13 @@ def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) ->
                        beta=beta, temperature=temperature, top_k=top_k)
 
 
-def check_vocab(student_config, teacher_config) -> None:
-    """Teacher and student must share the tokenizer's vocabulary: one line naming both sizes."""
+def check_vocab(student_config, teacher_config):
+    """The teacher's config with the student's vocabulary padding (the same logits' width);
+    teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""
     s, t = student_config.arch.vocab_size, teacher_config.arch.vocab_size
     if s != t:
         raise UserError(f"--teacher's vocab_size {t} differs from the student's {s}: "
                         "distillation needs one tokenizer (the same vocabulary)")
+    if hasattr(student_config, "vocab_pad_multiple") and hasattr(teacher_config, "vocab_pad_multiple"):
+        return teacher_config.replace(vocab_pad_multiple=student_config.vocab_pad_multiple)
+    return teacher_config

@@ -379,13 +379,20 @@ def run_task(cfg, config):
     """``(task, reference)`` of a run's settings (``cfg``, a TrainConfig) for the Program:
     the model's own task and no reference, or ``--task dpo``'s (or ``kto``'s), with its reference kind
     (``Program.reference``): ``stored`` with ``--precompute-reference``, ``adapters`` for a LoRA
-    policy without ``--reference``, else ``copy`` (a frozen copy)."""
+    policy without ``--reference``, else ``copy`` (a frozen copy); ``--task distill``'s with
+    ``teacher`` (``--teacher``, a model of its own, ``Program(teacher=...)``)."""
     from shardzoo.train import model_info
     from shardzoo.train.tasks import get_task
 
     name = getattr(cfg, "task", None)
     if name in ("grpo", "rloo"):
         return _grpo_run_task(cfg, config)
+    if name == "distill":
+        from shardzoo.train.distill import distill_task
+
+        if getattr(config, "task", "lm") != "lm":
+            raise UserError(f"--task distill trains a language model; the model does {config.task}")
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
     if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")

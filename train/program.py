@@ -156,7 +156,8 @@ class Program:
         self.config, self.mesh = config, mesh
         # a preference task's reference model: "copy" (a frozen copy of the params, sharded as
         # they are), "adapters" (a LoRA policy's base: the adapters off), "stored" (reference
-        # log-probs precomputed with the run's data), None (no reference)
+        # log-probs precomputed with the run's data), "teacher" (distillation's ``teacher``: a model
+        # config of its own, any family with the student's vocabulary), None (no reference)
         self.reference = reference
         self.task = task if task is not None else get_task(config)
         self.batch_size = batch_size or mesh.size
@@ -330,7 +331,9 @@ class Program:
         """The compiled reference step of a preference task: ``(params, batch) -> {ref_logps}``,
         the batch without its reference entries. ``params``: the reference's (a frozen copy,
         placed as the params), or with ``reference="adapters"`` the policy's own (its LoRA
-        adapters are switched off inside the step)."""
+        adapters are switched off inside the step). Distillation: the teacher step."""
+        if self.teacher_config is not None:
+            return self.compiled_teacher_step()
         if self._reference_step is None:
             keys = self.task.reference_keys
             fn = functools.partial(reference_step, module=self.module, task=self.task,
@@ -370,7 +373,7 @@ class Program:
             return
         from shardzoo.train.distill import check_vocab
 
-        check_vocab(self.config, teacher)
+        self.teacher_config = teacher = check_vocab(self.config, teacher)
         self.teacher_module = teacher.build(self.placement)
         inputs = [jnp.zeros(s.shape, s.dtype) for s in teacher.sample_inputs(self.micro_batch, self.seq_len)]
 
@@ -530,7 +533,7 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo") else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo", "distill") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
@@ -563,10 +566,15 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
 
     task, reference = run_task(cfg, config)
     config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
+    teacher = None
+    if reference == "teacher":  # distillation: the teacher's own model, any family
+        from shardzoo.train.sources import open_source
+
+        teacher = open_source(cfg.teacher, what="--teacher").config
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
-                   task=task, reference=reference)
+                   task=task, reference=reference, teacher=teacher)
 
 
 def default_optimizer():

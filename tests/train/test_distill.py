@@ -142,3 +142,60 @@ def test_a_teacher_with_another_vocabulary_is_one_line(hf, tmp_path):
                 batch_size=BATCH, seq_len=SEQ, teacher=teacher_config)
     message = str(err.value)
     assert "\n" not in message and str(VOCAB) in message and str(VOCAB + 8) in message
+
+
+# --------------------------------------------------------------------------- shardzoo train --task distill
+def distill_settings(root, out, **kw):
+    from shardzoo.train.config import TrainConfig as Settings
+
+    base = dict(out=str(root / out), init_from=str(root / "student"), task="distill", teacher=str(root / "teacher"),
+                data=str(root / "text.jsonl"), tokenizer=str(root / "student"), batch_size=8, seq_len=16, steps=4,
+                lr=1e-2, warmup_steps=0, schedule="constant", log_every=1, save_every=2, eval_every=0)
+    return Settings(**{**base, **kw})
+
+
+def distill_run(cfg):
+    import json
+
+    from shardzoo.train.launch import DONE, run
+
+    result = run(cfg, log=lambda line: None)
+    assert result.status == DONE, result.message
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A Llama student (with the tokenizer) distilled from a Qwen2 teacher on a little text."""
+    from dpo_fixtures import TEXT_PAIRS, save_tokenizer, write_jsonl
+
+    root = tmp_path_factory.mktemp("distillruns")
+    tok = save_tokenizer(root / "tok")
+    save_llama(root / "student", len(tok), seed=0, tokenizer=tok)
+    save_qwen2(root / "teacher", len(tok), seed=1)
+    write_jsonl(root / "text.jsonl", [{"text": p["prompt"] + p["chosen"] + " " + p["rejected"]}
+                                      for p in TEXT_PAIRS * 8])
+    return root, distill_run(distill_settings(root, "straight"))
+
+
+def test_a_distill_run_learns_and_resumes_exactly(runs):
+    root, straight = runs
+    assert straight[4]["distill_loss"] < straight[1]["distill_loss"]  # the student nears the teacher
+    distill_run(distill_settings(root, "resumed", steps=2))
+    resumed = distill_run(distill_settings(root, "resumed"))
+    for step in (3, 4):
+        for key in ("loss", "distill_loss", "grad_norm"):
+            assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_distill_needs_a_teacher_and_its_settings_belong_to_it(runs):
+    from shardzoo.train.config import ConfigError
+
+    root, _ = runs
+    with pytest.raises(ConfigError, match="--teacher"):
+        distill_settings(root, "x", teacher=None)
+    with pytest.raises(ConfigError, match="--distill-top-k is a setting of --task distill"):
+        distill_settings(root, "x", task="lm", teacher=None, distill_top_k=4)
+    with pytest.raises(ConfigError, match="--beta"):
+        distill_settings(root, "x", beta=1.5)
