@@ -99,6 +99,23 @@ def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) ->
                        beta=beta, temperature=temperature, top_k=top_k)
 
 
+def teacher_config(spec: str):
+    """``--teacher``'s model config: a run, checkpoint or HF dir (training loads its params), or
+    a zoo model name (``shardzoo plan`` counts its bytes)."""
+    import os
+
+    if os.path.exists(spec):
+        from shardzoo.train.sources import open_source
+
+        return open_source(spec, what="--teacher").config
+    from shardzoo.models import ModelError, get_config
+
+    try:
+        return get_config(spec)
+    except ModelError:
+        raise UserError(f"--teacher {spec}: neither a run, checkpoint or HF dir nor a zoo model name") from None
+
+
 def check_vocab(student_config, teacher_config):
     """The teacher's config with the student's vocabulary padding (the same logits' width);
     teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""

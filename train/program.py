@@ -568,9 +568,9 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
     config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
     teacher = None
     if reference == "teacher":  # distillation: the teacher's own model, any family
-        from shardzoo.train.sources import open_source
+        from shardzoo.train.distill import teacher_config
 
-        teacher = open_source(cfg.teacher, what="--teacher").config
+        teacher = teacher_config(cfg.teacher)
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,

@@ -199,3 +199,24 @@ def test_distill_needs_a_teacher_and_its_settings_belong_to_it(runs):
         distill_settings(root, "x", task="lm", teacher=None, distill_top_k=4)
     with pytest.raises(ConfigError, match="--beta"):
         distill_settings(root, "x", beta=1.5)
+
+
+def test_plan_counts_the_teacher_and_refuses_another_vocabulary(capsys):
+    import json
+
+    from shardzoo.cli import main
+    from shardzoo.models import get_config
+
+    argv = ["plan", "--model", "llama-tiny", "--mesh", "fsdp=8", "--batch-size", "8", "--seq-len", "16", "--json"]
+    assert main(argv) == 0
+    alone = json.loads(capsys.readouterr().out)["totals"]
+    assert main([*argv, "--task", "distill", "--teacher", "qwen3-tiny"]) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    teacher = Program(get_config("qwen3-tiny"), get_rules("fsdp"), make_mesh("fsdp=8"), batch_size=8, seq_len=16)
+    expected = sum(np.dtype(a.dtype).itemsize * int(np.prod(s.shard_shape(a.shape))) for a, s in
+                   zip(jax.tree.leaves(teacher.abstract.params), jax.tree.leaves(teacher.shardings.params),
+                       strict=True))
+    assert totals["reference"] == expected > 0 and totals["params"] == alone["params"]
+    assert main([*argv, "--task", "distill", "--teacher", "llama3.2-1b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "128256" in err and "512" in err
