@@ -189,6 +189,14 @@ def test_a_distill_run_learns_and_resumes_exactly(runs):
             assert resumed[step][key] == straight[step][key], (step, key)
 
 
+def test_shardzoo_eval_scores_a_distill_run_as_a_language_model(runs):
+    from shardzoo.train.evaluate import EvalSettings, run
+
+    root, _ = runs
+    metrics = run(EvalSettings(checkpoint=str(root / "straight"), data=str(root / "text.jsonl"), batch_size=8))
+    assert metrics["task"] == "lm" and np.isfinite(metrics["loss"]) and metrics["loss"] > 0
+
+
 def test_distill_needs_a_teacher_and_its_settings_belong_to_it(runs):
     from shardzoo.train.config import ConfigError
 
