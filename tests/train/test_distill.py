@@ -93,13 +93,14 @@ def hf(tmp_path_factory):
     return types.SimpleNamespace(root=root, student=student, teacher=teacher, batch=batch)
 
 
-def first_step(hf, mesh_spec="data=1", rules="dp", **task):
+def first_step(hf, mesh_spec="data=1", rules="dp", grad_accum=1, **task):
     devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
     mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
     _, config, params = load_hf(str(hf.root / "student"), mesh=mesh, rules=rules)
     _, teacher_config, teacher_params = load_hf(str(hf.root / "teacher"), mesh=mesh, rules=rules)
     program = Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, SETTINGS),
-                      task=distill_task(**task), batch_size=BATCH, seq_len=SEQ, teacher=teacher_config)
+                      task=distill_task(**task), batch_size=BATCH, seq_len=SEQ, teacher=teacher_config,
+                      grad_accum=grad_accum)
     placed = program.place(hf.batch)
     placed.update(program.compiled_teacher_step()(teacher_params, placed))
     state = program.init(np.zeros(2, np.uint32), params=params)
@@ -130,6 +131,16 @@ def test_fsdp_tp_on_8_devices_equals_one_device(hf):
     eight, _ = first_step(hf, mesh_spec="data=2,fsdp=2,tensor=2", rules="fsdp_tp")
     for key in ("loss", "distill_loss", "grad_norm", "accuracy"):
         assert abs(one[key] - eight[key]) < 1e-5 * max(1.0, abs(one[key])), key
+
+
+def test_gradient_accumulation_and_top_k_steps(hf):
+    one, _ = first_step(hf, beta=0.5)
+    two, _ = first_step(hf, grad_accum=2, beta=0.5)
+    for key in ("loss", "distill_loss", "grad_norm"):
+        assert abs(one[key] - two[key]) < 1e-5 * max(1.0, abs(one[key])), key
+    top, _ = first_step(hf, top_k=8)
+    whole, _ = first_step(hf)
+    assert 0 < top["distill_loss"] != whole["distill_loss"]
 
 
 def test_a_teacher_with_another_vocabulary_is_one_line(hf, tmp_path):
