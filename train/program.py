@@ -382,8 +382,8 @@ class Program:
 
         with activate(self.mesh):
             boxed = jax.eval_shape(init, jax.random.key(0))
-        report = check({"params": boxed}, self.rules, self.mesh, strict=strict)
-        self.teacher_shardings = report.shardings(self.mesh)["params"]
+        report = check({"teacher": boxed}, self.rules, self.mesh, strict=strict)  # its paths: teacher/...
+        self.teacher_shardings = report.shardings(self.mesh)["teacher"]
         self.teacher_target = with_shardings(nn.meta.unbox(boxed), self.teacher_shardings)
 
     def compiled_teacher_step(self):

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))
 from dpo_fixtures import save_llama  # noqa: E402
 
