@@ -153,6 +153,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     memory = fit.device_memory(cfg)
     remat = fit.requested_remat(cfg, config, accelerator=jax.devices()[0].platform != "cpu")
+    if cfg.task == "distill" and not os.path.exists(cfg.teacher):  # plan takes a zoo name; training, weights
+        raise ConfigError(f"--teacher {cfg.teacher}: training needs the teacher's weights (a run, checkpoint or HF dir)")
     program = _program(cfg, config, rules, opt_rules, mesh)
     if cfg.reference:
         check_reference(cfg.reference, config)

@@ -220,6 +220,12 @@ def test_distill_needs_a_teacher_and_its_settings_belong_to_it(runs):
         distill_settings(root, "x", task="lm", teacher=None, distill_top_k=4)
     with pytest.raises(ConfigError, match="--beta"):
         distill_settings(root, "x", beta=1.5)
+    from shardzoo.train.launch import run
+
+    with pytest.raises(ConfigError, match="training needs the teacher's weights") as err:
+        run(distill_settings(root, "named", teacher="qwen3-tiny"), log=lambda line: None)
+    assert "\n" not in str(err.value)
+    assert not os.path.exists(root / "named")  # nothing written
 
 
 def test_plan_counts_the_teacher_and_refuses_another_vocabulary(capsys):
