@@ -37,12 +37,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo", "reward"),
+    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo", "reward", "distill"),
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
                         "reward: preference pairs through a score-head model (no reference); "
                         "kto: as dpo, a row and its mismatched KL row for each example; "
                         "grpo, rloo: sampled completions (--batch-size counts them), the reference model's bytes "
-                        "(with --beta > 0) and the rollouts' decoding cache")
+                        "(with --beta > 0) and the rollouts' decoding cache; "
+                        "distill: the --teacher's bytes and its logits in the batch")
+    p.add_argument("--teacher", default=None, metavar="MODEL|DIR",
+                   help="--task distill: the teacher, a zoo model name or a run/HF dir (its vocabulary the model's)")
     p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default) or any of TRL's loss_type (a reference "
                                                 "unless simpo or orpo); "
                                                 "--task grpo: dapo (default), grpo, bnpo, dr_grpo, cispo, sapo, "
@@ -115,6 +118,7 @@ def cmd_plan(args) -> int:
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum, task=args.task, loss=args.loss, beta=args.beta,
                            precompute_reference=args.precompute_reference, override=list(args.override),
+                           teacher=args.teacher,
                            **({"num_generations": args.num_generations} if args.num_generations else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them

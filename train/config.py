@@ -26,7 +26,7 @@ from shardzoo.values import check_seed, coerce
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo", "reward")
+TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo", "reward", "distill")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
@@ -102,6 +102,9 @@ class TrainConfig:
     center_rewards_coefficient: float | None = None  # reward: TRL's weight of mean((r_chosen + r_rejected)^2)
     reference: str | None = None  # dpo: the reference model's run or HF dir (default: the initial policy)
     precompute_reference: bool = False  # dpo: reference log-probs once, stored with the run
+    # distill (TRL's GKD: --beta 0 forward KL (default), 1 reverse KL, between: generalized JSD; --temperature)
+    teacher: str | None = None  # the teacher's run or HF dir: any family with the student's vocabulary
+    distill_top_k: int = 0  # the divergence over the teacher's k likeliest tokens of each position (0: all)
     # grpo (TRL's GRPOConfig names and defaults)
     reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
     reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
@@ -199,6 +202,7 @@ class TrainConfig:
             raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
         self._check_dpo()
         self._check_grpo()
+        self._check_distill()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.xla_preset not in XLA_PRESETS:
@@ -231,6 +235,22 @@ class TrainConfig:
             raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
                               f"{', '.join(DPO_LOSSES)}")
 
+    def _check_distill(self) -> None:
+        """``--task distill`` needs ``--teacher``; its settings belong to it."""
+        if self.task != "distill":
+            for name in ("teacher", "distill_top_k"):
+                if getattr(self, name):
+                    raise ConfigError(f"--{_flag(name)} is a setting of --task distill")
+            return
+        if not self.teacher:
+            raise ConfigError("--task distill needs --teacher DIR (the teacher's run or HF dir)")
+        if self.beta is not None and not 0.0 <= self.beta <= 1.0:
+            raise ConfigError(f"--beta {self.beta} must be in [0, 1] for --task distill (0: forward KL, 1: reverse)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
+        if self.distill_top_k < 0:
+            raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
+
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
         defaults = TrainConfig.__dataclass_fields__
@@ -238,7 +258,8 @@ class TrainConfig:
                  "mask_truncated_completions", "temperature", "top_k", "top_p")
         only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
         for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
-            changed = [n for n in settings if getattr(self, n) != defaults[n].default]
+            changed = [n for n in settings if getattr(self, n) != defaults[n].default
+                       and not (self.task == "distill" and n == "temperature")]  # GKD's temperature
             if self.task not in task and changed:
                 raise ConfigError(f"--{_flag(changed[0])} is a setting of --task {' or '.join(task)}")
         if self.task not in ("grpo", "rloo"):
@@ -328,7 +349,7 @@ SECTIONS = {
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
              "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
-             "precompute_reference", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
+             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
@@ -369,13 +390,14 @@ HELP = {
                              "sampled per completion (default: half --seq-len; the prompt keeps the rest)",
     "task": "what to train: the model's own task (default), lm, dpo (preference pairs: prompt/chosen/rejected), "
             "kto (unpaired rows: prompt/completion/label), grpo (prompts, sampled completions, --reward-funcs) "
-            "or rloo (the same, RLOO's advantages and loss)",
+            "or rloo (the same, RLOO's advantages and loss), distill (text, the --teacher's distributions: TRL's GKD)",
     "loss": "TRL's loss_type: --task dpo: sigmoid (DPO, default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
             "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (several comma-separated, "
             "weighted by --loss-weights), or simpo / orpo; --task kto: kto (default) or apo_zero_unpaired; "
             "--task grpo: dapo (default, as TRL 1.16), grpo, bnpo, dr_grpo, cispo, sapo, luspo or vespo",
     "beta": "--task dpo/kto: the loss's beta (temperature, default 0.1); --task grpo: the KL coefficient "
-            "(default 0: no reference model); --task rloo: the KL penalty in the reward (default 0.05)",
+            "(default 0: no reference model); --task rloo: the KL penalty in the reward (default 0.05); --task distill: "
+            "GKD's beta (default 0: forward KL; 1: reverse KL; between: generalized JSD)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
     "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
@@ -406,7 +428,7 @@ HELP = {
     "entropy_coef": "--task grpo: an entropy bonus, the loss minus entropy-coef times the mean entropy",
     "normalize_advantages": "--task rloo: the batch's advantages to mean 0 and std 1",
     "reward_clip_range": "--task rloo: MIN,MAX clip of the summed rewards (before the KL penalty)",
-    "temperature": "--task grpo/rloo: sampling temperature",
+    "temperature": "--task grpo/rloo: sampling temperature; --task distill: both distributions' softmax temperature",
     "top_k": "--task grpo: sample among the k most likely tokens (0: all)",
     "top_p": "--task grpo: sample among the most likely tokens holding top-p of the mass",
     "label_smoothing": "--task dpo: label smoothing of sigmoid, simpo (conservative DPO), aot; robust's flip "
@@ -427,6 +449,10 @@ HELP = {
     "cpo_alpha": "--loss simpo: weight of the NLL of the chosen completions (TRL's cpo_alpha)",
     "reference": "--task dpo/kto: the reference model (a run, a checkpoint or an HF dir); default: the initial "
                  "policy (with LoRA: the base, adapters off, no second copy)",
+    "teacher": "--task distill: the teacher (a run, a checkpoint or an HF dir; any family with the student's "
+               "vocabulary)",
+    "distill_top_k": "--task distill: the divergence over the teacher's K likeliest tokens per position "
+                     "(default 0: the whole vocabulary)",
     "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
                             "with the run (OUT/reference_logps*.npy); no reference model while training",
     "tokenizer": "byte, a tokenizer.json or a Hugging Face model dir",
@@ -478,7 +504,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}

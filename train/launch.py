@@ -155,6 +155,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     memory = fit.device_memory(cfg)
     remat = fit.requested_remat(cfg, config, accelerator=jax.devices()[0].platform != "cpu")
+    if cfg.task == "distill" and not os.path.exists(cfg.teacher):  # plan takes a zoo name; training, weights
+        raise ConfigError(f"--teacher {cfg.teacher}: training needs the teacher's weights (a run, checkpoint or HF dir)")
     program = _program(cfg, config, rules, opt_rules, mesh)
     if cfg.reference:
         check_reference(cfg.reference, config)
@@ -407,7 +409,12 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                 "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
             })
     reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
-    if cfg.reference:
+    if cfg.task == "distill":  # the teacher's params, placed as the program's teacher_target
+        from shardzoo.train.sources import open_source
+
+        teacher = p.program.teacher_config
+        reference_params = lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, teacher)
+    elif cfg.reference:
         reference_params = lambda target: load_reference(cfg.reference, target, p.config)
     elif cfg.init_from:
         reference_params = lambda target: initial_params(cfg, target, p.config, p.mesh, p.rules,

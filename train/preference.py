@@ -379,7 +379,8 @@ def run_task(cfg, config):
     """``(task, reference)`` of a run's settings (``cfg``, a TrainConfig) for the Program:
     the model's own task and no reference, or ``--task dpo``'s (or ``kto``'s), with its reference kind
     (``Program.reference``): ``stored`` with ``--precompute-reference``, ``adapters`` for a LoRA
-    policy without ``--reference``, else ``copy`` (a frozen copy)."""
+    policy without ``--reference``, else ``copy`` (a frozen copy); ``--task distill``'s with
+    ``teacher`` (``--teacher``, a model of its own, ``Program(teacher=...)``)."""
     from shardzoo.train import model_info
     from shardzoo.train.tasks import get_task
 
@@ -392,6 +393,12 @@ def run_task(cfg, config):
         if not getattr(getattr(config, "arch", None), "score_head", False):
             raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
         return reward_task(cfg.center_rewards_coefficient), None
+    if name == "distill":
+        from shardzoo.train.distill import distill_task
+
+        if getattr(config, "task", "lm") != "lm":
+            raise UserError(f"--task distill trains a language model; the model does {config.task}")
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
     if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")

@@ -50,7 +50,14 @@ from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
 from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
-from shardzoo.train.step import eval_step, old_logps_step, reference_step, score_step, train_step
+from shardzoo.train.step import (
+    eval_step,
+    old_logps_step,
+    reference_step,
+    score_step,
+    teacher_step,
+    train_step,
+)
 from shardzoo.train.tasks import get_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -144,11 +151,13 @@ class Program:
 
     def __init__(self, config, rules, mesh, *, optimizer=None, opt_rules=None, task=None,
                  batch_size: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
-                 skip_nonfinite: bool = False, strict: bool = True, reference: str | None = None):
+                 skip_nonfinite: bool = False, strict: bool = True, reference: str | None = None,
+                 teacher=None):
         self.config, self.mesh = config, mesh
         # a preference task's reference model: "copy" (a frozen copy of the params, sharded as
         # they are), "adapters" (a LoRA policy's base: the adapters off), "stored" (reference
-        # log-probs precomputed with the run's data), None (no reference)
+        # log-probs precomputed with the run's data), "teacher" (distillation's ``teacher``: a model
+        # config of its own, any family with the student's vocabulary), None (no reference)
         self.reference = reference
         self.task = task if task is not None else get_task(config)
         self.batch_size = batch_size or mesh.size
@@ -195,7 +204,8 @@ class Program:
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
-        self._old_logps_step = None
+        self._old_logps_step = self._teacher_step = None
+        self._build_teacher(teacher, strict)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
         self._decoders: dict = {}
 
@@ -321,7 +331,9 @@ class Program:
         """The compiled reference step of a preference task: ``(params, batch) -> {ref_logps}``,
         the batch without its reference entries. ``params``: the reference's (a frozen copy,
         placed as the params), or with ``reference="adapters"`` the policy's own (its LoRA
-        adapters are switched off inside the step)."""
+        adapters are switched off inside the step). Distillation: the teacher step."""
+        if self.teacher_config is not None:
+            return self.compiled_teacher_step()
         if self._reference_step is None:
             keys = self.task.reference_keys
             fn = functools.partial(reference_step, module=self.module, task=self.task,
@@ -337,21 +349,57 @@ class Program:
             self._old_logps_step = self._compile_filler(fn, ("old_logps",))
         return self._old_logps_step
 
-    def _compile_filler(self, fn, keys):
+    def _compile_filler(self, fn, keys, params=None, params_shardings=None):
         """``fn(params, batch) -> {key: array for keys}``, compiled for the batch without
-        ``task.later_keys`` (those a batch holds already are left out of the call)."""
+        ``task.later_keys`` (those a batch holds already are left out of the call); ``params``
+        and their shardings: this program's, or another model's (the teacher's)."""
         later = self.task.later_keys
         batch = {k: v for k, v in self.batch_shardings.items() if k not in later}
-        jitted = jax.jit(fn, in_shardings=(self.shardings.params, batch),
+        params = self.abstract.params if params is None else params
+        params_shardings = self.shardings.params if params_shardings is None else params_shardings
+        jitted = jax.jit(fn, in_shardings=(params_shardings, batch),
                          out_shardings={k: self.batch_shardings[k] for k in keys})
         abstract = {k: v for k, v in self.abstract_batch.items() if k not in later}
         with activate(self.mesh):
-            compiled = jitted.lower(self.abstract.params, abstract).compile()
+            compiled = jitted.lower(params, abstract).compile()
         return lambda params, placed: compiled(params, {k: v for k, v in placed.items() if k not in later})
+
+    def _build_teacher(self, teacher, strict) -> None:
+        """Distillation's teacher (a model config, any family with the student's vocabulary):
+        its module on this program's placement and its frozen params' abstract shapes and
+        shardings, from one trace of its init under the same rules."""
+        self.teacher_config = teacher
+        if teacher is None:
+            return
+        from shardzoo.train.distill import check_vocab
+
+        self.teacher_config = teacher = check_vocab(self.config, teacher)
+        self.teacher_module = teacher.build(self.placement)
+        inputs = [jnp.zeros(s.shape, s.dtype) for s in teacher.sample_inputs(self.micro_batch, self.seq_len)]
+
+        def init(rng):
+            return self.teacher_module.init({"params": rng}, *inputs, deterministic=True)["params"]
+
+        with activate(self.mesh):
+            boxed = jax.eval_shape(init, jax.random.key(0))
+        report = check({"teacher": boxed}, self.rules, self.mesh, strict=strict)  # its paths: teacher/...
+        self.teacher_shardings = report.shardings(self.mesh)["teacher"]
+        self.teacher_target = with_shardings(nn.meta.unbox(boxed), self.teacher_shardings)
+
+    def compiled_teacher_step(self):
+        """Distillation's compiled teacher step: ``(teacher_params, batch) -> {teacher_logits}``,
+        the batch without its later entries; the teacher's params placed as ``teacher_target``."""
+        if self._teacher_step is None:
+            fn = functools.partial(teacher_step, module=self.teacher_module, task=self.task)
+            self._teacher_step = self._compile_filler(fn, ("teacher_logits",), params=self.teacher_target,
+                                                      params_shardings=self.teacher_shardings)
+        return self._teacher_step
 
     def reference_bytes(self) -> int | None:
         """What the reference model costs one device: a frozen copy's parameters, else 0 (the
         base under LoRA's adapters, or stored log-probs); None without a reference."""
+        if self.teacher_config is not None:  # distillation: the frozen teacher's params
+            return per_device_bytes(self.teacher_target, self.teacher_shardings)
         if not self.task.reference_keys or self.reference is None:
             return None
         return per_device_bytes(self.abstract.params, self.shardings.params) if self.reference == "copy" else 0
@@ -485,7 +533,7 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo", "reward") else None
+        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo", "reward", "distill") else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
@@ -518,10 +566,15 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
 
     task, reference = run_task(cfg, config)
     config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
+    teacher = None
+    if reference == "teacher":  # distillation: the teacher's own model, any family
+        from shardzoo.train.distill import teacher_config
+
+        teacher = teacher_config(cfg.teacher)
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
-                   task=task, reference=reference)
+                   task=task, reference=reference, teacher=teacher)
 
 
 def default_optimizer():

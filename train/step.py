@@ -172,6 +172,13 @@ def reference_step(params, batch, *, module, task, adapters_off=False):
     return {"ref_logps": jax.lax.stop_gradient(task.reference_logps(outputs, batch))}
 
 
+def teacher_step(params, batch, *, module, task):
+    """Distillation's teacher entries (``teacher_logits``): the frozen teacher's logits of the
+    batch's tokens, ``params`` and ``module`` the teacher's."""
+    outputs, _, _ = forward(task, module, params, batch, jax.random.PRNGKey(0), deterministic=True)
+    return {"teacher_logits": jax.lax.stop_gradient(outputs.astype(jnp.float32))}
+
+
 def old_logps_step(params, batch, *, module, task):
     """GRPO's old policy log-probs of a rollout: the per-token log-probs of ``params`` (those
     that sampled it), computed once and held fixed while the rollout is reused."""

@@ -174,7 +174,9 @@ class Trainer:
         pair computed once and stored with the run (``"stored"``: ``OUT/reference_logps.npy``,
         read back on a resume)."""
         kind = self.program.reference
-        if kind == "copy":
+        if kind == "teacher":  # distillation: the teacher's own params (its family, its layout)
+            self.reference_params = self._reference_source(self.program.teacher_target)
+        elif kind == "copy":
             self.reference_params = self._load_reference()
         elif kind == "stored":
             params = None
@@ -403,6 +405,7 @@ _REFERENCE_WORDS = {  # how a preference task's reference model is held (Program
     "copy": "; reference model: a frozen copy, sharded as the params",
     "adapters": "; reference model: the base with the LoRA adapters off (no copy)",
     "stored": "; reference model: log-probs stored with the run (no model)",
+    "teacher": "; teacher: a frozen model of its own, sharded by the same rules",
 }
 
 
