@@ -72,7 +72,8 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - start
         print(f"== {name} ({seconds:.0f}s, exit {code})\n{out}", flush=True)
         row = next((ln for ln in out.splitlines() if ln.startswith("| ") and "model |" not in ln), None)
-        shown = " ".join(["python bench/gpu_mfu.py", *cmd[2:-2]])
+        at = cmd.index("--out")  # the command as one would type it, without where the row goes
+        shown = " ".join(["python bench/gpu_mfu.py", *cmd[2:at], *cmd[at + 2:]])
         lines.append(f"| {name} | {row or f'failed ({code})'} | `{shown}` |")
         with open(args.out, "w") as f:
             f.write("| row | result (model, device, params, batch x seq, attention, remat, step ms, tokens/s, "
