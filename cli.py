@@ -98,8 +98,8 @@ def add_plot_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_plot(args) -> int:
     """Draw the run's train and eval loss curves, and its task's learning signals, to a PNG."""
+    from shardzoo.train.io.rundir import read_run_json
     from shardzoo.train.metrics import plot_losses
-    from shardzoo.train.rundir import read_run_json
     from shardzoo.train.tasks import run_signals
 
     print(plot_losses(args.out, args.output, run_signals(read_run_json(args.out))))
@@ -147,8 +147,9 @@ def _add_step_arg(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args) -> int:
     """Print the prompt (a rendered --messages conversation) and its continuation."""
-    from shardzoo.train import hf_io, prompts
+    from shardzoo.train import prompts
     from shardzoo.train.defaults import mesh_and_rules
+    from shardzoo.train.io import hf_io
 
     for bad, flag, want in ((args.max_new_tokens < 1, "--max-new-tokens", "must be 1 or more"),
                             (not (math.isfinite(args.temperature) and args.temperature >= 0), "--temperature",
@@ -189,8 +190,8 @@ def add_import_hf_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_import_hf(args) -> int:
     """Convert a Hugging Face model dir into a shardzoo run dir."""
-    from shardzoo.train import hf_io
     from shardzoo.train.defaults import mesh_and_rules
+    from shardzoo.train.io import hf_io
 
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
     meta = hf_io.import_hf(args.hf_dir, args.out, mesh, rules, args.dtype, args.scan_layers)
@@ -214,8 +215,8 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_export_hf(args) -> int:
     """Write a shardzoo checkpoint as an HF model dir (config.json, safetensors, tokenizer)."""
-    from shardzoo.train import hf_io
     from shardzoo.train.defaults import mesh_and_rules
+    from shardzoo.train.io import hf_io
 
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
     if not (math.isfinite(args.max_shard_size) and args.max_shard_size > 0):
@@ -324,8 +325,8 @@ def add_export_lora_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_export_lora(args) -> int:
     """Write a LoRA run's adapters as a PEFT adapter dir (adapter_config.json + safetensors)."""
-    from shardzoo.train import lora_io
     from shardzoo.train.defaults import mesh_and_rules
+    from shardzoo.train.io import lora_io
 
     mesh, rules = mesh_and_rules(args.mesh, args.rules)
     conf = lora_io.export_lora(args.checkpoint, args.out, mesh, rules, step=args.step, base=args.base,

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from shardzoo.models.costs import decode_flops  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
-from shardzoo.train.hf_io import load_hf  # noqa: E402
+from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
 
 DIMS = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,

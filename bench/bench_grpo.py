@@ -37,7 +37,7 @@ from shardzoo.data import ByteTokenizer  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
 from shardzoo.train.grpo import grpo_task  # noqa: E402
-from shardzoo.train.hf_io import load_hf  # noqa: E402
+from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
 

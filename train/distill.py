@@ -105,7 +105,7 @@ def teacher_config(spec: str):
     import os
 
     if os.path.exists(spec):
-        from shardzoo.train.sources import open_source
+        from shardzoo.train.io.sources import open_source
 
         return open_source(spec, what="--teacher").config
     from shardzoo.models import ModelError, get_config

@@ -193,7 +193,7 @@ def evaluate_labelled(program: Program, params, batches, names) -> dict:
 def evaluate_labelled_run(s: EvalSettings, recorded: dict, config, params, mesh, rules, tokenizer) -> dict:
     """``shardzoo eval`` of a classification or regression run on its recorded data (or --data)."""
     from shardzoo.data.batches import LabelledBatchIterator
-    from shardzoo.train.sources import READS_RUNS, open_source
+    from shardzoo.train.io.sources import READS_RUNS, open_source
 
     if s.checkpoint is None or "label_column" not in recorded:
         raise UserError(f"eval of a {model_info.task(config)} model needs --checkpoint of the run "
@@ -247,7 +247,7 @@ def _reference_params(program: Program, task_settings: dict, model_settings: dic
     (eval's, else the run's), else its ``--init-from``, else the seed's initial params; None
     where the reference step runs the policy itself (``program.reference`` "adapters") or the
     loss has no reference."""
-    from shardzoo.train.hub import is_hub_id
+    from shardzoo.train.io.hub import is_hub_id
     from shardzoo.train.preference import load_reference
 
     if program.reference in (None, "adapters"):
@@ -441,15 +441,15 @@ def mc_seq_len(rows, tokenizer, add_bos: bool, max_len: int) -> int:
 def run_settings(checkpoint: str) -> dict:
     """The data settings (``data``, columns, ``eval_fraction``, ``add_bos``, ``seq_len``) and
     ``seed`` a run recorded in its run.json; empty when it has none (e.g. an import-hf dir)."""
-    from shardzoo.train.sources import READS_RUNS, open_source
+    from shardzoo.train.io.sources import READS_RUNS, open_source
 
     return open_source(checkpoint, what="--checkpoint", accept=READS_RUNS).run_settings()
 
 
 def _run_json(checkpoint: str) -> dict:
     """The whole run.json of a --checkpoint run ({} for a source without one)."""
-    from shardzoo.train.rundir import RunDirError, read_run_json
-    from shardzoo.train.sources import READS_RUNS, open_source
+    from shardzoo.train.io.rundir import RunDirError, read_run_json
+    from shardzoo.train.io.sources import READS_RUNS, open_source
 
     source = open_source(checkpoint, what="--checkpoint", accept=READS_RUNS)
     try:
@@ -488,7 +488,7 @@ def run(s: EvalSettings) -> dict:
     import datasets
 
     from shardzoo.data import make_eval_dataset
-    from shardzoo.train import hf_io
+    from shardzoo.train.io import hf_io
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
         datasets.disable_progress_bars()

@@ -21,22 +21,23 @@ from shardzoo.errors import EnvironmentFault, UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train import fit, model_info, outdir
-from shardzoo.train.checkpoint import (
-    CHECKPOINTS,
-)
+from shardzoo.train import fit, model_info
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules, pad_vocab
 from shardzoo.train.grpo import rollout_layout
-from shardzoo.train.hub import is_hub_id
-from shardzoo.train.lora_io import initial_params, lora_lines, with_lora
+from shardzoo.train.io import outdir
+from shardzoo.train.io.checkpoint import (
+    CHECKPOINTS,
+)
+from shardzoo.train.io.hub import is_hub_id
+from shardzoo.train.io.lora_io import initial_params, lora_lines, with_lora
+from shardzoo.train.io.rundir import DirLock, check_run_dir
+from shardzoo.train.io.runmeta import model_meta, recorded_remat
+from shardzoo.train.io.sources import open_source
 from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
 from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
-from shardzoo.train.rundir import DirLock, check_run_dir
-from shardzoo.train.runmeta import model_meta, recorded_remat
-from shardzoo.train.sources import open_source
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
 
@@ -184,7 +185,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     else:
         recorded = None
         if resume_step is not None:
-            from shardzoo.train.checkpoint import read_meta
+            from shardzoo.train.io.checkpoint import read_meta
 
             recorded = recorded_remat(read_meta(checkpoints, resume_step))
         build = lambda c: program if c == config else _program(cfg, c, rules, opt_rules, mesh)  # noqa: E731
@@ -234,7 +235,7 @@ def _check_same_classes(cfg, out, resume_step, data) -> None:
     string labels follow the names present in the data."""
     if resume_step is None or data.task != "classification":
         return
-    from shardzoo.train.checkpoint import read_meta
+    from shardzoo.train.io.checkpoint import read_meta
 
     recorded = (read_meta(os.path.join(out, CHECKPOINTS), resume_step).get("classes") or {}).get("names")
     names = list(data.label_names) if data.label_names else None
@@ -291,8 +292,8 @@ class _Undo:
     metrics.jsonl); the lock file is the lock's."""
 
     def __init__(self, out: str):
+        from shardzoo.train.io.rundir import LOCK_FILE
         from shardzoo.train.metrics import METRICS_FILE
-        from shardzoo.train.rundir import LOCK_FILE
 
         self.out = out
         self.paths = self._paths() | {LOCK_FILE}
@@ -410,7 +411,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             })
     reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
     if cfg.task == "distill":  # the teacher's params, placed as the program's teacher_target
-        from shardzoo.train.sources import open_source
+        from shardzoo.train.io.sources import open_source
 
         teacher = p.program.teacher_config
         reference_params = lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, teacher)

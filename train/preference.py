@@ -449,7 +449,7 @@ def check_reference(path: str, config) -> None:
     UserError naming the fields that differ, before anything is written)."""
     import dataclasses
 
-    from shardzoo.train.sources import open_source
+    from shardzoo.train.io.sources import open_source
 
     other = open_source(path, what="--reference").config
     mine, theirs = getattr(config, "arch", None), getattr(other, "arch", None)
@@ -465,7 +465,7 @@ def load_reference(path: str, target, config):
     adapters are zeros (the reference step switches them off anyway)."""
     from shardzoo.models.lora import is_adapter, join, split
     from shardzoo.train import model_info
-    from shardzoo.train.sources import open_source
+    from shardzoo.train.io.sources import open_source
 
     source = open_source(path, what="--reference")
     if not model_info.lora_rank(config):

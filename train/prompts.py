@@ -105,6 +105,6 @@ def render(prompt: Prompt, tokenizer) -> Prompt:
 def run_adds_bos(checkpoint: str, step: int | None = None) -> bool:
     """Whether the run ``checkpoint`` trained with ``--add-bos`` (its run.json says; False when it
     records nothing, e.g. an imported model)."""
-    from shardzoo.train.sources import READS_RUNS, open_source
+    from shardzoo.train.io.sources import READS_RUNS, open_source
 
     return bool(open_source(checkpoint, step=step, what="--checkpoint", accept=READS_RUNS).run_settings().get("add_bos"))

@@ -22,7 +22,7 @@ import numpy as np
 from shardzoo import interrupt
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import replicated
-from shardzoo.train.checkpoint import (
+from shardzoo.train.io.checkpoint import (
     Checkpointer,
     check_same_model,
     config_to_dict,

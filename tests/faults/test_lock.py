@@ -10,7 +10,7 @@ import sys
 import time
 
 from shardzoo.cli import main
-from shardzoo.train.rundir import LOCK_FILE, DirLock
+from shardzoo.train.io.rundir import LOCK_FILE, DirLock
 
 
 def test_two_trains_started_together_on_one_out(cli, tmp_path):

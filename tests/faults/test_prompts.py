@@ -113,8 +113,9 @@ def test_prompt_flags_exclude_each_other(cli, reference, tmp_path, capsys):
 
 def test_messages_start_with_bos_when_the_run_trained_with_add_bos(chat_run, tmp_path, capsys):
     """Chat SFT with --add-bos starts every conversation with bos; so does generate --messages."""
-    from shardzoo.train import hf_io, prompts
+    from shardzoo.train import prompts
     from shardzoo.train.defaults import mesh_and_rules
+    from shardzoo.train.io import hf_io
 
     run = tmp_path / "bos_run"
     shutil.copytree(chat_run, run)

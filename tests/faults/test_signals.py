@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from shardzoo.train.checkpoint import latest_step, load_model_and_params
+from shardzoo.train.io.checkpoint import latest_step, load_model_and_params
 
 
 def test_ctrl_c_saves_exits_130_and_the_resume_is_bit_identical(cli, reference, tmp_path):
@@ -169,7 +169,7 @@ def test_ctrl_c_at_start_up_removes_the_out_this_command_created(cli, tmp_path):
     script = ("import sys, time\n"
               "from shardzoo import interrupt\n"
               "interrupt.watch('train')\n"
-              "from shardzoo.train.rundir import DirLock\n"
+              "from shardzoo.train.io.rundir import DirLock\n"
               "lock = DirLock(sys.argv[1])\n"
               "lock.acquire()\n"
               "with interrupt.undone(lock.release):\n"

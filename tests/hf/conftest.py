@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 from shardzoo.train.program import Program
 
 
@@ -57,7 +57,7 @@ class Parity:
         from transformers import PreTrainedTokenizerFast
 
         from shardzoo import cli
-        from shardzoo.train.checkpoint import load_model_and_params
+        from shardzoo.train.io.checkpoint import load_model_and_params
         from shardzoo.train.metrics import read_metrics
 
         hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")

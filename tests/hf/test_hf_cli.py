@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shardzoo import cli
 from shardzoo.models.hf import is_hf_dir
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))

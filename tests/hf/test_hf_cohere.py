@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, CohereConfig
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.transformer import Transformer
 from shardzoo.sharding import get_rules
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, fsdp_tp_parity, hf_logits, one_device, randomized, saved  # noqa: E402

@@ -27,7 +27,7 @@ from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import Transformer
 from shardzoo.sharding import get_rules
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402

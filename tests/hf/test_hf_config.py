@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 from shardzoo.models import get_config
 from shardzoo.models.hf import HFError, config_from_hf, config_to_hf, load_hf_config
 from shardzoo.models.transformer import TransformerConfig
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 LLAMA31 = {  # the shape of meta-llama/Llama-3.1-8B's config.json (transformers 4 keys)
     "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,

@@ -33,7 +33,7 @@ from shardzoo.models import ModelError, get_config
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import Transformer
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402
@@ -274,7 +274,7 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     import shutil
 
     from shardzoo import cli
-    from shardzoo.train.checkpoint import load_model_and_params
+    from shardzoo.train.io.checkpoint import load_model_and_params
     from shardzoo.train.metrics import read_metrics
 
     hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")

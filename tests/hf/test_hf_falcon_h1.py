@@ -28,7 +28,7 @@ from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOL, apply, decoded, edit, hf_logits, mamba_draw, one_device, randomized, saved  # noqa: E402

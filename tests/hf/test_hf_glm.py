@@ -24,7 +24,7 @@ from shardzoo.models.hf import config_to_hf, export_hf, family_of_model_type, lo
 from shardzoo.models.hf.registry import PRESETS, arch_from_hf
 from shardzoo.models.transformer import Transformer
 from shardzoo.sharding import get_rules
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig
 
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402

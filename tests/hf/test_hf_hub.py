@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import constants
 
 from shardzoo import cli
-from shardzoo.train.hub import is_hub_id
+from shardzoo.train.io.hub import is_hub_id
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import bpe_tokenizer, tiny_llama  # noqa: E402

@@ -29,7 +29,7 @@ from transformers import (
 from shardzoo.models.hf import export_hf, put_leaf
 from shardzoo.sharding import make_mesh
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, near_one, randomized, saved  # noqa: E402

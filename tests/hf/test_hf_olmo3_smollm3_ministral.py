@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, MinistralConfig, Olmo3Config, Smo
 from shardzoo.models import ModelError
 from shardzoo.models.arch import FULL, SLIDING, TransformerArch
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, config_of, fsdp_tp_parity, hf_logits, randomized, saved, stacked_q  # noqa: E402

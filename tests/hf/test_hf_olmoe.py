@@ -16,7 +16,7 @@ from transformers import OlmoeConfig
 
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, apply_mutable, load_ep, one_device, randomized, saved  # noqa: E402

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from shardzoo import cli
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402
@@ -106,8 +106,8 @@ def test_a_pattern_with_prefix_and_rest_trains_scanned(pattern, tmp_path):
     assert cli.main(["train", "--init-from", imported, "--out", run, "--steps", "12", "--batch-size", "8",
                      "--seq-len", "16", "--lr", "3e-3", "--save-every", "12", "--eval-every", "0",
                      "--log-every", "1"]) == 0
+    from shardzoo.train.io.sources import open_source
     from shardzoo.train.metrics import read_metrics
-    from shardzoo.train.sources import open_source
 
     losses = [r["loss"] for r in read_metrics(os.path.join(run, "metrics.jsonl")) if "loss" in r]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2

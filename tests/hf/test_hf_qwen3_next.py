@@ -23,7 +23,7 @@ from transformers import Qwen3NextConfig
 from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -24,7 +24,7 @@ from shardzoo.models.arch import TransformerArch
 from shardzoo.models.attention import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import generate_text, load_hf
+from shardzoo.train.io.hf_io import generate_text, load_hf
 from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))

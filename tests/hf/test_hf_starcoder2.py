@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoModelForCausalLM, Starcoder2Config
 
 from shardzoo.models.hf import export_hf, load_hf_config
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, fsdp_tp_parity, hf_logits, near_one, randomized, saved  # noqa: E402

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from shardzoo.models.hf import export_hf
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, hf_logits, near_one, one_device, randomized, saved  # noqa: E402

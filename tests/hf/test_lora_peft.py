@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardzoo import cli
 from shardzoo.models.lora import is_adapter
-from shardzoo.train.checkpoint import load_model_and_params
+from shardzoo.train.io.checkpoint import load_model_and_params
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import LLAMA, bpe_tokenizer  # noqa: E402
@@ -105,7 +105,7 @@ def test_peft_module_names_follow_a_layer_pattern_layout():
     """Gemma 3's period stacks (layers/sub_j) and unrolled remainder (layers_6, layers_7): each
     model layer's adapters get exactly one PEFT module name, with its own layer number."""
     from shardzoo.models import get_config
-    from shardzoo.train.lora_io import _modules
+    from shardzoo.train.io.lora_io import _modules
 
     for layout, want in ((None, {("layers", True), ("layers_5", False), ("layers_6", False), ("layers_7", False)}),
                          ((0, 6, 1), {("layers", True), ("layers_6", False), ("layers_7", False)})):
@@ -145,7 +145,7 @@ def test_default_targets_are_every_projection_deepseek_has_and_the_run_says_so(d
     dense and shared-expert MLPs; the lines a run prints first name them and what is left."""
     from shardzoo.models.hf import load_hf_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.lora_io import lora_lines, with_lora
+    from shardzoo.train.io.lora_io import lora_lines, with_lora
 
     config = with_lora(TrainConfig(out="x", lora_rank=4), load_hf_config(deepseek))
     assert config.lora_targets == ("o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dpo_fixtures import TEXT_PAIRS, save_llama, save_tokenizer, write_jsonl  # noqa: E402
 
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.hf_io import export_hf  # noqa: E402
+from shardzoo.train.io.hf_io import export_hf  # noqa: E402
 from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
 
 SEQ = 40

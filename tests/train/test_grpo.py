@@ -35,7 +35,7 @@ from shardzoo.train.grpo import (  # noqa: E402
     score,
     truncated,
 )
-from shardzoo.train.hf_io import export_hf, load_hf  # noqa: E402
+from shardzoo.train.io.hf_io import export_hf, load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402

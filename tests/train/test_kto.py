@@ -23,7 +23,7 @@ from shardzoo.data.errors import DataError  # noqa: E402
 from shardzoo.data.loader import make_preference_datasets  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.hf_io import load_hf  # noqa: E402
+from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.preference import kto_task  # noqa: E402

@@ -23,7 +23,7 @@ from shardzoo.errors import UserError  # noqa: E402
 from shardzoo.models.hf import export_hf  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.hf_io import load_hf  # noqa: E402
+from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
 from shardzoo.train.reward import METRICS, reward_task  # noqa: E402
@@ -195,7 +195,7 @@ def test_a_reward_run_learns_resumes_exactly_and_exports(hf, tmp_path):
 
     from transformers import AutoModelForSequenceClassification
 
-    from shardzoo.train.hf_io import export_hf as export_run
+    from shardzoo.train.io.hf_io import export_hf as export_run
     from shardzoo.train.launch import DONE, run
 
     def records(out):
@@ -220,8 +220,8 @@ def test_a_reward_run_from_a_causal_lm_keeps_its_body_and_drops_its_head(hf, tmp
     it): the body's weights are the LM's, a fresh ``score`` replaces ``lm_head``."""
     from dpo_fixtures import save_llama
 
+    from shardzoo.train.io.lora_io import initial_params
     from shardzoo.train.launch import prepare, with_init_model
-    from shardzoo.train.lora_io import initial_params
 
     lm = save_llama(tmp_path / "lm", len(hf.tok), seed=0, tokenizer=hf.tok)
     cfg, config, _ = with_init_model(run_settings(hf, "fromlm", init_from=str(tmp_path / "lm")))

@@ -1,4 +1,4 @@
-"""``train/sources.py``: one opener recognises a run, a checkpoint step, an HF model dir and a
+"""``train/io/sources.py``: one opener recognises a run, a checkpoint step, an HF model dir and a
 PEFT adapter dir, and says in one line what a wrong path is. Uses copies of the run directories
 kept under tests/fixtures/legacy_runs."""
 
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from shardzoo.train.sources import SourceError, classify, load_model_and_params, open_source
+from shardzoo.train.io.sources import SourceError, classify, load_model_and_params, open_source
 
 LEGACY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "legacy_runs")
 

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.checkpoint import init_params_from
 from shardzoo.train.config import TrainConfig
+from shardzoo.train.io.checkpoint import init_params_from
 from shardzoo.train.trainer import Trainer
 
 

@@ -13,7 +13,7 @@ import os
 
 from shardzoo.errors import UserError
 from shardzoo.models import ModelError, get_config
-from shardzoo.train.checkpoint import CheckpointError, jsonable
+from shardzoo.train.io.checkpoint import CheckpointError, jsonable
 
 
 def hf_module():

@@ -7,7 +7,7 @@
 - one checkpoint step (``OUT/checkpoints/<step>``),
 - a PEFT adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``),
 
-or a Hugging Face Hub model id where an HF directory is accepted (``train/hub.py``), and returns
+or a Hugging Face Hub model id where an HF directory is accepted (``train/io/hub.py``), and returns
 a ``Source``: its ``config``, ``meta`` (family, zoo preset, LoRA base), ``tokenizer``
 spec, and ``load_params(target)``, the params placed like ``target``. A run's params come from
 its newest restorable step (the readers' rule: newer damaged steps are passed over, in place,
@@ -26,7 +26,7 @@ import jax
 
 from shardzoo.models.layout import relayout, relayout_abstract
 from shardzoo.train import model_info
-from shardzoo.train.checkpoint import (
+from shardzoo.train.io.checkpoint import (
     CHECKPOINTS,
     CheckpointError,
     DamagedCheckpoint,
@@ -36,9 +36,9 @@ from shardzoo.train.checkpoint import (
     read_meta,
     restore_params,
 )
-from shardzoo.train.hub import resolve_model_dir
-from shardzoo.train.rundir import RunDirError, read_run_json
-from shardzoo.train.runmeta import config_from_meta, hf_module, lora_base, tokenizer_spec
+from shardzoo.train.io.hub import resolve_model_dir
+from shardzoo.train.io.rundir import RunDirError, read_run_json
+from shardzoo.train.io.runmeta import config_from_meta, hf_module, lora_base, tokenizer_spec
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 KINDS = ("hf", "run", "step", "adapter")
@@ -106,7 +106,7 @@ def open_source(path: str, *, step: int | None = None, what: str = "--init-from"
                 accept=READS_MODELS) -> Source:
     """The model source ``path`` names (see the module docstring); ``step`` picks one step of a
     run; ``what`` names the flag in messages; ``accept`` the kinds this flag takes."""
-    if "hf" in accept:  # a Hugging Face Hub model id: its snapshot in the cache (train/hub.py)
+    if "hf" in accept:  # a Hugging Face Hub model id: its snapshot in the cache (train/io/hub.py)
         path = resolve_model_dir(str(path), what)
     path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.exists(path):
@@ -324,7 +324,7 @@ class AdapterSource(Source):
 
     def load_params(self, target, config=None, family=None):
         """The adapters placed like ``target`` (the adapter leaves), for the model ``config``."""
-        from shardzoo.train.lora_io import load_adapters
+        from shardzoo.train.io.lora_io import load_adapters
 
         return load_adapters(self.path, target, config, family)
 

@@ -395,5 +395,5 @@ def __getattr__(name):
     if name in _MOVED:
         import importlib
 
-        return getattr(importlib.import_module(f"shardzoo.train.{_MOVED[name]}"), name)
+        return getattr(importlib.import_module(f"shardzoo.train.io.{_MOVED[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,13 +23,13 @@ from shardzoo.models import hf, lora
 from shardzoo.sharding.mesh import describe_mesh, make_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import model_info
-from shardzoo.train.checkpoint import CHECKPOINTS, Checkpointer, latest_step
 from shardzoo.train.defaults import mesh_and_rules, pad_vocab
-from shardzoo.train.hub import resolve_model_dir
+from shardzoo.train.io.checkpoint import CHECKPOINTS, Checkpointer, latest_step
+from shardzoo.train.io.hub import resolve_model_dir
+from shardzoo.train.io.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
+from shardzoo.train.io.runmeta import model_meta
+from shardzoo.train.io.sources import READS_RUNS, load_model, open_source
 from shardzoo.train.program import Program
-from shardzoo.train.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
-from shardzoo.train.runmeta import model_meta
-from shardzoo.train.sources import READS_RUNS, load_model, open_source
 
 # Files of an HF tokenizer, carried between HF dirs and runs' tokenizer/ dirs.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -9,7 +9,8 @@ import os
 
 from shardzoo.errors import UserError
 from shardzoo.sharding.mesh import describe_mesh
-from shardzoo.train.checkpoint import (
+from shardzoo.train.config import ConfigError
+from shardzoo.train.io.checkpoint import (
     CHECKPOINTS,
     DamagedCheckpoint,
     all_steps,
@@ -17,9 +18,8 @@ from shardzoo.train.checkpoint import (
     read_meta,
     verify,
 )
-from shardzoo.train.config import ConfigError
-from shardzoo.train.runmeta import check_same_model, config_to_dict
-from shardzoo.train.sources import WORDS, classify, is_checkpoints_dir, is_step_dir
+from shardzoo.train.io.runmeta import check_same_model, config_to_dict
+from shardzoo.train.io.sources import WORDS, classify, is_checkpoints_dir, is_step_dir
 
 
 def check_out(out: str) -> None:

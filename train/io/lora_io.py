@@ -26,10 +26,10 @@ from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split, t
 from shardzoo.train import model_info
 from shardzoo.train.config import ConfigError
 from shardzoo.train.defaults import mesh_and_rules
-from shardzoo.train.rundir import check_empty_target
-from shardzoo.train.sources import ADAPTER_CONFIG as CONFIG_FILE
-from shardzoo.train.sources import ADAPTER_WEIGHTS as WEIGHTS_FILE
-from shardzoo.train.sources import READS_RUNS, load_model, open_source
+from shardzoo.train.io.rundir import check_empty_target
+from shardzoo.train.io.sources import ADAPTER_CONFIG as CONFIG_FILE
+from shardzoo.train.io.sources import ADAPTER_WEIGHTS as WEIGHTS_FILE
+from shardzoo.train.io.sources import READS_RUNS, load_model, open_source
 
 PREFIX = "base_model.model."
 
@@ -259,7 +259,7 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
     """Write a LoRA run's adapters as a PEFT adapter dir; returns its adapter_config."""
     from safetensors.numpy import save_file
 
-    from shardzoo.train.hf_io import _locked
+    from shardzoo.train.io.hf_io import _locked
 
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
