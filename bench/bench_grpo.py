@@ -36,10 +36,10 @@ from bench_decode import hf_model  # noqa: E402
 from shardzoo.data import ByteTokenizer  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.grpo import grpo_task  # noqa: E402
 from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
+from shardzoo.train.tasks.grpo import grpo_task  # noqa: E402
 
 REWARD = "def length(prompts, completions, **columns):\n    return [len(c) / 100 for c in completions]\n"
 

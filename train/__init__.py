@@ -7,7 +7,7 @@ are the ones a script needs to build and run the program.
 from shardzoo.train.config import TrainConfig
 from shardzoo.train.optim import make_optimizer
 from shardzoo.train.program import Program, TrainState, plan, run_program
-from shardzoo.train.tasks import TASKS, Task, get_task
+from shardzoo.train.tasks.base import TASKS, Task, get_task
 
 __all__ = ["TASKS", "Program", "Task", "TrainConfig", "TrainState", "get_task", "make_optimizer",
            "plan", "run_program"]

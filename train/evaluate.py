@@ -45,7 +45,7 @@ from shardzoo.train.defaults import (
 from shardzoo.train.metrics import progress
 from shardzoo.train.program import Program
 from shardzoo.train.step import merge_sums
-from shardzoo.train.tasks import summarize_eval
+from shardzoo.train.tasks.base import summarize_eval
 
 TASKS = ("lm", "multiple-choice", "dpo", "kto", "rewards", "reward")
 MC_COLUMNS = ("context", "choices", "label")
@@ -151,7 +151,7 @@ def evaluate_labelled(program: Program, params, batches, names) -> dict:
     import jax.numpy as jnp
 
     from shardzoo.sharding.partition import activate
-    from shardzoo.train.tasks import forward
+    from shardzoo.train.tasks.base import forward
 
     step = program.compiled_eval_step()
     classify = program.task.name == "classification"
@@ -248,7 +248,7 @@ def _reference_params(program: Program, task_settings: dict, model_settings: dic
     where the reference step runs the policy itself (``program.reference`` "adapters") or the
     loss has no reference."""
     from shardzoo.train.io.hub import is_hub_id
-    from shardzoo.train.preference import load_reference
+    from shardzoo.train.tasks.preference import load_reference
 
     if program.reference in (None, "adapters"):
         return None
@@ -273,13 +273,13 @@ def evaluate_preference_run(s: EvalSettings, run: dict, config, params, mesh, ru
     eval``), against the reference it trained with; ``--task reward``: a reward model's loss and
     TRL's accuracy, margin and min/mean/max rewards on the pairs (no reference)."""
     from shardzoo.data import make_preference_eval_dataset
-    from shardzoo.train.preference import DPO_SETTINGS, kto_task, preference_task
+    from shardzoo.train.tasks.preference import DPO_SETTINGS, kto_task, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
     model_settings = settings.get("model") or {}
     if s.task == "reward":
-        from shardzoo.train.reward import reward_task
+        from shardzoo.train.tasks.reward import reward_task
 
         if not getattr(getattr(config, "arch", None), "score_head", False):
             raise UserError("--task reward scores with a reward model: this model has no score head")
@@ -577,8 +577,13 @@ def evaluate_rewards_run(s: EvalSettings, run: dict, config, params, mesh, rules
     evaluations sampled, so ``--split eval`` gives the run's final ``eval_*``."""
     from shardzoo.data import load_source
     from shardzoo.data.prompts import split_prompts, tokenize_prompts
-    from shardzoo.train.grpo import load_reward_function
-    from shardzoo.train.rollouts import held_out_key, reward_metrics, sample_and_score, sampler_key
+    from shardzoo.train.tasks.grpo import load_reward_function
+    from shardzoo.train.tasks.rollouts import (
+        held_out_key,
+        reward_metrics,
+        sample_and_score,
+        sampler_key,
+    )
 
     settings = run.get("settings") or {}
     task, data_settings = settings.get("task") or {}, settings.get("data") or {}

@@ -24,7 +24,6 @@ from shardzoo.sharding.rules import get_rules
 from shardzoo.train import fit, model_info
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules, pad_vocab
-from shardzoo.train.grpo import rollout_layout
 from shardzoo.train.io import outdir
 from shardzoo.train.io.checkpoint import (
     CHECKPOINTS,
@@ -36,8 +35,9 @@ from shardzoo.train.io.runmeta import model_meta, recorded_remat
 from shardzoo.train.io.sources import open_source
 from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
-from shardzoo.train.preference import check_reference, load_reference
 from shardzoo.train.program import run_program
+from shardzoo.train.tasks.grpo import rollout_layout
+from shardzoo.train.tasks.preference import check_reference, load_reference
 from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
 
@@ -168,8 +168,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
     data_config = data_config_of(cfg)
-    if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/rollouts.py)
-        from shardzoo.train.rollouts import rollout_data
+    if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/tasks/rollouts.py)
+        from shardzoo.train.tasks.rollouts import rollout_data
 
         train_data, eval_data = rollout_data(cfg, tokenizer), None
     elif labelled:
@@ -433,7 +433,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     log(p.program.plan(device_memory=p.device_memory, name=_model_name(cfg)).format())
     trainer_class = Trainer
     if cfg.task in ("grpo", "rloo"):
-        from shardzoo.train.rollouts import GRPOTrainer as trainer_class
+        from shardzoo.train.tasks.rollouts import GRPOTrainer as trainer_class
     trainer = saved_at_start = None
     try:
         trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,

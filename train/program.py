@@ -58,7 +58,7 @@ from shardzoo.train.step import (
     teacher_step,
     train_step,
 )
-from shardzoo.train.tasks import get_task
+from shardzoo.train.tasks.base import get_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -371,7 +371,7 @@ class Program:
         self.teacher_config = teacher
         if teacher is None:
             return
-        from shardzoo.train.distill import check_vocab
+        from shardzoo.train.tasks.distill import check_vocab
 
         self.teacher_config = teacher = check_vocab(self.config, teacher)
         self.teacher_module = teacher.build(self.placement)
@@ -560,15 +560,15 @@ class Program:
 def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Program:
     """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
     ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
-    from shardzoo.train.grpo import rollout_layout
     from shardzoo.train.optim import make_optimizer
-    from shardzoo.train.preference import run_task
+    from shardzoo.train.tasks.grpo import rollout_layout
+    from shardzoo.train.tasks.preference import run_task
 
     task, reference = run_task(cfg, config)
     config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
     teacher = None
     if reference == "teacher":  # distillation: the teacher's own model, any family
-        from shardzoo.train.distill import teacher_config
+        from shardzoo.train.tasks.distill import teacher_config
 
         teacher = teacher_config(cfg.teacher)
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),

@@ -15,7 +15,7 @@ import optax
 
 from shardzoo.models.lora import join, split
 from shardzoo.models.tiled_loss import token_stats
-from shardzoo.train.tasks import forward
+from shardzoo.train.tasks.base import forward
 
 
 def split_microbatches(batch, k: int):

@@ -32,7 +32,7 @@ from shardzoo.train.io.checkpoint import (
 from shardzoo.train.metrics import MetricsLogger, progress
 from shardzoo.train.program import per_device_bytes, run_program
 from shardzoo.train.step import merge_sums
-from shardzoo.train.tasks import summarize_eval
+from shardzoo.train.tasks.base import summarize_eval
 
 
 class NonFiniteError(RuntimeError):

@@ -22,12 +22,12 @@ from shardzoo.models.tiled_loss import (
 )
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.grpo import grpo_task, token_logps
 from shardzoo.train.optim import make_optimizer
-from shardzoo.train.preference import preference_task, sequence_logps
 from shardzoo.train.program import Program
 from shardzoo.train.step import score_step
-from shardzoo.train.tasks import forward, get_task
+from shardzoo.train.tasks.base import forward, get_task
+from shardzoo.train.tasks.grpo import grpo_task, token_logps
+from shardzoo.train.tasks.preference import preference_task, sequence_logps
 
 ROWS, LENGTH, EMBED, VOCAB = 3, 10, 16, 70
 TRANSFORMS = {"plain": {}, "softcap": dict(softcap=4.0),

@@ -19,10 +19,10 @@ from dpo_fixtures import save_llama  # noqa: E402
 from shardzoo.errors import UserError  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.distill import distill_task, generalized_jsd  # noqa: E402
 from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
+from shardzoo.train.tasks.distill import distill_task, generalized_jsd  # noqa: E402
 
 VOCAB, BATCH, SEQ = 96, 4, 12
 SETTINGS = TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-3, warmup_steps=0, schedule="constant")

@@ -23,8 +23,8 @@ from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
 from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
-from shardzoo.train.preference import preference_task  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
+from shardzoo.train.tasks.preference import preference_task  # noqa: E402
 
 BETA, SEQ, PAIRS = 0.1, 40, 4
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -234,7 +234,7 @@ CASES = {
 def logits(hf):
     """The policy's and the reference's logits on the first batch (one forward each), and the
     placed batch: each loss below is the task's sums on them, as the train step computes them."""
-    from shardzoo.train.tasks import forward
+    from shardzoo.train.tasks.base import forward
 
     mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("dp")
     _, config, params = load_hf(str(hf.root / "policy"), mesh=mesh, rules=rules)

@@ -23,7 +23,12 @@ from dpo_fixtures import save_llama, save_tokenizer, write_jsonl  # noqa: E402
 
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.grpo import (  # noqa: E402
+from shardzoo.train.io.hf_io import export_hf, load_hf  # noqa: E402
+from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
+from shardzoo.train.optim import make_optimizer  # noqa: E402
+from shardzoo.train.program import Program  # noqa: E402
+from shardzoo.train.tasks.base import forward  # noqa: E402
+from shardzoo.train.tasks.grpo import (  # noqa: E402
     RewardError,
     RewardFunction,
     advantages,
@@ -35,11 +40,6 @@ from shardzoo.train.grpo import (  # noqa: E402
     score,
     truncated,
 )
-from shardzoo.train.io.hf_io import export_hf, load_hf  # noqa: E402
-from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
-from shardzoo.train.optim import make_optimizer  # noqa: E402
-from shardzoo.train.program import Program  # noqa: E402
-from shardzoo.train.tasks import forward  # noqa: E402
 from shardzoo.train.trainer import Hook  # noqa: E402
 
 G, WIDTH, COMPLETION = 3, 6, 5

@@ -22,12 +22,12 @@ from dpo_fixtures import save_llama, save_tokenizer, write_jsonl  # noqa: E402
 
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.grpo import grpo_task, rollout_rows  # noqa: E402
 from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
-from shardzoo.train.rollouts import GRPOTrainer, Sampled  # noqa: E402
+from shardzoo.train.tasks.grpo import grpo_task, rollout_rows  # noqa: E402
+from shardzoo.train.tasks.rollouts import GRPOTrainer, Sampled  # noqa: E402
 
 G, WIDTH, COMPLETION = 3, 4, 5
 PROMPTS = [[1, 7, 9, 11], [1, 12, 5, 8]]  # one length: no left padding
@@ -180,7 +180,7 @@ def test_dapo_is_the_default_loss_as_trls():
 
     assert GRPOConfig.__dataclass_fields__["loss_type"].default == "dapo"
     assert grpo_task().loss == "dapo" and grpo_task(name="rloo").beta == 0.05
-    from shardzoo.train.preference import run_task
+    from shardzoo.train.tasks.preference import run_task
 
     task, _ = run_task(TrainConfig(task="grpo", reward_funcs=("r.py:f",), batch_size=8), types.SimpleNamespace())
     assert task.loss == "dapo" and task.importance_sampling_level == "token" and task.use_bias_correction_kl

@@ -26,7 +26,7 @@ from shardzoo.train.config import TrainConfig  # noqa: E402
 from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
-from shardzoo.train.reward import METRICS, reward_task  # noqa: E402
+from shardzoo.train.tasks.reward import METRICS, reward_task  # noqa: E402
 
 SEQ, PAIRS, CENTER = 40, 4, 0.01
 MARGINS = [0.5, 0.0, -0.25, 1.0]
@@ -148,7 +148,7 @@ def test_export_loads_as_llama_for_sequence_classification(hf, one, tmp_path):
         want = back(ids, attention_mask=(ids != 0).long()).logits[:, 0].numpy()
         hf_own = hf.model(ids, attention_mask=(ids != 0).long()).logits[:, 0].numpy()
     assert np.abs(want - hf_own).max() < 1e-4  # the export holds the imported weights
-    from shardzoo.train.reward import sequence_rewards
+    from shardzoo.train.tasks.reward import sequence_rewards
 
     scores = config.build().apply({"params": params}, jax.numpy.asarray(batch["inputs"].reshape(-1, SEQ)))
     got = np.asarray(sequence_rewards(scores, jax.numpy.asarray(batch["segment_ids"].reshape(-1, SEQ))))

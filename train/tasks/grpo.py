@@ -66,7 +66,7 @@ import numpy as np
 from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
-from shardzoo.train.tasks import Field, Task
+from shardzoo.train.tasks.base import Field, Task
 
 LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's loss_type
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clipped losses (their clip_ratio metrics)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
-from shardzoo.train.tasks import Field, Task
+from shardzoo.train.tasks.base import Field, Task
 
 SEQ_KEYS = ("inputs", "positions", "segment_ids")
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")

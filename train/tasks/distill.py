@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
-from shardzoo.train.tasks import Field, Task
+from shardzoo.train.tasks.base import Field, Task
 
 
 def generalized_jsd(student_logits, teacher_logits, *, beta: float = 0.5, temperature: float = 1.0,

@@ -11,15 +11,15 @@ and multi-device reductions all divide once, by the total weight, at the end.
   ``weights`` float32 ``[batch]``; cross-entropy and accuracy.
 - ``regression``: as classification with float32 ``targets [batch, outputs]``; mean squared
   error over the outputs of each example.
-- ``dpo``: preference pairs (``train/preference.py``): ``[batch, 2, length]`` sequences, a pair
+- ``dpo``: preference pairs (``train/tasks/preference.py``): ``[batch, 2, length]`` sequences, a pair
   weight, and the reference model's log-probabilities, which a reference step of the program
   fills in before the train step (``reference_keys``).
-- ``kto``: unpaired rows (``train/preference.py``'s KTOTask): the ``dpo`` layout, each row's
+- ``kto``: unpaired rows (``train/tasks/preference.py``'s KTOTask): the ``dpo`` layout, each row's
   second sequence its mismatched KL row, and a ``labels [batch]`` entry (1: desirable).
-- ``grpo``: completions sampled from prompts and scored by reward functions (``train/grpo.py``):
+- ``grpo``: completions sampled from prompts and scored by reward functions (``train/tasks/grpo.py``):
   ``[batch, length]`` sequences, a completion-token mask, each completion's advantage, and the
   old policy's and the reference's per-token log-probabilities where the loss uses them.
-- ``rloo``: GRPO's batch, RLOO's leave-one-out advantages and sequence-level loss (``train/grpo.py``).
+- ``rloo``: GRPO's batch, RLOO's leave-one-out advantages and sequence-level loss (``train/tasks/grpo.py``).
 """
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ TASKS = {
 
 def get_task(config_or_name) -> Task:
     """The task of a model config (its ``task`` field) or by name (``dpo``: preference pairs,
-    ``train/preference.py``, and ``grpo``, ``train/grpo.py``, each with its default loss)."""
+    ``train/tasks/preference.py``, and ``grpo``, ``train/tasks/grpo.py``, each with its default loss)."""
     if config_or_name == "dpo":
-        from shardzoo.train.preference import preference_task
+        from shardzoo.train.tasks.preference import preference_task
 
         return preference_task()
     if config_or_name == "grpo":
-        from shardzoo.train.grpo import grpo_task
+        from shardzoo.train.tasks.grpo import grpo_task
 
         return grpo_task()
     name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "task", None)

@@ -1,5 +1,5 @@
 """GRPO's loop: the rollout data (prompts, the sampler's key, the rollout being trained on) and
-the Trainer that samples, scores and steps (``train/grpo.py`` holds the loss and the formulas).
+the Trainer that samples, scores and steps (``train/tasks/grpo.py`` holds the loss and the formulas).
 
 ``Rollouts`` is the run's train data: ``next`` gives the prompt indices of a new rollout when
 one is due (every ``num_iterations`` steps), else None (the step reuses the current rollout).
@@ -24,7 +24,9 @@ import numpy as np
 
 from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
-from shardzoo.train.grpo import (
+from shardzoo.train.metrics import progress
+from shardzoo.train.program import host_array
+from shardzoo.train.tasks.grpo import (
     completion_lengths,
     group_rewards,
     left_pad,
@@ -36,8 +38,6 @@ from shardzoo.train.grpo import (
     truncated,
     weighted_sum,
 )
-from shardzoo.train.metrics import progress
-from shardzoo.train.program import host_array
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)

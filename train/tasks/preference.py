@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
-from shardzoo.train.tasks import Field, Task
+from shardzoo.train.tasks.base import Field, Task
 
 LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
           "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
@@ -382,19 +382,19 @@ def run_task(cfg, config):
     policy without ``--reference``, else ``copy`` (a frozen copy); ``--task distill``'s with
     ``teacher`` (``--teacher``, a model of its own, ``Program(teacher=...)``)."""
     from shardzoo.train import model_info
-    from shardzoo.train.tasks import get_task
+    from shardzoo.train.tasks.base import get_task
 
     name = getattr(cfg, "task", None)
     if name in ("grpo", "rloo"):
         return _grpo_run_task(cfg, config)
     if name == "reward":
-        from shardzoo.train.reward import reward_task
+        from shardzoo.train.tasks.reward import reward_task
 
         if not getattr(getattr(config, "arch", None), "score_head", False):
             raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
         return reward_task(cfg.center_rewards_coefficient), None
     if name == "distill":
-        from shardzoo.train.distill import distill_task
+        from shardzoo.train.tasks.distill import distill_task
 
         if getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task distill trains a language model; the model does {config.task}")
@@ -427,8 +427,8 @@ def _grpo_run_task(cfg, config):
     base (adapters off) or a frozen copy, as DPO's."""
     from shardzoo.train import model_info
     from shardzoo.train.config import GRPO_OPTIONS
-    from shardzoo.train.grpo import grpo_task
-    from shardzoo.train.rollouts import completion_length
+    from shardzoo.train.tasks.grpo import grpo_task
+    from shardzoo.train.tasks.rollouts import completion_length
 
     if getattr(config, "task", "lm") != "lm":
         raise UserError(f"--task {cfg.task} trains a language model; the model does {config.task}")
