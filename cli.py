@@ -100,7 +100,7 @@ def cmd_plot(args) -> int:
     """Draw the run's train and eval loss curves, and its task's learning signals, to a PNG."""
     from shardzoo.train.io.rundir import read_run_json
     from shardzoo.train.metrics import plot_losses
-    from shardzoo.train.tasks.base import run_signals
+    from shardzoo.train.tasks.registry import run_signals
 
     print(plot_losses(args.out, args.output, run_signals(read_run_json(args.out))))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from shardzoo.errors import UserError
-from shardzoo.train.config import OPTIMIZERS
+from shardzoo.train.config import OPTIMIZERS, TASKS
 
 
 # --------------------------------------------------------------------------- plan
@@ -37,7 +37,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-rules", default=None, metavar="NAME|FILE",
                    help="a separate rule table for the optimizer state, e.g. zero1")
     p.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (default: 1)")
-    p.add_argument("--task", default=None, choices=("lm", "dpo", "kto", "grpo", "rloo", "reward", "distill"),
+    p.add_argument("--task", default=None, choices=TASKS[1:],
                    help="dpo: preference pairs (--batch-size counts pairs) and the reference model's bytes; "
                         "reward: preference pairs through a score-head model (no reference); "
                         "kto: as dpo, a row and its mismatched KL row for each example; "
@@ -97,11 +97,9 @@ def cmd_plan(args) -> int:
     from shardzoo.sharding.validate import ShardingValidationError, ShardingValidationWarning
     from shardzoo.train.config import TrainConfig
     from shardzoo.train.defaults import default_rules, default_seq_len, pad_vocab
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     module, config = get_model(args.model, **parse_overrides(args.override))
-    if args.task == "reward" and config.task == "lm":  # as `train --task reward`: a score head for the LM head
-        config = config.replace(score_head=True)
     opt_rules = get_rules(args.opt_rules) if args.opt_rules else None
     if not args.mesh.strip():
         raise UserError("--mesh '' names no mesh axis: give one such as fsdp=8 or data=2,tensor=4")

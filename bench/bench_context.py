@@ -30,7 +30,7 @@ from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.sharding.plan import format_bytes  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.program import run_program  # noqa: E402
+from shardzoo.train.tasks.registry import run_program  # noqa: E402
 
 
 def measure(n: int, seq_len: int, batch: int) -> dict:

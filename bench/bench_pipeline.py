@@ -37,7 +37,7 @@ from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.sharding.plan import format_bytes  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.program import run_program  # noqa: E402
+from shardzoo.train.tasks.registry import run_program  # noqa: E402
 
 SIZE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8}
 # (stages, microbatches, repeats); stages 1 is the model without a pipeline (rules pp on data=8).

@@ -31,7 +31,7 @@ from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.sharding.plan import format_bytes  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.program import run_program  # noqa: E402
+from shardzoo.train.tasks.registry import run_program  # noqa: E402
 
 # preset -> 8-device mesh, as bench/bench_presets.py (tensor=2: 2 kv heads; ep: expert=4 for
 # mixtral-tiny's 4 experts, and for llama-tiny, which has no expert axis, a data axis of 4).

@@ -14,7 +14,7 @@ import numpy as np
 
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import run_program
+from shardzoo.train.tasks.registry import run_program
 
 
 def one_device_program(config, batch: int, seq_len: int, **settings):

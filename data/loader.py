@@ -173,8 +173,7 @@ def make_datasets(
 ):
     """(train iterator, eval iterator or None) over ``config``'s data; see ``data/__init__.py``."""
     if config.preference:
-        return make_preference_datasets(config, tokenizer, seq_len, global_batch_size, mesh=mesh, rules=rules,
-                                        seed=seed, process_index=process_index, process_count=process_count)
+        raise ValueError("make_datasets: a config of preference pairs goes to make_preference_datasets")
     if config.labelled:
         raise ValueError("make_datasets: a config with label_column goes to make_labelled_datasets")
     tokenizer = load_tokenizer(config.tokenizer) if tokenizer is None else tokenizer

@@ -166,7 +166,7 @@ def verify(advice: Advice, config, top: int, *, optimizer_name: str = "adamw") -
 
     from shardzoo.sharding.mesh import make_mesh
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     out = []
     for c in advice.ranked[:top]:

@@ -35,10 +35,9 @@ from shardzoo.train.io.runmeta import model_meta, recorded_remat
 from shardzoo.train.io.sources import open_source
 from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
-from shardzoo.train.program import run_program
-from shardzoo.train.tasks.grpo import rollout_layout
 from shardzoo.train.tasks.preference import check_reference, load_reference
-from shardzoo.train.trainer import NonFiniteError, Trainer, is_main_process, say
+from shardzoo.train.tasks.registry import run_program, run_task
+from shardzoo.train.trainer import NonFiniteError, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
 
 
@@ -123,7 +122,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     The returned ``cfg`` names the concrete remat policy, never "auto"."""
     import datasets
 
-    from shardzoo.data import load_tokenizer, make_datasets, make_labelled_datasets
+    from shardzoo.data import load_tokenizer, make_labelled_datasets
 
     if not sys.stderr.isatty():  # keep a user error one line on a log
         datasets.disable_progress_bars()
@@ -138,9 +137,8 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     check_run_dir(out)
     if config is None:
         _, config = get_model(cfg.model, **parse_overrides(cfg.override))
-    config = rollout_layout(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; GRPO: unrolled
-    if cfg.task == "reward" and model_info.task(config) == "lm":  # an LM's reward model: a score head for its LM head
-        config = config.replace(score_head=True)
+    component = run_task(cfg)
+    config = component.model(cfg, with_lora(cfg, config))  # --lora-*: the adapted model; the task's own
     labelled = model_info.task(config) != "lm"
     if labelled != (cfg.label_column is not None):
         raise ConfigError(
@@ -156,8 +154,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     opt_rules = get_rules(cfg.opt_rules) if cfg.opt_rules else None
     memory = fit.device_memory(cfg)
     remat = fit.requested_remat(cfg, config, accelerator=jax.devices()[0].platform != "cpu")
-    if cfg.task == "distill" and not os.path.exists(cfg.teacher):  # plan takes a zoo name; training, weights
-        raise ConfigError(f"--teacher {cfg.teacher}: training needs the teacher's weights (a run, checkpoint or HF dir)")
+    component.check(cfg)
     program = _program(cfg, config, rules, opt_rules, mesh)
     if cfg.reference:
         check_reference(cfg.reference, config)
@@ -168,18 +165,13 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
                           f"{_model_name(cfg)!r} has vocab_size {config.vocab_size}")
     resume_step, notes = outdir.check_resume(cfg, out, config, tokenizer, mesh, rules)
     data_config = data_config_of(cfg)
-    if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/tasks/rollouts.py)
-        from shardzoo.train.tasks.rollouts import rollout_data
-
-        train_data, eval_data = rollout_data(cfg, tokenizer), None
-    elif labelled:
+    if labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
         _check_labelled(cfg, config, train_data)
         _check_same_classes(cfg, out, resume_step, train_data)
     else:
-        train_data, eval_data = make_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size,
-                                              mesh=mesh, rules=rules, seed=cfg.seed)
+        train_data, eval_data = component.datasets(cfg, data_config, tokenizer, mesh, rules)
     if resume_step is not None and cfg.steps <= resume_step:  # nothing to do: nothing to compile
         fitted = fit.Fitted(program, config, cfg.remat)
     else:
@@ -209,8 +201,9 @@ def data_config_of(cfg: TrainConfig):
         eval_fraction = STDLIB_EVAL_FRACTION if cfg.data == "stdlib" and not cfg.eval_data else 0.0
     data_fields = {f.name for f in dataclasses.fields(DataConfig)}
     data = {k: v for k, v in cfg.section("data").items() if k in data_fields}
-    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": cfg.task in ("dpo", "kto", "reward"),
-                             "unpaired": cfg.task == "kto"})
+    component = run_task(cfg)
+    return DataConfig(**{**data, "eval_fraction": eval_fraction, "preference": component.preference,
+                         "unpaired": component.unpaired})
 
 
 def _check_labelled(cfg, config, data) -> None:
@@ -410,11 +403,10 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
                 "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
             })
     reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
-    if cfg.task == "distill":  # the teacher's params, placed as the program's teacher_target
-        from shardzoo.train.io.sources import open_source
-
-        teacher = p.program.teacher_config
-        reference_params = lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, teacher)
+    component = run_task(cfg)
+    frozen = component.frozen_params(cfg, p.program)  # distillation's teacher
+    if frozen is not None:
+        reference_params = frozen
     elif cfg.reference:
         reference_params = lambda target: load_reference(cfg.reference, target, p.config)
     elif cfg.init_from:
@@ -431,12 +423,9 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     if p.opt_rules is not None:
         log(f"optimizer state: {p.opt_rules}")
     log(p.program.plan(device_memory=p.device_memory, name=_model_name(cfg)).format())
-    trainer_class = Trainer
-    if cfg.task in ("grpo", "rloo"):
-        from shardzoo.train.tasks.rollouts import GRPOTrainer as trainer_class
     trainer = saved_at_start = None
     try:
-        trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
+        trainer = component.trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                                 opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
                                 program=p.program, log=log, reference_params=reference_params)
         saved_at_start = trainer.last_saved

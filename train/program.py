@@ -50,6 +50,9 @@ from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
 from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
+from shardzoo.train import model_info
+from shardzoo.train.config import TrainConfig
+from shardzoo.train.optim import make_optimizer
 from shardzoo.train.step import (
     eval_step,
     old_logps_step,
@@ -58,7 +61,7 @@ from shardzoo.train.step import (
     teacher_step,
     train_step,
 )
-from shardzoo.train.tasks.base import get_task
+from shardzoo.train.tasks.base import model_task
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -159,7 +162,7 @@ class Program:
         # log-probs precomputed with the run's data), "teacher" (distillation's ``teacher``: a model
         # config of its own, any family with the student's vocabulary), None (no reference)
         self.reference = reference
-        self.task = task if task is not None else get_task(config)
+        self.task = task if task is not None else model_task(config)
         self.batch_size = batch_size or mesh.size
         self.seq_len = seq_len if seq_len is not None else 8
         self.grad_accum, self.skip_nonfinite = grad_accum, skip_nonfinite
@@ -337,7 +340,7 @@ class Program:
         if self._reference_step is None:
             keys = self.task.reference_keys
             fn = functools.partial(reference_step, module=self.module, task=self.task,
-                                   adapters_off=bool(getattr(self.config, "lora_rank", 0)))
+                                   adapters_off=bool(model_info.lora_rank(self.config)))
             self._reference_step = self._compile_filler(fn, keys)
         return self._reference_step
 
@@ -371,9 +374,7 @@ class Program:
         self.teacher_config = teacher
         if teacher is None:
             return
-        from shardzoo.train.tasks.distill import check_vocab
-
-        self.teacher_config = teacher = check_vocab(self.config, teacher)
+        self.teacher_config = teacher = teacher_with_vocab(self.config, teacher)
         self.teacher_module = teacher.build(self.placement)
         inputs = [jnp.zeros(s.shape, s.dtype) for s in teacher.sample_inputs(self.micro_batch, self.seq_len)]
 
@@ -533,13 +534,12 @@ class Program:
         if self.trains is not None:
             trained = split(self.abstract.params, self.trains)[0]
             grads = per_device_bytes(trained, split(self.shardings.params, self.trains)[0])
-        seq_len = self.seq_len if self.task.name in ("lm", "dpo", "kto", "grpo", "rloo", "reward", "distill") else None
+        seq_len = self.seq_len if self.task.has_sequence else None
         e = getattr(self.config, "execution", None)  # a model of the interface may have none
         workload = dict(batch=self.batch_size, microbatch=self.micro_batch if self.grad_accum > 1 else None,
                         sequence=seq_len, compute=getattr(e, "dtype", None), params=getattr(e, "param_dtype", None),
                         remat=getattr(e, "remat_policy", None), optimizer="none" if self.tx is None else None)
-        rows = 2 if self.task.name in ("dpo", "kto") else 1  # a pair (kto: a row and its KL row): two sequences
-        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
+        return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * self.task.rows_per_example, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),
                          rollout_bytes=self.rollout_bytes())
@@ -547,7 +547,7 @@ class Program:
     def rollout_bytes(self) -> int | None:
         """GRPO: what the decoding cache that samples a step's completions (a batch of
         ``seq_len`` positions) costs one device; None for other tasks."""
-        if self.task.name not in ("grpo", "rloo"):
+        if not self.task.samples:
             return None
         return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 
@@ -557,20 +557,14 @@ class Program:
 
 
 
-def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Program:
-    """The Program of a training run's settings (``cfg``: a TrainConfig): the one that
-    ``shardzoo train`` steps and ``shardzoo plan --compile`` compiles."""
-    from shardzoo.train.optim import make_optimizer
-    from shardzoo.train.tasks.grpo import rollout_layout
-    from shardzoo.train.tasks.preference import run_task
-
-    task, reference = run_task(cfg, config)
-    config = rollout_layout(cfg, config)  # GRPO: rollouts decode the params in place
-    teacher = None
-    if reference == "teacher":  # distillation: the teacher's own model, any family
-        from shardzoo.train.tasks.distill import teacher_config
-
-        teacher = teacher_config(cfg.teacher)
+def settings_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True, task=None, reference=None,
+                     teacher=None) -> Program:
+    """The Program of a run's settings (``cfg``: a TrainConfig: its optimizer, batch, sequence
+    length and accumulation) for ``task`` (default: the model's own); ``tasks.registry.run_program``
+    gives it the run's ``--task``."""
+    if task is None and getattr(cfg, "task", None) not in (None, "lm"):
+        raise ValueError(f"settings_program trains the model's own task: --task {cfg.task} is "
+                         "tasks.registry.run_program's")
     return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
                    opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
@@ -579,9 +573,6 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
 
 def default_optimizer():
     """The optimizer ``shardzoo train`` uses by default (its settings' defaults)."""
-    from shardzoo.train.config import TrainConfig
-    from shardzoo.train.optim import make_optimizer
-
     return functools.partial(make_optimizer, TrainConfig())
 
 
@@ -604,3 +595,15 @@ def plan(config, rules, mesh, *, batch_size: int, seq_len: int | None = None, op
     program = Program(config, rules, mesh, optimizer=optimizer, opt_rules=opt_rules,
                       batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, strict=strict)
     return program.plan(device_memory=device_memory, name=name)
+
+
+def teacher_with_vocab(student_config, teacher_config):
+    """The teacher's config with the student's vocabulary padding (the same logits' width);
+    teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""
+    s, t = student_config.arch.vocab_size, teacher_config.arch.vocab_size
+    if s != t:
+        raise UserError(f"--teacher's vocab_size {t} differs from the student's {s}: "
+                        "distillation needs one tokenizer (the same vocabulary)")
+    if hasattr(student_config, "vocab_pad_multiple") and hasattr(teacher_config, "vocab_pad_multiple"):
+        return teacher_config.replace(vocab_pad_multiple=student_config.vocab_pad_multiple)
+    return teacher_config

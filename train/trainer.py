@@ -30,7 +30,7 @@ from shardzoo.train.io.checkpoint import (
     restore_params,
 )
 from shardzoo.train.metrics import MetricsLogger, progress
-from shardzoo.train.program import per_device_bytes, run_program
+from shardzoo.train.program import per_device_bytes, settings_program
 from shardzoo.train.step import merge_sums
 from shardzoo.train.tasks.base import summarize_eval
 
@@ -93,7 +93,8 @@ class Trainer:
     overrides, tokenizer, rules and mesh specs) is stored in every checkpoint; ``init_params``
     (target -> params) replaces the random init of a fresh run (``--init-from``). ``hooks``:
     ``Hook`` objects called around every step. The step itself is ``program``'s (default: the
-    ``run_program`` of these settings). ``log``: where progress lines go (default: stdout, from
+    ``settings_program`` of these settings, which trains the model's own task; a ``--task`` run
+    passes ``tasks.registry.run_program``'s). ``log``: where progress lines go (default: stdout, from
     process 0).
     """
 
@@ -123,8 +124,8 @@ class Trainer:
     def _setup(self) -> None:
         cfg = self.cfg
         if self.program is None:
-            self.program = run_program(cfg, self.model_config, self.rules, self.mesh,
-                                       opt_rules=self.opt_rules)
+            self.program = settings_program(cfg, self.model_config, self.rules, self.mesh,
+                                            opt_rules=self.opt_rules)
         self.shardings, self.tx, self.schedule = self.program.shardings, self.program.tx, self.program.schedule
         self.checkpointer = Checkpointer(cfg.out, cfg.keep)
         target = self.program.abstract
@@ -332,7 +333,7 @@ class Trainer:
 
     def _loop(self, end: int) -> None:
         cfg, step = self.cfg, self.start_step
-        tokens_per_step = cfg.batch_size * (cfg.seq_len if self.program.task.name == "lm" else 1)
+        tokens_per_step = cfg.batch_size * (cfg.seq_len if self.program.task.weight_name == "tokens" else 1)
         timer = _StepTimer()
         pending = None  # (step, metrics) of a step whose finiteness is not checked yet
         while step < end and not self._stop_requested():

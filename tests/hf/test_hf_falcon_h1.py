@@ -204,7 +204,7 @@ def test_plan_counts_the_attention_and_mamba_layers_within_15_percent_of_the_com
     from shardzoo.models import get_config
     from shardzoo.models.arch import ATTENTION_MAMBA
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     config = get_config("falcon-h1-tiny")
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))

@@ -105,13 +105,13 @@ def test_peft_module_names_follow_a_layer_pattern_layout():
     """Gemma 3's period stacks (layers/sub_j) and unrolled remainder (layers_6, layers_7): each
     model layer's adapters get exactly one PEFT module name, with its own layer number."""
     from shardzoo.models import get_config
-    from shardzoo.train.io.lora_io import _modules
+    from shardzoo.train.io.peft import adapted_modules
 
     for layout, want in ((None, {("layers", True), ("layers_5", False), ("layers_6", False), ("layers_7", False)}),
                          ((0, 6, 1), {("layers", True), ("layers_6", False), ("layers_7", False)})):
         # auto: layers 0-4 (local) scanned, 5 (global), 6, 7 unrolled; or one period of 6 (sub_j)
         config = get_config("gemma3-tiny").replace(lora_rank=4, lora_targets=("q", "down"), scan_layout=layout)
-        mods = _modules(config, "gemma3_text")
+        mods = adapted_modules(config, "gemma3_text")
         for target, hf_name in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
             found = sorted(j for _, layers, _, t, name, _ in mods if t == target for j in layers)
             assert found == list(range(config.num_hidden_layers))

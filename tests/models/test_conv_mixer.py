@@ -130,7 +130,7 @@ def test_plan_counts_the_conv_layers_within_15_percent_of_the_compiled_step():
     activations count conv layers, not attention, where the pattern says so."""
     from shardzoo.models import get_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     config = get_config("lfm2-tiny")
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))

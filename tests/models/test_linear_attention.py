@@ -183,7 +183,7 @@ def test_plan_counts_the_linear_attention_layers_within_15_percent_of_the_compil
     Measured 1.08 / 1.09 (the pattern), 0.99 (every layer linear attention), 0.86 (chunks of 16)."""
     from shardzoo.models import get_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     config = get_config("qwen3-next-tiny")
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))

@@ -20,7 +20,7 @@ from shardzoo.models.splash import _padded, shard_spec, splash_attention
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import run_program
+from shardzoo.train.tasks.registry import run_program
 
 B, L, H = 2, 256, 4
 

@@ -151,7 +151,7 @@ def test_plan_counts_the_mamba_layers_within_15_percent_of_the_compiled_step(nam
     0.91. Its FLOPs per token do not grow with the sequence where no layer attends."""
     from shardzoo.models import get_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     config = get_config(name)
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))

@@ -18,7 +18,8 @@ from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import count_collectives, run_program
+from shardzoo.train.program import count_collectives
+from shardzoo.train.tasks.registry import run_program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, num_hidden_layers=1,
             max_position_embeddings=64)

@@ -25,9 +25,10 @@ from shardzoo.train.config import TrainConfig
 from shardzoo.train.optim import make_optimizer
 from shardzoo.train.program import Program
 from shardzoo.train.step import score_step
-from shardzoo.train.tasks.base import forward, get_task
+from shardzoo.train.tasks.base import forward
 from shardzoo.train.tasks.grpo import grpo_task, token_logps
 from shardzoo.train.tasks.preference import preference_task, sequence_logps
+from shardzoo.train.tasks.registry import get_task
 
 ROWS, LENGTH, EMBED, VOCAB = 3, 10, 16, 70
 TRANSFORMS = {"plain": {}, "softcap": dict(softcap=4.0),

@@ -16,7 +16,8 @@ from shardzoo.sharding import (
 )
 from shardzoo.sharding.activations import shards
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import plan, run_program
+from shardzoo.train.program import plan
+from shardzoo.train.tasks.registry import run_program
 
 # Big enough that parameters dominate the step's arguments (825,352 params vs a 16x64 batch).
 BIG = get_config("mlp-tiny", in_features=64, width=512, depth=4, num_outputs=8)

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from shardzoo.train.metrics import MetricsLogger, headline, plot_losses
-from shardzoo.train.tasks.base import get_task, run_signals
+from shardzoo.train.tasks.registry import get_task, run_signals
 
 GRPO_RECORD = {"loss": -1.6e-07, "reward": 0.5, "reward_std": 0.1, "rewards/words/mean": 0.4,
                "rewards/words/std": 0.2, "rewards/length/mean": 0.3, "kl": 0.01, "tokens_per_sec": 100.0}

@@ -15,7 +15,7 @@ from shardzoo.train.config import TrainConfig
 from shardzoo.train.optim import decay_mask, make_schedule
 from shardzoo.train.program import Program, TrainState
 from shardzoo.train.step import train_step
-from shardzoo.train.tasks.base import get_task
+from shardzoo.train.tasks.registry import get_task
 from shardzoo.train.trainer import Trainer
 
 

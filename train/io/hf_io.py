@@ -26,7 +26,7 @@ from shardzoo.train import model_info
 from shardzoo.train.defaults import mesh_and_rules, pad_vocab
 from shardzoo.train.io.checkpoint import CHECKPOINTS, Checkpointer, latest_step
 from shardzoo.train.io.hub import resolve_model_dir
-from shardzoo.train.io.rundir import LOCK_FILE, DirLock, check_empty_target, describe_os_error
+from shardzoo.train.io.rundir import LOCK_FILE, check_empty_target, describe_os_error, locked
 from shardzoo.train.io.runmeta import model_meta
 from shardzoo.train.io.sources import READS_RUNS, load_model, open_source
 from shardzoo.train.program import Program
@@ -73,14 +73,9 @@ def import_hf(hf_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
     if latest_step(os.path.join(out_dir, CHECKPOINTS)) is not None:
         raise UserError(f"{out_dir} already holds checkpoints: import into a new directory")
     check_empty_target(out_dir, "OUT_DIR")
-    with _locked(out_dir, "OUT_DIR"):
+    with locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR")  # again, now that no one else can write there
         return _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, family)
-
-
-def _locked(path: str, what: str):
-    """The directory lock, held by process 0 only."""
-    return DirLock(path, what) if jax.process_index() == 0 else contextlib.nullcontext()
 
 
 def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, family) -> dict:
@@ -126,7 +121,7 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     if model_info.lora_rank(config):
         config, params = lora.merge_lora(config, params)
     family = source.family  # e.g. phi3: fused tensors
-    with _locked(out_dir, "OUT_DIR"):
+    with locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)
         before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
         try:

@@ -12,7 +12,6 @@ q_proj`` for Llama's ``attn/q/kernel``), so every family whose projections are s
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import jax
@@ -21,21 +20,16 @@ from flax import traverse_util
 
 from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, hf
-from shardzoo.models.hf.tensors import _layer_weights, put_leaf
+from shardzoo.models.hf.tensors import _layer_weights
 from shardzoo.models.lora import TARGETS, is_adapter, join, lora_scale, split, target_of
 from shardzoo.train import model_info
 from shardzoo.train.config import ConfigError
 from shardzoo.train.defaults import mesh_and_rules
-from shardzoo.train.io.rundir import check_empty_target
-from shardzoo.train.io.sources import ADAPTER_CONFIG as CONFIG_FILE
-from shardzoo.train.io.sources import ADAPTER_WEIGHTS as WEIGHTS_FILE
+from shardzoo.train.io.peft import ADAPTER_CONFIG as CONFIG_FILE
+from shardzoo.train.io.peft import ADAPTER_WEIGHTS as WEIGHTS_FILE
+from shardzoo.train.io.peft import PREFIX, AdapterError, adapted_modules, peft_linear
+from shardzoo.train.io.rundir import check_empty_target, locked
 from shardzoo.train.io.sources import READS_RUNS, load_model, open_source
-
-PREFIX = "base_model.model."
-
-
-class AdapterError(UserError):
-    """A PEFT adapter dir that shardzoo cannot read, or a model it cannot export one for."""
 
 
 # ------------------------------------------------------------------------------- the model
@@ -75,15 +69,16 @@ def _checked_targets(config, family, default: bool) -> tuple[str, ...]:
     where it can write none: GPT-2's Conv1D), else the asked ones, each of which must be there
     (a ConfigError naming it)."""
     fam = _family(config, family)
+    _, targets = model_info.lora_adapters(config)
     if fam is None:
-        return tuple(config.lora_targets)
+        return targets
     found = _found(config, fam)
-    missing = [t for t in config.lora_targets if t not in found]
+    missing = [t for t in targets if t not in found]
     if missing and not default:
         have = ",".join(t for t in TARGETS if t in found)
         raise ConfigError(f"--lora-targets {missing[0]}: {fam.name} has no such projection; its projections: {have}")
-    present = [t for t in config.lora_targets if t in found]
-    written = [t for t in present if all(map(_peft_linear, found[t]))]
+    present = [t for t in targets if t in found]
+    written = [t for t in present if all(map(peft_linear, found[t]))]
     return tuple(written if default and written else present)
 
 
@@ -99,14 +94,15 @@ def lora_lines(config, family=None) -> list[str]:
     """What a LoRA run adapts and what it does not, for the run's first lines."""
     fam = _family(config, family)
     found = {} if fam is None else _found(config, fam)
+    rank, targets = model_info.lora_adapters(config)
     where = {t: "/".join(sorted({".".join(w.path[:-2]) for w in ws})) for t, ws in found.items()}
-    adapted = ", ".join(f"{t} ({where[t]})" if t in where else t for t in config.lora_targets)
-    left = [t for t in found if t not in config.lora_targets]
-    lines = [f"LoRA rank {config.lora_rank}: adapts {adapted}",
+    adapted = ", ".join(f"{t} ({where[t]})" if t in where else t for t in targets)
+    left = [t for t in found if t not in targets]
+    lines = [f"LoRA rank {rank}: adapts {adapted}",
              "LoRA: not adapted: " + ", ".join(left + ["routed experts and routers", "embeddings and lm head",
                                                       "norms"])]
-    fused = [f"{t} ({found[t][0].name})" for t in config.lora_targets
-             if t in found and not all(map(_peft_linear, found[t]))]
+    fused = [f"{t} ({found[t][0].name})" for t in targets
+             if t in found and not all(map(peft_linear, found[t]))]
     if fused:
         lines.append(f"LoRA: export-lora cannot write {', '.join(fused)} (not one Linear in {fam.name}); "
                      "export-hf --merge-lora merges them into the weights")
@@ -125,12 +121,6 @@ def _linears(config, fam) -> list:
     _, groups = _layer_weights(config, fam)
     return [w for _, _, _, ws in groups for w in ws
             if len(w.path) >= 2 and w.path[-1] == "kernel" and target_of(w.path[-2]) in TARGETS]
-
-
-def _peft_linear(w) -> bool:
-    """Whether PEFT adapts ``w``'s HF tensor as one ``nn.Linear`` (a column block of one too)."""
-    return (w.op == "linear" and w.name.endswith(".weight") and not w.interleaved and w.groups == 1
-            and not w.experts)
 
 
 def _as_list(value) -> list[str]:
@@ -186,96 +176,28 @@ def _same_adapters(cfg, config, source) -> bool:
     return model_info.lora_adapters(source.config) == model_info.lora_adapters(config)
 
 
-# ------------------------------------------------------------------------- PEFT names
-def _modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, str, tuple[int, int]]]:
-    """``(leaf path without its last name, model layers, stacked, target, HF module, part)`` of
-    each adapted projection, from the family's weight map and the config's ``param_layout`` (a
-    stacked leaf holds its layers on a leading axis in that order); ``part`` (j, n): the leaf is
-    the j-th of n column blocks of the HF Linear (DeepSeek's kv_a and k_rope)."""
-    fam = hf.family_of_config(config.replace(lora_rank=0), family)
-    _, groups = _layer_weights(config, fam)
-    out = []
-    for prefix, layers, stacked, weights in groups:
-        for w in weights:
-            if len(w.path) < 2 or w.path[-1] != "kernel" or target_of(w.path[-2]) not in config.lora_targets:
-                continue
-            t = target_of(w.path[-2])
-            if not _peft_linear(w):
-                raise AdapterError(f"family {fam.name} stores projection {t!r} as HF tensor {w.name} (fused "
-                                   f"or not a Linear): PEFT adapters cover separate Linears only")
-            out.append((prefix + w.path[:-1], layers, stacked, t, w.name.removesuffix(".weight"), w.part))
-    return out
-
-
-# ----------------------------------------------------------------------------- import
-def load_adapters(path: str, target, config, family=None):
-    """The adapters of a PEFT dir, placed like ``target`` (the adapter leaves' ShapeDtypeStructs)."""
-    from safetensors import safe_open
-
-    weights = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(weights):
-        raise AdapterError(f"--lora-from {path}: no {WEIGHTS_FILE}")
-    flat = traverse_util.flatten_dict(target)
-    out = {}
-    with safe_open(weights, framework="np") as f:
-        stored = set(f.keys())
-
-        def tensor(name, shape):
-            if name not in stored:
-                raise AdapterError(f"{weights}: no tensor {name!r}")
-            t = f.get_tensor(name)
-            if tuple(t.shape) != shape:
-                raise AdapterError(f"{weights}: tensor {name!r} has shape {list(t.shape)}, the "
-                                   f"model wants {list(shape)}")
-            return t
-
-        for path_, layers, stacked, _, module, part in _modules(config, family):
-            if part[1] > 1:
-                raise AdapterError(f"--lora-from {path}: {module} is one HF Linear made of {part[1]} of "
-                                   "shardzoo's projections; reading its adapter is not supported")
-            for leaf_name, letter in (("lora_a", "A"), ("lora_b", "B")):
-                leaf = flat[path_ + (leaf_name,)]
-                per_layer = leaf.shape[1:] if stacked else leaf.shape
-                rank = per_layer[-1] if letter == "A" else per_layer[0]
-                other = math.prod(per_layer) // rank
-                shape = (rank, other) if letter == "A" else (other, rank)
-
-                def read(k, module=module, letter=letter, shape=shape, per_layer=per_layer, layers=layers):
-                    name = f"{PREFIX}{module.replace('{i}', str(layers[k]))}.lora_{letter}.weight"
-                    return tensor(name, shape).T.reshape(per_layer)
-
-                if stacked:
-                    out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding, read,
-                                                         leaf.shape[0])
-                else:
-                    out[path_ + (leaf_name,)] = put_leaf(leaf.shape, leaf.dtype, leaf.sharding,
-                                                         lambda read=read: read(0))
-    return traverse_util.unflatten_dict(out)
-
-
 # ----------------------------------------------------------------------------- export
 def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None = None,
                 base: str | None = None, overwrite: bool = False) -> dict:
     """Write a LoRA run's adapters as a PEFT adapter dir; returns its adapter_config."""
     from safetensors.numpy import save_file
 
-    from shardzoo.train.io.hf_io import _locked
-
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
     source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
     _, config, params = load_model(source, *mesh_and_rules(mesh, rules))
-    if not model_info.lora_rank(config):
+    rank = model_info.lora_rank(config)
+    if not rank:
         raise AdapterError(f"{checkpoint_dir} has no LoRA adapters (a run trained with --lora-rank has)")
     family = source.family  # of the step the params came from (the readers' rule)
     flat = traverse_util.flatten_dict(params)
     tensors, modules, parts = {}, set(), {}
-    for path_, layers, stacked, _, module, part in _modules(config, family):
+    for path_, layers, stacked, _, module, part in adapted_modules(config, family):
         a, b = (np.asarray(_host(flat[path_ + (n,)]), np.float32) for n in ("lora_a", "lora_b"))
         for k, j in enumerate(layers):
             aj, bj = (a[k], b[k]) if stacked else (a, b)
             name = PREFIX + module.replace("{i}", str(j))
-            parts.setdefault(name, {})[part] = (aj.reshape(-1, config.lora_rank).T, bj.reshape(config.lora_rank, -1).T)
+            parts.setdefault(name, {})[part] = (aj.reshape(-1, rank).T, bj.reshape(rank, -1).T)
         modules.add(module.rsplit(".", 1)[-1])
     rank_pattern = {}
     for name, blocks in parts.items():
@@ -285,24 +207,24 @@ def export_lora(checkpoint_dir: str, out_dir: str, mesh, rules, step: int | None
         b_all = np.zeros((sum(b.shape[0] for _, b in ordered), a_all.shape[0]), np.float32)
         row = 0
         for k, (_, b) in enumerate(ordered):
-            b_all[row:row + b.shape[0], k * config.lora_rank:(k + 1) * config.lora_rank] = b
+            b_all[row:row + b.shape[0], k * rank:(k + 1) * rank] = b
             row += b.shape[0]
         tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_all)
         tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_all)
         if len(ordered) > 1:
             rank_pattern[name.rsplit(".", 1)[-1]] = len(ordered)
-    alpha = lora_scale(config) * config.lora_rank
+    alpha = lora_scale(config) * rank
     conf = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
         "lora_alpha": alpha, "lora_dropout": 0.0,
         # a fused Linear's adapter: rank and alpha n times (the same alpha / r)
-        "rank_pattern": {m: n * config.lora_rank for m, n in rank_pattern.items()},
+        "rank_pattern": {m: n * rank for m, n in rank_pattern.items()},
         "alpha_pattern": {m: n * alpha for m, n in rank_pattern.items()},
         "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "base_model_name_or_path": base or source.lora_base,
     }
-    with _locked(out_dir, "OUT_DIR"):
+    with locked(out_dir, "OUT_DIR"):
         check_empty_target(out_dir, "OUT_DIR", overwrite)
         if jax.process_index() == 0:
             try:

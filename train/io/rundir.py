@@ -205,3 +205,12 @@ def describe_os_error(e: OSError) -> tuple[str, bool]:
     """``(reason, is_user_error)``: a read-only or forbidden target is the user's; a full disk is not."""
     user = e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOENT)
     return e.strerror or str(e), user
+
+
+def locked(path: str, what: str):
+    """The directory lock of a command that writes ``path``, held by process 0 only."""
+    import contextlib
+
+    import jax
+
+    return DirLock(path, what) if jax.process_index() == 0 else contextlib.nullcontext()

@@ -37,10 +37,10 @@ from shardzoo.train.io.checkpoint import (
     restore_params,
 )
 from shardzoo.train.io.hub import resolve_model_dir
+from shardzoo.train.io.peft import ADAPTER_CONFIG, load_adapters
 from shardzoo.train.io.rundir import RunDirError, read_run_json
 from shardzoo.train.io.runmeta import config_from_meta, hf_module, lora_base, tokenizer_spec
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 KINDS = ("hf", "run", "step", "adapter")
 WORDS = {"hf": "a Hugging Face model directory", "run": "a shardzoo run",
          "step": "a checkpoint step", "adapter": "a PEFT adapter directory"}
@@ -324,8 +324,6 @@ class AdapterSource(Source):
 
     def load_params(self, target, config=None, family=None):
         """The adapters placed like ``target`` (the adapter leaves), for the model ``config``."""
-        from shardzoo.train.io.lora_io import load_adapters
-
         return load_adapters(self.path, target, config, family)
 
 

@@ -58,34 +58,29 @@ class Task:
     # show them beside the loss
     signals: tuple[str, ...] = ()
 
+    # what the plan counts: sequences per example (a preference pair: two), whether the examples
+    # are sequences of ``seq_len`` tokens, and whether a step samples completions (GRPO)
+    rows_per_example = 1
+    has_sequence = True
+    samples = False
+
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
-        """The batch's entries for ``batch_size`` rows (``seq_len`` tokens each for ``lm``)."""
-        if self.name == "lm":
-            bl = (ax.BATCH, ax.LENGTH)
-            shape = (batch_size, seq_len)
-            fields = {k: Field(shape, "int32", bl) for k in ("inputs", "targets", "positions", "segment_ids")}
-            fields["weights"] = Field(shape, "float32", bl)
-            return fields
-        (features,) = config.sample_inputs(batch_size, seq_len)
-        targets = (Field((batch_size,), "int32", (ax.BATCH,)) if self.name == "classification"
-                   else Field((batch_size, config.num_outputs), "float32", (ax.BATCH, None)))
-        return {
-            "inputs": Field(tuple(features.shape), "float32", (ax.BATCH,) + (None,) * (len(features.shape) - 1)),
-            "targets": targets,
-            "weights": Field((batch_size,), "float32", (ax.BATCH,)),
-        }
+        """The batch's entries for ``batch_size`` rows of ``seq_len`` tokens each."""
+        bl = (ax.BATCH, ax.LENGTH)
+        shape = (batch_size, seq_len)
+        fields = {k: Field(shape, "int32", bl) for k in ("inputs", "targets", "positions", "segment_ids")}
+        fields["weights"] = Field(shape, "float32", bl)
+        return fields
 
     def model_args(self, batch) -> tuple[tuple, dict]:
         """The positional and keyword arguments of the model call on ``batch``."""
-        if self.name == "lm":
-            return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
-        return (batch["inputs"],), {}
+        return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
 
     @property
     def tiles_head(self) -> bool:
         """Whether the loss reads only per-token statistics of the logits (their logsumexp, the
         target's logit), so a model may leave its head to the loss (``models/tiled_loss.py``)."""
-        return self.name == "lm"
+        return True
 
     def step_totals(self, batch):
         """What a task needs of the step's whole batch besides its weight (None: nothing)."""
@@ -115,35 +110,62 @@ class Task:
             return {"loss": jnp.sum((stats.lse - stats.target) * weights), "weight": jnp.sum(weights),
                     "correct": jnp.sum(correct * weights)}
         outputs = outputs.astype(jnp.float32)
-        if self.name == "regression":
-            losses = jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)  # [batch]
-            return {"loss": jnp.sum(losses * weights), "weight": jnp.sum(weights)}
         losses = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
         correct = (jnp.argmax(outputs, axis=-1) == batch["targets"]).astype(jnp.float32)
         return {"loss": jnp.sum(losses * weights), "weight": jnp.sum(weights),
                 "correct": jnp.sum(correct * weights)}
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassificationTask(Task):
+    """Labelled examples: ``inputs [batch, features]``, int32 ``targets [batch]``; cross-entropy."""
+
+    has_sequence = False
+
+    def _targets(self, config, batch_size: int) -> Field:
+        return Field((batch_size,), "int32", (ax.BATCH,))
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        (features,) = config.sample_inputs(batch_size, seq_len)
+        return {
+            "inputs": Field(tuple(features.shape), "float32", (ax.BATCH,) + (None,) * (len(features.shape) - 1)),
+            "targets": self._targets(config, batch_size),
+            "weights": Field((batch_size,), "float32", (ax.BATCH,)),
+        }
+
+    def model_args(self, batch) -> tuple[tuple, dict]:
+        return (batch["inputs"],), {}
+
+    @property
+    def tiles_head(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class RegressionTask(ClassificationTask):
+    """As classification with float32 ``targets [batch, outputs]``; the mean squared error over
+    each example's outputs."""
+
+    def _targets(self, config, batch_size: int) -> Field:
+        return Field((batch_size, config.num_outputs), "float32", (ax.BATCH, None))
+
+    def sums(self, outputs, batch) -> dict:
+        weights = batch["weights"].astype(jnp.float32)
+        losses = jnp.mean((outputs.astype(jnp.float32) - batch["targets"]) ** 2, axis=-1)  # [batch]
+        return {"loss": jnp.sum(losses * weights), "weight": jnp.sum(weights)}
+
 TASKS = {
     "lm": Task("lm", "tokens", "ce_loss", has_accuracy=True, has_perplexity=True),
-    "classification": Task("classification", "examples", "ce_loss", has_accuracy=True,
+    "classification": ClassificationTask("classification", "examples", "ce_loss", has_accuracy=True,
                            has_perplexity=False, signals=("accuracy",)),
-    "regression": Task("regression", "examples", "mse", has_accuracy=False, has_perplexity=False),
+    "regression": RegressionTask("regression", "examples", "mse", has_accuracy=False, has_perplexity=False),
 }
 
 
-def get_task(config_or_name) -> Task:
-    """The task of a model config (its ``task`` field) or by name (``dpo``: preference pairs,
-    ``train/tasks/preference.py``, and ``grpo``, ``train/tasks/grpo.py``, each with its default loss)."""
-    if config_or_name == "dpo":
-        from shardzoo.train.tasks.preference import preference_task
-
-        return preference_task()
-    if config_or_name == "grpo":
-        from shardzoo.train.tasks.grpo import grpo_task
-
-        return grpo_task()
-    name = config_or_name if isinstance(config_or_name, str) else getattr(config_or_name, "task", None)
+def model_task(config) -> Task:
+    """The task a model config trains by itself (its ``task`` field: ``lm``, ``classification``
+    or ``regression``); the run tasks (``--task dpo`` and the rest) are ``tasks/registry.py``'s."""
+    name = getattr(config, "task", None)
     if name not in TASKS:
         raise UserError(f"task {name!r} is not one of {', '.join(TASKS)}")
     return TASKS[name]
@@ -189,13 +211,3 @@ def summarize_eval(task: Task, totals: dict) -> dict:
         out["eval_accuracy"] = float(totals["correct"]) / weight
     out.update({f"eval_{k}": float(v) for k, v in task.extra_metrics(totals, weight).items()})
     return out
-
-
-def run_signals(run: dict | None) -> tuple[str, ...]:
-    """The signal patterns (``Task.signals``) of the task a run's ``run.json`` trained."""
-    settings = (run or {}).get("settings") or {}
-    name = (settings.get("task") or {}).get("task") or ((run or {}).get("config") or {}).get("task") or "lm"
-    try:
-        return get_task(name).signals
-    except UserError:
-        return ()

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
+from shardzoo.train.config import ConfigError
 from shardzoo.train.tasks.base import Field, Task
+from shardzoo.train.tasks.component import RunTask, language_model_only
 
 
 def generalized_jsd(student_logits, teacher_logits, *, beta: float = 0.5, temperature: float = 1.0,
@@ -116,13 +118,30 @@ def teacher_config(spec: str):
         raise UserError(f"--teacher {spec}: neither a run, checkpoint or HF dir nor a zoo model name") from None
 
 
-def check_vocab(student_config, teacher_config):
-    """The teacher's config with the student's vocabulary padding (the same logits' width);
-    teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""
-    s, t = student_config.arch.vocab_size, teacher_config.arch.vocab_size
-    if s != t:
-        raise UserError(f"--teacher's vocab_size {t} differs from the student's {s}: "
-                        "distillation needs one tokenizer (the same vocabulary)")
-    if hasattr(student_config, "vocab_pad_multiple") and hasattr(teacher_config, "vocab_pad_multiple"):
-        return teacher_config.replace(vocab_pad_multiple=student_config.vocab_pad_multiple)
-    return teacher_config
+class DistillRun(RunTask):
+    """``--task distill --teacher DIR``: the teacher a model of its own (any family with the
+    student's vocabulary), frozen, its logits filled in by the program's teacher step."""
+
+    name = "distill"
+
+    def task(self, cfg, config):
+        language_model_only(cfg, config)
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
+
+    def teacher(self, cfg, config):
+        return teacher_config(cfg.teacher)
+
+    def check(self, cfg) -> None:
+        import os
+
+        if not os.path.exists(cfg.teacher):  # plan takes a zoo name; training, weights
+            raise ConfigError(f"--teacher {cfg.teacher}: training needs the teacher's weights (a run, checkpoint "
+                              "or HF dir)")
+
+    def frozen_params(self, cfg, program):
+        from shardzoo.train.io.sources import open_source
+
+        return lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, program.teacher_config)
+
+    def default(self):
+        return distill_task()

@@ -130,6 +130,7 @@ class GRPOTask(Task):
     vespo_lambda_neg: float = 2.0
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    samples = True  # a step's completions are sampled from the policy (the plan's rollout cache)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -349,7 +350,7 @@ def rollout_layout(cfg, config):
     from shardzoo.models import parse_overrides
 
     execution = getattr(config, "execution", None)
-    if getattr(cfg, "task", None) not in ("grpo", "rloo") or not getattr(execution, "scan_layers", False):
+    if not getattr(execution, "scan_layers", False):
         return config
     if "scan_layers" in parse_overrides(getattr(cfg, "override", None) or []):
         return config

@@ -40,7 +40,9 @@ import jax.numpy as jnp
 from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
+from shardzoo.train import model_info
 from shardzoo.train.tasks.base import Field, Task
+from shardzoo.train.tasks.component import RunTask, language_model_only
 
 LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
           "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
@@ -108,6 +110,7 @@ class PreferenceTask(Task):
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    rows_per_example = 2  # a pair (KTO: a row and its mismatched KL row)
 
     @property
     def losses(self) -> tuple[str, ...]:
@@ -375,73 +378,61 @@ def kto_task(loss: str = "kto", beta: float = 0.1, desirable_weight: float = 1.0
                    undesirable_weight=float(undesirable_weight))
 
 
-def run_task(cfg, config):
-    """``(task, reference)`` of a run's settings (``cfg``, a TrainConfig) for the Program:
-    the model's own task and no reference, or ``--task dpo``'s (or ``kto``'s), with its reference kind
-    (``Program.reference``): ``stored`` with ``--precompute-reference``, ``adapters`` for a LoRA
-    policy without ``--reference``, else ``copy`` (a frozen copy); ``--task distill``'s with
-    ``teacher`` (``--teacher``, a model of its own, ``Program(teacher=...)``)."""
-    from shardzoo.train import model_info
-    from shardzoo.train.tasks.base import get_task
+class DPORun(RunTask):
+    """``--task dpo``: preference pairs, with the reference kind of ``Program.reference``:
+    ``stored`` with ``--precompute-reference``, ``adapters`` for a LoRA policy without
+    ``--reference``, else ``copy`` (a frozen copy); none for a reference-free loss."""
 
-    name = getattr(cfg, "task", None)
-    if name in ("grpo", "rloo"):
-        return _grpo_run_task(cfg, config)
-    if name == "reward":
-        from shardzoo.train.tasks.reward import reward_task
+    name = eval_task = "dpo"
+    preference = True
 
-        if not getattr(getattr(config, "arch", None), "score_head", False):
-            raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
-        return reward_task(cfg.center_rewards_coefficient), None
-    if name == "distill":
-        from shardzoo.train.tasks.distill import distill_task
-
-        if getattr(config, "task", "lm") != "lm":
-            raise UserError(f"--task distill trains a language model; the model does {config.task}")
-        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
-    if name not in ("dpo", "kto"):
-        if name == "lm" and getattr(config, "task", "lm") != "lm":
-            raise UserError(f"--task lm: the model does {config.task}, not language modelling")
-        return get_task(config), None
-    if getattr(config, "task", "lm") != "lm":
-        raise UserError(f"--task {name} trains a language model; the model does {config.task}")
-    beta = 0.1 if cfg.beta is None else cfg.beta
-    if name == "kto":
-        task = kto_task(cfg.loss or "kto", beta, cfg.desirable_weight, cfg.undesirable_weight)
-    else:
-        task = preference_task(cfg.loss or "sigmoid", beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha,
+    def make(self, cfg, beta: float):
+        return preference_task(cfg.loss or "sigmoid", beta, cfg.label_smoothing, cfg.simpo_gamma, cfg.cpo_alpha,
                                **{n: getattr(cfg, n) for n in DPO_SETTINGS})
-    if not task.uses_reference:
-        if cfg.reference or cfg.precompute_reference:
-            raise UserError(f"--loss {cfg.loss} uses no reference model: drop --reference/--precompute-reference")
-        return task, None
-    if cfg.precompute_reference:
-        return task, "stored"
-    if model_info.lora_rank(config) and not cfg.reference:
-        return task, "adapters"
-    return task, "copy"
+
+    def task(self, cfg, config):
+        language_model_only(cfg, config)
+        task = self.make(cfg, 0.1 if cfg.beta is None else cfg.beta)
+        if not task.uses_reference:
+            if cfg.reference or cfg.precompute_reference:
+                raise UserError(f"--loss {cfg.loss} uses no reference model: drop --reference/--precompute-reference")
+            return task, None
+        if cfg.precompute_reference:
+            return task, "stored"
+        return task, reference_kind(cfg, config)
+
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+        return pair_datasets(cfg, data_config, tokenizer, mesh, rules)
+
+    def default(self):
+        return preference_task()
 
 
-def _grpo_run_task(cfg, config):
-    """``--task grpo``'s (or ``rloo``'s) task and reference: none with ``--beta 0``, else the LoRA
-    base (adapters off) or a frozen copy, as DPO's."""
-    from shardzoo.train import model_info
-    from shardzoo.train.config import GRPO_OPTIONS
-    from shardzoo.train.tasks.grpo import grpo_task
-    from shardzoo.train.tasks.rollouts import completion_length
+class KTORun(DPORun):
+    """``--task kto``: unpaired rows, each with its mismatched pair; the reference as DPO's."""
 
-    if getattr(config, "task", "lm") != "lm":
-        raise UserError(f"--task {cfg.task} trains a language model; the model does {config.task}")
-    options = {n: getattr(cfg, n) for n in GRPO_OPTIONS} if cfg.task == "grpo" else {}
-    task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations, completion_length(cfg),
-                     name=cfg.task, **options)
-    if not task.beta:
-        if cfg.reference:
-            raise UserError("--reference: --beta 0 uses no reference model (give --beta > 0 or drop --reference)")
-        return task, None
-    if model_info.lora_rank(config) and not cfg.reference:
-        return task, "adapters"
-    return task, "copy"
+    name = eval_task = "kto"
+    unpaired = True
+
+    def make(self, cfg, beta: float):
+        return kto_task(cfg.loss or "kto", beta, cfg.desirable_weight, cfg.undesirable_weight)
+
+    def default(self):
+        return kto_task()
+
+
+def reference_kind(cfg, config) -> str:
+    """The reference model of a task that has one: the LoRA base (adapters off) for a LoRA
+    policy without ``--reference``, else a frozen copy (``Program.reference``)."""
+    return "adapters" if model_info.lora_rank(config) and not cfg.reference else "copy"
+
+
+def pair_datasets(cfg, data_config, tokenizer, mesh, rules):
+    """``(train, eval or None)`` over the run's preference pairs (or KTO's rows)."""
+    from shardzoo.data.loader import make_preference_datasets
+
+    return make_preference_datasets(data_config, tokenizer, cfg.seq_len, cfg.batch_size, mesh=mesh, rules=rules,
+                                    seed=cfg.seed)
 
 
 def check_reference(path: str, config) -> None:
@@ -464,7 +455,6 @@ def load_reference(path: str, target, config):
     """``--reference``'s params placed like ``target`` (the policy's params); under LoRA the
     adapters are zeros (the reference step switches them off anyway)."""
     from shardzoo.models.lora import is_adapter, join, split
-    from shardzoo.train import model_info
     from shardzoo.train.io.sources import open_source
 
     source = open_source(path, what="--reference")

@@ -20,7 +20,10 @@ import jax.numpy as jnp
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
+from shardzoo.train import model_info
 from shardzoo.train.tasks.base import Field, Task
+from shardzoo.train.tasks.component import RunTask
+from shardzoo.train.tasks.preference import pair_datasets
 
 SEQ_KEYS = ("inputs", "positions", "segment_ids")
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
@@ -38,6 +41,10 @@ class RewardTask(Task):
     """A scalar reward on preference pairs (see the module docstring)."""
 
     center_rewards_coefficient: float | None = None
+
+    @property
+    def tiles_head(self) -> bool:
+        return False  # the score head's outputs are the rewards
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         pair, names = (batch_size, 2, seq_len), (ax.BATCH, None, ax.LENGTH)
@@ -87,3 +94,25 @@ def reward_task(center_rewards_coefficient: float | None = None) -> RewardTask:
         raise UserError(f"--center-rewards-coefficient must be 0 or more, got {center_rewards_coefficient}")
     return RewardTask("reward", "examples", "loss", has_accuracy=False, has_perplexity=False,
                       signals=("accuracy", "margin"), center_rewards_coefficient=center_rewards_coefficient)
+
+
+class RewardRun(RunTask):
+    """``--task reward``: a decoder with a score head on preference pairs (a language model's
+    gets a score head for its LM head, as transformers' ``*ForSequenceClassification`` of it)."""
+
+    name = eval_task = "reward"
+    preference = True
+
+    def model(self, cfg, config):
+        return config.replace(score_head=True) if model_info.task(config) == "lm" else config
+
+    def task(self, cfg, config):
+        if not getattr(getattr(config, "arch", None), "score_head", False):
+            raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
+        return reward_task(cfg.center_rewards_coefficient), None
+
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+        return pair_datasets(cfg, data_config, tokenizer, mesh, rules)
+
+    def default(self):
+        return reward_task()

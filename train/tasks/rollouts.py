@@ -24,20 +24,25 @@ import numpy as np
 
 from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
+from shardzoo.train.config import GRPO_OPTIONS
 from shardzoo.train.metrics import progress
 from shardzoo.train.program import host_array
+from shardzoo.train.tasks.component import RunTask, language_model_only
 from shardzoo.train.tasks.grpo import (
     completion_lengths,
     group_rewards,
+    grpo_task,
     left_pad,
     load_reward_function,
     nan_mean_std,
     rloo_rewards,
+    rollout_layout,
     rollout_rows,
     score,
     truncated,
     weighted_sum,
 )
+from shardzoo.train.tasks.preference import reference_kind
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
@@ -309,3 +314,34 @@ class GRPOTrainer(Trainer):
         return reward_metrics(np.concatenate([p.rewards for p in parts]), data.weights, data.functions,
                               np.concatenate([p.lengths for p in parts]), np.concatenate([p.ended for p in parts]),
                               prefix="eval_", suffix="_sampled" if limit < calls else "")
+
+
+class RolloutRun(RunTask):
+    """``--task grpo`` (``rloo``): completions sampled from the run's prompts and scored while
+    training (``GRPOTrainer``); the reference none with ``--beta 0``, else as DPO's."""
+
+    eval_task = "rewards"
+    trainer = GRPOTrainer
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def model(self, cfg, config):
+        return rollout_layout(cfg, config)
+
+    def task(self, cfg, config):
+        language_model_only(cfg, config)
+        options = {n: getattr(cfg, n) for n in GRPO_OPTIONS} if self.name == "grpo" else {}
+        task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations,
+                         completion_length(cfg), name=self.name, **options)
+        if not task.beta:
+            if cfg.reference:
+                raise UserError("--reference: --beta 0 uses no reference model (give --beta > 0 or drop --reference)")
+            return task, None
+        return task, reference_kind(cfg, config)
+
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+        return rollout_data(cfg, tokenizer), None
+
+    def default(self):
+        return grpo_task(name=self.name)
