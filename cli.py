@@ -17,7 +17,7 @@ from shardzoo.values import seed_arg
 
 # --------------------------------------------------------------------------- train
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from shardzoo.train.config import add_arguments
+    from shardzoo.train.flags import add_arguments
 
     add_arguments(p)
 
@@ -40,7 +40,7 @@ def report_train(result) -> int:
 
 def cmd_train(args) -> int:
     """Train (or resume) a run in --out; the exit status says how it ended (``report_train``)."""
-    from shardzoo.train.config import config_from_args
+    from shardzoo.train.flags import config_from_args
     from shardzoo.train.launch import run
 
     return report_train(run(config_from_args(args), log=_print))
@@ -55,7 +55,8 @@ PREVIEW_FLAGS = ("rows", "split", "json")
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
-    from shardzoo.train.config import SECTIONS, add_arguments
+    from shardzoo.train.config import SECTIONS
+    from shardzoo.train.flags import add_arguments
 
     add_arguments(p, only=SECTIONS["data"] + ("seed",))
     p.add_argument("--rows", type=int, default=2, metavar="N", help="rows (or examples) to show (default: 2)")
@@ -68,7 +69,7 @@ def cmd_data(args) -> int:
     import json
 
     from shardzoo.data.preview import format_preview, preview_labelled, preview_lm
-    from shardzoo.train.config import config_from_args
+    from shardzoo.train.flags import config_from_args
     from shardzoo.train.launch import data_config_of
 
     if args.rows < 0:

@@ -91,7 +91,7 @@ def runners(path: str, model, batch: int, prompt_len: int, new: int, sampled: bo
     prompt_t = torch.from_numpy(prompt.astype(np.int64))
 
     def ours():
-        return program.generate(params, prompt, max_new_tokens=new, **settings)
+        return program.decoding.generate(params, prompt, max_new_tokens=new, **settings)
 
     def theirs():
         with torch.no_grad():

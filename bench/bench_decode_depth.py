@@ -52,16 +52,16 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
     prompt = np.random.default_rng(0).integers(1, config.arch.vocab_size, (batch, prompt_len)).astype(np.int32)
     settings = (prompt.shape, new, 0.0, 0, 1.0, (), 0)
     t = time.perf_counter()
-    program._decoders[settings] = program._compile_generate(*settings)  # what the first call compiles
+    program.decoding._compiled[settings] = program.decoding._compile_generate(*settings)  # what the first call compiles
     compile_s = time.perf_counter() - t
-    program.generate(params, prompt, max_new_tokens=new)  # a warm-up run
+    program.decoding.generate(params, prompt, max_new_tokens=new)  # a warm-up run
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        program.generate(params, prompt, max_new_tokens=new)
+        program.decoding.generate(params, prompt, max_new_tokens=new)
         times.append(time.perf_counter() - t)
     run_s = min(times)
-    cache, _ = program.cache_shardings(batch, prompt_len + new)
+    cache, _ = program.decoding.cache_shardings(batch, prompt_len + new)
     step_bytes = nbytes(params) + nbytes(cache)
     bound = batch * hbm / step_bytes  # tokens/s if each step only read weights and cache once
     rate = batch * new / run_s  # the prefill included

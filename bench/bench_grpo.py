@@ -55,8 +55,8 @@ def rollout_ab(path: str, batch: int, prompt_len: int, new: int, rounds: int) ->
     standalone = Program(config, rules, mesh)
     prompt = np.random.default_rng(0).integers(1, config.arch.vocab_size, (batch, prompt_len)).astype(np.int32)
     key = np.asarray(jax.random.key_data(jax.random.key(0)), np.uint32)
-    calls = {"rollout": lambda: training.generate(state.params, prompt, max_new_tokens=new, temperature=1.0, key=key),
-             "standalone": lambda: standalone.generate(params, prompt, max_new_tokens=new, temperature=1.0, key=key)}
+    calls = {"rollout": lambda: training.decoding.generate(state.params, prompt, max_new_tokens=new, temperature=1.0, key=key),
+             "standalone": lambda: standalone.decoding.generate(params, prompt, max_new_tokens=new, temperature=1.0, key=key)}
     first = {}
     for name, call in calls.items():
         t = time.perf_counter()

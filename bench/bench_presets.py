@@ -32,7 +32,7 @@ from shardzoo.models import get_model  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.sharding.plan import format_bytes  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
-from shardzoo.train.program import COLLECTIVES  # noqa: E402
+from shardzoo.train.jit import COLLECTIVES  # noqa: E402
 from shardzoo.train.tasks.registry import run_program  # noqa: E402
 
 # preset -> 8-device mesh (tensor=2: the tiny models have 2 kv heads; ep: one expert per device

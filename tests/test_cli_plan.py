@@ -15,7 +15,7 @@ from shardzoo.data.packing import Documents, batch_arrays, pack_documents
 from shardzoo.models import get_config, get_model
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import count_collectives, memory_analysis
+from shardzoo.train.jit import count_collectives, memory_analysis
 from shardzoo.train.tasks.registry import run_program
 from shardzoo.train.trainer import Trainer
 

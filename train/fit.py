@@ -21,7 +21,7 @@ from shardzoo.errors import UserError
 from shardzoo.models.execution import AUTO_REMAT
 from shardzoo.sharding.plan import first_fit, format_bytes, local_device_memory, parse_device_memory
 from shardzoo.train.config import ConfigError
-from shardzoo.train.program import memory_analysis
+from shardzoo.train.jit import memory_analysis
 
 AUTO = "auto"
 # XLA's sizes in its out-of-memory messages ("37.32G exceeds available HBM (15.75G)"), binary units

@@ -4,6 +4,8 @@ execution record. Code outside ``models/`` reads them only through the functions
 
 from __future__ import annotations
 
+from shardzoo.errors import UserError
+
 
 def task(config) -> str:
     """``"lm"``, ``"classification"`` or ``"regression"``."""
@@ -37,3 +39,15 @@ def param_dtype(config) -> str:
 def with_dtype(config, dtype: str):
     """``config`` computing and storing its params in ``dtype``."""
     return config.replace(dtype=dtype, param_dtype=dtype)
+
+
+def with_vocab_of(student_config, teacher_config):
+    """The teacher's config with the student's vocabulary padding (the same logits' width);
+    teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""
+    s, t = student_config.arch.vocab_size, teacher_config.arch.vocab_size
+    if s != t:
+        raise UserError(f"--teacher's vocab_size {t} differs from the student's {s}: "
+                        "distillation needs one tokenizer (the same vocabulary)")
+    if hasattr(student_config, "vocab_pad_multiple") and hasattr(teacher_config, "vocab_pad_multiple"):
+        return teacher_config.replace(vocab_pad_multiple=student_config.vocab_pad_multiple)
+    return teacher_config

@@ -1,35 +1,29 @@
-"""The one program: abstract train state, its shardings, and the jitted train and eval steps.
+"""The one program: abstract train state, its shardings, and the compiled steps.
 
 Built from a model config, a rule table, a mesh, an optimizer and a task, a ``Program`` does ONE
 ``jax.eval_shape`` of the whole train state (params from ``module.init``, optimizer state from
-``tx.init`` on the still-boxed params, so it carries the params' logical axes) under the rules,
-recording every activation constraint on the way, and validates params and activations
-strictly. Every sharding comes from that one trace: the params' from their logical axes under
-``rules``, the optimizer state's from the same axes under ``opt_rules`` (ZeRO-1 is ``rules=dp,
-opt_rules=zero1``: one transform, nothing else). It owns the one train step and eval step.
-A model with LoRA adapters trains only them: the optimizer is built for, and its state holds,
-the adapters alone, and the step differentiates only them (``trains``); the base passes through.
+``tx.init`` on the still-boxed params, so it carries their logical axes) under the rules and
+validates params and activations strictly. Every sharding comes from that one trace: the
+params' from their logical axes under ``rules``, the optimizer state's from the same axes under
+``opt_rules`` (ZeRO-1 is ``rules=dp, opt_rules=zero1``). A model with LoRA adapters trains only
+them: the optimizer state holds the adapters alone, the step differentiates only them.
 
-The model is built with the program's ``Placement`` (mesh and rules, ``sharding.partition``):
-its activation constraints and explicit ``shard_map`` paths read them from there, never from a
-context. The activation constraints the validator checks are recorded from an abstract trace of
-the step itself (the train step, or the eval step of a params-only program), so they are those
-of the program that compiles: the pipeline's, the ring's and the MoE dispatch's included.
+The model is built with the program's ``Placement`` (mesh and rules): its activation constraints
+and ``shard_map`` paths read them from there, never from a context. The constraints the
+validator checks are recorded from an abstract trace of the step that compiles (the pipeline's,
+the ring's and the MoE dispatch's included).
 
-The Program is the one jit site: the train step, the eval step, multiple-choice scoring
-(``score_step``) and decoding (``generate``: prefill and the sampling loop, the KV cache
-sharded by its logical axes like every other array). The Trainer, ``shardzoo plan`` (and
-``plan --compile``), advise, the benchmarks, checkpoint loading, Hugging Face import and export,
-eval and generation all use a Program; nothing else traces ``init``, jits a step or resolves a
-logical name. A program on an ``AbstractMesh`` (devices you don't have) plans but does not
-compile or run.
+Every jit goes through ``Program.compile`` (``jit.compile_on``): the init, the train and eval
+steps, each task's steps, scoring, and decoding (``program.decoding``, ``train/decoding.py``).
+The Trainer, ``plan`` (and ``plan --compile``), advise, the benchmarks, checkpoint loading, HF
+import and export, eval and generation all use a Program; nothing else traces ``init``, jits a
+step or resolves a logical name. On an ``AbstractMesh`` a program plans but does not compile.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import re
 import time
 import warnings
 from typing import Any
@@ -39,19 +33,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import struct, traverse_util
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh
 
 from shardzoo.errors import UserError
-from shardzoo.models.attention import check_rope_decoding
-from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
 from shardzoo.models.layers import recording_constraints
 from shardzoo.models.lora import join, split
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan
-from shardzoo.sharding.validate import Activation, check, resolve_array, rule_problems, usable_rules
+from shardzoo.sharding.validate import Activation, check, rule_problems, usable_rules
 from shardzoo.train import model_info
 from shardzoo.train.config import TrainConfig
+from shardzoo.train.decoding import Decoding
+from shardzoo.train.jit import (
+    compile_on,
+    count_collectives,
+    global_array,
+    memory_analysis,
+    per_device_bytes,
+    with_shardings,
+)
 from shardzoo.train.optim import make_optimizer
 from shardzoo.train.step import (
     eval_step,
@@ -63,8 +64,6 @@ from shardzoo.train.step import (
 )
 from shardzoo.train.tasks.base import model_task
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
 
 @struct.dataclass
 class TrainState:
@@ -73,33 +72,6 @@ class TrainState:
     step: jax.Array  # int32 scalar
     params: Any
     opt_state: Any
-
-
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """How many of each collective op (sync or ``-start`` async form) the HLO text holds."""
-    return {op: len(re.findall(rf"\b{op}(-start)?\(", hlo_text)) for op in COLLECTIVES}
-
-
-def memory_analysis(compiled) -> dict:
-    """Per-device bytes from XLA: argument, output, temp, alias and total."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return {}
-    memory = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-    memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
-    return memory
-
-
-def per_device_bytes(tree, shardings) -> int:
-    """Bytes one device holds of a tree of arrays (or ShapeDtypeStructs) under ``shardings``."""
-    leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
-    return sum(jnp.dtype(a.dtype).itemsize * math.prod(s.shard_shape(a.shape)) for a, s in leaves)
-
-
-def with_shardings(abstract_tree, shardings):
-    """ShapeDtypeStructs carrying ``shardings`` (restore targets, lowering arguments)."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_tree, shardings)
 
 
 def _is_box(x) -> bool:
@@ -116,31 +88,6 @@ def _keep_matching_boxes(tree):
 
     return jax.tree.map(fix, tree, is_leaf=_is_box)
 
-
-def _compile(lowered, fast: bool = False):
-    """Compile; ``fast`` skips LLVM's optimizations for a program that runs once (init), which
-    on CPU dominate the compile of threefry-heavy init programs (measured 37 s -> 4 s)."""
-    if fast and jax.default_backend() == "cpu":
-        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-    return lowered.compile()
-
-
-
-def global_array(value: np.ndarray, sharding) -> jax.Array:
-    """``value`` (the same on every process) as a global array with ``sharding``: each device
-    takes its slice (under several processes too, where ``device_put`` of host data would not)."""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-def host_array(x: jax.Array) -> np.ndarray:
-    """A global array's whole value on every process (gathered across processes when its
-    shards live on several)."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
 
 class Program:
     """The train state's abstract shapes and shardings and the one train and eval step.
@@ -210,7 +157,6 @@ class Program:
         self._old_logps_step = self._teacher_step = None
         self._build_teacher(teacher, strict)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
-        self._decoders: dict = {}
 
     # ------------------------------------------------------------------ the one init
     def _sample_inputs(self):
@@ -250,15 +196,17 @@ class Program:
             wanted = traverse_util.flatten_dict(self.shardings.params)
             if params is not None and given != set(wanted):
                 shardings = traverse_util.unflatten_dict({k: wanted[k] for k in given})
-                fn = jax.jit(lambda key, p: nn.meta.unbox(self._state_from(join(p, self._init_params(key)))),
-                             in_shardings=(None, shardings), out_shardings=self.shardings)
-                return _compile(fn.lower(rng, params), fast=True)(rng, params)
+                fn = self.compile(lambda key, p: nn.meta.unbox(self._state_from(join(p, self._init_params(key)))),
+                                  rng, params, in_shardings=(None, shardings), out_shardings=self.shardings,
+                                  fast=True)
+                return fn(rng, params)
             if params is not None:
-                fn = jax.jit(lambda p: nn.meta.unbox(self._state_from(p)),
-                             in_shardings=(self.shardings.params,), out_shardings=self.shardings)
+                fn = self.compile(lambda p: nn.meta.unbox(self._state_from(p)), params,
+                                  in_shardings=(self.shardings.params,), out_shardings=self.shardings)
                 return fn(params)
-            fn = jax.jit(lambda key: nn.meta.unbox(self._init_state(key)), out_shardings=self.shardings)
-            return _compile(fn.lower(rng), fast=True)(rng)
+            fn = self.compile(lambda key: nn.meta.unbox(self._init_state(key)), rng, out_shardings=self.shardings,
+                              fast=True)
+            return fn(rng)
 
     def params_target(self):
         """The params as ShapeDtypeStructs with their shardings (restore and import targets)."""
@@ -286,36 +234,36 @@ class Program:
                                  schedule=self.schedule, grad_accum=self.grad_accum,
                                  skip_nonfinite=self.skip_nonfinite, trains=self.trains)
 
-    def jitted_train_step(self):
-        """The train step, jitted with the state's and batch's shardings, state donated."""
-        if self.tx is None:
-            raise ValueError("a params-only Program (no optimizer) has no train step")
-        scalar = replicated(self.mesh)
-        return jax.jit(self._train_fn(), in_shardings=(self.shardings, self.batch_shardings, scalar),
-                       out_shardings=(self.shardings, scalar), donate_argnums=0)
-
-    def lower(self):
-        """The train step lowered for this program's abstract state and batch."""
-        with activate(self.mesh):
-            return self.jitted_train_step().lower(self.abstract, self.abstract_batch, self._rng_struct())
+    def compile(self, fn, *args, in_shardings=None, out_shardings=None, donate_argnums=(), fast: bool = False):
+        """The one jit site: ``fn`` jitted with these shardings, lowered on ``args`` (arrays or
+        ShapeDtypeStructs) under this program's mesh, and compiled (``compile_on``)."""
+        return compile_on(self.mesh, fn, *args, in_shardings=in_shardings, out_shardings=out_shardings,
+                          donate_argnums=donate_argnums, fast=fast)
 
     def compiled_train_step(self):
         """The compiled train step (compiled once per Program): ``(state, batch, rng) ->
         (new_state, metrics)``, ``state`` donated."""
+        if self.tx is None:
+            raise ValueError("a params-only Program (no optimizer) has no train step")
         if self._train_step is None:
             t0 = time.perf_counter()
-            self._train_step = self.lower().compile()
+            scalar = replicated(self.mesh)
+            self._train_step = self.compile(self._train_fn(), self.abstract, self.abstract_batch, self._rng_struct(),
+                                            in_shardings=(self.shardings, self.batch_shardings, scalar),
+                                            out_shardings=(self.shardings, scalar), donate_argnums=0)
             self.compile_seconds = time.perf_counter() - t0
         return self._train_step
+
+    def _compile_params_step(self, step):
+        """``step(params, batch, module, task)`` compiled: ``(params, batch) -> replicated outputs``."""
+        return self.compile(functools.partial(step, module=self.module, task=self.task), self.abstract.params,
+                            self.abstract_batch, in_shardings=(self.shardings.params, self.batch_shardings),
+                            out_shardings=replicated(self.mesh))
 
     def compiled_eval_step(self):
         """The compiled eval step: ``(params, batch) -> sums`` (see ``tasks.Task.sums``)."""
         if self._eval_step is None:
-            fn = jax.jit(functools.partial(eval_step, module=self.module, task=self.task),
-                         in_shardings=(self.shardings.params, self.batch_shardings),
-                         out_shardings=replicated(self.mesh))
-            with activate(self.mesh):
-                self._eval_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
+            self._eval_step = self._compile_params_step(eval_step)
         return self._eval_step
 
     def compiled_score_step(self):
@@ -323,11 +271,7 @@ class Program:
         row's summed log-probability of its weighted targets, and whether every one of them is
         the greedy guess (multiple choice, ``train/evaluate.py``)."""
         if self._score_step is None:
-            fn = jax.jit(functools.partial(score_step, module=self.module, task=self.task),
-                         in_shardings=(self.shardings.params, self.batch_shardings),
-                         out_shardings=replicated(self.mesh))
-            with activate(self.mesh):
-                self._score_step = fn.lower(self.abstract.params, self.abstract_batch).compile()
+            self._score_step = self._compile_params_step(score_step)
         return self._score_step
 
     def compiled_reference_step(self):
@@ -360,11 +304,9 @@ class Program:
         batch = {k: v for k, v in self.batch_shardings.items() if k not in later}
         params = self.abstract.params if params is None else params
         params_shardings = self.shardings.params if params_shardings is None else params_shardings
-        jitted = jax.jit(fn, in_shardings=(params_shardings, batch),
-                         out_shardings={k: self.batch_shardings[k] for k in keys})
         abstract = {k: v for k, v in self.abstract_batch.items() if k not in later}
-        with activate(self.mesh):
-            compiled = jitted.lower(params, abstract).compile()
+        compiled = self.compile(fn, params, abstract, in_shardings=(params_shardings, batch),
+                                out_shardings={k: self.batch_shardings[k] for k in keys})
         return lambda params, placed: compiled(params, {k: v for k, v in placed.items() if k not in later})
 
     def _build_teacher(self, teacher, strict) -> None:
@@ -374,7 +316,7 @@ class Program:
         self.teacher_config = teacher
         if teacher is None:
             return
-        self.teacher_config = teacher = teacher_with_vocab(self.config, teacher)
+        self.teacher_config = teacher = model_info.with_vocab_of(self.config, teacher)
         self.teacher_module = teacher.build(self.placement)
         inputs = [jnp.zeros(s.shape, s.dtype) for s in teacher.sample_inputs(self.micro_batch, self.seq_len)]
 
@@ -404,98 +346,6 @@ class Program:
         if not self.task.reference_keys or self.reference is None:
             return None
         return per_device_bytes(self.abstract.params, self.shardings.params) if self.reference == "copy" else 0
-
-    # ------------------------------------------------------------------ decoding
-    @property
-    def _scan_decoding(self) -> bool:
-        return self.config.execution.decode_layers == "scan"
-
-    @functools.cached_property
-    def decoder(self):
-        """The module decoding runs: with ``decode_layers="unroll"`` this model with its layers
-        unrolled (``models.decode.unrolled_params``), with "scan" the model as built."""
-        return self.module if self._scan_decoding else self.config.replace(scan_layers=False).build(self.placement)
-
-    def decoding_params(self, params):
-        """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""
-        return params if self._scan_decoding else unrolled_params(self.config.layout(), params)
-
-    def cache_shardings(self, batch_size: int, max_length: int):
-        """``(abstract cache, shardings)`` of the decoding cache for ``batch_size`` rows of
-        ``max_length`` positions (``decode_layers="unroll"``: one per layer, ``layers_i``;
-        "scan": a scanned stack's with a leading ``layers`` axis, an unrolled layer's its own):
-        its arrays' logical axes under the rules, like every array."""
-        init = cache_init_fn(self.decoder, batch_size, max_length)
-        with activate(self.mesh):
-            boxed = jax.eval_shape(lambda p: init(self.decoding_params(p)), self.abstract.params)
-        report = check(boxed, self.rules, self.mesh, strict=False)
-        return nn.meta.unbox(boxed), report.shardings(self.mesh)
-
-    def new_cache(self, batch_size: int, max_length: int):
-        """An empty decoding cache (zeros, index 0), each array created sharded as its logical
-        axes say (``cache_shardings``)."""
-        shapes, shardings = self.cache_shardings(batch_size, max_length)
-        make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                       out_shardings=shardings)
-        with activate(self.mesh):
-            return make()
-
-    def generate(self, params, prompt, prompt_lengths=None, *, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=(), pad_id: int | None = None,
-                 key=None):
-        """Continue ``prompt`` int32 [batch, prompt_len] (left-padded; ``prompt_lengths`` each
-        row's real length, default all) by ``max_new_tokens``: prefill and the sampling loop in
-        one compiled program, params, prompt and cache sharded under the rules (compiled once per
-        shape and sampling settings). Greedy at temperature 0. Returns int32 [batch, prompt_len +
-        max_new_tokens] on the host; rows end at an eos id, padded with ``pad_id`` (default the
-        first eos id, else 0). ``key``: the sampler's raw key (uint32 [2]) in place of ``seed``'s."""
-        prompt = np.asarray(prompt, np.int32)
-        if prompt.ndim != 2:
-            raise UserError(f"a prompt must be [batch, prompt_len] tokens, got shape {prompt.shape}")
-        vocab = self.config.arch.vocab_size
-        if top_k < 0 or top_k > vocab:
-            raise UserError(f"top-k {top_k} must be between 0 (off) and the model's vocab_size {vocab}")
-        eos_ids = tuple(int(e) for e in eos_ids)
-        pad_id = (eos_ids[0] if eos_ids else 0) if pad_id is None else int(pad_id)
-        lengths = np.full(prompt.shape[:1], prompt.shape[1], np.int32) if prompt_lengths is None \
-            else np.asarray(prompt_lengths, np.int32)
-        check_rope_decoding(self.config.arch, int(lengths.max(initial=0)), int(max_new_tokens))
-        settings = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
-        if settings not in self._decoders:
-            self._decoders[settings] = self._compile_generate(prompt.shape, *settings[1:])
-        fn, (prompt_sharding, rows_sharding) = self._decoders[settings]
-        key = np.asarray(jax.random.key_data(jax.random.key(seed)) if key is None else key, np.uint32)
-        args = (global_array(prompt, prompt_sharding), global_array(lengths, rows_sharding),
-                global_array(key, replicated(self.mesh)))
-        return host_array(fn(params, *args))
-
-    def _divisible_sharding(self, shape, names):
-        resolved, _ = resolve_array("decode", shape, "int32", names, self.rules, self.mesh, param=False)
-        return NamedSharding(self.mesh, resolved.spec)
-
-    def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
-        batch, prompt_len = shape
-        shapes, cache_shardings = self.cache_shardings(batch, prompt_len + max_new_tokens)
-        # rows split as the rules say when they divide (a batch of one prompt: replicated)
-        tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))
-        rows = self._divisible_sharding((batch,), ("batch",))
-
-        def run(params, prompt, lengths, key_data):
-            cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
-                                 shapes, cache_shardings)
-            return generate_tokens(self.decoder, self.decoding_params(params), cache, prompt, lengths,
-                                   jax.random.wrap_key_data(key_data),
-                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)
-
-        prompt = self._divisible_sharding(shape, ("batch", None))
-        fn = jax.jit(run, in_shardings=(self.shardings.params, prompt, rows, replicated(self.mesh)),
-                     out_shardings=tokens)
-        args = (self.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
-                jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows),
-                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh)))
-        with activate(self.mesh):
-            return fn.lower(*args).compile(), (prompt, rows)
 
     def place_global(self, batch) -> dict:
         """``place`` of a batch every process holds whole (GRPO's rollouts, sampled and scored
@@ -542,14 +392,13 @@ class Program:
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * self.task.rows_per_example, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),
-                         rollout_bytes=self.rollout_bytes())
+                         rollout_bytes=self.decoding.cache_bytes(self.batch_size, self.seq_len)
+                         if self.task.samples else None)  # GRPO: the cache that samples a step's completions
 
-    def rollout_bytes(self) -> int | None:
-        """GRPO: what the decoding cache that samples a step's completions (a batch of
-        ``seq_len`` positions) costs one device; None for other tasks."""
-        if not self.task.samples:
-            return None
-        return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
+    @functools.cached_property
+    def decoding(self) -> Decoding:
+        """Prefill and sampling on this program's params (``train/decoding.py``)."""
+        return Decoding(self)
 
     @property
     def is_abstract(self) -> bool:
@@ -595,15 +444,3 @@ def plan(config, rules, mesh, *, batch_size: int, seq_len: int | None = None, op
     program = Program(config, rules, mesh, optimizer=optimizer, opt_rules=opt_rules,
                       batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, strict=strict)
     return program.plan(device_memory=device_memory, name=name)
-
-
-def teacher_with_vocab(student_config, teacher_config):
-    """The teacher's config with the student's vocabulary padding (the same logits' width);
-    teacher and student must share the tokenizer's vocabulary: else one line naming both sizes."""
-    s, t = student_config.arch.vocab_size, teacher_config.arch.vocab_size
-    if s != t:
-        raise UserError(f"--teacher's vocab_size {t} differs from the student's {s}: "
-                        "distillation needs one tokenizer (the same vocabulary)")
-    if hasattr(student_config, "vocab_pad_multiple") and hasattr(teacher_config, "vocab_pad_multiple"):
-        return teacher_config.replace(vocab_pad_multiple=student_config.vocab_pad_multiple)
-    return teacher_config

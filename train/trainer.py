@@ -29,8 +29,9 @@ from shardzoo.train.io.checkpoint import (
     read_meta,
     restore_params,
 )
+from shardzoo.train.jit import per_device_bytes
 from shardzoo.train.metrics import MetricsLogger, progress
-from shardzoo.train.program import per_device_bytes, settings_program
+from shardzoo.train.program import settings_program
 from shardzoo.train.step import merge_sums
 from shardzoo.train.tasks.base import summarize_eval
 

@@ -27,7 +27,7 @@ class Parity:
                                   min_new_tokens=new_tokens).numpy()
         mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
         _, config, params = load_hf(path, mesh=mesh, rules=rules)
-        got = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new_tokens)
+        got = Program(config, rules, mesh).decoding.generate(params, prompt, max_new_tokens=new_tokens)
         assert len(set(want[0, prompt.shape[1]:].tolist())) > 3  # a varied continuation
         np.testing.assert_array_equal(got, want)
 

@@ -228,7 +228,7 @@ def left_padded_generates_alone(program, params, tokens=TOKENS) -> None:
     continues each row as that row continues alone."""
     prompt = tokens[:2, :8].copy()
     prompt[0, :5] = 0  # row 0: a prompt of 3 tokens, left-padded
-    both = program.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
-    alone = program.generate(params, tokens[:1, 5:8], max_new_tokens=8)
+    both = program.decoding.generate(params, prompt, np.array([3, 8]), max_new_tokens=8)
+    alone = program.decoding.generate(params, tokens[:1, 5:8], max_new_tokens=8)
     np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
-    np.testing.assert_array_equal(both[1], program.generate(params, prompt[1:], max_new_tokens=8)[0])
+    np.testing.assert_array_equal(both[1], program.decoding.generate(params, prompt[1:], max_new_tokens=8)[0])

@@ -93,7 +93,7 @@ def test_sampling_is_seeded(llama, capsys):
     mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
     module, config, params = load_hf(llama[1], mesh=mesh, rules=rules)
     prompt = np.random.default_rng(0).integers(3, 128, (8, 4))
-    out = Program(config, rules, mesh).generate(params, prompt, max_new_tokens=12, temperature=5.0,
+    out = Program(config, rules, mesh).decoding.generate(params, prompt, max_new_tokens=12, temperature=5.0,
                                                 top_k=3, seed=0)
     logits = np.asarray(module.apply({"params": params}, out))[:, 3:-1]  # [batch, new, vocab]
     rank = (logits > np.take_along_axis(logits, out[:, 4:, None], -1) + 1e-4).sum(-1)

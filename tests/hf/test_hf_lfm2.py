@@ -122,7 +122,7 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
 def test_cache_is_sharded_by_its_logical_axes(built):
     _, config, _ = load_hf(built[0], mesh=one_device(), rules=get_rules("fsdp"))
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
-    _, shardings = program.cache_shardings(8, 16)
+    _, shardings = program.decoding.cache_shardings(8, 16)
     assert shardings["layers_0"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
     # decoding runs the layers unrolled: every layer's cache its own array (no leading layers axis)
     assert shardings["layers_3"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")

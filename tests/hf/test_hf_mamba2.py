@@ -132,12 +132,12 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
 def test_cache_is_sharded_by_its_logical_axes(built):
     _, config, _ = load_hf(built[0], mesh=one_device(), rules=get_rules("fsdp"))
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
-    shapes, shardings = program.cache_shardings(8, 16)
+    shapes, shardings = program.decoding.cache_shardings(8, 16)
     m = shardings["layers_2"]["mamba"]
     assert m["ssm_state"].spec == P(("data", "fsdp"), "tensor", None, None)  # [batch, ssm_heads, head_dim, state]
     assert m["conv_x_state"].spec == P(("data", "fsdp"), None, "tensor", None)
     assert m["conv_b_state"].spec == P(("data", "fsdp"), None, None, None)
-    longer, _ = program.cache_shardings(8, 1024)  # a mamba layer's cache does not grow with the length
+    longer, _ = program.decoding.cache_shardings(8, 1024)  # a mamba layer's cache does not grow with the length
     assert jax.tree.map(lambda x: x.shape, longer["layers_2"]) == jax.tree.map(lambda x: x.shape, shapes["layers_2"])
 
 

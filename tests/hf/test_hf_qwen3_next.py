@@ -169,7 +169,7 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
 def test_cache_is_sharded_by_its_logical_axes(built):
     _, config, _ = _load(built[0])
     program = Program(config, get_rules("fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"))
-    _, shardings = program.cache_shardings(8, 16)
+    _, shardings = program.decoding.cache_shardings(8, 16)
     gdn = shardings["layers_0"]["linear_attn"]
     assert gdn["recurrent_state"].spec == P(("data", "fsdp"), "tensor", None, None)
     assert gdn["conv_q"].spec == P(("data", "fsdp"), None, "tensor", None)

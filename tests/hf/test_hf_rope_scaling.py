@@ -105,7 +105,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path):
 def _greedy(path, prompt, new):
     mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("fsdp")
     _, config, params = load_hf(path, mesh=mesh, rules=rules)
-    return Program(config, rules, mesh).generate(params, prompt, max_new_tokens=new)
+    return Program(config, rules, mesh).decoding.generate(params, prompt, max_new_tokens=new)
 
 
 def test_greedy_generate_matches_transformers(built):

@@ -16,7 +16,7 @@ from shardzoo.models import ModelError, get_model
 from shardzoo.models.conv_mixer import causal_conv
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
-from shardzoo.train.program import count_collectives
+from shardzoo.train.jit import count_collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402

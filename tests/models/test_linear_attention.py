@@ -19,7 +19,7 @@ from shardzoo.models import get_model
 from shardzoo.models import linear_attention as la
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
-from shardzoo.train.program import count_collectives
+from shardzoo.train.jit import count_collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
@@ -166,7 +166,7 @@ def test_the_decoding_cache_of_a_linear_attention_layer_is_counted():
     from shardzoo.train.program import Program
 
     config = get_config("qwen3-next-tiny")
-    shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).cache_shardings(8, 32)
+    shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).decoding.cache_shardings(8, 32)
     per_layer = {name: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
                  for name, tree in shapes.items()}
     counted = decode_cache_bytes(config.arch, 8, 32, 4)

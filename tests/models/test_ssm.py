@@ -18,7 +18,7 @@ from flax import linen as nn
 from shardzoo.models import get_model, ssm
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
-from shardzoo.train.program import count_collectives
+from shardzoo.train.jit import count_collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
@@ -179,7 +179,7 @@ def test_the_decoding_cache_of_mamba_layers_is_counted():
 
     for name in ("mamba2-tiny", "bamba-tiny", "nemotron-h-tiny"):
         config = get_config(name)
-        shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).cache_shardings(8, 32)
+        shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).decoding.cache_shardings(8, 32)
         made = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         counted = decode_cache_bytes(config.arch, 8, 32, 4)
         assert sum(counted.values()) == made, name

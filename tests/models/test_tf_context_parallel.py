@@ -18,7 +18,7 @@ from shardzoo.models import get_model
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.program import count_collectives
+from shardzoo.train.jit import count_collectives
 from shardzoo.train.tasks.registry import run_program
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, num_hidden_layers=1,
@@ -154,7 +154,7 @@ def test_sp_shards_the_residual_stream_by_length_and_leaves_attention_to_xla():
     module, config = get_model("llama-tiny", **TINY)
     cfg = TrainConfig(batch_size=BATCH, seq_len=LENGTH)
     program = run_program(cfg, config, get_rules("sp"), make_mesh("data=2,sequence=2,tensor=2"))
-    sp_hlo = program.lower().compile(compiler_options=FAST).as_text()
+    sp_hlo = program.compiled_train_step().as_text()
     # The norms between blocks (each block's two, the final one) work on [2, 24, 32] slices
     # of the residual stream per device, never on a whole row.
     d = TINY["hidden_size"]

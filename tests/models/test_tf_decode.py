@@ -57,8 +57,8 @@ def test_greedy_generate_is_argmax_of_full_forwards_with_left_padding():
     lengths = jnp.array([6, 4])
     params = _params(module, prompt)
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
-    out = program.generate(params, prompt, lengths, max_new_tokens=6)
-    again = program.generate(params, prompt, lengths, max_new_tokens=6)
+    out = program.decoding.generate(params, prompt, lengths, max_new_tokens=6)
+    again = program.decoding.generate(params, prompt, lengths, max_new_tokens=6)
     assert out.shape == (B, 12) and out.dtype == np.int32
     np.testing.assert_array_equal(out, again)
     np.testing.assert_array_equal(out[:, :6], prompt)
@@ -154,13 +154,13 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
     mesh = make_mesh("data=4,tensor=2")
     program = Program(config, get_rules("tp"), mesh)
-    cache = program.new_cache(4, 16)  # decoding's: one per layer (decode_layers="unroll")
+    cache = program.decoding.new_cache(4, 16)  # decoding's: one per layer (decode_layers="unroll")
     assert sorted(cache) == ["layers_0", "layers_1"]
     key = cache["layers_1"]["attn"]["cached_key"]
     assert key.shape == (4, 16, 2, 8)
     assert key.addressable_shards[0].data.shape == (1, 16, 1, 8)  # batch/4, kv_heads/2
     scan = Program(config.replace(decode_layers="scan"), get_rules("tp"), mesh)
-    cache = scan.new_cache(4, 16)  # the scanned layers' stacked
+    cache = scan.decoding.new_cache(4, 16)  # the scanned layers' stacked
     assert sorted(cache) == ["layers"]
     key = cache["layers"]["attn"]["cached_key"]
     assert key.shape == (2, 4, 16, 2, 8)
@@ -179,14 +179,14 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_la
     program = Program(config.replace(decode_layers=decode_layers), get_rules("fsdp_tp"), make_mesh("fsdp=4,tensor=2"))
     placed = jax.device_put(jax.device_get(params), program.shardings.params)
     for kw in (dict(), dict(temperature=1.0, top_k=20, seed=7)):
-        want = one.generate(params, prompt, max_new_tokens=7, **kw)
-        got = program.generate(placed, prompt, max_new_tokens=7, **kw)
+        want = one.decoding.generate(params, prompt, max_new_tokens=7, **kw)
+        got = program.decoding.generate(placed, prompt, max_new_tokens=7, **kw)
         np.testing.assert_array_equal(got, want)
-    _, shardings = program.cache_shardings(4, 12)
+    _, shardings = program.decoding.cache_shardings(4, 12)
     attn = shardings[layer]["attn"]
     assert attn["cached_key"].spec == P(*lead, ("data", "fsdp"), None, "tensor", None)
     assert attn["cached_segment_ids"].spec == P(*lead, ("data", "fsdp"), None)
-    cache = program.new_cache(4, 12)
+    cache = program.decoding.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
         assert cache[layer]["attn"][name].sharding == attn[name], name
     assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 12, 1, 8)
@@ -203,14 +203,14 @@ def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
     params = programs["scan"].init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
     assert sorted(params) == ["embed", "final_norm", "layers", "layers_0", "layers_5", "lm_head"]
     prompt = np.asarray(jax.random.randint(jax.random.key(6), (B, PREFILL), 0, config.vocab_size))
-    tokens = {d: p.generate(params, prompt, max_new_tokens=L - PREFILL) for d, p in programs.items()}
+    tokens = {d: p.decoding.generate(params, prompt, max_new_tokens=L - PREFILL) for d, p in programs.items()}
     np.testing.assert_array_equal(tokens["scan"], tokens["unroll"])
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     x = tokens["unroll"]
     logits = {}
     for d, program in programs.items():
-        module, weights, cache = program.decoder, program.decoding_params(params), program.new_cache(B, L)
+        module, weights, cache = program.decoding.decoder, program.decoding.decoding_params(params), program.decoding.new_cache(B, L)
         assert sorted(cache) == (["layers", "layers_0", "layers_5"] if d == "scan" else [f"layers_{i}" for i in range(6)])
         out, cache = step(module, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
         outs = [out]
@@ -229,8 +229,8 @@ def _generate_hlo(layers):
     _, config = get_model("llama-tiny", **dict(TINY, max_position_embeddings=256), num_hidden_layers=layers,
                           decode_layers="scan")
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
-    compiled, _ = program._compile_generate((2, 16), 240, 0.0, 0, 1.0, (), 0)
-    shapes, _ = program.cache_shardings(2, 256)
+    compiled, _ = program.decoding._compile_generate((2, 16), 240, 0.0, 0, 1.0, (), 0)
+    shapes, _ = program.decoding.cache_shardings(2, 256)
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     return compiled, shapes["layers"]["attn"]["cached_key"].shape, whole
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from shardzoo.cli import build_parser, report_train
 from shardzoo.errors import UserError
-from shardzoo.train.config import config_from_args
+from shardzoo.train.flags import config_from_args
 from shardzoo.train.launch import run
 from shardzoo.train.trainer import Hook, batch_hash
 

@@ -310,16 +310,16 @@ def test_sampling_under_fsdp_tp_on_8_devices_equals_one_device(ours):
     task = grpo_task("grpo", 0.0, max_completion_length=COMPLETION)
     prompt, lengths = left_pad([p for p in PROMPTS for _ in range(4)], WIDTH, 0)
     key = np.asarray(jax.random.key_data(jax.random.key(3)), np.uint32)
-    one = program_of(ours, task).generate(ours.params, prompt, lengths, max_new_tokens=12, temperature=1.0,
+    one = program_of(ours, task).decoding.generate(ours.params, prompt, lengths, max_new_tokens=12, temperature=1.0,
                                           key=key, eos_ids=(2,), pad_id=0)
     mesh8, rules8 = make_mesh("fsdp=4,tensor=2"), get_rules("fsdp_tp")
     _, _, params8 = load_hf(str(ours.policy_dir), mesh=mesh8, rules=rules8)
     program8 = Program(ours.config, rules8, mesh8, task=task, batch_size=8, seq_len=WIDTH + COMPLETION,
                        optimizer=functools.partial(make_optimizer, SETTINGS))
-    eight = program8.generate(params8, prompt, lengths, max_new_tokens=12, temperature=1.0, key=key,
+    eight = program8.decoding.generate(params8, prompt, lengths, max_new_tokens=12, temperature=1.0, key=key,
                               eos_ids=(2,), pad_id=0)
     np.testing.assert_array_equal(one, eight)
-    other = program8.generate(params8, prompt, lengths, max_new_tokens=12, temperature=1.0, eos_ids=(2,), pad_id=0,
+    other = program8.decoding.generate(params8, prompt, lengths, max_new_tokens=12, temperature=1.0, eos_ids=(2,), pad_id=0,
                               key=np.asarray(jax.random.key_data(jax.random.key(4)), np.uint32))
     assert not np.array_equal(other, eight)  # the key decides the samples
 
@@ -351,7 +351,7 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(hf, capsys):
         seen = []
 
         def after_step(self, trainer, step, batch, record):
-            self.seen.append((len(trainer.program._decoders), trainer.program._train_step))
+            self.seen.append((len(trainer.program.decoding._compiled), trainer.program._train_step))
 
     two = dict(reward_funcs=(f"{hf.reward}:words", f"{hf.reward}:length"), reward_weights=(1.0, 0.5))
     quiet(settings(hf, "straight", num_iterations=2, beta=0.02, **two), hooks=(Watch(),))
@@ -569,7 +569,7 @@ def test_rollouts_decode_the_train_state_params_without_a_copy(hf):
     decoding scans them (decode_layers=scan: less than one layer's weights more than unrolled).
     Under fsdp rules decoding gathers the sharded weights in either layout."""
     def sampler_temp(program):
-        fn, _ = program._compile_generate((6, WIDTH), 10, 1.0, 0, 1.0, (2,), 0)
+        fn, _ = program.decoding._compile_generate((6, WIDTH), 10, 1.0, 0, 1.0, (2,), 0)
         return fn.memory_analysis().temp_size_in_bytes
 
     # rules dp: the params whole on every device (under fsdp decoding gathers them, either way)

@@ -180,9 +180,10 @@ def test_dapo_is_the_default_loss_as_trls():
 
     assert GRPOConfig.__dataclass_fields__["loss_type"].default == "dapo"
     assert grpo_task().loss == "dapo" and grpo_task(name="rloo").beta == 0.05
-    from shardzoo.train.tasks.preference import run_task
+    from shardzoo.train.tasks.registry import run_task
 
-    task, _ = run_task(TrainConfig(task="grpo", reward_funcs=("r.py:f",), batch_size=8), types.SimpleNamespace())
+    settings = TrainConfig(task="grpo", reward_funcs=("r.py:f",), batch_size=8)
+    task, _ = run_task(settings).task(settings, types.SimpleNamespace(task="lm"))
     assert task.loss == "dapo" and task.importance_sampling_level == "token" and task.use_bias_correction_kl
 
 
@@ -301,7 +302,8 @@ def test_a_resumed_rloo_run_samples_and_trains_as_the_uninterrupted_one(hf):
 def test_bad_loss_settings_are_one_line_config_errors():
     import argparse
 
-    from shardzoo.train.config import ConfigError, add_arguments, config_from_args
+    from shardzoo.train.config import ConfigError
+    from shardzoo.train.flags import add_arguments, config_from_args
 
     base = dict(reward_funcs=("r.py:f",), batch_size=8, num_generations=4)
     cases = [(dict(task="rloo", loss="sapo"), "--loss 'sapo': --task rloo has one loss"),

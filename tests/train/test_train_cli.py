@@ -109,7 +109,7 @@ def test_cli_trains_a_tiny_llama_end_to_end(reference):
 
 def test_config_file_settings_apply_and_flags_win(tmp_path):
     from shardzoo.cli import build_parser
-    from shardzoo.train.config import config_from_args
+    from shardzoo.train.flags import config_from_args
 
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("steps: 50\nlr: 0.02\nbatch-size: 4\noverride: {hidden_size: 32, num_hidden_layers: 1}\n")

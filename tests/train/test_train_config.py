@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from shardzoo.cli import build_parser
-from shardzoo.train.config import SECTIONS, ConfigError, TrainConfig, config_from_args
+from shardzoo.train.config import SECTIONS, ConfigError, TrainConfig
+from shardzoo.train.flags import config_from_args
 
 
 def test_every_setting_lives_in_exactly_one_section():

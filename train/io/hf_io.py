@@ -218,7 +218,7 @@ def generate_text(config, params, tokenizer, prompt: str, mesh, rules,
     eos = config.arch.eos_token_id
     eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
     program = Program(config, rules, mesh)
-    out = program.generate(params, np.asarray([ids], np.int32), max_new_tokens=max_new_tokens,
+    out = program.decoding.generate(params, np.asarray([ids], np.int32), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_ids=eos_ids)
     new = [int(t) for t in np.asarray(out)[0, len(ids):]]
     ends = [i for i, t in enumerate(new) if t in eos_ids]

@@ -40,6 +40,7 @@ from shardzoo.train.io.hub import resolve_model_dir
 from shardzoo.train.io.peft import ADAPTER_CONFIG, load_adapters
 from shardzoo.train.io.rundir import RunDirError, read_run_json
 from shardzoo.train.io.runmeta import config_from_meta, hf_module, lora_base, tokenizer_spec
+from shardzoo.train.jit import compile_on
 
 KINDS = ("hf", "run", "step", "adapter")
 WORDS = {"hf": "a Hugging Face model directory", "run": "a shardzoo run",
@@ -265,7 +266,8 @@ class RunSource(Source):
                 return meta, restore_params(self.root, step, target)
             params = restore_params(self.root, step, relayout_abstract(target, *moved[::-1]))
             shardings = jax.tree.map(lambda t: t.sharding, target)
-            return meta, jax.jit(lambda p: relayout(p, *moved), out_shardings=shardings)(params)
+            mesh = jax.tree.leaves(shardings)[0].mesh
+            return meta, compile_on(mesh, lambda p: relayout(p, *moved), params, out_shardings=shardings)(params)
 
         try:
             step, (meta, params) = newest_restorable(self.root, self.steps, load)

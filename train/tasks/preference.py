@@ -41,6 +41,7 @@ from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train import model_info
+from shardzoo.train.jit import zeros_on
 from shardzoo.train.tasks.base import Field, Task
 from shardzoo.train.tasks.component import RunTask, language_model_only
 
@@ -461,7 +462,5 @@ def load_reference(path: str, target, config):
     if not model_info.lora_rank(config):
         return source.load_params(target, config)
     adapters, base = split(target, is_adapter)
-    shardings = jax.tree.map(lambda t: t.sharding, adapters)
-    zeros = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), adapters),
-                    out_shardings=shardings)()
+    zeros = zeros_on(adapters, jax.tree.map(lambda t: t.sharding, adapters))
     return join(zeros, source.load_params(base, config))

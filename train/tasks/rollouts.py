@@ -25,8 +25,8 @@ import numpy as np
 from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
 from shardzoo.train.config import GRPO_OPTIONS
+from shardzoo.train.jit import host_array
 from shardzoo.train.metrics import progress
-from shardzoo.train.program import host_array
 from shardzoo.train.tasks.component import RunTask, language_model_only
 from shardzoo.train.tasks.grpo import (
     completion_lengths,
@@ -153,7 +153,7 @@ def sample_and_score(program, params, prompts, indices, per_call: int, *, key, t
     padded = indices + [indices[0]] * (per_call - len(indices))
     prompt, prompt_lengths = left_pad([prompts.ids[i] for i in padded for _ in range(group)], width, tokenizer.pad_id)
     start = time.perf_counter()
-    tokens = program.generate(params, prompt, prompt_lengths, max_new_tokens=completion, key=key,
+    tokens = program.decoding.generate(params, prompt, prompt_lengths, max_new_tokens=completion, key=key,
                               eos_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id, **sampling)[:rows]
     seconds = time.perf_counter() - start
     lengths, ended = completion_lengths(tokens[:, width:], (tokenizer.eos_id,))

@@ -1,0 +1,120 @@
+"""Decoding on a Program: prefill and the sampling loop in one compiled program, the KV cache
+sharded by its logical axes under the program's rules like every other array
+(``program.decoding``). Compiled once per prompt shape and sampling settings, through the
+program's one jit site."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import NamedSharding
+
+from shardzoo.errors import UserError
+from shardzoo.models.attention import check_rope_decoding
+from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
+from shardzoo.sharding.partition import activate, replicated
+from shardzoo.sharding.validate import check, resolve_array
+from shardzoo.train.jit import global_array, host_array, per_device_bytes, zeros_on
+
+
+class Decoding:
+    """A Program's decoding: its decoder module, cache shardings and compiled samplers."""
+
+    def __init__(self, program):
+        self.program = program
+        self._compiled: dict = {}
+
+    @property
+    def _scan_decoding(self) -> bool:
+        return self.program.config.execution.decode_layers == "scan"
+
+    @functools.cached_property
+    def decoder(self):
+        """The module decoding runs: with ``decode_layers="unroll"`` this model with its layers
+        unrolled (``models.decode.unrolled_params``), with "scan" the model as built."""
+        return self.program.module if self._scan_decoding else self.program.config.replace(scan_layers=False).build(self.program.placement)
+
+    def decoding_params(self, params):
+        """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""
+        return params if self._scan_decoding else unrolled_params(self.program.config.layout(), params)
+
+    def cache_shardings(self, batch_size: int, max_length: int):
+        """``(abstract cache, shardings)`` of the decoding cache for ``batch_size`` rows of
+        ``max_length`` positions (``decode_layers="unroll"``: one per layer, ``layers_i``;
+        "scan": a scanned stack's with a leading ``layers`` axis, an unrolled layer's its own):
+        its arrays' logical axes under the rules, like every array."""
+        init = cache_init_fn(self.decoder, batch_size, max_length)
+        with activate(self.program.mesh):
+            boxed = jax.eval_shape(lambda p: init(self.decoding_params(p)), self.program.abstract.params)
+        report = check(boxed, self.program.rules, self.program.mesh, strict=False)
+        return nn.meta.unbox(boxed), report.shardings(self.program.mesh)
+
+    def cache_bytes(self, batch_size: int, max_length: int) -> int:
+        """What that cache costs one device."""
+        return per_device_bytes(*self.cache_shardings(batch_size, max_length))
+
+    def new_cache(self, batch_size: int, max_length: int):
+        """An empty decoding cache (zeros, index 0), each array created sharded as its logical
+        axes say (``cache_shardings``)."""
+        shapes, shardings = self.cache_shardings(batch_size, max_length)
+        return zeros_on(shapes, shardings)
+
+    def generate(self, params, prompt, prompt_lengths=None, *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=(), pad_id: int | None = None,
+                 key=None):
+        """Continue ``prompt`` int32 [batch, prompt_len] (left-padded; ``prompt_lengths`` each
+        row's real length, default all) by ``max_new_tokens``: prefill and the sampling loop in
+        one compiled program, params, prompt and cache sharded under the rules (compiled once per
+        shape and sampling settings). Greedy at temperature 0. Returns int32 [batch, prompt_len +
+        max_new_tokens] on the host; rows end at an eos id, padded with ``pad_id`` (default the
+        first eos id, else 0). ``key``: the sampler's raw key (uint32 [2]) in place of ``seed``'s."""
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 2:
+            raise UserError(f"a prompt must be [batch, prompt_len] tokens, got shape {prompt.shape}")
+        vocab = self.program.config.arch.vocab_size
+        if top_k < 0 or top_k > vocab:
+            raise UserError(f"top-k {top_k} must be between 0 (off) and the model's vocab_size {vocab}")
+        eos_ids = tuple(int(e) for e in eos_ids)
+        pad_id = (eos_ids[0] if eos_ids else 0) if pad_id is None else int(pad_id)
+        lengths = np.full(prompt.shape[:1], prompt.shape[1], np.int32) if prompt_lengths is None \
+            else np.asarray(prompt_lengths, np.int32)
+        check_rope_decoding(self.program.config.arch, int(lengths.max(initial=0)), int(max_new_tokens))
+        settings = (prompt.shape, int(max_new_tokens), float(temperature), int(top_k), float(top_p), eos_ids, pad_id)
+        if settings not in self._compiled:
+            self._compiled[settings] = self._compile_generate(prompt.shape, *settings[1:])
+        fn, (prompt_sharding, rows_sharding) = self._compiled[settings]
+        key = np.asarray(jax.random.key_data(jax.random.key(seed)) if key is None else key, np.uint32)
+        args = (global_array(prompt, prompt_sharding), global_array(lengths, rows_sharding),
+                global_array(key, replicated(self.program.mesh)))
+        return host_array(fn(params, *args))
+
+    def _divisible_sharding(self, shape, names):
+        resolved, _ = resolve_array("decode", shape, "int32", names, self.program.rules, self.program.mesh, param=False)
+        return NamedSharding(self.program.mesh, resolved.spec)
+
+    def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
+        batch, prompt_len = shape
+        shapes, cache_shardings = self.cache_shardings(batch, prompt_len + max_new_tokens)
+        # rows split as the rules say when they divide (a batch of one prompt: replicated)
+        tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))
+        rows = self._divisible_sharding((batch,), ("batch",))
+
+        def run(params, prompt, lengths, key_data):
+            cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
+                                 shapes, cache_shardings)
+            return generate_tokens(self.decoder, self.decoding_params(params), cache, prompt, lengths,
+                                   jax.random.wrap_key_data(key_data),
+                                   max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)
+
+        prompt = self._divisible_sharding(shape, ("batch", None))
+        args = (self.program.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
+                jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.program.mesh)))
+        fn = self.program.compile(run, *args, out_shardings=tokens,
+                                  in_shardings=(self.program.shardings.params, prompt, rows, replicated(self.program.mesh)))
+        return fn, (prompt, rows)
