@@ -17,13 +17,14 @@ import jax
 import numpy as np
 
 from shardzoo import interrupt
-from shardzoo.errors import EnvironmentFault, UserError
+from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.rules import get_rules
 from shardzoo.train import fit, model_info
 from shardzoo.train.config import ConfigError, TrainConfig
 from shardzoo.train.defaults import STDLIB_EVAL_FRACTION, adds_bos, mesh_and_rules, pad_vocab
+from shardzoo.train.distributed import init_distributed
 from shardzoo.train.io import outdir
 from shardzoo.train.io.checkpoint import (
     CHECKPOINTS,
@@ -39,42 +40,6 @@ from shardzoo.train.tasks.preference import check_reference, load_reference
 from shardzoo.train.tasks.registry import run_program, run_task
 from shardzoo.train.trainer import NonFiniteError, is_main_process, say
 from shardzoo.train.xla_flags import apply_xla_preset
-
-
-def init_distributed(cfg: TrainConfig) -> None:
-    """``jax.distributed.initialize`` from the multi-host flags; call before touching devices."""
-    explicit = (cfg.coordinator, cfg.num_processes, cfg.process_id)
-    timeouts = dict(initialization_timeout=cfg.distributed_timeout,
-                    heartbeat_timeout_seconds=cfg.heartbeat_timeout)
-    if any(v is not None for v in explicit):
-        if None in explicit:
-            raise ConfigError("--coordinator, --num-processes and --process-id go together")
-        if cfg.process_id != 0:  # process 0 starts the coordinator; the others must reach it
-            _wait_for_coordinator(cfg.coordinator, cfg.distributed_timeout)
-        jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
-                                   process_id=cfg.process_id, **timeouts)
-    elif cfg.distributed:
-        jax.distributed.initialize(**timeouts)
-
-
-def _wait_for_coordinator(address: str, timeout: float) -> None:
-    """Connect to the coordinator until it answers, or raise one line after ``timeout`` seconds
-    (jax's client would abort the process with SIGABRT instead)."""
-    import socket
-    import time
-
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise EnvironmentFault(
-                    f"--coordinator {address}: no answer within --distributed-timeout {timeout:g} s "
-                    f"({e.strerror or e}); start process 0 there first, or check the address") from None
-            time.sleep(0.5)
 
 
 def with_init_model(cfg: TrainConfig):

@@ -28,13 +28,13 @@ from shardzoo.train.launch import DONE, prepare, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
 from shardzoo.train.tasks.base import forward  # noqa: E402
-from shardzoo.train.tasks.grpo import (  # noqa: E402
+from shardzoo.train.tasks.grpo import grpo_task  # noqa: E402
+from shardzoo.train.tasks.reward_functions import (  # noqa: E402
     RewardError,
     RewardFunction,
     advantages,
     completion_lengths,
     group_rewards,
-    grpo_task,
     left_pad,
     rollout_rows,
     score,

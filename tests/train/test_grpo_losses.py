@@ -26,7 +26,8 @@ from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
-from shardzoo.train.tasks.grpo import grpo_task, rollout_rows  # noqa: E402
+from shardzoo.train.tasks.grpo import grpo_task  # noqa: E402
+from shardzoo.train.tasks.reward_functions import rollout_rows  # noqa: E402
 from shardzoo.train.tasks.rollouts import GRPOTrainer, Sampled  # noqa: E402
 
 G, WIDTH, COMPLETION = 3, 4, 5

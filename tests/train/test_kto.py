@@ -27,7 +27,7 @@ from shardzoo.train.io.hf_io import load_hf  # noqa: E402
 from shardzoo.train.launch import DONE, run  # noqa: E402
 from shardzoo.train.optim import make_optimizer  # noqa: E402
 from shardzoo.train.program import Program  # noqa: E402
-from shardzoo.train.tasks.preference import kto_task  # noqa: E402
+from shardzoo.train.tasks.kto import kto_task  # noqa: E402
 
 BETA, SEQ, ROWS = 0.1, 40, 4
 WEIGHTS = {"desirable_weight": 1.3, "undesirable_weight": 0.7}

@@ -14,7 +14,7 @@ and multi-device reductions all divide once, by the total weight, at the end.
 - ``dpo``: preference pairs (``train/tasks/preference.py``): ``[batch, 2, length]`` sequences, a pair
   weight, and the reference model's log-probabilities, which a reference step of the program
   fills in before the train step (``reference_keys``).
-- ``kto``: unpaired rows (``train/tasks/preference.py``'s KTOTask): the ``dpo`` layout, each row's
+- ``kto``: unpaired rows (``train/tasks/kto.py``'s KTOTask): the ``dpo`` layout, each row's
   second sequence its mismatched KL row, and a ``labels [batch]`` entry (1: desirable).
 - ``grpo``: completions sampled from prompts and scored by reward functions (``train/tasks/grpo.py``):
   ``[batch, length]`` sequences, a completion-token mask, each completion's advantage, and the

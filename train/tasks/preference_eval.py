@@ -73,7 +73,8 @@ def evaluate_preference_run(s, run: dict, recorded: dict, config, params, mesh, 
     eval``), against the reference it trained with; ``--task reward``: a reward model's loss and
     TRL's accuracy, margin and min/mean/max rewards on the pairs (no reference)."""
     from shardzoo.data import make_preference_eval_dataset
-    from shardzoo.train.tasks.preference import DPO_SETTINGS, kto_task, preference_task
+    from shardzoo.train.tasks.kto import kto_task
+    from shardzoo.train.tasks.preference import DPO_SETTINGS, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}

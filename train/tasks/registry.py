@@ -11,7 +11,8 @@ from shardzoo.train.tasks.base import TASKS as MODEL_TASKS
 from shardzoo.train.tasks.base import Task
 from shardzoo.train.tasks.component import RunTask
 from shardzoo.train.tasks.distill import DistillRun
-from shardzoo.train.tasks.preference import DPORun, KTORun
+from shardzoo.train.tasks.kto import KTORun
+from shardzoo.train.tasks.preference import DPORun
 from shardzoo.train.tasks.reward import RewardRun
 from shardzoo.train.tasks.rollouts import RolloutRun
 

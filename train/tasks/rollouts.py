@@ -1,5 +1,5 @@
 """GRPO's loop: the rollout data (prompts, the sampler's key, the rollout being trained on) and
-the Trainer that samples, scores and steps (``train/tasks/grpo.py`` holds the loss and the formulas).
+the Trainer that samples, scores and steps (``grpo.py`` holds the loss, ``reward_functions.py`` the rewards and advantages).
 
 ``Rollouts`` is the run's train data: ``next`` gives the prompt indices of a new rollout when
 one is due (every ``num_iterations`` steps), else None (the step reuses the current rollout).
@@ -28,21 +28,20 @@ from shardzoo.train.config import GRPO_OPTIONS
 from shardzoo.train.jit import host_array
 from shardzoo.train.metrics import progress
 from shardzoo.train.tasks.component import RunTask, language_model_only
-from shardzoo.train.tasks.grpo import (
+from shardzoo.train.tasks.grpo import grpo_task
+from shardzoo.train.tasks.preference import reference_kind
+from shardzoo.train.tasks.reward_functions import (
     completion_lengths,
     group_rewards,
-    grpo_task,
     left_pad,
     load_reward_function,
     nan_mean_std,
     rloo_rewards,
-    rollout_layout,
     rollout_rows,
     score,
     truncated,
     weighted_sum,
 )
-from shardzoo.train.tasks.preference import reference_kind
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
@@ -53,6 +52,23 @@ FLOAT_KEYS = ("loss_mask", "advantages", "weights", "old_logps", "ref_logps")
 def completion_length(cfg) -> int:
     """Tokens sampled per completion: ``--max-completion-length``, default half ``--seq-len``."""
     return cfg.max_completion_length or cfg.seq_len // 2
+
+
+def rollout_layout(cfg, config):
+    """The model GRPO trains: its layers unrolled unless ``--override scan_layers=...`` says
+    otherwise. The rollouts decode the train state's own params, and decoding runs the layers
+    unrolled (``execution.decode_layers="unroll"``, the default: ``models/decode.py``): params
+    stacked by a scan would be cut into a copy of the layer weights by every rollout, unrolled
+    ones are read where they are. (``decode_layers="scan"`` decodes a stack without a copy, in
+    slower steps.)"""
+    from shardzoo.models import parse_overrides
+
+    execution = getattr(config, "execution", None)
+    if not getattr(execution, "scan_layers", False):
+        return config
+    if "scan_layers" in parse_overrides(getattr(cfg, "override", None) or []):
+        return config
+    return config.replace(scan_layers=False)
 
 
 class Rollouts:
@@ -146,7 +162,7 @@ def sample_and_score(program, params, prompts, indices, per_call: int, *, key, t
     """``group`` completions for each prompt of ``prompts`` (a ``PromptSet``) at ``indices``,
     sampled by ``program.generate`` on ``params`` (``per_call`` prompts a call: fewer are padded
     with the first, so every call has one shape and the sampler compiles once) and scored by the
-    reward functions as TRL calls them (``train.grpo.score``: texts, or one assistant message each
+    reward functions as TRL calls them (``reward_functions.score``: texts, or one assistant message each
     for conversational prompts; the prompts and the other columns as the data holds them)."""
     indices = [int(i) for i in indices]
     rows = len(indices) * group

@@ -29,7 +29,7 @@ def evaluate_rewards_run(s, run: dict, recorded: dict, config, params, mesh, rul
     evaluations sampled, so ``--split eval`` gives the run's final ``eval_*``."""
     from shardzoo.data import load_source
     from shardzoo.data.prompts import split_prompts, tokenize_prompts
-    from shardzoo.train.tasks.grpo import load_reward_function
+    from shardzoo.train.tasks.reward_functions import load_reward_function
     from shardzoo.train.tasks.rollouts import (
         held_out_key,
         reward_metrics,
