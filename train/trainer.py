@@ -22,13 +22,8 @@ import numpy as np
 from shardzoo import interrupt
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import replicated
-from shardzoo.train.io.checkpoint import (
-    Checkpointer,
-    check_same_model,
-    config_to_dict,
-    read_meta,
-    restore_params,
-)
+from shardzoo.train.io.checkpoint import Checkpointer, read_meta, restore_params
+from shardzoo.train.io.runmeta import check_same_model, config_to_dict
 from shardzoo.train.jit import per_device_bytes
 from shardzoo.train.metrics import MetricsLogger, progress
 from shardzoo.train.program import settings_program

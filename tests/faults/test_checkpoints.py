@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from shardzoo.cli import main
-from shardzoo.train.io.checkpoint import latest_step, load_model_and_params
+from shardzoo.train.io.checkpoint import latest_step
+from shardzoo.train.io.sources import load_model_and_params
 
 
 def _truncate_arrays(run, step):

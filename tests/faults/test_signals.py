@@ -10,7 +10,8 @@ import time
 import jax
 import numpy as np
 
-from shardzoo.train.io.checkpoint import latest_step, load_model_and_params
+from shardzoo.train.io.checkpoint import latest_step
+from shardzoo.train.io.sources import load_model_and_params
 
 
 def test_ctrl_c_saves_exits_130_and_the_resume_is_bit_identical(cli, reference, tmp_path):

@@ -57,7 +57,7 @@ class Parity:
         from transformers import PreTrainedTokenizerFast
 
         from shardzoo import cli
-        from shardzoo.train.io.checkpoint import load_model_and_params
+        from shardzoo.train.io.sources import load_model_and_params
         from shardzoo.train.metrics import read_metrics
 
         hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")

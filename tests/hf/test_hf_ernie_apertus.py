@@ -274,7 +274,7 @@ def test_apertus_trains_from_the_hf_dir_and_exports_its_moved_alphas(apertus, tm
     import shutil
 
     from shardzoo import cli
-    from shardzoo.train.io.checkpoint import load_model_and_params
+    from shardzoo.train.io.sources import load_model_and_params
     from shardzoo.train.metrics import read_metrics
 
     hf_dir, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "export")

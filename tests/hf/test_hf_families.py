@@ -77,14 +77,10 @@ from shardzoo.models.hf import (
 )
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.transformer import TransformerConfig
-from shardzoo.train.io.checkpoint import (
-    CheckpointError,
-    config_from_meta,
-    config_to_dict,
-    read_meta,
-    resolve_checkpoint,
-)
+from shardzoo.train.io.checkpoint import CheckpointError, read_meta
 from shardzoo.train.io.hf_io import load_hf
+from shardzoo.train.io.runmeta import config_from_meta, config_to_dict
+from shardzoo.train.io.sources import resolve_checkpoint
 
 FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_moe", "gemma", "granite",
                   "olmoe", "qwen2_moe", "olmo3", "smollm3", "ministral", "starcoder2", "phi",

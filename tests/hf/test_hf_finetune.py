@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardzoo.train.io.checkpoint import load_model_and_params
+from shardzoo.train.io.sources import load_model_and_params
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "finetune_hf.py")
 

@@ -21,8 +21,9 @@ from shardzoo import cli
 from shardzoo.models.hf import HFError, export_hf, load_hf_config
 from shardzoo.sharding import make_mesh
 from shardzoo.sharding.rules import get_rules
-from shardzoo.train.io.checkpoint import read_meta, resolve_checkpoint
+from shardzoo.train.io.checkpoint import read_meta
 from shardzoo.train.io.hf_io import load_hf
+from shardzoo.train.io.sources import resolve_checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, hf_logits, one_device, randomized, saved  # noqa: E402

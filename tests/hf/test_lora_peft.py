@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardzoo import cli
 from shardzoo.models.lora import is_adapter
-from shardzoo.train.io.checkpoint import load_model_and_params
+from shardzoo.train.io.sources import load_model_and_params
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import LLAMA, bpe_tokenizer  # noqa: E402

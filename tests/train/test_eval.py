@@ -114,7 +114,7 @@ def test_eval_split_of_a_run_is_its_held_out_documents(trained, tmp_path):
     """``--split eval`` with the run's data, seed, fraction and seq_len (all defaulted from the
     run) equals the direct mean over the held-out documents, and the trainer's own final eval."""
     from shardzoo.data.packing import split_documents
-    from shardzoo.train.io.checkpoint import load_model_and_params
+    from shardzoo.train.io.sources import load_model_and_params
 
     run, d = trained
     out = tmp_path / "m.json"

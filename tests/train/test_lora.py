@@ -105,7 +105,8 @@ def test_lora_under_fsdp_and_tp_gives_the_one_device_losses(lora_config, one_dev
 
 def test_lora_run_resumes_exactly_and_names_its_base(tmp_path):
     from shardzoo import cli
-    from shardzoo.train.io.checkpoint import load_model_and_params, read_meta
+    from shardzoo.train.io.checkpoint import read_meta
+    from shardzoo.train.io.sources import load_model_and_params
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(f'{{"text": "line {i} of a tiny corpus for a LoRA run"}}\n' for i in range(64)))

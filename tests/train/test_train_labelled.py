@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardzoo.cli import main
-from shardzoo.train.io.checkpoint import load_model_and_params
+from shardzoo.train.io.sources import load_model_and_params
 from shardzoo.train.metrics import read_metrics
 
 

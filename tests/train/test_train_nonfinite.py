@@ -10,7 +10,8 @@ import pytest
 
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import NONFINITE_EXIT, TrainConfig
-from shardzoo.train.io.checkpoint import latest_step, load_model_and_params
+from shardzoo.train.io.checkpoint import latest_step
+from shardzoo.train.io.sources import load_model_and_params
 from shardzoo.train.metrics import read_metrics
 from shardzoo.train.trainer import NonFiniteError, Trainer
 

@@ -9,7 +9,7 @@ import optax
 
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
-from shardzoo.train.io.checkpoint import init_params_from
+from shardzoo.train.io.sources import init_params_from
 from shardzoo.train.trainer import Trainer
 
 

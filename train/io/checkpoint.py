@@ -383,17 +383,3 @@ def restore_params(root: str, step: int, target):
     except Exception as e:  # noqa: BLE001 - damaged files, or another model's params
         raise _restore_failure(root, step, e, "its params do not match the model") from None
     return restored.state["params"]
-
-
-# Names that lived here before the split (runmeta.py, sources.py); older imports keep working.
-_MOVED = {"config_to_dict": "runmeta", "model_meta": "runmeta", "config_from_meta": "runmeta",
-          "check_same_model": "runmeta", "hf_module": "runmeta", "resolve_checkpoint": "sources", "init_params_from": "sources",
-          "load_model_and_params": "sources"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f"shardzoo.train.io.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
