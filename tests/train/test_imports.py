@@ -16,31 +16,34 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(("shardzoo", *parts))
 
 
+def imports_of(source: str, name: str, is_package: bool, modules) -> set[str]:
+    """The ``modules`` that module ``name`` (its ``source``) imports anywhere: at the top, inside
+    functions, relative or absolute, as ``from pkg import module`` or ``from module import x``.
+    A module of a subpackage also imports its package (Python runs its ``__init__`` first),
+    ``shardzoo.train`` aside: it is imported before any of its modules."""
+    package = name if is_package else name.rpartition(".")[0]
+    parent = name.rpartition(".")[0]
+    found = {parent} if parent in modules and parent != PACKAGE else set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
 def train_imports() -> dict[str, set[str]]:
-    """Each module of ``shardzoo.train`` -> the ``shardzoo.train`` modules it imports anywhere
-    in its source (a package's ``__init__`` stands for the package). A module of a subpackage
-    also imports its package (Python runs the ``__init__`` first), ``shardzoo.train`` aside:
-    it is imported before any of its modules."""
+    """Each module of ``shardzoo.train`` -> the ``shardzoo.train`` modules it imports."""
     modules = {_module_name(p): p for p in (ROOT / "train").rglob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        parent = name.rpartition(".")[0]
-        found = {parent} if parent in modules and parent != PACKAGE else set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                # ``from pkg import module`` names a module; ``from module import name`` its module
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            else:
-                continue
-            found.update(t for t in targets if t in modules and t != name)
-        graph[name] = found
-    return graph
+    return {name: imports_of(path.read_text(), name, path.name == "__init__.py", modules)
+            for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -71,12 +74,17 @@ def test_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_reads_function_local_imports():
-    graph = train_imports()
-    assert graph, "no modules found under train/"
-    assert all(m.startswith(PACKAGE) for m in graph)
+def test_reads_function_local_relative_and_package_imports():
+    modules = {PACKAGE, f"{PACKAGE}.program", f"{PACKAGE}.tasks", f"{PACKAGE}.tasks.grpo", f"{PACKAGE}.io",
+               f"{PACKAGE}.io.sources"}
+    source = ("def f():\n    from shardzoo.train.io.sources import open_source\n"
+              "from .. import program\nimport shardzoo.train.tasks\n")
+    assert imports_of(source, f"{PACKAGE}.tasks.grpo", False, modules) == {
+        f"{PACKAGE}.io.sources", f"{PACKAGE}.program", f"{PACKAGE}.tasks"}
 
 
 def test_train_imports_form_no_cycle():
-    cycle = find_cycle(train_imports())
+    graph = train_imports()
+    assert f"{PACKAGE}.program" in graph and f"{PACKAGE}.tasks.registry" in graph
+    cycle = find_cycle(graph)
     assert cycle is None, "train/ imports form a circle: " + " -> ".join(cycle)
