@@ -36,6 +36,22 @@ GRPO_OPTIONS = ("importance_sampling_level", "use_bias_correction_kl", "delta", 
                 "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
                 "top_entropy_quantile", "entropy_coef")  # TRL's GRPOConfig's, not RLOOConfig's
 RLOO_OPTIONS = ("normalize_advantages", "reward_clip_range")
+SAMPLING = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
+            "mask_truncated_completions", "temperature", "top_k", "top_p")  # GRPO's and RLOO's
+DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+# the tasks that own each task-only setting: any other --task refuses it changed from its default
+TASK_SETTINGS = {
+    **dict.fromkeys(("reference", "max_prompt_length", "max_completion_length"), ("dpo", "kto", "grpo", "rloo")),
+    "precompute_reference": ("dpo", "kto"),
+    "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+    "center_rewards_coefficient": ("reward",),
+    **dict.fromkeys(DPO_SETTINGS, ("dpo",)),
+    **dict.fromkeys(SAMPLING, ("grpo", "rloo")),
+    "temperature": ("grpo", "rloo", "distill"),  # GKD's temperature too
+    **dict.fromkeys(("scale_rewards", "multi_objective_aggregation", *GRPO_OPTIONS), ("grpo",)),
+    **dict.fromkeys(RLOO_OPTIONS, ("rloo",)),
+    **dict.fromkeys(("teacher", "distill_top_k"), ("distill",)),
+}
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -189,13 +205,11 @@ class TrainConfig:
                 raise ConfigError(f"--{flag(name)} must be a finite number >= 0, got {value}")
         if self.task not in TASKS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        if self.task not in ("dpo", "kto", "grpo", "rloo"):
-            tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
-                     if getattr(self, n) not in (None, False)]
-            if tuned:
-                raise ConfigError(f"--{flag(tuned[0])} is a setting of --task dpo, kto, grpo or rloo")
-        if self.task not in ("dpo", "kto") and self.precompute_reference:
-            raise ConfigError("--precompute-reference is a setting of --task dpo or kto")
+        defaults = TrainConfig.__dataclass_fields__
+        for name, owners in TASK_SETTINGS.items():
+            if self.task not in owners and getattr(self, name) != defaults[name].default:
+                tasks = ", ".join(owners[:-1]) + " or " + owners[-1] if len(owners) > 1 else owners[0]
+                raise ConfigError(f"--{flag(name)} is a setting of --task {tasks}")
         if self.task not in ("dpo", "kto", "grpo", "rloo") and self.loss is not None:  # rloo: its own line
             raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
         self._check_dpo()
@@ -213,20 +227,10 @@ class TrainConfig:
             )
 
     def _check_dpo(self) -> None:
-        """The DPO and KTO loss settings: none changed from its default without its task, the losses known."""
-        defaults = TrainConfig.__dataclass_fields__
-        kto = [n for n in ("desirable_weight", "undesirable_weight") if getattr(self, n) != defaults[n].default]
-        if self.task != "kto" and kto:
-            raise ConfigError(f"--{flag(kto[0])} is a setting of --task kto")
-        if self.task != "reward" and self.center_rewards_coefficient is not None:
-            raise ConfigError("--center-rewards-coefficient is a setting of --task reward")
+        """The DPO and KTO losses known."""
         if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
             raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
-        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
         if self.task != "dpo":
-            changed = [n for n in names if getattr(self, n) != defaults[n].default]
-            if changed:
-                raise ConfigError(f"--{flag(changed[0])} is a setting of --task dpo")
             return
         unknown = [x for x in (self.loss or "sigmoid").split(",") if x not in DPO_LOSSES]
         if unknown:
@@ -234,11 +238,8 @@ class TrainConfig:
                               f"{', '.join(DPO_LOSSES)}")
 
     def _check_distill(self) -> None:
-        """``--task distill`` needs ``--teacher``; its settings belong to it."""
+        """``--task distill`` needs ``--teacher``; its settings in range."""
         if self.task != "distill":
-            for name in ("teacher", "distill_top_k"):
-                if getattr(self, name):
-                    raise ConfigError(f"--{flag(name)} is a setting of --task distill")
             return
         if not self.teacher:
             raise ConfigError("--task distill needs --teacher DIR (the teacher's run or HF dir)")
@@ -250,16 +251,7 @@ class TrainConfig:
             raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
 
     def _check_grpo(self) -> None:
-        """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
-        defaults = TrainConfig.__dataclass_fields__
-        names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
-                 "mask_truncated_completions", "temperature", "top_k", "top_p")
-        only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
-        for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
-            changed = [n for n in settings if getattr(self, n) != defaults[n].default
-                       and not (self.task == "distill" and n == "temperature")]  # GKD's temperature
-            if self.task not in task and changed:
-                raise ConfigError(f"--{flag(changed[0])} is a setting of --task {' or '.join(task)}")
+        """The GRPO and RLOO settings in range."""
         if self.task not in ("grpo", "rloo"):
             return
         if self.task == "rloo" and self.loss is not None:

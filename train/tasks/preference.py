@@ -41,6 +41,7 @@ from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train import model_info
+from shardzoo.train.config import DPO_SETTINGS
 from shardzoo.train.jit import zeros_on
 from shardzoo.train.tasks.base import Field, Task
 from shardzoo.train.tasks.component import RunTask, language_model_only
@@ -51,7 +52,6 @@ REFERENCE_FREE = ("simpo", "orpo")
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 SEQ_KEYS = ("inputs", "targets", "positions", "segment_ids")
-DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
