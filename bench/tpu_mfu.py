@@ -35,6 +35,10 @@ ROWS = (
     ("ablation-remat", "llama3.2-1b", "4x2048:full", ()),
     ("ablation-gmm", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full",
      (*MOE, "moe_dispatch=indexed")),
+    ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
+    ("gemma-qkv", "gemma-3-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
+    ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
+    ("llama-none", "llama3.2-1b", "2x2048:none,1x2048:none", ()),
     ("llama-b8", "llama3.2-1b", "8x2048:full", ()),
     ("gemma-b8", "gemma-3-1b", "8x2048:full", ()),
 )
