@@ -1,0 +1,63 @@
+"""Where a compiled step spends its device time: a ``jax.profiler`` trace of a few calls, read
+back with ``jax.profiler.ProfileData`` and summed per XLA op and per op category.
+
+    from bench.profile_ops import profile_ops
+    print(profile_ops(run, steps=2, trace_dir="/tmp/trace"))   # run(): one step, blocking
+
+The device planes (``/device:TPU:0``, ``/device:GPU:0``) carry an "XLA Ops" line whose events
+are the executed HLO ops; their ``hlo_category`` stat (where the backend records it) groups
+them (convolution = matmul fusions, custom-call = Pallas kernels, data formatting = copies and
+transposes, ...). On a CPU there is no device plane and the summary says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+import jax
+
+
+def _stat(event, *names):
+    for k, v in event.stats:
+        if k in names:
+            return v
+    return None
+
+
+def summarize(trace_dir: str, steps: int, top: int = 25) -> str:
+    """A markdown summary of the device ops in the trace under ``trace_dir``."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        return f"(no trace under {trace_dir})"
+    data = jax.profiler.ProfileData.from_file(files[-1])
+    by_op, by_cat, total = collections.Counter(), collections.Counter(), 0.0
+    long = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:") or "CPU" in plane.name:
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for ev in line.events:
+                ms = ev.duration_ns / 1e6 / steps
+                by_op[ev.name] += ms
+                by_cat[str(_stat(ev, "hlo_category") or "?")] += ms
+                long.setdefault(ev.name, str(_stat(ev, "long_name", "hlo_op", "tf_op") or "")[:160])
+                total += ms
+    if not total:
+        return "(no device 'XLA Ops' line in the trace: " + ", ".join(p.name for p in data.planes) + ")"
+    out = [f"device op time per step: {total:.1f} ms", "", "| category | ms/step | share |", "|---|---:|---:|"]
+    out += [f"| {c} | {ms:.1f} | {100 * ms / total:.1f}% |" for c, ms in by_cat.most_common()]
+    out += ["", "| op | ms/step | share | what |", "|---|---:|---:|---|"]
+    out += [f"| {n} | {ms:.2f} | {100 * ms / total:.1f}% | `{long[n]}` |" for n, ms in by_op.most_common(top)]
+    return "\n".join(out)
+
+
+def profile_ops(run, steps: int = 2, trace_dir: str = "/tmp/shardzoo_trace", top: int = 25) -> str:
+    """Trace ``steps`` calls of ``run`` (warm: compiled already) and summarize their device ops."""
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            run()
+    return summarize(trace_dir, steps, top)
