@@ -207,7 +207,8 @@ def main(argv=None) -> int:
     if args.profile:
         from profile_ops import profile_ops
 
-        print(profile_ops(run, steps=2, trace_dir=args.profile))
+        notes += "\n\n" + profile_ops(run, steps=2, trace_dir=args.profile, top=40)
+        print(notes)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    "gpu_mfu_tiny.md" if args.tiny else "gpu_mfu.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import re
 
 import jax
 
@@ -26,14 +27,26 @@ def _stat(event, *names):
     return None
 
 
+def _kind(text: str) -> tuple[str, str]:
+    """(op name, category) of an "XLA Ops" event whose name is the HLO instruction's text."""
+    name = text.split(" = ", 1)[0].lstrip("%")
+    found = re.search(r"[}\])] ([a-z][\w-]*)\(", text)
+    opcode = found.group(1) if found else name.split(".")[0]
+    if opcode == "fusion":
+        kind = re.search(r"kind=k(\w+)", text)
+        opcode = {"Output": "fusion: matmul (kOutput)", "Loop": "fusion: elementwise (kLoop)",
+                  "Input": "fusion: reduction (kInput)"}.get(kind.group(1) if kind else "", "fusion")
+    return name, opcode
+
+
 def summarize(trace_dir: str, steps: int, top: int = 25) -> str:
-    """A markdown summary of the device ops in the trace under ``trace_dir``."""
+    """A markdown summary of the device ops in the trace under ``trace_dir`` (loops and calls,
+    whose time their body's ops already count, left out)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         return f"(no trace under {trace_dir})"
     data = jax.profiler.ProfileData.from_file(files[-1])
-    by_op, by_cat, total = collections.Counter(), collections.Counter(), 0.0
-    long = {}
+    by_op, by_cat, total, shape = collections.Counter(), collections.Counter(), 0.0, {}
     for plane in data.planes:
         if not plane.name.startswith("/device:") or "CPU" in plane.name:
             continue
@@ -41,17 +54,20 @@ def summarize(trace_dir: str, steps: int, top: int = 25) -> str:
             if line.name != "XLA Ops":
                 continue
             for ev in line.events:
+                name, cat = _kind(ev.name)
+                if cat in ("while", "call", "conditional"):
+                    continue
                 ms = ev.duration_ns / 1e6 / steps
-                by_op[ev.name] += ms
-                by_cat[str(_stat(ev, "hlo_category") or "?")] += ms
-                long.setdefault(ev.name, str(_stat(ev, "long_name", "hlo_op", "tf_op") or "")[:160])
+                by_op[name] += ms
+                by_cat[cat] += ms
+                shape.setdefault(name, ev.name.split(" = ", 1)[-1][:90].replace("|", "/"))
                 total += ms
     if not total:
         return "(no device 'XLA Ops' line in the trace: " + ", ".join(p.name for p in data.planes) + ")"
     out = [f"device op time per step: {total:.1f} ms", "", "| category | ms/step | share |", "|---|---:|---:|"]
     out += [f"| {c} | {ms:.1f} | {100 * ms / total:.1f}% |" for c, ms in by_cat.most_common()]
-    out += ["", "| op | ms/step | share | what |", "|---|---:|---:|---|"]
-    out += [f"| {n} | {ms:.2f} | {100 * ms / total:.1f}% | `{long[n]}` |" for n, ms in by_op.most_common(top)]
+    out += ["", "| op | ms/step | share | result |", "|---|---:|---:|---|"]
+    out += [f"| {n} | {ms:.2f} | {100 * ms / total:.1f}% | `{shape[n]}` |" for n, ms in by_op.most_common(top)]
     return "\n".join(out)
 
 
