@@ -39,6 +39,49 @@ def _kind(text: str) -> tuple[str, str]:
     return name, opcode
 
 
+_CPU_SKIP = ("ThreadpoolListener", "ThunkExecutor", "end: ", "Wait for", "$")
+# an XLA:CPU op's name (HLO instruction name, ``wrapped_`` and numbers stripped) -> its class
+_CPU_CLASSES = (
+    (("dot", "convolution", "custom-call", "__onednn", "ynn", "xnn", "onednn"), "matmul"),
+    (("copy", "transpose", "bitcast", "reshape", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate",
+      "pad", "broadcast", "iota"), "layout: copies, transposes, slices, broadcasts"),
+    (("reduce", "reduce-window"), "reductions"),
+    (("scatter", "gather", "sort"), "gather / scatter"),
+    (("fusion", "loop_", "input_"), "elementwise and fused ops"),
+    (("exponential", "log", "tanh", "rsqrt", "sqrt", "divide", "multiply", "add", "subtract", "select", "compare",
+      "convert", "maximum", "minimum", "negate", "power", "logistic"), "elementwise and fused ops"),
+)
+
+
+def cpu_class(name: str) -> str:
+    """The op class of an XLA:CPU thunk's name (``fusion.12``, ``wrapped_broadcast.3``, ``dot.7``)."""
+    base = re.sub(r"\.\d+$", "", name.removeprefix("wrapped_"))
+    parts = base.split("_")
+    for prefixes, cls in _CPU_CLASSES:
+        if parts[0] in prefixes or any(base.startswith(p) for p in prefixes if p.endswith("_")):
+            return cls
+    if base.endswith("fusion"):
+        return "elementwise and fused ops"
+    return base
+
+
+def summarize_cpu(trace_dir: str, steps: int) -> dict[str, float]:
+    """{op class: CPU milliseconds per step} of the XLA:CPU thunks in the trace (all threads)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+    data = jax.profiler.ProfileData.from_file(files[-1])
+    by_cls = collections.Counter()
+    for plane in data.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue
+            for ev in line.events:
+                if not ev.name.startswith(_CPU_SKIP):
+                    by_cls[cpu_class(ev.name)] += ev.duration_ns / 1e6 / steps
+    return dict(by_cls)
+
+
 def summarize(trace_dir: str, steps: int, top: int = 25) -> str:
     """A markdown summary of the device ops in the trace under ``trace_dir`` (loops and calls,
     whose time their body's ops already count, left out)."""
