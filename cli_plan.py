@@ -46,6 +46,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "distill: the --teacher's bytes and its logits in the batch")
     p.add_argument("--teacher", default=None, metavar="MODEL|DIR",
                    help="--task distill: the teacher, a zoo model name or a run/HF dir (its vocabulary the model's)")
+    p.add_argument("--reward-model", default=None, metavar="MODEL|DIR",
+                   help="--task grpo/rloo: a reward model (a zoo model name with a score head, or a run/HF dir): "
+                        "its bytes, sharded by the same rules")
     p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default) or any of TRL's loss_type (a reference "
                                                 "unless simpo or orpo); "
                                                 "--task grpo: dapo (default), grpo, bnpo, dr_grpo, cispo, sapo, "
@@ -118,7 +121,7 @@ def cmd_plan(args) -> int:
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum, task=args.task, loss=args.loss, beta=args.beta,
                            precompute_reference=args.precompute_reference, override=list(args.override),
-                           teacher=args.teacher,
+                           teacher=args.teacher, reward_model=args.reward_model,
                            **({"num_generations": args.num_generations} if args.num_generations else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them

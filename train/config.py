@@ -108,6 +108,7 @@ class TrainConfig:
     # grpo (TRL's GRPOConfig names and defaults)
     reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
     reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
+    reward_model: str | None = None  # a reward model (run or HF *ForSequenceClassification dir), after the functions
     num_generations: int = 8  # completions sampled per prompt (a group)
     num_iterations: int = 1  # optimisation passes per batch of completions
     epsilon: float = 0.2
@@ -254,7 +255,7 @@ class TrainConfig:
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
         defaults = TrainConfig.__dataclass_fields__
-        names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
+        names = ("reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
                  "mask_truncated_completions", "temperature", "top_k", "top_p")
         only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
         for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
@@ -278,9 +279,11 @@ class TrainConfig:
         clip = self.reward_clip_range
         if clip is not None and (len(clip) != 2 or not clip[0] <= clip[1]):
             raise ConfigError(f"--reward-clip-range takes MIN,MAX with MIN <= MAX, got {','.join(map(str, clip))}")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+        rewards = len(self.reward_funcs) + bool(self.reward_model)
+        if self.reward_weights is not None and len(self.reward_weights) != rewards:
             raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} --reward-funcs")
+                              f"{len(self.reward_funcs)} --reward-funcs"
+                              + (" and the --reward-model" if self.reward_model else ""))
         if self.num_generations < 2:
             raise ConfigError(f"--num-generations must be at least 2 (a group), got {self.num_generations}")
         if self.batch_size % self.num_generations:
@@ -349,7 +352,7 @@ SECTIONS = {
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
              "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
-             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
+             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
@@ -400,6 +403,8 @@ HELP = {
             "GKD's beta (default 0: forward KL; 1: reverse KL; between: generalized JSD)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
+    "reward_model": "--task grpo/rloo: a reward model (a --task reward run or an HF *ForSequenceClassification dir) "
+                    "scoring prompt + completion as TRL does, after the --reward-funcs; sharded by the run's rules",
     "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
     "num_generations": "--task grpo: completions sampled per prompt; --batch-size counts completions",
     "num_iterations": "--task grpo: optimisation steps on each batch of completions (old log-probs once per batch)",
@@ -504,7 +509,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "reward_model": "DIR", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}

@@ -170,7 +170,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/rollouts.py)
         from shardzoo.train.rollouts import rollout_data
 
-        train_data, eval_data = rollout_data(cfg, tokenizer), None
+        train_data, eval_data = rollout_data(cfg, tokenizer, program), None
     elif labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
