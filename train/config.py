@@ -105,6 +105,8 @@ class TrainConfig:
     # distill (TRL's GKD: --beta 0 forward KL (default), 1 reverse KL, between: generalized JSD; --temperature)
     teacher: str | None = None  # the teacher's run or HF dir: any family with the student's vocabulary
     distill_top_k: int = 0  # the divergence over the teacher's k likeliest tokens of each position (0: all)
+    lmbda: float = 0.0  # on-policy GKD: the share of steps whose completions the student samples (TRL's default 0.5)
+    seq_kd: bool = False  # the other steps' completions sampled by the teacher (TRL GKD's sequence-level KD)
     # grpo (TRL's GRPOConfig names and defaults)
     reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
     reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
@@ -194,7 +196,7 @@ class TrainConfig:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
         if self.task not in ("dpo", "kto", "grpo", "rloo"):
             tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
-                     if getattr(self, n) not in (None, False)]
+                     if getattr(self, n) not in (None, False) and not (self.on_policy and n != "reference")]
             if tuned:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto, grpo or rloo")
         if self.task not in ("dpo", "kto") and self.precompute_reference:
@@ -236,10 +238,15 @@ class TrainConfig:
             raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
                               f"{', '.join(DPO_LOSSES)}")
 
+    @property
+    def on_policy(self) -> bool:
+        """``--task distill`` whose completions are sampled (``--lmbda`` > 0 or ``--seq-kd``: ``train/gkd.py``)."""
+        return self.task == "distill" and (self.lmbda > 0 or self.seq_kd)
+
     def _check_distill(self) -> None:
         """``--task distill`` needs ``--teacher``; its settings belong to it."""
         if self.task != "distill":
-            for name in ("teacher", "distill_top_k"):
+            for name in ("teacher", "distill_top_k", "lmbda", "seq_kd"):
                 if getattr(self, name):
                     raise ConfigError(f"--{_flag(name)} is a setting of --task distill")
             return
@@ -251,6 +258,8 @@ class TrainConfig:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
         if self.distill_top_k < 0:
             raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ConfigError(f"--lmbda must be in [0, 1] (the share of on-policy steps), got {self.lmbda}")
 
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
@@ -260,7 +269,8 @@ class TrainConfig:
         only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
         for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
             changed = [n for n in settings if getattr(self, n) != defaults[n].default
-                       and not (self.task == "distill" and n == "temperature")]  # GKD's temperature
+                       and not (self.task == "distill" and n == "temperature")  # GKD's temperature
+                       and not (self.on_policy and n in ("top_k", "top_p"))]  # on-policy GKD samples
             if self.task not in task and changed:
                 raise ConfigError(f"--{_flag(changed[0])} is a setting of --task {' or '.join(task)}")
         if self.task not in ("grpo", "rloo"):
@@ -352,7 +362,7 @@ SECTIONS = {
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
              "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
-             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
+             "precompute_reference", "teacher", "distill_top_k", "lmbda", "seq_kd", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
@@ -456,6 +466,9 @@ HELP = {
                  "policy (with LoRA: the base, adapters off, no second copy)",
     "teacher": "--task distill: the teacher (a run, a checkpoint or an HF dir; any family with the student's "
                "vocabulary)",
+    "lmbda": "--task distill: on-policy GKD, the share of steps whose completions the student samples from the "
+             "prompts (TRL's lmbda; 0: the data's completions; needs prompt/completion rows)",
+    "seq_kd": "--task distill: the steps not on-policy train on completions the teacher samples (TRL GKD's seq_kd)",
     "distill_top_k": "--task distill: the divergence over the teacher's K likeliest tokens per position "
                      "(default 0: the whole vocabulary)",
     "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
