@@ -97,6 +97,7 @@ class TrainConfig:
     f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    use_weighting: bool = False  # dpo: WPO's weights, each pair's loss times its sequences' weighted probabilities
     desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
     undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
     center_rewards_coefficient: float | None = None  # reward: TRL's weight of mean((r_chosen + r_rejected)^2)
@@ -227,7 +228,8 @@ class TrainConfig:
             raise ConfigError("--center-rewards-coefficient is a setting of --task reward")
         if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
             raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
-        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
+                 "use_weighting")
         if self.task != "dpo":
             changed = [n for n in names if getattr(self, n) != defaults[n].default]
             if changed:
@@ -360,7 +362,7 @@ SECTIONS = {
              "batch_size",
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
-             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "use_weighting", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
              "precompute_reference", "teacher", "distill_top_k", "lmbda", "seq_kd", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
@@ -451,6 +453,8 @@ HELP = {
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
     "loss_weights": "--task dpo: comma-separated weights of the comma-separated --loss types (TRL's loss_weights, "
                     "MPO; default: 1 each)",
+    "use_weighting": "--task dpo: WPO (TRL's use_weighting): each pair's loss times exp of its chosen and its "
+                     "rejected completion's mean of log p(token) - log sum(p^2), without gradient",
     "ld_alpha": "--task dpo: LD-DPO's alpha in [0, 1]: the weight of the completion tokens past the shorter "
                 "completion's length (default: none, plain sums)",
     "f_divergence_type": "--task dpo: f-DPO's regularizer: reverse_kl, forward_kl, js_divergence or alpha_divergence "
