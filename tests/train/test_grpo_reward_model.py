@@ -17,6 +17,7 @@ from dpo_fixtures import save_llama, save_tokenizer, write_jsonl  # noqa: E402
 from test_reward import save_reward_llama  # noqa: E402
 
 from shardzoo.data import load_tokenizer  # noqa: E402
+from shardzoo.errors import UserError  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
 from shardzoo.train.config import TrainConfig  # noqa: E402
 from shardzoo.train.launch import DONE, run  # noqa: E402
@@ -67,23 +68,50 @@ def test_scores_equal_transformers_sequence_classification(hf):
     np.testing.assert_allclose(got8, want, atol=1e-4)
 
 
-def test_a_grpo_run_on_the_reward_model_trains(hf):
-    cfg = TrainConfig(out=str(hf.root / "run"), init_from=str(hf.root / "policy"), task="grpo", data=hf.prompts,
-                      reward_model=str(hf.root / "rm"), batch_size=8, num_generations=4, seq_len=24,
-                      max_completion_length=8, steps=4, lr=3e-2, warmup_steps=0, schedule="constant", log_every=1,
-                      save_every=10, eval_every=0)
+def records(out):
+    import json
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def run_with(hf, out, **kw):
+    cfg = TrainConfig(**{**dict(out=str(hf.root / out), init_from=str(hf.root / "policy"), task="grpo",
+                                data=hf.prompts, reward_model=str(hf.root / "rm"), batch_size=8, num_generations=4,
+                                seq_len=24, max_completion_length=8, steps=4, lr=3e-2, warmup_steps=0,
+                                schedule="constant", log_every=1, save_every=10, eval_every=0), **kw})
     history = []
     result = run(cfg, log=history.append)
     assert result.status == DONE, result.message
-    import json
+    return records(hf.root / out), history
 
-    with open(hf.root / "run" / "metrics.jsonl") as f:
-        rows = [r for r in map(json.loads, f) if "loss" in r]
+
+def test_a_grpo_run_on_the_reward_model_trains_and_eval_scores_it(hf):
+    from shardzoo.train import evaluate
+
+    rows, history = run_with(hf, "run")
     assert len(rows) == 4 and all(np.isfinite(r["loss"]) for r in rows)
     rewards = [r["rewards/rm/mean"] for r in rows]
     assert all(r["reward"] == pytest.approx(r["rewards/rm/mean"], abs=1e-6) for r in rows)
     assert len(set(rewards)) > 1 and all(r["reward_std"] > 0 for r in rows)  # the model scored, and scores moved
     assert any("reward model" in line for line in history)  # the plan printed at the start counts it
+    got = evaluate.run(evaluate.EvalSettings(checkpoint=str(hf.root / "run"), temperature=0.0))
+    assert got["reward_model"] == str(hf.root / "rm") and np.isfinite(got["rewards/rm/mean"])
+    assert got["reward"] == pytest.approx(got["rewards/rm/mean"], abs=1e-6)
+
+
+def test_an_rloo_run_weighs_a_function_and_the_reward_model(hf):
+    (hf.root / "length.py").write_text("def length(prompts, completions, completion_ids, **kw):\n"
+                                       "    return [len(c) / 10 for c in completion_ids]\n")
+    rows, _ = run_with(hf, "rloo", task="rloo", steps=2, reward_funcs=(f"{hf.root / 'length.py'}:length",),
+                       reward_weights=(1.0, 0.5))
+    for r in rows:
+        assert np.isfinite(r["loss"]) and r["rewards/rm/std"] > 0
+        assert r["reward"] == pytest.approx(r["rewards/length/mean"] + 0.5 * r["rewards/rm/mean"], abs=1e-5)
+    with pytest.raises(UserError, match="--reward-weights has 1 values for 1 --reward-funcs and the --reward-model"):
+        TrainConfig(task="grpo", reward_funcs=("a.py:f",), reward_model="rm", reward_weights=(1.0,), batch_size=8)
+    with pytest.raises(UserError, match="--reward-model is a setting of --task grpo or rloo"):
+        TrainConfig(task="lm", reward_model="rm")
 
 
 def test_plan_counts_the_reward_model(capsys):
