@@ -423,7 +423,8 @@ def run_task(cfg, config):
 
         if getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task distill trains a language model; the model does {config.task}")
-        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k,
+                            samples=getattr(cfg, "on_policy", False)), "teacher"
     if name not in ("dpo", "kto"):
         if name == "lm" and getattr(config, "task", "lm") != "lm":
             raise UserError(f"--task lm: the model does {config.task}, not language modelling")

@@ -551,9 +551,9 @@ class Program:
         return None if rm is None else per_device_bytes(rm.abstract.params, rm.shardings.params)
 
     def rollout_bytes(self) -> int | None:
-        """GRPO: what the decoding cache that samples a step's completions (a batch of
-        ``seq_len`` positions) costs one device; None for other tasks."""
-        if self.task.name not in ("grpo", "rloo"):
+        """GRPO (and on-policy distillation): what the decoding cache that samples a step's
+        completions (a batch of ``seq_len`` positions) costs one device; None for other tasks."""
+        if self.task.name not in ("grpo", "rloo") and not getattr(self.task, "samples", False):
             return None
         return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 

@@ -178,3 +178,16 @@ def test_an_on_policy_run_trains_and_resumes_exactly(hf):
     for step in (3, 4):
         for key in ("loss", "on_policy", "completions/mean_length", "grad_norm"):
             assert resumed[step][key] == straight[step][key], (step, key)
+
+
+def test_plan_counts_the_samplers_cache_of_on_policy_distillation(capsys):
+    from shardzoo.cli import main
+
+    argv = ["plan", "--model", "llama-tiny", "--mesh", "fsdp=8", "--rules", "fsdp", "--batch-size", "8",
+            "--seq-len", "16", "--json", "--task", "distill", "--teacher", "qwen3-tiny"]
+    assert main(argv) == 0
+    off = json.loads(capsys.readouterr().out)["totals"]
+    assert main([*argv, "--lmbda", "0.5"]) == 0
+    on = json.loads(capsys.readouterr().out)["totals"]
+    assert "rollouts" not in off and on["rollouts"] > 0 and on["reference"] == off["reference"] > 0
+    assert on["total"] == off["total"] - (off["activations"] or 0) + max(on["activations"] or 0, on["rollouts"])
