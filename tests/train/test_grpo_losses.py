@@ -128,7 +128,7 @@ CASES = {
 }
 
 
-def trl_grpo_first_step(hf, loss_type, options, shift):
+def trl_grpo_first_step(hf, loss_type, options, shift, advantages=ADVANTAGES):
     """TRL's ``_compute_loss`` on the fixed rows: ``(loss, metrics, old, ref)``, old = the policy's
     log-probs shifted by ``shift`` (an earlier policy), ref = the reference's."""
     from trl import GRPOConfig, GRPOTrainer
@@ -143,7 +143,7 @@ def trl_grpo_first_step(hf, loss_type, options, shift):
         ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, COMPLETION)
     old = logps + torch.tensor(shift)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, advantages=torch.tensor(ADVANTAGES), old_per_token_logps=old,
+                  completion_mask=completion_mask, advantages=torch.tensor(advantages), old_per_token_logps=old,
                   ref_per_token_logps=ref, num_items_in_batch=completion_mask.sum())
     loss = float(trainer._compute_loss(trainer.model, inputs).detach())
     metrics = {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}
@@ -171,6 +171,24 @@ def test_grpo_loss_and_metrics_equal_trls_compute_loss(hf, case):
         assert want["clip_ratio/high_max"] > want["clip_ratio/high_mean"]  # a max over completions
     if loss_type == "cispo":
         assert 0 < want["cispo_clip_ratio"] < 1
+
+
+def test_clip_ratio_low_min_over_completions_each_partly_clipped_equals_trls(hf):
+    """Every completion's advantage negative and some of its tokens' ratios below 1 - epsilon:
+    ``clip_ratio/low_min`` (the least clipped completion's share) is neither 0 nor the mean."""
+    advantages = -np.abs(ADVANTAGES)
+    shift = np.random.default_rng(1).uniform(0.0, 0.6, (6, COMPLETION)).astype(np.float32)
+    shift[:, 0] = 0.5  # each completion's first token clips
+    want_loss, want, old, ref, _ = trl_grpo_first_step(hf, "dapo", {}, shift, advantages)
+    task = grpo_task("dapo", BETA, 0.2, 0.28, num_iterations=2, max_completion_length=COMPLETION)
+    _, batch = our_rows()
+    batch.update(advantages=advantages, weights=np.ones(len(COMPLETIONS), np.float32), old_logps=to_ours(old),
+                 ref_logps=to_ours(ref))
+    got = first_step(program_of(hf, task), hf.params, batch)
+    assert 0 < want["clip_ratio/low_min"] < want["clip_ratio/low_mean"] and want["clip_ratio/high_max"] == 0
+    for name in ("loss", "clip_ratio/low_min", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean"):
+        value = want_loss if name == "loss" else want[name]
+        assert abs(got[name] - value) < ATOL, (name, got[name], value)
 
 
 def test_dapo_is_the_default_loss_as_trls():
