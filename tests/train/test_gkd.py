@@ -55,9 +55,9 @@ def settings(hf, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def setup(hf):
-    mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("dp")
+def programs(hf, mesh_spec="data=1", rules="dp"):
+    devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
+    mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
     _, config, params = load_hf(str(hf.root / "student"), mesh=mesh, rules=rules)
     _, teacher_config, teacher_params = load_hf(str(hf.root / "teacher"), mesh=mesh, rules=rules)
     program = Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, settings(hf)),
@@ -65,6 +65,20 @@ def setup(hf):
                       teacher=teacher_config)
     return types.SimpleNamespace(program=program, params=params, teacher_params=teacher_params,
                                  tokenizer=load_tokenizer(str(hf.root / "tok")))
+
+
+@pytest.fixture(scope="module")
+def setup(hf):
+    return programs(hf)
+
+
+def first_step_loss(setup, host) -> float:
+    program = setup.program
+    placed = program.place_global(host)
+    placed.update(program.compiled_teacher_step()(setup.teacher_params, placed))
+    state = program.init(np.zeros(2, np.uint32), params=setup.params)
+    _, metrics = program.compiled_train_step()(state, placed, np.zeros(2, np.uint32))
+    return float(metrics["distill_loss"])
 
 
 def gkd_batch(hf, setup, step=0, **kw):
@@ -107,13 +121,17 @@ def test_lmbda_one_trains_on_the_students_samples_with_trls_gkd_loss(hf, setup):
     with torch.no_grad():
         want = float(TRLGKD.compute_loss(trl, hf.student, {"input_ids": input_ids, "attention_mask": attention_mask,
                                                             "labels": labels}))
-    program = setup.program
-    placed = program.place_global(host)
-    placed.update(program.compiled_teacher_step()(setup.teacher_params, placed))
-    state = program.init(np.zeros(2, np.uint32), params=setup.params)
-    _, got = program.compiled_train_step()(state, placed, np.zeros(2, np.uint32))
-    got = float(got["distill_loss"])
+    got = first_step_loss(setup, host)
     assert want > 1e-2 and abs(got - want) < 1e-5, (got, want)
+
+
+def test_an_on_policy_step_under_fsdp_tp_on_8_devices_equals_one_device(hf, setup):
+    """The student's samples and the step's loss: the same under fsdp_tp on 8 devices."""
+    _, _, one, _ = gkd_batch(hf, setup)
+    eight = programs(hf, "fsdp=4,tensor=2", "fsdp_tp")
+    _, _, host, _ = gkd_batch(hf, eight)
+    np.testing.assert_array_equal(host["inputs"], one["inputs"])
+    assert abs(first_step_loss(eight, host) - first_step_loss(setup, one)) < 1e-5
 
 
 def test_seq_kd_samples_with_the_teacher_and_lmbda_splits_the_steps(hf, setup):
