@@ -471,7 +471,7 @@ HELP = {
     "teacher": "--task distill: the teacher (a run, a checkpoint or an HF dir; any family with the student's "
                "vocabulary)",
     "lmbda": "--task distill: on-policy GKD, the share of steps whose completions the student samples from the "
-             "prompts (TRL's lmbda; 0: the data's completions; needs prompt/completion rows)",
+             "prompts (TRL's lmbda; > 0 reads prompt/completion rows; 0, the default: the off-policy lm data path)",
     "seq_kd": "--task distill: the steps not on-policy train on completions the teacher samples (TRL GKD's seq_kd)",
     "distill_top_k": "--task distill: the divergence over the teacher's K likeliest tokens per position "
                      "(default 0: the whole vocabulary)",

@@ -114,6 +114,19 @@ def test_an_rloo_run_weighs_a_function_and_the_reward_model(hf):
         TrainConfig(task="lm", reward_model="rm")
 
 
+def test_a_model_without_a_score_head_is_one_line(hf, capsys):
+    from shardzoo.cli import main
+
+    out = hf.root / "not_written"
+    argv = ["train", "--task", "grpo", "--init-from", str(hf.root / "policy"), "--data", hf.prompts, "--out", str(out),
+            "--reward-model", str(hf.root / "policy"), "--batch-size", "8", "--num-generations", "4", "--seq-len", "24",
+            "--steps", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reward-model" in err[0] and "not a reward model" in err[0], err
+    assert not out.exists()
+
+
 def test_plan_counts_the_reward_model(capsys):
     """The reward model (llama-tiny with a score head in place of its LM head) sharded by the
     run's fsdp rules: fewer bytes than the policy's params, in the total."""
