@@ -24,6 +24,7 @@ import numpy as np
 
 from shardzoo.data.errors import DataError
 from shardzoo.data.prompts import PromptIterator, tokenize_prompts
+from shardzoo.errors import UserError
 from shardzoo.train.grpo import completion_lengths, left_pad, rollout_rows
 from shardzoo.train.rollouts import completion_length, sampler_key
 from shardzoo.train.trainer import Trainer
@@ -118,6 +119,9 @@ def gkd_data(cfg, tokenizer) -> GKDData:
 
     completion = completion_length(cfg)
     width = cfg.seq_len - completion
+    if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
+        raise UserError(f"--max-prompt-length {cfg.max_prompt_length} must be from 1 to --seq-len - "
+                        f"--max-completion-length = {width}")
     prompts = tokenize_prompts(load_source(cfg.data), tokenizer, cfg.data,
                                max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
                                skip_bad=cfg.skip_missing)

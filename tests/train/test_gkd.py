@@ -166,6 +166,8 @@ def test_data_completions_and_their_errors(hf, setup):
     with pytest.raises(UserError, match="has no column 'completion'"):
         gkd_data(settings(hf, lmbda=0.5, data=bare), setup.tokenizer)
     gkd_data(settings(hf, lmbda=0.5, seq_kd=True, data=bare), setup.tokenizer)  # never reads them
+    with pytest.raises(UserError, match="--max-prompt-length 4 must be from 1 to --seq-len - --max-completion-length = 3"):
+        gkd_data(settings(hf, max_prompt_length=4), setup.tokenizer)
     with pytest.raises(UserError, match=r"--lmbda must be in \[0, 1\]"):
         settings(hf, lmbda=1.5)
     with pytest.raises(UserError, match="--lmbda is a setting of --task distill"):
@@ -209,3 +211,18 @@ def test_plan_counts_the_samplers_cache_of_on_policy_distillation(capsys):
     on = json.loads(capsys.readouterr().out)["totals"]
     assert "rollouts" not in off and on["rollouts"] > 0 and on["reference"] == off["reference"] > 0
     assert on["total"] == off["total"] - (off["activations"] or 0) + max(on["activations"] or 0, on["rollouts"])
+
+
+def test_a_bad_row_of_an_on_policy_run_is_one_line(hf, capsys):
+    from shardzoo.cli import main
+
+    bad = write_jsonl(hf.root / "bad.jsonl", [{"prompt": p, "completion": c} for p, c in ROWS[:3]]
+                      + [{"prompt": "Say no", "completion": ""}] + [{"prompt": p, "completion": c} for p, c in ROWS])
+    out = hf.root / "never"
+    argv = ["train", "--task", "distill", "--teacher", str(hf.root / "teacher"), "--init-from", str(hf.root / "student"),
+            "--data", bad, "--tokenizer", str(hf.root / "tok"), "--lmbda", "0.5", "--out", str(out), "--batch-size", "8",
+            "--seq-len", "11", "--max-completion-length", "8", "--steps", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 4, column 'completion': empty completion" in err[0], err
+    assert not out.exists()
