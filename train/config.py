@@ -97,6 +97,7 @@ class TrainConfig:
     f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    use_weighting: bool = False  # dpo: WPO's weights, each pair's loss times its sequences' weighted probabilities
     desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
     undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
     center_rewards_coefficient: float | None = None  # reward: TRL's weight of mean((r_chosen + r_rejected)^2)
@@ -105,9 +106,12 @@ class TrainConfig:
     # distill (TRL's GKD: --beta 0 forward KL (default), 1 reverse KL, between: generalized JSD; --temperature)
     teacher: str | None = None  # the teacher's run or HF dir: any family with the student's vocabulary
     distill_top_k: int = 0  # the divergence over the teacher's k likeliest tokens of each position (0: all)
+    lmbda: float = 0.0  # on-policy GKD: the share of steps whose completions the student samples (TRL's default 0.5)
+    seq_kd: bool = False  # the other steps' completions sampled by the teacher (TRL GKD's sequence-level KD)
     # grpo (TRL's GRPOConfig names and defaults)
     reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
     reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
+    reward_model: str | None = None  # a reward model (run or HF *ForSequenceClassification dir), after the functions
     num_generations: int = 8  # completions sampled per prompt (a group)
     num_iterations: int = 1  # optimisation passes per batch of completions
     epsilon: float = 0.2
@@ -193,7 +197,7 @@ class TrainConfig:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
         if self.task not in ("dpo", "kto", "grpo", "rloo"):
             tuned = [n for n in ("reference", "max_prompt_length", "max_completion_length")
-                     if getattr(self, n) not in (None, False)]
+                     if getattr(self, n) not in (None, False) and not (self.on_policy and n != "reference")]
             if tuned:
                 raise ConfigError(f"--{_flag(tuned[0])} is a setting of --task dpo, kto, grpo or rloo")
         if self.task not in ("dpo", "kto") and self.precompute_reference:
@@ -224,7 +228,8 @@ class TrainConfig:
             raise ConfigError("--center-rewards-coefficient is a setting of --task reward")
         if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
             raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
-        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+        names = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
+                 "use_weighting")
         if self.task != "dpo":
             changed = [n for n in names if getattr(self, n) != defaults[n].default]
             if changed:
@@ -235,10 +240,15 @@ class TrainConfig:
             raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
                               f"{', '.join(DPO_LOSSES)}")
 
+    @property
+    def on_policy(self) -> bool:
+        """``--task distill`` whose completions are sampled (``--lmbda`` > 0 or ``--seq-kd``: ``train/gkd.py``)."""
+        return self.task == "distill" and (self.lmbda > 0 or self.seq_kd)
+
     def _check_distill(self) -> None:
         """``--task distill`` needs ``--teacher``; its settings belong to it."""
         if self.task != "distill":
-            for name in ("teacher", "distill_top_k"):
+            for name in ("teacher", "distill_top_k", "lmbda", "seq_kd"):
                 if getattr(self, name):
                     raise ConfigError(f"--{_flag(name)} is a setting of --task distill")
             return
@@ -250,16 +260,19 @@ class TrainConfig:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
         if self.distill_top_k < 0:
             raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ConfigError(f"--lmbda must be in [0, 1] (the share of on-policy steps), got {self.lmbda}")
 
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings: each in range, and none changed from its default without its task."""
         defaults = TrainConfig.__dataclass_fields__
-        names = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
+        names = ("reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
                  "mask_truncated_completions", "temperature", "top_k", "top_p")
         only = {"grpo": ("scale_rewards", "multi_objective_aggregation") + GRPO_OPTIONS, "rloo": RLOO_OPTIONS}
         for task, settings in [(("grpo", "rloo"), names), *(((t,), n) for t, n in only.items())]:
             changed = [n for n in settings if getattr(self, n) != defaults[n].default
-                       and not (self.task == "distill" and n == "temperature")]  # GKD's temperature
+                       and not (self.task == "distill" and n == "temperature")  # GKD's temperature
+                       and not (self.on_policy and n in ("top_k", "top_p"))]  # on-policy GKD samples
             if self.task not in task and changed:
                 raise ConfigError(f"--{_flag(changed[0])} is a setting of --task {' or '.join(task)}")
         if self.task not in ("grpo", "rloo"):
@@ -278,9 +291,11 @@ class TrainConfig:
         clip = self.reward_clip_range
         if clip is not None and (len(clip) != 2 or not clip[0] <= clip[1]):
             raise ConfigError(f"--reward-clip-range takes MIN,MAX with MIN <= MAX, got {','.join(map(str, clip))}")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+        rewards = len(self.reward_funcs) + bool(self.reward_model)
+        if self.reward_weights is not None and len(self.reward_weights) != rewards:
             raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} --reward-funcs")
+                              f"{len(self.reward_funcs)} --reward-funcs"
+                              + (" and the --reward-model" if self.reward_model else ""))
         if self.num_generations < 2:
             raise ConfigError(f"--num-generations must be at least 2 (a group), got {self.num_generations}")
         if self.batch_size % self.num_generations:
@@ -347,9 +362,9 @@ SECTIONS = {
              "batch_size",
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
-             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "use_weighting", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
-             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
+             "precompute_reference", "teacher", "distill_top_k", "lmbda", "seq_kd", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
@@ -400,6 +415,8 @@ HELP = {
             "GKD's beta (default 0: forward KL; 1: reverse KL; between: generalized JSD)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
+    "reward_model": "--task grpo/rloo: a reward model (a --task reward run or an HF *ForSequenceClassification dir) "
+                    "scoring prompt + completion as TRL does, after the --reward-funcs; sharded by the run's rules",
     "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
     "num_generations": "--task grpo: completions sampled per prompt; --batch-size counts completions",
     "num_iterations": "--task grpo: optimisation steps on each batch of completions (old log-probs once per batch)",
@@ -436,6 +453,8 @@ HELP = {
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
     "loss_weights": "--task dpo: comma-separated weights of the comma-separated --loss types (TRL's loss_weights, "
                     "MPO; default: 1 each)",
+    "use_weighting": "--task dpo: WPO (TRL's use_weighting): each pair's loss times exp of its chosen and its "
+                     "rejected completion's mean of log p(token) - log sum(p^2), without gradient",
     "ld_alpha": "--task dpo: LD-DPO's alpha in [0, 1]: the weight of the completion tokens past the shorter "
                 "completion's length (default: none, plain sums)",
     "f_divergence_type": "--task dpo: f-DPO's regularizer: reverse_kl, forward_kl, js_divergence or alpha_divergence "
@@ -451,6 +470,9 @@ HELP = {
                  "policy (with LoRA: the base, adapters off, no second copy)",
     "teacher": "--task distill: the teacher (a run, a checkpoint or an HF dir; any family with the student's "
                "vocabulary)",
+    "lmbda": "--task distill: on-policy GKD, the share of steps whose completions the student samples from the "
+             "prompts (TRL's lmbda; > 0 reads prompt/completion rows; 0, the default: the off-policy lm data path)",
+    "seq_kd": "--task distill: the steps not on-policy train on completions the teacher samples (TRL GKD's seq_kd)",
     "distill_top_k": "--task distill: the divergence over the teacher's K likeliest tokens per position "
                      "(default 0: the whole vocabulary)",
     "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
@@ -504,7 +526,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "reward_model": "DIR", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}

@@ -60,6 +60,7 @@ class DistillTask(Task):
     beta: float = 0.0  # 0: forward KL (TRL GKD's default is 0.5, DistillationTrainer's 1.0)
     temperature: float = 1.0
     top_k: int = 0  # 0: the whole vocabulary
+    samples: bool = False  # on-policy (``--lmbda``/``--seq-kd``, ``train/gkd.py``): completions sampled each step
 
     @property
     def tiles_head(self) -> bool:
@@ -87,8 +88,9 @@ class DistillTask(Task):
         return {"loss": jnp.sum(loss * weights), "weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 
-def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) -> DistillTask:
-    """The ``distill`` task; ``beta`` in [0, 1], ``temperature`` > 0, ``top_k`` >= 0 (TRL's names)."""
+def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0, samples: bool = False) -> DistillTask:
+    """The ``distill`` task; ``beta`` in [0, 1], ``temperature`` > 0, ``top_k`` >= 0 (TRL's names);
+    ``samples``: on-policy, its completions sampled while training (the plan counts the sampler's cache)."""
     if not 0.0 <= beta <= 1.0:
         raise UserError(f"--beta {beta} must be between 0 (forward KL) and 1 (reverse KL) for --task distill")
     if temperature <= 0:
@@ -96,7 +98,7 @@ def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) ->
     if top_k < 0:
         raise UserError(f"--distill-top-k {top_k} must be 0 (the whole vocabulary) or positive")
     return DistillTask("distill", "tokens", "distill_loss", has_accuracy=True, has_perplexity=False,
-                       beta=beta, temperature=temperature, top_k=top_k)
+                       beta=beta, temperature=temperature, top_k=top_k, samples=bool(samples))
 
 
 def teacher_config(spec: str):

@@ -170,7 +170,11 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
     if cfg.task in ("grpo", "rloo"):  # prompts, sampled and scored while training (train/rollouts.py)
         from shardzoo.train.rollouts import rollout_data
 
-        train_data, eval_data = rollout_data(cfg, tokenizer), None
+        train_data, eval_data = rollout_data(cfg, tokenizer, program), None
+    elif cfg.on_policy:  # distillation on sampled completions (train/gkd.py)
+        from shardzoo.train.gkd import gkd_data
+
+        train_data, eval_data = gkd_data(cfg, tokenizer), None
     elif labelled:
         train_data, eval_data = make_labelled_datasets(data_config, cfg.batch_size, mesh=mesh,
                                                        rules=rules, seed=cfg.seed)
@@ -433,6 +437,8 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     trainer_class = Trainer
     if cfg.task in ("grpo", "rloo"):
         from shardzoo.train.rollouts import GRPOTrainer as trainer_class
+    elif cfg.on_policy:
+        from shardzoo.train.gkd import GKDTrainer as trainer_class
     trainer = saved_at_start = None
     try:
         trainer = trainer_class(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,

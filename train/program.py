@@ -206,6 +206,7 @@ class Program:
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
         self._old_logps_step = self._teacher_step = None
         self._build_teacher(teacher, strict)
+        self.reward_model = None  # GRPO's --reward-model: its own params-only Program (train/reward.py)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
         self._decoders: dict = {}
 
@@ -542,12 +543,17 @@ class Program:
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * rows, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),
-                         rollout_bytes=self.rollout_bytes())
+                         rollout_bytes=self.rollout_bytes(), reward_model_bytes=self.reward_model_bytes())
+
+    def reward_model_bytes(self) -> int | None:
+        """GRPO's ``--reward-model``: its params' bytes on one device; None without one."""
+        rm = self.reward_model
+        return None if rm is None else per_device_bytes(rm.abstract.params, rm.shardings.params)
 
     def rollout_bytes(self) -> int | None:
-        """GRPO: what the decoding cache that samples a step's completions (a batch of
-        ``seq_len`` positions) costs one device; None for other tasks."""
-        if self.task.name not in ("grpo", "rloo"):
+        """GRPO (and on-policy distillation): what the decoding cache that samples a step's
+        completions (a batch of ``seq_len`` positions) costs one device; None for other tasks."""
+        if self.task.name not in ("grpo", "rloo") and not getattr(self.task, "samples", False):
             return None
         return per_device_bytes(*self.cache_shardings(self.batch_size, self.seq_len))
 
@@ -571,10 +577,16 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
         from shardzoo.train.distill import teacher_config
 
         teacher = teacher_config(cfg.teacher)
-    return Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
-                   opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                   grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
-                   task=task, reference=reference, teacher=teacher)
+    program = Program(config, rules, mesh, optimizer=functools.partial(make_optimizer, cfg),
+                      opt_rules=opt_rules, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                      grad_accum=cfg.grad_accum, skip_nonfinite=cfg.skip_nonfinite, strict=strict,
+                      task=task, reference=reference, teacher=teacher)
+    if getattr(cfg, "reward_model", None):  # GRPO/RLOO: a reward model scores the completions
+        from shardzoo.train.reward import reward_model_program
+
+        program.reward_model = reward_model_program(cfg.reward_model, program.rules, mesh,
+                                                    batch_size=cfg.batch_size, seq_len=cfg.seq_len, strict=strict)
+    return program
 
 
 def default_optimizer():

@@ -25,6 +25,7 @@ import numpy as np
 from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
 from shardzoo.train.grpo import (
+    RewardFunction,
     completion_lengths,
     group_rewards,
     left_pad,
@@ -38,6 +39,7 @@ from shardzoo.train.grpo import (
 )
 from shardzoo.train.metrics import progress
 from shardzoo.train.program import host_array
+from shardzoo.train.reward import RewardModel
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
@@ -182,14 +184,18 @@ def reward_metrics(rewards: np.ndarray, weights, functions, lengths: np.ndarray,
     return {f"{prefix}{k}{suffix}": v for k, v in out.items()}
 
 
-def rollout_data(cfg, tokenizer) -> Rollouts:
+def rollout_data(cfg, tokenizer, program=None) -> Rollouts:
     """The ``Rollouts`` of a run's settings: its prompts read and tokenized, its reward functions
-    imported (a one-line UserError for a bad file, column or function, before anything runs)."""
+    imported and its ``--reward-model`` loaded (``program.reward_model``'s params), a one-line
+    UserError for a bad file, column, function or model before anything runs."""
     from shardzoo.data import load_source
 
-    if not cfg.reward_funcs:
-        raise UserError(f"--task {cfg.task} needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
+    if not cfg.reward_funcs and not getattr(cfg, "reward_model", None):
+        raise UserError(f"--task {cfg.task} needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...] "
+                        "or --reward-model DIR")
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
+    if getattr(cfg, "reward_model", None):
+        functions.append(reward_model_function(cfg.reward_model, program.reward_model, tokenizer))
     completion = completion_length(cfg)
     width = cfg.seq_len - completion
     if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
@@ -215,6 +221,17 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
                     normalize_advantages=cfg.normalize_advantages, reward_clip_range=cfg.reward_clip_range)
 
 
+def reward_model_function(spec: str, program, tokenizer) -> RewardFunction:
+    """``--reward-model`` as a reward function (``train/reward.py``'s ``RewardModel``), with its
+    own tokenizer (the run's when it names none)."""
+    from shardzoo.data import load_tokenizer
+    from shardzoo.train.sources import open_source
+
+    own = open_source(spec, what="--reward-model").tokenizer
+    model = RewardModel(spec, program, load_tokenizer(own) if own else tokenizer)
+    return RewardFunction(model.name, model, spec)
+
+
 def try_reward_functions(functions, prompts) -> None:
     """Call each reward function once, as a rollout calls it, on the first prompt (its columns)
     with an empty completion, before anything compiles or is written. A ``TypeError`` (the
@@ -227,6 +244,8 @@ def try_reward_functions(functions, prompts) -> None:
     completion = [{"role": "assistant", "content": ""}] if prompts.conversational else ""
     columns = {k: v[:1] for k, v in prompts.columns.items()}
     for f in functions:
+        if isinstance(f.fn, RewardModel):  # a model takes any text
+            continue
         try:
             f.fn(prompts=prompts.prompts[:1], completions=[completion], completion_ids=[[]], **columns)
         except (TypeError, KeyError) as e:

@@ -63,6 +63,9 @@ class _Program:
     def reference_bytes(self):
         return None
 
+    def reward_model_bytes(self):
+        return None
+
 
 def _builder(table):
     built = []
