@@ -46,6 +46,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "distill: the --teacher's bytes and its logits in the batch")
     p.add_argument("--teacher", default=None, metavar="MODEL|DIR",
                    help="--task distill: the teacher, a zoo model name or a run/HF dir (its vocabulary the model's)")
+    p.add_argument("--lmbda", type=float, default=0.0,
+                   help="--task distill: on-policy GKD's share of student-sampled steps (> 0: the sampler's cache)")
+    p.add_argument("--seq-kd", action="store_true", help="--task distill: the teacher samples the other steps")
+    p.add_argument("--reward-model", default=None, metavar="MODEL|DIR",
+                   help="--task grpo/rloo: a reward model (a zoo model name with a score head, or a run/HF dir): "
+                        "its bytes, sharded by the same rules")
     p.add_argument("--loss", default=None, help="--task dpo: sigmoid (default) or any of TRL's loss_type (a reference "
                                                 "unless simpo or orpo); "
                                                 "--task grpo: dapo (default), grpo, bnpo, dr_grpo, cispo, sapo, "
@@ -116,7 +122,7 @@ def cmd_plan(args) -> int:
     settings = TrainConfig(batch_size=batch, seq_len=seq_len, optimizer=args.optimizer,
                            grad_accum=args.grad_accum, task=args.task, loss=args.loss, beta=args.beta,
                            precompute_reference=args.precompute_reference, override=list(args.override),
-                           teacher=args.teacher,
+                           teacher=args.teacher, reward_model=args.reward_model, lmbda=args.lmbda, seq_kd=args.seq_kd,
                            **({"num_generations": args.num_generations} if args.num_generations else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingValidationWarning)  # the plan lists them

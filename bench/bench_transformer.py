@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -23,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import plain_llama  # noqa: E402
-from program_step import one_device_program, packed_batch, stepper  # noqa: E402
+from program_step import cpu_model, one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models.transformer import TransformerConfig  # noqa: E402
 
@@ -159,7 +158,7 @@ def main():
           "(`run_program`'s compiled step: adamw with its defaults, clipping and schedule, on a "
           "packed batch of two documents per row with loss weights; bench/program_step.py); "
           "the plain JAX and HF rows a plain next-token step.\n")
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, "
           f"load average at the end {os.getloadavg()[0]:.1f}; jax {jax.__version__}, "
           f"torch {torch.__version__} (2 threads), transformers {transformers.__version__}.\n")
     print("| | step (s) | tokens/s | model FLOP/s | of matmul peak | vs HF |")

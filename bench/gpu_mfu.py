@@ -105,6 +105,9 @@ def main(argv=None) -> int:
                         help="the device's dense bf16 peak (default: by device kind; 989 with --tiny)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
                         help="memory a step may use (default: the device's allocator limit)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after the timed steps, trace 2 more into DIR and print where the device time went "
+                             "(bench/profile_ops.py)")
     parser.add_argument("--out", default=None, help="markdown file to write (default: bench/results/gpu_mfu[_tiny].md)")
     parser.add_argument("--xla-preset", default=None, choices=tuple(XLA_PRESETS),
                         help="XLA flags added to XLA_FLAGS before JAX starts (train/xla_flags.py; "
@@ -201,6 +204,11 @@ def main(argv=None) -> int:
     print(header)
     print(line)
     print(notes)
+    if args.profile:
+        from profile_ops import profile_ops
+
+        notes += "\n\n" + profile_ops(run, steps=2, trace_dir=args.profile, top=40)
+        print(notes)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    "gpu_mfu_tiny.md" if args.tiny else "gpu_mfu.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -53,3 +53,14 @@ def stepper(program, state, batch: dict, rng=None):
 
     run.state, run.metrics = state, None
     return run
+
+
+def cpu_model() -> str:
+    """This machine's CPU model (/proc/cpuinfo's "model name"), recorded beside every CPU figure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()

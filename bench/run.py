@@ -48,6 +48,9 @@ class Bench:
 BENCHES = (
     Bench("transformer", "train-step tokens/s against HF transformers, matmul-peak fraction, compile "
           "time 2 vs 32 layers", "bench_transformer.py", quick=("--rounds", "1"), stdout=True),
+    Bench("cpu", "where the CPU train step spends its time by op class against torch (XLA:CPU thunks, "
+          "torch.profiler), and XLA:CPU options against the default (interleaved, same initial state)",
+          "bench_cpu.py", quick=("--rounds", "1", "--only", "oneDNN")),
     Bench("presets", "per-device memory and collectives per sharding preset, 8 fake devices",
           "bench_presets.py", ("--what", "presets"), ("--quick",)),
     Bench("plan", "the plan's per-device memory against XLA's for the step shardzoo train runs, every "

@@ -5,6 +5,7 @@
 #   bash bench/tpu_all.sh install tests              # the machine's install, then tests/tpu
 #   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
 #   bash bench/tpu_all.sh install decode:llama3.2-1b moe
+#   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
 #
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
 set -uo pipefail
@@ -33,6 +34,11 @@ for part in "$@"; do
       timeout 560 python3 bench/tpu_mfu.py --only "${part#mfu:}" --steps 5 --timeout 300 \
         --out "$out/tpu_mfu_${part#mfu:}.md" > "$out/tpu_mfu_${part#mfu:}.log" 2>&1
       cat "$out/tpu_mfu_${part#mfu:}.md"; grep -E "^batch|fits|Error|error" "$out/tpu_mfu_${part#mfu:}.log" | tail -30
+      ;;
+    profile:*)  # profile:MODEL:BxS:REMAT -- where the step's device time goes (bench/profile_ops.py)
+      IFS=: read -r _ model shape remat <<< "$part"
+      timeout 400 python3 bench/gpu_mfu.py --model "$model" --param-dtype bfloat16 --candidates "$shape:$remat" \
+        --steps 3 --profile /tmp/trace_$model --out "$out/tpu_profile_$model.md" 2>&1 | tail -60
       ;;
     decode:*)
       timeout 400 python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \

@@ -26,15 +26,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (name, model, candidates, overrides)
 MOE = ("num_hidden_layers=4", "num_local_experts=32")  # qwen3-30b-a3b's layers, 1.3 B params: fits one chip
 ROWS = (
-    ("llama", "llama3.2-1b", "4x2048:save_attn_mlp,4x2048:full", ()),
-    ("gemma", "gemma-3-1b", "4x2048:save_attn_mlp,4x2048:full", ()),
-    ("qwen", "qwen3-0.6b", "8x2048:save_attn_mlp,4x2048:dots_with_no_batch_dims_saveable,4x2048:save_attn_mlp", ()),
+    ("llama", "llama3.2-1b", "2x2048:save_qkv_mlp,4x2048:full", ()),
+    ("gemma", "gemma-3-1b", "4x2048:full", ()),
+    ("qwen", "qwen3-0.6b", "6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
     ("moe", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full", (*MOE, "moe_dispatch=auto")),
-    ("ablation-splash", "llama3.2-1b", "4x2048:save_attn_mlp,4x2048:full", ("attention_impl=xla",)),
-    ("ablation-loss", "llama3.2-1b", "4x2048:save_attn_mlp,4x2048:full", ("tiled_loss=off",)),
+    # each piece switched back alone, everything else as in the llama row (the MoE row for gmm)
+    ("ablation-splash", "llama3.2-1b", "2x2048:save_qkv_mlp,2x2048:save_attn_mlp,2x2048:full",
+     ("attention_impl=xla",)),
+    ("ablation-loss", "llama3.2-1b", "2x2048:save_qkv_mlp,2x2048:save_attn_mlp,2x2048:full", ("tiled_loss=off",)),
     ("ablation-remat", "llama3.2-1b", "4x2048:full", ()),
     ("ablation-gmm", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full",
      (*MOE, "moe_dispatch=indexed")),
+    # the candidates the rows above were chosen from
+    ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
+    ("gemma-qkv", "gemma-3-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
+    ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
+    ("llama-none", "llama3.2-1b", "2x2048:none,1x2048:none", ()),
     ("llama-b8", "llama3.2-1b", "8x2048:full", ()),
     ("gemma-b8", "gemma-3-1b", "8x2048:full", ()),
 )

@@ -18,20 +18,25 @@ from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.lora import TARGETS as LORA_TARGETS
 from shardzoo.models.lora import check_lora
 
-# checkpoint_name labels in layers.py: query, key, value, attn_context, attn_out, mlp_hidden, mlp_out.
+# checkpoint_name labels: query, key, value, attn_context, attn_out (attention.py), mlp_gate, mlp_up,
+# mlp_hidden, mlp_out (layers.py).
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
+    # the inputs of everything but the matmuls: the backward recomputes attention (splash: its
+    # forward kernel) and the MLP's activation, never a projection (MaxText's save_qkv_proj and
+    # save_dot_except_mlp between them)
+    "save_qkv_mlp": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "mlp_gate", "mlp_up"),
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 # What ``shardzoo train --remat auto`` tries, fastest first: by the FLOPs each recomputes per
-# token (``train/advise.py``: none 0; dots_with_no_batch_dims_saveable attention's batched
-# matmuls; save_attn_mlp those and most projections; full the whole forward). Memory falls
+# token (``train/advise.py``: none 0; dots_with_no_batch_dims_saveable and save_qkv_mlp
+# attention's batched matmuls; save_attn_mlp those and most projections; full the whole forward). Memory falls
 # the other way (TPU.md: llama3.2-1b at 2 x 2048 needed 19.1 GB with dots_..., 16.3 with save_attn_mlp).
-AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_attn_mlp", "full")
+AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")

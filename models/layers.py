@@ -387,9 +387,10 @@ class MLP(nn.Module):
             up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))
             if gate_scale != 1.0:
                 gate = gate * jnp.asarray(gate_scale, gate.dtype)
+            gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")  # what save_qkv_mlp keeps
             h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:
-            h = act(linear("up")(x))
+            h = act(checkpoint_name(linear("up")(x), "mlp_up"))
         h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP), self.placement), "mlp_hidden")
         out = Linear((a.hidden_size,), (ax.MLP, ax.EMBED), a.mlp_bias, name="down", **kw)(h)
         if down_scale != 1.0:

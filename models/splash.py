@@ -76,8 +76,10 @@ def _local(q, k, v, seg, *, window, cap, interpret):
     batch, length, heads, _ = q.shape
     kv_heads = k.shape[2]
     b = block_size(length)
+    # one backward kernel for dq and dk/dv (MaxText's sa_use_fused_bwd_kernel): the attention
+    # probabilities are recomputed once in the backward, not once per gradient
     blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+                           block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     make = sk.make_splash_mqa if kv_heads == 1 else sk.make_splash_mha
     kernel = make(_mask(length, heads, window), block_sizes=blocks, head_shards=1,
                   q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)

@@ -243,6 +243,7 @@ class Plan:
             ("gradients", t["gradients"]),
             ("optimizer state", t["optimizer"]),
             *([("reference model", t["reference"])] if "reference" in t else []),
+            *([("reward model", t["reward_model"])] if "reward_model" in t else []),
             ("activations (estimate)", t["activations"]),
             *([("rollouts (KV cache)", t["rollouts"])] if "rollouts" in t else []),
             ("total", t["total"]),
@@ -298,7 +299,7 @@ def _dims_text(array: Resolved) -> str:
 def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int | None,
               optimizer_bytes: int, gradient_bytes: int | None = None, device_memory=None,
               name=None, workload: dict | None = None, reference_bytes: int | None = None,
-              rollout_bytes: int | None = None) -> Plan:
+              rollout_bytes: int | None = None, reward_model_bytes: int | None = None) -> Plan:
     """The plan of a validated train state (``validate.Report`` of its params and activations).
 
     ``optimizer_bytes``: the optimizer state's bytes per device (the program knows them from
@@ -306,6 +307,7 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
     (preference tasks; 0 when the reference costs no parameters, None without one);
     ``rollout_bytes`` those of the decoding cache that samples a step's completions (GRPO; held
     while sampling, when the step's activations are not, so the total counts the larger);
+    ``reward_model_bytes`` those of a frozen reward model's params (GRPO's ``--reward-model``);
     ``gradient_bytes`` those of the gradients (default: as the
     params; less when only some params train, as LoRA's adapters). The activation estimate is the model's own
     (``model_config.activation_estimate(micro_batch, seq_len, shards)``, where ``shards(names)``
@@ -325,6 +327,8 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         totals["reference"] = int(reference_bytes)
     if rollout_bytes is not None:
         totals["rollouts"] = int(rollout_bytes)
+    if reward_model_bytes is not None:
+        totals["reward_model"] = int(reward_model_bytes)
     est = None
     if model_config is not None:
         est = model_config.activation_estimate(micro_batch, seq_len, Shards(report.rules, mesh))
@@ -333,7 +337,7 @@ def make_plan(report, mesh, model_config=None, *, micro_batch: int, seq_len: int
         pipeline = model_config.pipeline_plan(micro_batch, Shards(report.rules, mesh))
     totals["activations"] = None if est is None else est.bytes
     totals["total"] = (totals["params"] + totals["gradients"] + totals["optimizer"]
-                       + totals.get("reference", 0) + max(totals["activations"] or 0, totals.get("rollouts", 0)))
+                       + totals.get("reference", 0) + totals.get("reward_model", 0) + max(totals["activations"] or 0, totals.get("rollouts", 0)))
     if device_memory is not None and not isinstance(device_memory, tuple):
         device_memory = parse_device_memory(device_memory)
     return Plan(

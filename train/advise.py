@@ -10,6 +10,8 @@ attention part, the FLOPs that grow with the sequence):
 
     none, dots_saveable                 0 (they keep every matmul's output)
     dots_with_no_batch_dims_saveable    A / 3 (attention's batched matmuls are recomputed)
+    save_qkv_mlp                        A / 3 (keeps q, k, v and the MLP's gate and up: only
+                                        attention and elementwise work are recomputed)
     save_attn_mlp                       A / 3 + 0.65 (F - A) / 3: every projection but the
                                         attention output and the MLP down projection, whose
                                         inputs it keeps (0.65 of a Llama layer's matmuls)
@@ -49,6 +51,7 @@ def variants(config, seq_len, pinned: bool) -> list[Variant]:
     attention = max(flops - config.flops_per_token(1), 0.0)
     recompute = {
         "none": 0.0, "dots_saveable": 0.0, "dots_with_no_batch_dims_saveable": attention / 3,
+        "save_qkv_mlp": attention / 3,
         "save_attn_mlp": attention / 3 + _SAVE_ATTN_MLP_SHARE * (flops - attention) / 3,
         "full": flops / 3,
     }

@@ -36,9 +36,10 @@ GRPO_OPTIONS = ("importance_sampling_level", "use_bias_correction_kl", "delta", 
                 "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
                 "top_entropy_quantile", "entropy_coef")  # TRL's GRPOConfig's, not RLOOConfig's
 RLOO_OPTIONS = ("normalize_advantages", "reward_clip_range")
-SAMPLING = ("reward_funcs", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
+SAMPLING = ("reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
             "mask_truncated_completions", "temperature", "top_k", "top_p")  # GRPO's and RLOO's
-DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau")
+DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
+                "use_weighting")
 # the tasks that own each task-only setting: any other --task refuses it changed from its default
 TASK_SETTINGS = {
     **dict.fromkeys(("reference", "max_prompt_length", "max_completion_length"), ("dpo", "kto", "grpo", "rloo")),
@@ -50,8 +51,10 @@ TASK_SETTINGS = {
     "temperature": ("grpo", "rloo", "distill"),  # GKD's temperature too
     **dict.fromkeys(("scale_rewards", "multi_objective_aggregation", *GRPO_OPTIONS), ("grpo",)),
     **dict.fromkeys(RLOO_OPTIONS, ("rloo",)),
-    **dict.fromkeys(("teacher", "distill_top_k"), ("distill",)),
+    **dict.fromkeys(("teacher", "distill_top_k", "lmbda", "seq_kd"), ("distill",)),
 }
+ON_POLICY = ("max_prompt_length", "max_completion_length", "top_k", "top_p")  # on-policy GKD's too
+
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
 
 
@@ -111,6 +114,7 @@ class TrainConfig:
     f_divergence_type: str = "reverse_kl"  # dpo: f-DPO's regularizer
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    use_weighting: bool = False  # dpo: WPO's weights, each pair's loss times its sequences' weighted probabilities
     desirable_weight: float = 1.0  # kto: weight of the desirable rows' losses (TRL's KTOConfig)
     undesirable_weight: float = 1.0  # kto: weight of the undesirable rows' losses
     center_rewards_coefficient: float | None = None  # reward: TRL's weight of mean((r_chosen + r_rejected)^2)
@@ -119,9 +123,12 @@ class TrainConfig:
     # distill (TRL's GKD: --beta 0 forward KL (default), 1 reverse KL, between: generalized JSD; --temperature)
     teacher: str | None = None  # the teacher's run or HF dir: any family with the student's vocabulary
     distill_top_k: int = 0  # the divergence over the teacher's k likeliest tokens of each position (0: all)
+    lmbda: float = 0.0  # on-policy GKD: the share of steps whose completions the student samples (TRL's default 0.5)
+    seq_kd: bool = False  # the other steps' completions sampled by the teacher (TRL GKD's sequence-level KD)
     # grpo (TRL's GRPOConfig names and defaults)
     reward_funcs: tuple[str, ...] = ()  # FILE.py:FUNCTION, comma-separated
     reward_weights: tuple[float, ...] | None = None  # one per reward function (default: all 1)
+    reward_model: str | None = None  # a reward model (run or HF *ForSequenceClassification dir), after the functions
     num_generations: int = 8  # completions sampled per prompt (a group)
     num_iterations: int = 1  # optimisation passes per batch of completions
     epsilon: float = 0.2
@@ -207,7 +214,8 @@ class TrainConfig:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
         defaults = TrainConfig.__dataclass_fields__
         for name, owners in TASK_SETTINGS.items():
-            if self.task not in owners and getattr(self, name) != defaults[name].default:
+            if self.task not in owners and getattr(self, name) != defaults[name].default \
+                    and not (self.on_policy and name in ON_POLICY):
                 tasks = ", ".join(owners[:-1]) + " or " + owners[-1] if len(owners) > 1 else owners[0]
                 raise ConfigError(f"--{flag(name)} is a setting of --task {tasks}")
         if self.task not in ("dpo", "kto", "grpo", "rloo") and self.loss is not None:  # rloo: its own line
@@ -237,6 +245,11 @@ class TrainConfig:
             raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
                               f"{', '.join(DPO_LOSSES)}")
 
+    @property
+    def on_policy(self) -> bool:
+        """``--task distill`` whose completions are sampled (``--lmbda`` > 0 or ``--seq-kd``: ``train/tasks/gkd.py``)."""
+        return self.task == "distill" and (self.lmbda > 0 or self.seq_kd)
+
     def _check_distill(self) -> None:
         """``--task distill`` needs ``--teacher``; its settings in range."""
         if self.task != "distill":
@@ -249,6 +262,8 @@ class TrainConfig:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
         if self.distill_top_k < 0:
             raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ConfigError(f"--lmbda must be in [0, 1] (the share of on-policy steps), got {self.lmbda}")
 
     def _check_grpo(self) -> None:
         """The GRPO and RLOO settings in range."""
@@ -268,9 +283,11 @@ class TrainConfig:
         clip = self.reward_clip_range
         if clip is not None and (len(clip) != 2 or not clip[0] <= clip[1]):
             raise ConfigError(f"--reward-clip-range takes MIN,MAX with MIN <= MAX, got {','.join(map(str, clip))}")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+        rewards = len(self.reward_funcs) + bool(self.reward_model)
+        if self.reward_weights is not None and len(self.reward_weights) != rewards:
             raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} --reward-funcs")
+                              f"{len(self.reward_funcs)} --reward-funcs"
+                              + (" and the --reward-model" if self.reward_model else ""))
         if self.num_generations < 2:
             raise ConfigError(f"--num-generations must be at least 2 (a group), got {self.num_generations}")
         if self.batch_size % self.num_generations:
@@ -337,9 +354,9 @@ SECTIONS = {
              "batch_size",
              "seq_len"),
     "task": ("task", "loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", "loss_weights", "ld_alpha",
-             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "desirable_weight",
+             "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "use_weighting", "desirable_weight",
              "undesirable_weight", "center_rewards_coefficient", "reference",
-             "precompute_reference", "teacher", "distill_top_k", "reward_funcs", "reward_weights", "num_generations", "num_iterations",
+             "precompute_reference", "teacher", "distill_top_k", "lmbda", "seq_kd", "reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations",
              "epsilon", "epsilon_high", "scale_rewards", "multi_objective_aggregation", "mask_truncated_completions",
              "temperature", "top_k", "top_p", "importance_sampling_level", "use_bias_correction_kl", "delta",
              "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",

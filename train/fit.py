@@ -76,7 +76,7 @@ def requested_remat(cfg, config, accelerator: bool) -> str | None:
 
 def step_bytes(program) -> float | None:
     """Bytes one device needs to run ``program``'s train step (compiling it): XLA's
-    ``memory_analysis`` total plus a frozen reference model's params; when the compile itself
+    ``memory_analysis`` total plus a frozen reference (and reward) model's params; when the compile itself
     runs out of memory, the size XLA names (inf if it names none). None: the backend does not say."""
     try:
         compiled = program.compiled_train_step()
@@ -86,7 +86,7 @@ def step_bytes(program) -> float | None:
         needed, _ = xla_sizes(str(e))
         return needed if needed is not None else math.inf
     total = memory_analysis(compiled).get("total")
-    return None if total is None else total + (program.reference_bytes() or 0)
+    return None if total is None else total + (program.reference_bytes() or 0) + (program.reward_model_bytes() or 0)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -57,6 +57,8 @@ HELP = {
             "GKD's beta (default 0: forward KL; 1: reverse KL; between: generalized JSD)",
     "reward_funcs": "--task grpo: reward functions FILE.py:FUNCTION, comma-separated; each is called as TRL's "
                     "function(prompts, completions, completion_ids, **other_columns) -> list of floats",
+    "reward_model": "--task grpo/rloo: a reward model (a --task reward run or an HF *ForSequenceClassification dir) "
+                    "scoring prompt + completion as TRL does, after the --reward-funcs; sharded by the run's rules",
     "reward_weights": "--task grpo: comma-separated weights of the reward functions (default: 1 each)",
     "num_generations": "--task grpo: completions sampled per prompt; --batch-size counts completions",
     "num_iterations": "--task grpo: optimisation steps on each batch of completions (old log-probs once per batch)",
@@ -93,6 +95,8 @@ HELP = {
     "simpo_gamma": "--loss simpo: the target reward margin gamma",
     "loss_weights": "--task dpo: comma-separated weights of the comma-separated --loss types (TRL's loss_weights, "
                     "MPO; default: 1 each)",
+    "use_weighting": "--task dpo: WPO (TRL's use_weighting): each pair's loss times exp of its chosen and its "
+                     "rejected completion's mean of log p(token) - log sum(p^2), without gradient",
     "ld_alpha": "--task dpo: LD-DPO's alpha in [0, 1]: the weight of the completion tokens past the shorter "
                 "completion's length (default: none, plain sums)",
     "f_divergence_type": "--task dpo: f-DPO's regularizer: reverse_kl, forward_kl, js_divergence or alpha_divergence "
@@ -108,6 +112,9 @@ HELP = {
                  "policy (with LoRA: the base, adapters off, no second copy)",
     "teacher": "--task distill: the teacher (a run, a checkpoint or an HF dir; any family with the student's "
                "vocabulary)",
+    "lmbda": "--task distill: on-policy GKD, the share of steps whose completions the student samples from the "
+             "prompts (TRL's lmbda; > 0 reads prompt/completion rows; 0, the default: the off-policy lm data path)",
+    "seq_kd": "--task distill: the steps not on-policy train on completions the teacher samples (TRL GKD's seq_kd)",
     "distill_top_k": "--task distill: the divergence over the teacher's K likeliest tokens per position "
                      "(default 0: the whole vocabulary)",
     "precompute_reference": "--task dpo/kto: compute the reference log-probs once before training and store them "
@@ -161,7 +168,7 @@ HELP = {
     "xla_preset": "a named set of XLA flags added to XLA_FLAGS before JAX starts: "
                   + "; ".join(f"{k}: {v}" for k, v in XLA_PRESET_HELP.items()),
 }
-METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
+METAVARS = {"remat": "auto|POLICY", "device_memory": "SIZE|DEVICE", "reward_funcs": "FILE.py:FN,...", "reward_clip_range": "MIN,MAX", "reward_weights": "W,...", "reward_model": "DIR", "wandb": "PROJECT", "reference": "DIR", "teacher": "DIR", "distill_top_k": "K", "max_prompt_length": "N", "max_completion_length": "N", "chat_column": "COLUMN", "out": "DIR", "compile_cache": "DIR", "feature_columns": "COL,COL,...", "model": "NAME", "override": "KEY=VALUE", "rules": "NAME|FILE",
             "opt_rules": "NAME|FILE", "mesh": "SPEC", "data": "SPEC", "tokenizer": "byte|PATH",
             "init_from": "DIR", "coordinator": "HOST:PORT", "lora_rank": "R", "lora_alpha": "A",
             "lora_targets": "q,k,v,...", "lora_base_dtype": "DTYPE", "lora_from": "ADAPTER_DIR"}

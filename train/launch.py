@@ -136,7 +136,7 @@ def prepare(cfg: TrainConfig, config=None) -> Prepared:
         _check_labelled(cfg, config, train_data)
         _check_same_classes(cfg, out, resume_step, train_data)
     else:
-        train_data, eval_data = component.datasets(cfg, data_config, tokenizer, mesh, rules)
+        train_data, eval_data = component.datasets(cfg, data_config, tokenizer, mesh, rules, program)
     if resume_step is not None and cfg.steps <= resume_step:  # nothing to do: nothing to compile
         fitted = fit.Fitted(program, config, cfg.remat)
     else:
@@ -390,7 +390,7 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
     log(p.program.plan(device_memory=p.device_memory, name=_model_name(cfg)).format())
     trainer = saved_at_start = None
     try:
-        trainer = component.trainer(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
+        trainer = component.trainer(cfg)(p.module, p.config, cfg, p.mesh, p.rules, p.train_data, p.eval_data,
                                 opt_rules=p.opt_rules, meta=meta, init_params=init_params, hooks=hooks,
                                 program=p.program, log=log, reference_params=reference_params)
         saved_at_start = trainer.last_saved

@@ -8,10 +8,8 @@ params' from their logical axes under ``rules``, the optimizer state's from the 
 ``opt_rules`` (ZeRO-1 is ``rules=dp, opt_rules=zero1``). A model with LoRA adapters trains only
 them: the optimizer state holds the adapters alone, the step differentiates only them.
 
-The model is built with the program's ``Placement`` (mesh and rules): its activation constraints
-and ``shard_map`` paths read them from there, never from a context. The constraints the
-validator checks are recorded from an abstract trace of the step that compiles (the pipeline's,
-the ring's and the MoE dispatch's included).
+The model is built with the program's ``Placement`` (mesh and rules), never a context; the
+activation constraints validated are recorded from an abstract trace of the step that compiles.
 
 Every jit goes through ``Program.compile`` (``jit.compile_on``): the init, the train and eval
 steps, each task's steps, scoring, and decoding (``program.decoding``, ``train/decoding.py``).
@@ -156,6 +154,7 @@ class Program:
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
         self._old_logps_step = self._teacher_step = None
         self._build_teacher(teacher, strict)
+        self.reward_model = None  # GRPO's --reward-model: its own params-only Program (tasks/reward.py)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
 
     # ------------------------------------------------------------------ the one init
@@ -226,9 +225,6 @@ class Program:
                 f"{getattr(rules, 'name', '')!r} shard the batch over on mesh {describe_mesh(self.mesh)}"
             )
 
-    def _rng_struct(self):
-        return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.mesh))
-
     def _train_fn(self):
         return functools.partial(train_step, module=self.module, task=self.task, tx=self.tx,
                                  schedule=self.schedule, grad_accum=self.grad_accum,
@@ -248,7 +244,7 @@ class Program:
         if self._train_step is None:
             t0 = time.perf_counter()
             scalar = replicated(self.mesh)
-            self._train_step = self.compile(self._train_fn(), self.abstract, self.abstract_batch, self._rng_struct(),
+            self._train_step = self.compile(self._train_fn(), self.abstract, self.abstract_batch, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=scalar),
                                             in_shardings=(self.shardings, self.batch_shardings, scalar),
                                             out_shardings=(self.shardings, scalar), donate_argnums=0)
             self.compile_seconds = time.perf_counter() - t0
@@ -393,7 +389,13 @@ class Program:
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),
                          rollout_bytes=self.decoding.cache_bytes(self.batch_size, self.seq_len)
-                         if self.task.samples else None)  # GRPO: the cache that samples a step's completions
+                         if self.task.samples else None,  # GRPO, on-policy GKD: the sampler's cache
+                         reward_model_bytes=self.reward_model_bytes())
+
+    def reward_model_bytes(self) -> int | None:
+        """GRPO's ``--reward-model``: its params' bytes on one device; None without one."""
+        rm = self.reward_model
+        return None if rm is None else per_device_bytes(rm.abstract.params, rm.shardings.params)
 
     @functools.cached_property
     def decoding(self) -> Decoding:
@@ -403,7 +405,6 @@ class Program:
     @property
     def is_abstract(self) -> bool:
         return isinstance(self.mesh, AbstractMesh)
-
 
 
 def settings_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True, task=None, reference=None,

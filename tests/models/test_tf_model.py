@@ -166,15 +166,17 @@ def test_every_remat_policy_saves_what_it_says():
     stacked = {p: r["stacked"] for p, r in residuals.items()}
     assert stacked["full"] == {block_in}  # nothing inside a layer: only its input
     assert stacked["save_attn_mlp"] == {block_in, attn_context, mlp_hidden}  # exactly the two names
+    kv = (n, b, length, cfg.arch.kv_heads, cfg.head_size)
+    assert stacked["save_qkv_mlp"] == {block_in, attn_context, kv, mlp_hidden}  # q, k = v, gate = up
     # Matmul outputs: projections (no batch dims) under both dots policies; the attention
     # scores [..., length, length] (a dot with batch dims) only under dots_saveable.
     assert stacked["dots_with_no_batch_dims_saveable"] < stacked["dots_saveable"]
     assert attn_context in stacked["dots_with_no_batch_dims_saveable"]
     scores = [s for s in stacked["dots_saveable"] if s.count(length) == 2]  # [.., length, .., length]
     assert scores and not any(s.count(length) == 2 for s in stacked["dots_with_no_batch_dims_saveable"])
-    order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_attn_mlp", "full"]
+    order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full"]
     saved_bytes = [residuals[p]["bytes"] for p in order]
-    assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 5, saved_bytes
+    assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 6, saved_bytes
     # XLA's compiled scratch memory of the gradient follows (ties allowed in the middle).
     temps = [temp[p] for p in order]
     assert temps == sorted(temps, reverse=True) and temps[0] > temps[1] and temps[-2] >= temps[-1], temps

@@ -56,7 +56,7 @@ def trl_dpo(hf, loss, weights=None, **settings):
     if id(hf) not in _TRL:
         args = DPOConfig(output_dir=str(hf.root / "trl"), beta=BETA, loss_type=["sigmoid"], report_to=[],
                          per_device_train_batch_size=PAIRS, max_length=None, use_cpu=True, bf16=False,
-                         disable_dropout=True)
+                         disable_dropout=True, use_weighting=True)  # its head also gives WPO's log sum p^2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _TRL[id(hf)] = DPOTrainer(model=hf.policy, ref_model=hf.reference, args=args,
@@ -66,6 +66,7 @@ def trl_dpo(hf, loss, weights=None, **settings):
     trainer.loss_types, trainer.loss_weights = losses, list(weights or [1.0] * len(losses))
     trainer.label_smoothing = settings.get("label_smoothing", 0.0)
     trainer.ld_alpha = settings.get("ld_alpha")
+    trainer.use_weighting = settings.get("use_weighting", False)
     trainer.f_divergence_type = settings.get("f_divergence_type", "reverse_kl")
     trainer.f_alpha_divergence_coef = settings.get("f_alpha_divergence_coef", 0.5)
     trainer.args.discopop_tau = settings.get("discopop_tau", 0.05)
@@ -161,6 +162,16 @@ def test_each_dpo_loss_equals_trl_dpotrainer_on_its_first_step(hf, loss):
         assert abs(got[name] - want[name]) < 1e-5 * max(1.0, abs(want[name])), (name, got[name], want[name])
 
 
+def test_a_wpo_train_step_equals_trl_dpotrainer(hf):
+    """``use_weighting``: the step reads the whole logits (no tiled head) for WPO's weights."""
+    want_loss, want, _ = trl_dpo(hf, "sigmoid", use_weighting=True)
+    got, _ = ours(hf, "sigmoid", use_weighting=True)
+    assert abs(want_loss - trl_dpo(hf, "sigmoid")[0]) > 1e-3  # the weights change the loss
+    assert abs(got["loss"] - want_loss) < 1e-5, (got["loss"], want_loss)
+    for name in METRICS:
+        assert abs(got[name] - want[name]) < 1e-5 * max(1.0, abs(want[name])), (name, got[name], want[name])
+
+
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 def test_reference_free_losses_equal_trl_cpo_and_orpo_code(hf, loss):
     _, _, examples = trl_dpo(hf, "sigmoid")
@@ -227,6 +238,9 @@ CASES = {
     "js_divergence": ("ipo", None, {"f_divergence_type": "js_divergence"}),
     "alpha_divergence": ("robust,discopop", None, {"f_divergence_type": "alpha_divergence",
                                                    "f_alpha_divergence_coef": 0.3, "label_smoothing": 0.1}),
+    "wpo": ("sigmoid", None, {"use_weighting": True}),
+    # (TRL 1.16's WPO raises with "sft": it weights an expanded tensor in place)
+    "wpo_mpo_ld_alpha": ("sigmoid,bco_pair", (0.8, 0.2), {"use_weighting": True, "ld_alpha": 0.3}),
 }
 
 
@@ -261,6 +275,8 @@ def test_every_trl_dpo_loss_equals_trl_on_the_first_batch(hf, logits, case):
     got = {k: float(v) for k, v in task.extra_metrics(sums, sums["weight"]).items()}
     got["loss"] = float(sums["loss"] / sums["weight"])
     assert abs(want["rewards/margins"]) > 0.05 and abs(want_loss) > 1e-3
+    if settings.get("use_weighting"):  # the weights are not 1: WPO changes the loss
+        assert abs(want_loss - trl_dpo(hf, loss, weights, **{**settings, "use_weighting": False})[0]) > 1e-3
     assert abs(got["loss"] - want_loss) < 1e-5 * max(1.0, abs(want_loss)), (got["loss"], want_loss)
     for name in METRICS:
         assert abs(got[name] - want[name]) < 1e-5 * max(1.0, abs(want[name])), (name, got[name], want[name])
@@ -277,6 +293,7 @@ _DIFFS = {}
     ({"loss": "bco_pair", "f_divergence_type": "js_divergence"}, "goes only with --loss"),
     ({"loss": "sigmoid", "ld_alpha": 1.5}, "--ld-alpha must be in [0, 1]"),
     ({"loss": "sigmoid,orpo"}, "do not combine"),
+    ({"loss": "aot", "use_weighting": True}, "--use-weighting does not go with --loss aot"),
 ])
 def test_bad_loss_settings_are_one_line_errors(settings, words):
     from shardzoo.errors import UserError

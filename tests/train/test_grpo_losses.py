@@ -129,7 +129,7 @@ CASES = {
 }
 
 
-def trl_grpo_first_step(hf, loss_type, options, shift):
+def trl_grpo_first_step(hf, loss_type, options, shift, advantages=ADVANTAGES):
     """TRL's ``_compute_loss`` on the fixed rows: ``(loss, metrics, old, ref)``, old = the policy's
     log-probs shifted by ``shift`` (an earlier policy), ref = the reference's."""
     from trl import GRPOConfig, GRPOTrainer
@@ -144,7 +144,7 @@ def trl_grpo_first_step(hf, loss_type, options, shift):
         ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention, COMPLETION)
     old = logps + torch.tensor(shift)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, advantages=torch.tensor(ADVANTAGES), old_per_token_logps=old,
+                  completion_mask=completion_mask, advantages=torch.tensor(advantages), old_per_token_logps=old,
                   ref_per_token_logps=ref, num_items_in_batch=completion_mask.sum())
     loss = float(trainer._compute_loss(trainer.model, inputs).detach())
     metrics = {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}
@@ -165,15 +165,31 @@ def test_grpo_loss_and_metrics_equal_trls_compute_loss(hf, case):
     got = first_step(program_of(hf, task), hf.params, batch)
     assert abs(got["loss"] - want_loss) < ATOL, (got["loss"], want_loss)
     assert want["kl"] > 1e-2  # a different reference: the KL term is not zero
-    missing = {"clip_ratio/low_min", "clip_ratio/high_max"}  # a min/max over completions: not summable
     for name, value in want.items():
-        if name in missing:
-            continue
         assert abs(got[name] - value) < ATOL, (name, got[name], value)
     if loss_type in ("dapo", "grpo", "luspo") and "delta" not in options:
         assert 0 < want["clip_ratio/region_mean"] < 1  # the clipping is exercised
+        assert want["clip_ratio/high_max"] > want["clip_ratio/high_mean"]  # a max over completions
     if loss_type == "cispo":
         assert 0 < want["cispo_clip_ratio"] < 1
+
+
+def test_clip_ratio_low_min_over_completions_each_partly_clipped_equals_trls(hf):
+    """Every completion's advantage negative and some of its tokens' ratios below 1 - epsilon:
+    ``clip_ratio/low_min`` (the least clipped completion's share) is neither 0 nor the mean."""
+    advantages = -np.abs(ADVANTAGES)
+    shift = np.random.default_rng(1).uniform(0.0, 0.6, (6, COMPLETION)).astype(np.float32)
+    shift[:, 0] = 0.5  # each completion's first token clips
+    want_loss, want, old, ref, _ = trl_grpo_first_step(hf, "dapo", {}, shift, advantages)
+    task = grpo_task("dapo", BETA, 0.2, 0.28, num_iterations=2, max_completion_length=COMPLETION)
+    _, batch = our_rows()
+    batch.update(advantages=advantages, weights=np.ones(len(COMPLETIONS), np.float32), old_logps=to_ours(old),
+                 ref_logps=to_ours(ref))
+    got = first_step(program_of(hf, task), hf.params, batch)
+    assert 0 < want["clip_ratio/low_min"] < want["clip_ratio/low_mean"] and want["clip_ratio/high_max"] == 0
+    for name in ("loss", "clip_ratio/low_min", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean"):
+        value = want_loss if name == "loss" else want[name]
+        assert abs(got[name] - value) < ATOL, (name, got[name], value)
 
 
 def test_dapo_is_the_default_loss_as_trls():
@@ -237,13 +253,12 @@ def test_rloo_rollout_loss_and_metrics_equal_trls_rlootrainer(hf, iterations, op
     assert want["kl"] != 0 and (iterations == 1 or 0 < want["clip_ratio/region_mean"] < 1)
     got.update(rollout)
     for name, value in want.items():
-        if name in ("clip_ratio/low_min", "clip_ratio/high_max", "num_tokens") or "terminated" in name \
-                or name.startswith("completions/"):
-            continue  # min/max over completions; the sampler's (fixed here) lengths
+        if name == "num_tokens" or "terminated" in name or name.startswith("completions/"):
+            continue  # the sampler's (fixed here) lengths
         assert abs(got[name] - value) < ATOL, (name, got[name], value)
 
 
-@pytest.mark.parametrize("name,loss", [("grpo", "vespo"), ("rloo", None)])
+@pytest.mark.parametrize("name,loss", [("grpo", "vespo"), ("grpo", "dapo"), ("rloo", None)])
 def test_a_step_under_fsdp_tp_on_8_devices_equals_one_device(hf, name, loss):
     task = grpo_task(loss, BETA, 0.2, 0.28, num_iterations=2, max_completion_length=COMPLETION, name=name)
     _, batch = our_rows()
@@ -259,7 +274,8 @@ def test_a_step_under_fsdp_tp_on_8_devices_equals_one_device(hf, name, loss):
     program8 = Program(hf.config, rules8, mesh8, task=task, batch_size=8, seq_len=WIDTH + COMPLETION,
                        optimizer=functools.partial(make_optimizer, SETTINGS), reference="copy")
     eight = first_step(program8, params8, batch8)
-    for key in ("loss", "grad_norm", "entropy", "kl" if name == "grpo" else "clip_ratio/region_mean"):
+    clipped = ("clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")  # the extremes: real rows only
+    for key in ("loss", "grad_norm", "entropy", *(("kl",) if name == "grpo" else ()), *(clipped if loss != "vespo" else ())):
         assert abs(eight[key] - one[key]) < ATOL, (key, eight[key], one[key])
 
 

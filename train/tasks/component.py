@@ -20,7 +20,6 @@ class RunTask:
     preference = False
     unpaired = False
     eval_task = "lm"  # ``shardzoo eval``'s default ``--task`` for a run of this task
-    trainer = Trainer
 
     def model(self, cfg, config):
         """The model config this task trains, from the one the run names."""
@@ -39,7 +38,14 @@ class RunTask:
     def check(self, cfg) -> None:
         """Checks of the run's settings that need the file system, before anything is written."""
 
-    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+    def finish(self, cfg, program, strict: bool) -> None:
+        """What the task adds to its built Program (GRPO's ``--reward-model``)."""
+
+    def trainer(self, cfg):
+        """The Trainer class that runs it."""
+        return Trainer
+
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules, program):
         """``(train, eval or None)``: the run's batches (a language model's; labelled models'
         come from ``launch``'s own check of their columns)."""
         from shardzoo.data import make_datasets

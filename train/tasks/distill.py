@@ -62,6 +62,7 @@ class DistillTask(Task):
     beta: float = 0.0  # 0: forward KL (TRL GKD's default is 0.5, DistillationTrainer's 1.0)
     temperature: float = 1.0
     top_k: int = 0  # 0: the whole vocabulary
+    samples: bool = False  # on-policy (``--lmbda``/``--seq-kd``, ``train/tasks/gkd.py``): completions sampled each step
 
     @property
     def tiles_head(self) -> bool:
@@ -89,8 +90,9 @@ class DistillTask(Task):
         return {"loss": jnp.sum(loss * weights), "weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 
-def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) -> DistillTask:
-    """The ``distill`` task; ``beta`` in [0, 1], ``temperature`` > 0, ``top_k`` >= 0 (TRL's names)."""
+def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0, samples: bool = False) -> DistillTask:
+    """The ``distill`` task; ``beta`` in [0, 1], ``temperature`` > 0, ``top_k`` >= 0 (TRL's names);
+    ``samples``: on-policy, its completions sampled while training (the plan counts the sampler's cache)."""
     if not 0.0 <= beta <= 1.0:
         raise UserError(f"--beta {beta} must be between 0 (forward KL) and 1 (reverse KL) for --task distill")
     if temperature <= 0:
@@ -98,7 +100,7 @@ def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0) ->
     if top_k < 0:
         raise UserError(f"--distill-top-k {top_k} must be 0 (the whole vocabulary) or positive")
     return DistillTask("distill", "tokens", "distill_loss", has_accuracy=True, has_perplexity=False,
-                       beta=beta, temperature=temperature, top_k=top_k)
+                       beta=beta, temperature=temperature, top_k=top_k, samples=bool(samples))
 
 
 def teacher_config(spec: str):
@@ -126,7 +128,7 @@ class DistillRun(RunTask):
 
     def task(self, cfg, config):
         language_model_only(cfg, config)
-        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k), "teacher"
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k, samples=cfg.on_policy), "teacher"
 
     def teacher(self, cfg, config):
         return teacher_config(cfg.teacher)
@@ -137,6 +139,20 @@ class DistillRun(RunTask):
         if not os.path.exists(cfg.teacher):  # plan takes a zoo name; training, weights
             raise ConfigError(f"--teacher {cfg.teacher}: training needs the teacher's weights (a run, checkpoint "
                               "or HF dir)")
+
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules, program):
+        if not cfg.on_policy:
+            return super().datasets(cfg, data_config, tokenizer, mesh, rules, program)
+        from shardzoo.train.tasks.gkd import gkd_data  # distillation on sampled completions
+
+        return gkd_data(cfg, tokenizer), None
+
+    def trainer(self, cfg):
+        if not cfg.on_policy:
+            return super().trainer(cfg)
+        from shardzoo.train.tasks.gkd import GKDTrainer
+
+        return GKDTrainer
 
     def frozen_params(self, cfg, program):
         from shardzoo.train.io.sources import open_source

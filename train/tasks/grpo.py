@@ -47,9 +47,10 @@ Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` a
 ``kl``, ``entropy``, ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``
 (over completions at the sequence level and for RLOO), ``cispo_clip_ratio``,
 ``vespo/phi_seq_mean``, ``policy_loss`` and ``entropy_coef`` with an entropy bonus; and
-``time/sampling_s``, ``time/scoring_s`` of the step's rollout. TRL's ``clip_ratio/low_min`` and
-``high_max`` (a min and a max over completions, which the step's summed metrics cannot carry
-through gradient accumulation) are not logged.
+``time/sampling_s``, ``time/scoring_s`` of the step's rollout; ``clip_ratio/low_min`` and
+``high_max``: the min (max) over the step's completions of each one's share of low- (high-)
+clipped tokens (TRL logs a mean of these over its gradient-accumulation micro-batches; here they
+are over the whole step, the same with one micro-batch).
 """
 
 from __future__ import annotations
@@ -247,6 +248,15 @@ class GRPOTask(Task):
             high = ((coef_1 > 1.0 + self.epsilon_high) & (advantages > 0)).astype(jnp.float32)
             out.update({"clip_ratio/low_mean": total(low), "clip_ratio/high_mean": total(high),
                         "clip_ratio/region_mean": total(jnp.maximum(low, high))})
+            # TRL's low_min / high_max: over the completions, of each one's clipped share (its
+            # masked mean; at the sequence level its one value), completions without tokens left out
+            count = jnp.sum(mask, -1)
+            real = w > 0 if rows else count > 0
+
+            def per_row(x):
+                return x[:, 0] if rows else jnp.sum(x * mask, -1) / jnp.maximum(count, 1.0)
+
+            out.update(extremes(per_row(low), per_row(high), real))
         elif self.loss == "cispo":
             out["cispo_clip_ratio"] = total(((coef_1 > self.epsilon_high) & (advantages > 0)).astype(jnp.float32))
         elif self.loss == "vespo":
@@ -271,7 +281,8 @@ class GRPOTask(Task):
         tokens = mask * w[:, None]
         return {"loss": jnp.sum(loss * w), "weight": jnp.sum(w), "completion_tokens": jnp.sum(tokens),
                 "entropy": jnp.sum(entropy * tokens), "clip_ratio/low_mean": jnp.sum(low * w),
-                "clip_ratio/high_mean": jnp.sum(high * w), "clip_ratio/region_mean": jnp.sum(jnp.maximum(low, high) * w)}
+                "clip_ratio/high_mean": jnp.sum(high * w), "clip_ratio/region_mean": jnp.sum(jnp.maximum(low, high) * w),
+                **extremes(low, high, w > 0)}
 
     def extra_metrics(self, sums, total_weight) -> dict:
         """TRL's ``global_masked_mean``: means over the step's completion tokens, or over its
@@ -282,6 +293,10 @@ class GRPOTask(Task):
         for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
             if k in sums:
                 out[k] = sums[k] / (total_weight if per_row else tokens)
+        if "min_clip_low" in sums:  # NaN when no completion had tokens, as TRL's nanmin
+            finite = lambda x: jnp.where(jnp.isfinite(x), x, jnp.nan)  # noqa: E731
+            out.update({"clip_ratio/low_min": finite(sums["min_clip_low"]),
+                        "clip_ratio/high_max": finite(sums["max_clip_high"])})
         if "vespo/phi_seq_mean" in sums:
             out["vespo/phi_seq_mean"] = sums["vespo/phi_seq_mean"] / total_weight
         if "policy_loss" in sums:
@@ -292,6 +307,13 @@ class GRPOTask(Task):
     def reference_logps(self, outputs, batch):
         """Per-token log-probs ``[rows, length]`` (the reference's, or the old policy's)."""
         return token_logps(outputs, batch["targets"])[0]
+
+
+def extremes(low, high, real) -> dict:
+    """The step's ``min_clip_low`` / ``max_clip_high`` sums (``min_`` / ``max_``: reduced over
+    microbatches by their min / max): of the completions' clipped shares ``[rows]``, real ones only."""
+    return {"min_clip_low": jnp.min(jnp.where(real, low, jnp.inf)),
+            "max_clip_high": jnp.max(jnp.where(real, high, -jnp.inf))}
 
 
 def grpo_task(loss: str | None = None, beta: float | None = None, epsilon: float = 0.2,

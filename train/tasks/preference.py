@@ -15,7 +15,10 @@ conservative DPO; ``ipo`` and ``sigmoid_norm`` on log-ratios per completion toke
 over the batch, the fill-up pairs last; ``sft`` the chosen tokens' NLL over the batch). ``ld_alpha``
 (LD-DPO) weights the tokens past the shorter completion's length in the summed log-probs of
 policy and reference; ``f_divergence_type`` (f-DPO) replaces each log-ratio by ``f'`` of the ratio
-in the losses built on ``d``. Without a reference:
+in the losses built on ``d``; ``use_weighting`` (WPO, Eq. 2 of its paper, as TRL) multiplies each
+pair's loss by ``w_chosen w_rejected``, ``w = exp(mean over the completion's tokens of log p(token) -
+log sum_v p(v)^2)`` without gradient (``sft``'s batch NLL by the pairs' mean weight; exact with one
+micro-batch). Without a reference:
 
 - ``simpo`` (TRL's CPOTrainer ``loss_type="simpo"``): no reference; per-token average log-probs
   ``ac, ar``, ``-(1-ls) logsig(beta (ac - ar - gamma/beta)) - ls logsig(-...)``, plus ``cpo_alpha``
@@ -92,6 +95,19 @@ def f_scores(ratios, kind: str, alpha: float):
     return ratios  # reverse_kl (and the alpha -> 1 limit)
 
 
+def wpo_weights(logits, batch):
+    """WPO's pair weights ``[batch]`` (TRL's ``use_weighting``): the product over a pair's two
+    sequences of ``exp(mean over completion tokens of log p(target) - log sum_v p(v)^2)``, from
+    the model's ``[2 * batch, length, vocab]`` logits, without gradient."""
+    logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    targets = batch["targets"].reshape((-1,) + batch["targets"].shape[2:])
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    aligned = (picked - jax.nn.logsumexp(2.0 * logp, axis=-1))  # [2 * batch, length]
+    mask = batch["loss_mask"].astype(jnp.float32)  # [batch, 2, length]
+    mean = jnp.sum(aligned.reshape(mask.shape) * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)
+    return jnp.prod(jnp.exp(mean), axis=1)
+
+
 def _sorted_valid(x, valid):
     """``x`` sorted over the batch with the invalid (fill-up) pairs last."""
     return jnp.sort(jnp.where(valid, x, jnp.inf))
@@ -111,6 +127,7 @@ class PreferenceTask(Task):
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    use_weighting: bool = False
     rows_per_example = 2  # a pair (KTO: a row and its mismatched KL row)
 
     @property
@@ -119,7 +136,7 @@ class PreferenceTask(Task):
 
     @property
     def tiles_head(self) -> bool:
-        return True  # the loss reads the targets' log-probabilities only
+        return not self.use_weighting  # the loss reads the targets' log-probabilities (WPO: every token's)
 
     @property
     def uses_reference(self) -> bool:
@@ -173,9 +190,13 @@ class PreferenceTask(Task):
             ratios = logps - batch["ref_logps"].astype(jnp.float32)  # [batch, 2]
             rewards = self.beta * ratios
             weights = self.loss_weights or (1.0,) * len(self.losses)
+            pair = wpo_weights(outputs, batch) if self.use_weighting else jnp.ones_like(w)  # [batch]
             loss = 0.0
             for name, weight in zip(self.losses, weights, strict=True):
-                term = nll if name == "sft" else jnp.sum(self._pair_losses(name, ratios, logps, batch, tokens, w) * w)
+                if name == "sft":
+                    term = nll * jnp.sum(pair * w) / totals["pairs"] if self.use_weighting else nll
+                else:
+                    term = jnp.sum(self._pair_losses(name, ratios, logps, batch, tokens, w) * pair * w)
                 loss = loss + weight * term
             shown = logps
         else:
@@ -264,7 +285,7 @@ class PreferenceTask(Task):
 def preference_task(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
                     simpo_gamma: float = 0.5, cpo_alpha: float = 0.0, loss_weights=None, ld_alpha=None,
                     f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
-                    discopop_tau: float = 0.05) -> PreferenceTask:
+                    discopop_tau: float = 0.05, use_weighting: bool = False) -> PreferenceTask:
     """The ``dpo`` task with one or more (comma-separated) of ``LOSSES``; bad settings are
     one-line UserErrors (TRL's checks)."""
     losses = tuple(x.strip() for x in str(loss).split(","))
@@ -298,13 +319,16 @@ def preference_task(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: f
                         f"{', '.join(F_DIVERGENCE_LOSSES)} (TRL's), not {loss}")
     if not discopop_tau > 0:
         raise UserError(f"--discopop-tau must be > 0, got {discopop_tau}")
+    if use_weighting and set(losses) & {"aot", "aot_unpaired", *REFERENCE_FREE}:
+        raise UserError(f"--use-weighting does not go with --loss {loss}: aot and aot_unpaired sort the pairs "
+                        "(TRL refuses them), simpo and orpo are not DPOTrainer's")
     joined = ",".join(losses)
     return PreferenceTask("dpo", "pairs", f"{joined.replace(',', '_')}_loss", has_accuracy=False,
                           has_perplexity=False, signals=("rewards/accuracies", "rewards/margins"), loss=joined, beta=float(beta), label_smoothing=float(label_smoothing),
                           simpo_gamma=float(simpo_gamma), cpo_alpha=float(cpo_alpha), loss_weights=loss_weights,
                           ld_alpha=None if ld_alpha is None else float(ld_alpha),
                           f_divergence_type=f_divergence_type, f_alpha_divergence_coef=float(f_alpha_divergence_coef),
-                          discopop_tau=float(discopop_tau))
+                          discopop_tau=float(discopop_tau), use_weighting=bool(use_weighting))
 
 
 class DPORun(RunTask):
@@ -330,7 +354,7 @@ class DPORun(RunTask):
             return task, "stored"
         return task, reference_kind(cfg, config)
 
-    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules, program):
         return pair_datasets(cfg, data_config, tokenizer, mesh, rules)
 
     def default(self):

@@ -62,5 +62,7 @@ def run_program(cfg, config, rules, mesh, *, opt_rules=None, strict=True) -> Pro
     component = run_task(cfg)
     config = component.model(cfg, config)
     task, reference = component.task(cfg, config)
-    return settings_program(cfg, config, rules, mesh, opt_rules=opt_rules, strict=strict, task=task,
-                            reference=reference, teacher=component.teacher(cfg, config))
+    program = settings_program(cfg, config, rules, mesh, opt_rules=opt_rules, strict=strict, task=task,
+                               reference=reference, teacher=component.teacher(cfg, config))
+    component.finish(cfg, program, strict)
+    return program

@@ -17,10 +17,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
 from shardzoo.train import model_info
+from shardzoo.train.program import Program
 from shardzoo.train.tasks.base import Field, Task
 from shardzoo.train.tasks.component import RunTask
 from shardzoo.train.tasks.preference import pair_datasets
@@ -96,6 +98,117 @@ def reward_task(center_rewards_coefficient: float | None = None) -> RewardTask:
                       signals=("accuracy", "margin"), center_rewards_coefficient=center_rewards_coefficient)
 
 
+# ------------------------------------------------------------------------------ a reward model as a GRPO reward
+@dataclasses.dataclass(frozen=True)
+class ScoreTask(Task):
+    """A reward model's scores of ``[batch, length]`` right-padded rows (``--reward-model``):
+    ``sums`` gives each row's score at its last real token (``rewards [batch]``)."""
+
+    def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
+        rows, names = (batch_size, seq_len), (ax.BATCH, ax.LENGTH)
+        return {**{k: Field(rows, "int32", names) for k in SEQ_KEYS},
+                "weights": Field((batch_size,), "float32", (ax.BATCH,))}
+
+    def model_args(self, batch) -> tuple[tuple, dict]:
+        return (batch["inputs"],), {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+
+    @property
+    def tiles_head(self) -> bool:
+        return False  # the score head's outputs are the rewards
+
+    def sums(self, outputs, batch, totals=None) -> dict:
+        return {"rewards": sequence_rewards(outputs, batch["segment_ids"])}
+
+
+def reward_model_config(spec: str):
+    """``--reward-model``'s model config: a run, checkpoint or HF ``*ForSequenceClassification``
+    dir with a score head (training loads its params), or a zoo name (``shardzoo plan`` counts
+    its bytes, a score head in place of the LM head)."""
+    import os
+
+    if not os.path.exists(spec):
+        from shardzoo.models import ModelError, get_config
+
+        try:
+            config = get_config(spec)
+        except ModelError:
+            raise UserError(f"--reward-model {spec}: neither a run, checkpoint or HF dir nor a zoo model name") \
+                from None
+        return config.replace(score_head=True) if getattr(config, "task", None) == "lm" else config
+    from shardzoo.train.io.sources import open_source
+
+    config = open_source(spec, what="--reward-model").config
+    if not getattr(getattr(config, "arch", None), "score_head", False):
+        raise UserError(f"--reward-model {spec}: not a reward model (a --task reward run, or an HF "
+                        "*ForSequenceClassification with num_labels=1)")
+    return config
+
+
+def reward_model_program(spec: str, rules, mesh, *, batch_size: int, seq_len: int, strict: bool = True):
+    """The params-only Program of ``--reward-model``: its params sharded by the run's rules on
+    the run's mesh, its scoring step on ``batch_size`` rows of ``seq_len`` tokens."""
+    from shardzoo.train.defaults import pad_vocab
+
+    config, _ = pad_vocab(reward_model_config(spec), rules, mesh)
+    task = ScoreTask("reward_model", "examples", "loss", has_accuracy=False, has_perplexity=False)
+    return Program(config, rules, mesh, task=task, batch_size=batch_size, seq_len=seq_len, strict=strict)
+
+
+class RewardModel:
+    """``--reward-model`` as a GRPO/RLOO reward function, as TRL's ``GRPOTrainer`` calls a
+    reward model: each prompt + completion as text (conversational ones rendered with the reward
+    model's chat template), tokenized by the reward model's tokenizer without special tokens,
+    right-padded, and scored at the last token. Rows longer than the run's ``--seq-len`` keep
+    their last ``seq_len`` tokens (TRL does not cut them)."""
+
+    def __init__(self, spec: str, program, tokenizer):
+        import os
+
+        from shardzoo.train.io.sources import open_source
+
+        self.spec, self.program, self.tokenizer = spec, program, tokenizer
+        self.name = os.path.basename(os.path.normpath(spec))  # TRL: the model id's last part
+        vocab = program.config.arch.vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise UserError(f"--reward-model {spec}: its tokenizer {tokenizer.spec} has {tokenizer.vocab_size} ids, "
+                            f"the model vocab_size {vocab}")
+        self.params = open_source(spec, what="--reward-model").load_params(program.params_target(), program.config)
+        self._renderer = None
+
+    def texts(self, prompts, completions) -> list[str]:
+        """TRL's texts: ``prompt + completion``, or the messages rendered by the chat template."""
+        if prompts and isinstance(prompts[0], (list, tuple)):
+            if self._renderer is None:
+                from shardzoo.data.chat import renderer_for
+
+                self._renderer = renderer_for(self.tokenizer, "prompt")
+            return [self._renderer.render(list(p) + list(c)) for p, c in zip(prompts, completions, strict=True)]
+        return [p + c for p, c in zip(prompts, completions, strict=True)]
+
+    def rows(self, ids) -> dict:
+        """The scoring batch of token lists (right-padded; the last ``seq_len`` tokens of longer ones)."""
+        rows, width = self.program.batch_size, self.program.seq_len
+        out = {k: np.zeros((rows, width), np.int32) for k in SEQ_KEYS}
+        out["inputs"][:] = self.tokenizer.pad_id
+        out["weights"] = np.zeros(rows, np.float32)
+        for i, row in enumerate(ids):
+            row = np.asarray(row, np.int32)[-width:]
+            out["inputs"][i, : len(row)] = row
+            out["positions"][i, : len(row)] = np.arange(len(row))
+            out["segment_ids"][i, : len(row)] = 1
+            out["weights"][i] = 1.0
+        return out
+
+    def __call__(self, prompts, completions, completion_ids=None, **columns) -> list[float]:
+        ids = self.tokenizer.encode_batch(self.texts(prompts, completions))
+        step, per_call, out = self.program.compiled_eval_step(), self.program.batch_size, []
+        for start in range(0, len(ids), per_call):
+            placed = self.program.place_global(self.rows(ids[start: start + per_call]))
+            scores = np.asarray(jax.device_get(step(self.params, placed)["rewards"]), np.float32)
+            out += scores[: len(ids[start: start + per_call])].tolist()
+        return out
+
+
 class RewardRun(RunTask):
     """``--task reward``: a decoder with a score head on preference pairs (a language model's
     gets a score head for its LM head, as transformers' ``*ForSequenceClassification`` of it)."""
@@ -111,7 +224,7 @@ class RewardRun(RunTask):
             raise UserError(f"--task reward trains a decoder with a score head; the model does {config.task}")
         return reward_task(cfg.center_rewards_coefficient), None
 
-    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules, program):
         return pair_datasets(cfg, data_config, tokenizer, mesh, rules)
 
     def default(self):

@@ -30,7 +30,9 @@ from shardzoo.train.metrics import progress
 from shardzoo.train.tasks.component import RunTask, language_model_only
 from shardzoo.train.tasks.grpo import grpo_task
 from shardzoo.train.tasks.preference import reference_kind
+from shardzoo.train.tasks.reward import RewardModel, reward_model_program
 from shardzoo.train.tasks.reward_functions import (
+    RewardFunction,
     completion_lengths,
     group_rewards,
     left_pad,
@@ -203,14 +205,18 @@ def reward_metrics(rewards: np.ndarray, weights, functions, lengths: np.ndarray,
     return {f"{prefix}{k}{suffix}": v for k, v in out.items()}
 
 
-def rollout_data(cfg, tokenizer) -> Rollouts:
+def rollout_data(cfg, tokenizer, program=None) -> Rollouts:
     """The ``Rollouts`` of a run's settings: its prompts read and tokenized, its reward functions
-    imported (a one-line UserError for a bad file, column or function, before anything runs)."""
+    imported and its ``--reward-model`` loaded (``program.reward_model``'s params), a one-line
+    UserError for a bad file, column, function or model before anything runs."""
     from shardzoo.data import load_source
 
-    if not cfg.reward_funcs:
-        raise UserError(f"--task {cfg.task} needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...]")
+    if not cfg.reward_funcs and not getattr(cfg, "reward_model", None):
+        raise UserError(f"--task {cfg.task} needs --reward-funcs FILE.py:FUNCTION[,FILE.py:FUNCTION...] "
+                        "or --reward-model DIR")
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
+    if getattr(cfg, "reward_model", None):
+        functions.append(reward_model_function(cfg.reward_model, program.reward_model, tokenizer))
     completion = completion_length(cfg)
     width = cfg.seq_len - completion
     if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
@@ -236,6 +242,17 @@ def rollout_data(cfg, tokenizer) -> Rollouts:
                     normalize_advantages=cfg.normalize_advantages, reward_clip_range=cfg.reward_clip_range)
 
 
+def reward_model_function(spec: str, program, tokenizer) -> RewardFunction:
+    """``--reward-model`` as a reward function (``train/tasks/reward.py``'s ``RewardModel``), with its
+    own tokenizer (the run's when it names none)."""
+    from shardzoo.data import load_tokenizer
+    from shardzoo.train.io.sources import open_source
+
+    own = open_source(spec, what="--reward-model").tokenizer
+    model = RewardModel(spec, program, load_tokenizer(own) if own else tokenizer)
+    return RewardFunction(model.name, model, spec)
+
+
 def try_reward_functions(functions, prompts) -> None:
     """Call each reward function once, as a rollout calls it, on the first prompt (its columns)
     with an empty completion, before anything compiles or is written. A ``TypeError`` (the
@@ -248,6 +265,8 @@ def try_reward_functions(functions, prompts) -> None:
     completion = [{"role": "assistant", "content": ""}] if prompts.conversational else ""
     columns = {k: v[:1] for k, v in prompts.columns.items()}
     for f in functions:
+        if isinstance(f.fn, RewardModel):  # a model takes any text
+            continue
         try:
             f.fn(prompts=prompts.prompts[:1], completions=[completion], completion_ids=[[]], **columns)
         except (TypeError, KeyError) as e:
@@ -337,7 +356,6 @@ class RolloutRun(RunTask):
     training (``GRPOTrainer``); the reference none with ``--beta 0``, else as DPO's."""
 
     eval_task = "rewards"
-    trainer = GRPOTrainer
 
     def __init__(self, name: str):
         self.name = name
@@ -356,8 +374,16 @@ class RolloutRun(RunTask):
             return task, None
         return task, reference_kind(cfg, config)
 
-    def datasets(self, cfg, data_config, tokenizer, mesh, rules):
-        return rollout_data(cfg, tokenizer), None
+    def datasets(self, cfg, data_config, tokenizer, mesh, rules, program):
+        return rollout_data(cfg, tokenizer, program), None
+
+    def trainer(self, cfg):
+        return GRPOTrainer
+
+    def finish(self, cfg, program, strict: bool) -> None:
+        if cfg.reward_model:  # a reward model scores the completions: its own params-only Program
+            program.reward_model = reward_model_program(cfg.reward_model, program.rules, program.mesh,
+                                                        batch_size=cfg.batch_size, seq_len=cfg.seq_len, strict=strict)
 
     def default(self):
         return grpo_task(name=self.name)

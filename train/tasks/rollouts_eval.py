@@ -40,12 +40,13 @@ def evaluate_rewards_run(s, run: dict, recorded: dict, config, params, mesh, rul
     settings = run.get("settings") or {}
     task, data_settings = settings.get("task") or {}, settings.get("data") or {}
     specs = s.reward_funcs or task.get("reward_funcs")
-    if not specs:
+    reward_model = None if s.reward_funcs else task.get("reward_model")  # the run's, after its functions
+    if not specs and not reward_model:
         raise UserError("--task rewards needs --reward-funcs FILE.py:FUNCTION[,...] (this model records none)")
-    functions = [load_reward_function(spec) for spec in specs]
+    functions = [load_reward_function(spec) for spec in specs or ()]
     weights = s.reward_weights if s.reward_weights is not None else \
-        (task.get("reward_weights") if not s.reward_funcs else None) or (1.0,) * len(functions)
-    if len(weights) != len(functions):
+        (task.get("reward_weights") if not s.reward_funcs else None) or (1.0,) * (len(functions) + bool(reward_model))
+    if len(weights) != len(functions) + bool(reward_model):
         raise UserError(f"--reward-weights has {len(weights)} values for {len(functions)} reward functions")
     data, split = s.data or data_settings.get("data"), s.split
     if data is None:
@@ -87,6 +88,13 @@ def evaluate_rewards_run(s, run: dict, recorded: dict, config, params, mesh, rul
     rows = s.batch_size or (data_settings.get("batch_size") if task.get("task") in ("grpo", "rloo") else None) \
         or mesh.size * max(1, 8 // mesh.size)
     per_call = max(1, rows // group)  # a grpo run's: its rollouts' shape (its evaluations' calls and keys)
+    if reward_model:  # the run's --reward-model, sharded by these rules
+        from shardzoo.train.tasks.reward import reward_model_program
+        from shardzoo.train.tasks.rollouts import reward_model_function
+
+        scored = -(-per_call * group // mesh.size) * mesh.size  # its rows: a multiple of the devices
+        scorer = reward_model_program(reward_model, rules, mesh, batch_size=scored, seq_len=seq_len)
+        functions.append(reward_model_function(reward_model, scorer, tokenizer))
     program = Program(config, rules, mesh)
     params = jax.device_put(params, program.shardings.params)
     parts = []
@@ -101,7 +109,8 @@ def evaluate_rewards_run(s, run: dict, recorded: dict, config, params, mesh, rul
                "num_generations": group,
                **reward_metrics(np.concatenate([p.rewards for p in parts]), weights, functions,
                                 np.concatenate([p.lengths for p in parts]), np.concatenate([p.ended for p in parts])),
-               "reward_funcs": list(specs), "reward_weights": [float(w) for w in weights], **sampling,
+               "reward_funcs": list(specs or ()), **({"reward_model": reward_model} if reward_model else {}),
+               "reward_weights": [float(w) for w in weights], **sampling,
                "max_completion_length": completion, "seq_len": seq_len, "seed": seed, "split": split, "data": data,
                "model": s.checkpoint or s.hf, "batch_size": per_call * group, "rules": rules.name,
                "mesh": describe_mesh(mesh)}
