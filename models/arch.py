@@ -10,6 +10,10 @@ Layer patterns are data: ``layer_types`` gives each layer's attention kind (Hugg
 names), ``mlp_layer_types`` each layer's MLP kind, ``rope_layers`` which layers rotate (the
 others have no positions: NoPE); ``layer_specs()`` turns them into one ``LayerSpec`` per layer,
 from which the model builds its blocks and ``models/layout.py`` its scan.
+A mechanism's settings are a sub-record owned by its component (``models/components.py``
+``RECORDS``: ``latent``, ``mamba``, ``conv``, ``linear_attention``, ``multipliers``,
+``attn_temperature_tuning``), a
+field that is None where no layer uses it; ``arch_of`` and ``nest`` read their flat names.
 A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
 uniform pattern None, MoE settings of a dense model their defaults), so two families that read
 the same model agree, and export can compare.
@@ -21,38 +25,19 @@ import dataclasses
 import math
 
 from shardzoo.models import ModelError, check_fields
+from shardzoo.models.attention import CHUNKED, FULL, SLIDING
+from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE, RECORDS
+from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' names, which the families import from here)
 from shardzoo.models.features import feature
+from shardzoo.models.layers import DENSE, positive
+from shardzoo.models.linear_attention import LINEAR  # noqa: F401
+from shardzoo.models.moe import MOE
+from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
+from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
-FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
-LINEAR = "linear_attention"  # a Gated DeltaNet block in place of attention (Qwen3-Next; models/linear_attention.py)
-MAMBA = "mamba"  # a Mamba2 state-space mixer in place of attention (Mamba2, Bamba, Nemotron-H; models/ssm.py)
-# attention and a Mamba2 mixer side by side on one norm, their outputs summed (Falcon-H1, whose
-# transformers config calls every layer "hybrid"): x + attn(norm(x)) + mamba(norm(x)), then the MLP
-ATTENTION_MAMBA = "attention+mamba"
-# "none" in layer_types: a layer without a token mixer (its block is x + mlp(norm(x)): Nemotron-H's
-# MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
-# Nemotron-H's mamba and attention layers)
-NONE = "none"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
-DENSE, MOE = "dense", "moe"
-MLP_TYPES = (DENSE, MOE, NONE)
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
-# rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
-# the numbers each may have (> 0, or null: transformers' default).
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
-ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-    "dynamic": ("factor",),
-}
-ROPE_SCALING_OPTIONAL = {
-    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
-    "longrope": ("factor", "attention_factor"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +66,10 @@ def _scaling_feature(value):
     return None if value is None else f"rope_scaling:{dict(value).get('rope_type')}"
 
 
-def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
 @dataclasses.dataclass(frozen=True)
-class TransformerArch:
-    """A decoder LM's architecture; names and defaults follow Hugging Face (``LlamaConfig``)."""
+class ArchCore:
+    """A decoder LM's architecture, but for its sub-records (``TransformerArch`` below); names and
+    defaults follow Hugging Face (``LlamaConfig``)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -114,11 +96,6 @@ class TransformerArch:
     rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
     rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
     rope_interleaved: bool = feature(False, "rope_interleaved")  # turn pairs (2i, 2i+1), not halves
-    # Llama 4's attention temperature on the NoPE layers: queries at position p times
-    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
-    attn_temperature_tuning: bool = feature(False, "attention_temperature")
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
     # norms
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
                                          "layernorm": "layernorm", "layernorm_no_bias": "layernorm_no_bias"})
@@ -191,64 +168,14 @@ class TransformerArch:
     # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
-    # gated short convolutions (LFM2's "conv" layers of layer_types): in_proj to B, C, x (each
-    # hidden_size wide), y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps
-    # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
-    conv_kernel: int | None = feature(None, "short_conv")  # None: no conv layers
-    conv_bias: bool = feature(False, "conv_bias")
-    # Mamba2 mixers (the "mamba" layers of layer_types, models/ssm.py): in_proj to z, x (heads x
-    # head_dim each), B, C (n_groups x ssm_state_size each) and dt (heads); x, B, C through a
-    # causal depthwise conv of mamba_conv_kernel taps (with bias: mamba_conv_bias) and SiLU; the
-    # selective scan in chunks of mamba_chunk_size tokens, dt = clamp(softplus(dt + dt_bias),
-    # time_step_limit); the gated RMSNorm over groups; out_proj (biases: mamba_proj_bias)
-    mamba_num_heads: int = feature(0, "mamba2")  # 0: no mamba layers
-    mamba_head_dim: int = 64
-    mamba_n_groups: int = 1
-    ssm_state_size: int = 128
-    mamba_conv_kernel: int = 4
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = feature(False, "mamba_proj_bias")
-    time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
-    # the mixer's output gate and norm: "gated" RMSNorm(y * silu(z)) (Mamba2's), "before_gate"
-    # RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
-    mamba_norm: str = feature("gated", {"before_gate": "mamba_norm_before_gate", "none": "mamba_no_norm"})
-    # Falcon-H1's muP multipliers (1: none): the attention's input and output, its keys (the k
-    # projection's output), the mamba mixer's input and output, its in_proj outputs z, x, B, C, dt
-    # (ssm_multipliers), the MLP's gate projection and its output (mlp_multipliers: gate, down)
-    key_multiplier: float = feature(1.0, "mup_multipliers")
-    attention_in_multiplier: float = feature(1.0, "mup_multipliers")
-    attention_out_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_in_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_out_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_multipliers: tuple[float, ...] = feature((1.0,) * 5, "mup_multipliers")
-    mlp_multipliers: tuple[float, float] = feature((1.0, 1.0), "mup_multipliers")
-    # Gated DeltaNet (Qwen3-Next's "linear_attention" layers of layer_types; models/linear_attention.py):
-    # q, k (linear_num_key_heads x linear_key_head_dim), v, z (linear_num_value_heads x
-    # linear_value_head_dim), per value head b and a; a causal depthwise convolution of
-    # linear_conv_kernel_dim taps on q|k|v then SiLU; the gated delta rule with decay
-    # exp(-exp(A_log) softplus(a + dt_bias)) and rate sigmoid(b); RMSNorm(out) * silu(z); out_proj
-    linear_num_value_heads: int | None = feature(None, "gated_deltanet")  # None: no linear-attention layers
-    linear_num_key_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
-    # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
-    # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
-    # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
-    # shared by all heads; rotary on the queries' and keys' last qk_rope_head_dim features only
-    kv_lora_rank: int | None = feature(None, "latent_attention")  # None: ordinary attention
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit",
-                     "ssm_multipliers", "mlp_multipliers"):
+        for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
+            set_(record.NAME, record.of(getattr(self, record.NAME)))
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -266,17 +193,7 @@ class TransformerArch:
         if self.attention_multiplier == (self.query_pre_attn_scalar or self.head_size) ** -0.5:
             set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
-        if not self.has_conv_layers:  # no conv layers, no convolution
-            set_("conv_kernel", None)
-            set_("conv_bias", False)
-        if not self.has_mamba_layers:  # no mamba layers, no mamba settings
-            for f in dataclasses.fields(self):
-                if f.name in _MAMBA_FIELDS:
-                    set_(f.name, f.default)
-        if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
-            for name in _LINEAR_FIELDS:
-                set_(name, None)
-        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE):
+        if types is not None and len(set(types)) == 1 and MIXER_OF_LAYER_TYPE[types[0]] == ATTENTION:
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -299,11 +216,6 @@ class TransformerArch:
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
             set_("rope_interleaved", False)
-        if not any(s.rope == "none" for s in self.layer_specs()):
-            set_("attn_temperature_tuning", False)  # no NoPE layer to tune
-        if not self.attn_temperature_tuning:
-            set_("floor_scale", 8192.0)
-            set_("attn_scale", 0.1)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS and not (f.name == "mlp_layer_types" and NONE in (self.mlp_layer_types or ())):
@@ -319,9 +231,6 @@ class TransformerArch:
             set_("topk_group", 1)
         if self.swiglu_limit is None:
             set_("swiglu_alpha", 1.702)  # no clamped SwiGLU, no gain
-        if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
-            for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                set_(name, None)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
@@ -336,21 +245,18 @@ class TransformerArch:
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size",
-                      "attention_chunk_size", "conv_kernel"))
-        if not _positive(self.floor_scale) or not (math.isfinite(self.attn_scale) and self.attn_scale >= 0):
-            raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
-                             f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
+                      "attention_chunk_size"))
         if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
-                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale", *_MUP_SCALARS):
-            if not _positive(getattr(self, name)):
+                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
+            if not positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "rope_local_base_freq", "attention_multiplier", "swiglu_limit"):
             value = getattr(self, name)
-            if value is not None and not _positive(value):
+            if value is not None and not positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
         if self.parallel_residual and self.norm_position != "pre":
             raise ModelError(f"parallel_residual (x + attn(norm(x)) + mlp(norm(x))) has one norm before "
@@ -364,11 +270,11 @@ class TransformerArch:
             raise ModelError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.kv_heads}")
         rotated = int(self.head_size * self.partial_rotary_factor)
-        if self.position_embedding == "rope" and rotated % 2 and self.kv_lora_rank is None:
+        if self.position_embedding == "rope" and rotated % 2 and not (self.latent and self.latent.kv_lora_rank):
             raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
                              f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
         n = self.num_hidden_layers
-        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES)):
+        for name, allowed in (("layer_types", tuple(MIXER_OF_LAYER_TYPE)), ("mlp_layer_types", tuple(MLPS))):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -382,15 +288,14 @@ class TransformerArch:
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
-        if self.has_conv_layers and (self.conv_kernel is None or self.conv_kernel < 2):
-            raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
-                             ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
-        self._check_linear()
-        if self.has_conv_layers and self.latent:
-            raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
-                             "which no family has; remove one")
-        self._check_mamba()
-        self._check_multipliers()
+        self._check_layers()
+        self._place_records()
+        for mixer in sorted({spec.mixer for spec in self.layer_specs()}):  # each mixer's own checks
+            if MIXERS[mixer].check is not None:
+                MIXERS[mixer].check(self)
+        for record in RECORDS.values():
+            if getattr(self, record.NAME) is not None:
+                getattr(self, record.NAME).check(self)
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
@@ -411,23 +316,24 @@ class TransformerArch:
                              f"num_local_experts={self.num_local_experts}")
         if not 0 <= self.router_jitter_noise < 1:
             raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
-        self._check_latent()
         self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
 
-    def _check_multipliers(self) -> None:
-        for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or len(value) != n or not all(map(_positive, value)):
-                raise ModelError(f"{name}={value!r} must be {n} finite numbers > 0")
-        if self.mlp_type == "plain" and self.mlp_multipliers[0] != 1.0:
-            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)}: a plain MLP has no gate to scale")
-        if self.num_local_experts and self.mlp_multipliers != (1.0, 1.0):
-            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)} scale dense MLPs only; "
-                             f"num_local_experts={self.num_local_experts}")
+    def _place_records(self) -> None:
+        """Each sub-record where a layer uses it (``SubRecord``): an owned one exactly where a layer
+        has its owner (its defaults if none was given), another where it is used, else None."""
+        specs = self.layer_specs()
+        kinds = {s.mixer for s in specs} | {s.mlp for s in specs}
+        for record in RECORDS.values():
+            value = getattr(self, record.NAME)
+            if record.OWNERS:
+                value = (value or record()) if kinds & set(record.OWNERS) else None
+            elif value is not None and not value.used(self):
+                value = None
+            object.__setattr__(self, record.NAME, value)
 
-    def _check_mamba(self) -> None:
+    def _check_layers(self) -> None:
         types, mlps = self.layer_types or (), self.mlp_layer_types or ()
         if any(t == NONE and m == NONE for t, m in zip(types, mlps, strict=False)):
             raise ModelError("a layer with neither a mixer (layer_types 'none') nor an MLP (mlp_layer_types 'none') "
@@ -435,62 +341,6 @@ class TransformerArch:
         if self.parallel_residual and (NONE in types or NONE in mlps):
             raise ModelError("parallel_residual runs a mixer and an MLP side by side: every layer needs both "
                              "(no 'none' in layer_types or mlp_layer_types)")
-        if not self.has_mamba_layers:
-            return
-        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
-        if not isinstance(self.mamba_conv_kernel, int) or self.mamba_conv_kernel < 2:
-            raise ModelError(f"mamba_conv_kernel={self.mamba_conv_kernel!r} must be an integer >= 2 (the "
-                             "convolution's taps)")
-        if self.mamba_num_heads % self.mamba_n_groups:
-            raise ModelError(f"mamba_n_groups={self.mamba_n_groups} must divide mamba_num_heads={self.mamba_num_heads}")
-        if self.mamba_norm not in ("gated", "before_gate", "none"):
-            raise ModelError(f"mamba_norm={self.mamba_norm!r} is not one of gated, before_gate, none")
-        limit = self.time_step_limit
-        if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
-                or not 0 <= limit[0] <= limit[1]):
-            raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
-
-    def _check_linear(self) -> None:
-        if not self.has_linear_layers:
-            return
-        for name in _LINEAR_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"layer_types has {LINEAR} layers: {name}={value!r} must be an integer >= 1")
-        if self.linear_conv_kernel_dim < 2:
-            raise ModelError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2 (the taps of the "
-                             "causal convolution of q, k and v)")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ModelError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
-                             f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves as many "
-                             "value heads)")
-        if self.latent:
-            raise ModelError(f"layer_types has {LINEAR} layers beside latent attention (kv_lora_rank), "
-                             "which no family has; remove one")
-
-    def _check_latent(self) -> None:
-        if self.kv_lora_rank is None:
-            return
-        check_fields(self, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                "v_head_dim"))
-        missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(self, n)]
-        if missing:
-            raise ModelError(f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs {', '.join(missing)}")
-        if self.qk_rope_head_dim % 2:
-            raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={self.qk_rope_head_dim}"
-                             " is odd")
-        if self.kv_heads != self.num_attention_heads:
-            raise ModelError(f"latent attention expands keys and values for every query head: "
-                             f"num_key_value_heads={self.kv_heads} must be num_attention_heads="
-                             f"{self.num_attention_heads}")
-        if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0 or self.attention_sinks:
-            raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
-                             "(it rotates qk_rope_head_dim features of each head)")
-        if self.attn_output_gate:
-            raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
 
     def _check_router(self) -> None:
         if self.router_kind not in ROUTERS:
@@ -499,7 +349,7 @@ class TransformerArch:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"{name}={value!r} must be an integer >= 1")
-        if not _positive(self.routed_scaling_factor):
+        if not positive(self.routed_scaling_factor):
             raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
         e, g = self.num_local_experts, self.n_group
         if not e or self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):
@@ -524,23 +374,18 @@ class TransformerArch:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
-    def latent(self) -> bool:
-        """Multi-head latent attention (DeepSeek)."""
-        return self.kv_lora_rank is not None
-
-    @property
     def qk_head_size(self) -> int:
         """Features of one query/key head (MLA: nope + rope)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.head_size
+        return self.latent.qk_nope_head_dim + self.latent.qk_rope_head_dim if self.latent else self.head_size
 
     @property
     def v_head_size(self) -> int:
-        return self.v_head_dim if self.latent else self.head_size
+        return self.latent.v_head_dim if self.latent else self.head_size
 
     @property
     def rope_dim(self) -> int:
         """Features of a head that rotate."""
-        return self.qk_rope_head_dim if self.latent else int(self.head_size * self.partial_rotary_factor)
+        return self.latent.qk_rope_head_dim if self.latent else int(self.head_size * self.partial_rotary_factor)
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -553,24 +398,6 @@ class TransformerArch:
     @property
     def has_sliding_layers(self) -> bool:
         return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
-
-    @property
-    def has_conv_layers(self) -> bool:
-        return self.layer_types is not None and CONV in self.layer_types
-
-    @property
-    def has_mamba_layers(self) -> bool:
-        """Layers with a mamba mixer (alone or beside attention)."""
-        return self.layer_types is not None and (MAMBA in self.layer_types or ATTENTION_MAMBA in self.layer_types)
-
-    @property
-    def mamba_inner(self) -> int:
-        """Features of a mamba layer's x (and z): heads x head_dim."""
-        return self.mamba_num_heads * self.mamba_head_dim
-
-    @property
-    def has_linear_layers(self) -> bool:
-        return self.layer_types is not None and LINEAR in self.layer_types
 
     @property
     def has_chunked_layers(self) -> bool:
@@ -590,7 +417,7 @@ class TransformerArch:
             return self.attention_multiplier
         scale = (self.query_pre_attn_scalar or self.qk_head_size) ** -0.5
         scaling = self.rope_scaling_dict
-        if self.kv_lora_rank and scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
+        if self.latent and scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
             # latent attention under YaRN scales every dim of q.k, not only the rotary ones, by
             # mscale(factor, mscale_all_dim) squared (DeepSeek's reference; transformers' yarn_apply_mscale)
             factor = scaling["factor"]
@@ -613,25 +440,55 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            mixer = kind if kind in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE) else ATTENTION
+            mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer))
         return tuple(out)
 
 
-_LINEAR_FIELDS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-                  "linear_conv_kernel_dim")
+def _record_feature(record):
+    return lambda value: None if value is None else record.FEATURE
+
+
+# The architecture record: the core fields, then one field per sub-record of the components'
+# tables (models/components.py RECORDS), None where no layer uses it: a new component's settings
+# are its own record, named in its table line, not fields here.
+TransformerArch = dataclasses.make_dataclass(
+    "TransformerArch", [(name, record | None, feature(None, _record_feature(record))) for name, record in RECORDS.items()],
+    bases=(ArchCore,), frozen=True,
+    namespace={"__module__": __name__, "__doc__": ArchCore.__doc__.replace(", but for its sub-records (``TransformerArch`` below)", "")})
+
+
+def nest(fields: dict, current=None) -> dict:
+    """``fields`` with the flat names of sub-record fields (``SubRecord.FLAT``: older checkpoints,
+    ``--override``, the families' mappings) gathered into their records, onto ``current``'s
+    (the architecture being replaced) where given; a record switched off (None, false) takes none."""
+    out = dict(fields)
+    for record in RECORDS.values():
+        mine = {record.FLAT[k]: out.pop(k) for k in list(out) if k in record.FLAT}
+        if not mine:
+            continue
+        if record.NAME in out:
+            base = record.of(out[record.NAME])
+            if base is None:
+                continue
+        else:
+            base = record.of(getattr(current, record.NAME, None))
+        out[record.NAME] = dataclasses.replace(base or record(), **mine)
+    return out
+
+
+def arch_of(**fields):
+    """A ``TransformerArch`` of fields by name, the sub-records' by their flat names too (``nest``)."""
+    return TransformerArch(**nest(fields))
+
+
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
                "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "expert_type")
 
 
-_MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",
-                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "mamba_norm",
-                 "ssm_in_multiplier", "ssm_out_multiplier", "ssm_multipliers")
-_MUP_SCALARS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
-                "ssm_out_multiplier")
 
 
 def _rope_scaling(value, pairs: int):
@@ -656,15 +513,15 @@ def _rope_scaling(value, pairs: int):
     for key in ROPE_SCALING[kind]:
         if key.endswith("_factor") and kind == "longrope":
             factors = scaling.get(key)
-            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(_positive, factors)):
+            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(positive, factors)):
                 raise ModelError(f"rope_scaling of rope_type 'longrope' needs {key}: a list of {pairs} numbers "
                                  f"> 0 (one per rotated pair of head_dim), got {factors!r}")
             scaling[key] = tuple(factors)
-        elif not _positive(scaling.get(key)):
+        elif not positive(scaling.get(key)):
             raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
     for key in ROPE_SCALING_OPTIONAL.get(kind, ()):
         value = scaling.get(key)
-        if value is not None and not (_positive(value) or (key.startswith("mscale") and value == 0)):
+        if value is not None and not (positive(value) or (key.startswith("mscale") and value == 0)):
             raise ModelError(f"rope_scaling of rope_type {kind!r}: {key}={value!r} must be a number > 0 "
                              "(or null: transformers' default)")
     if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):

@@ -14,8 +14,8 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.models.attention import check_rope_decoding
 from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
+from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
 from shardzoo.train.jit import global_array, host_array, per_device_bytes, zeros_on
