@@ -22,6 +22,7 @@ import math
 
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.features import feature
+from shardzoo.models.kimi_delta import KIMI, KimiDelta
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
@@ -34,7 +35,7 @@ ATTENTION_MAMBA = "attention+mamba"
 # MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
 # Nemotron-H's mamba and attention layers)
 NONE = "none"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE)
+LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, ATTENTION_MAMBA, KIMI, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 DENSE, MOE = "dense", "moe"
 MLP_TYPES = (DENSE, MOE, NONE)
@@ -244,9 +245,15 @@ class TransformerArch:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # Kimi delta attention's sizes (the "kimi_delta" layers of layer_types; models/kimi_delta.py)
+    kimi_delta: KimiDelta | None = feature(None, "kimi_delta")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if isinstance(self.kimi_delta, dict):  # as a config file spells the record
+            set_("kimi_delta", KimiDelta(**self.kimi_delta))
+        if self.layer_types is None or KIMI not in self.layer_types:
+            set_("kimi_delta", None)
         for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit",
                      "ssm_multipliers", "mlp_multipliers"):
             if isinstance(getattr(self, name), list):
@@ -276,7 +283,8 @@ class TransformerArch:
         if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
             for name in _LINEAR_FIELDS:
                 set_(name, None)
-        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE):
+        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, KIMI,
+                                                                            NONE):
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -386,6 +394,9 @@ class TransformerArch:
             raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
                              ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
         self._check_linear()
+        if self.layer_types is not None and KIMI in self.layer_types and self.kimi_delta is None:
+            raise ModelError(f"layer_types has {KIMI} layers: kimi_delta (its num_heads, head_dim and conv_kernel) "
+                             "must be set")
         if self.has_conv_layers and self.latent:
             raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
                              "which no family has; remove one")
@@ -613,7 +624,7 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            mixer = kind if kind in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE) else ATTENTION
+            mixer = kind if kind in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, KIMI, NONE) else ATTENTION
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer))
         return tuple(out)

@@ -47,6 +47,7 @@ from shardzoo.models.linear_attention import (
 )
 from shardzoo.sharding import axes as ax
 
+KIMI = "kimi_delta"  # its name in layer_types (Kimi-Linear's "linear_attention" layers)
 BHD = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS, ax.LINEAR_KEY_DIM)  # q, k, the decay
 BHV = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)  # v, the output, its gate
 
@@ -162,3 +163,59 @@ class KimiDeltaAttention(GatedDeltaNet):
                             "attn_context")
         out = Linear((a.hidden_size,), (*heads_v, ax.EMBED), name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
+
+
+# ------------------------------------------------------------------------------ the component
+def apply(block, h, positions, segment_ids):
+    """The mixer of a "kimi_delta" layer: KDA of the normed input ``h`` (its path: ``linear_attn``)."""
+    return KimiDeltaAttention(block.config, block.placement, name="linear_attn")(h, segment_ids, block.decode)
+
+
+def params(a) -> tuple[int, int]:
+    """(q, k, v, b, the decay's and the gate's low-rank pairs, out and the convolution's taps;
+    A_log per head, dt_bias per head and feature, the norm's weight)."""
+    kda = a.kimi_delta
+    h, d, hd = kda.num_heads, kda.head_dim, kda.num_heads * kda.head_dim
+    matmul = a.hidden_size * (3 * hd + h + 2 * d) + 2 * d * hd + hd * a.hidden_size + kda.conv_kernel * 3 * hd
+    return matmul, h + hd + d
+
+
+def flops(a, spec, seq_len: int) -> float:
+    """Per head and token: four state products (decay, read, update, output); in a chunk of 64,
+    the decayed k.k and q.k products over head_dim (and the decays) and (q k) v with 32 earlier
+    tokens on average; 2 x 3 FLOPs per multiply-add, as attention's."""
+    d = a.kimi_delta.head_dim
+    return 6 * a.kimi_delta.num_heads * (4 * d * d + 32 * (5 * d))
+
+
+def activations(t, a, chunk: int) -> dict:
+    """What one KDA layer keeps for the backward pass, ``t(width, logical names, bytes=None)``
+    the bytes of one activation: the projections (q, k, v, b, the two low-rank pairs), the
+    convolution's outputs and masks, the normalised q, k and the decays (float32), a chunk's
+    explicit decays (chunk x head_dim per token and head), its systems and states, the output
+    and its gated norm's inputs."""
+    kda = a.kimi_delta
+    h, d = kda.num_heads, kda.head_dim
+    hd, heads = h * d, (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
+    return {"kda_in": t(3 * hd + h + 2 * d + 2 * hd, heads), "kda_conv": t(6 * hd, heads),
+            "conv_masks": t(3 * kda.conv_kernel, heads[:2], 4), "kda_qkg": t(4 * hd, heads, 4),
+            "kda_chunk": t(h * (2 * chunk * d + 7 * chunk + 4 * d + d * d / chunk), heads, 4),
+            "kda_out": t(3 * hd, heads, 4), "attn_context": t(hd, heads)}
+
+
+def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
+    """The float32 state per head, its segment id, and the convolution's last inputs (q, k, v)."""
+    kda = a.kimi_delta
+    hd = kda.num_heads * kda.head_dim
+    return batch * (4 * hd * kda.head_dim + 4 + (kda.conv_kernel - 1) * (3 * hd * nbytes + 4))
+
+
+def check(a) -> None:
+    if a.kimi_delta is None:
+        raise ModelError(f"layer_types has {KIMI} layers: kimi_delta (its heads, head_dim and conv_kernel) "
+                         "must be set")
+
+
+CONTEXT_PARALLEL = ("Gated DeltaNet's: each chunk's final state affine in its initial one, passed along the "
+                    "ring's chunks by ppermute (ring_gated_delta on kimi_delta_chunked); the taps as the short "
+                    "convolution's")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import ModelError, splash
+from shardzoo.models import ModelError, kimi_delta, splash
 from shardzoo.models.arch import (
     ATTENTION_MAMBA,
     CONV,
@@ -238,6 +238,8 @@ class Block(nn.Module):
             attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
         elif mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
             attn = GatedDeltaNet(self.config, placement, name="linear_attn")(h, segment_ids, self.decode)
+        elif mixer == kimi_delta.KIMI:  # Kimi delta attention (Kimi-Linear)
+            attn = kimi_delta.apply(self, h, positions, segment_ids)
         elif mixer == MAMBA:  # a Mamba2 state-space mixer (models/ssm.py)
             attn = self._mamba(h, segment_ids)
         elif mixer == ATTENTION_MAMBA:  # attention and a mamba mixer side by side (Falcon-H1)
