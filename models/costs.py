@@ -119,6 +119,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from shardzoo.models import kimi_delta
 from shardzoo.models.attention import attention_kernel
 from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
@@ -220,6 +221,8 @@ def _layer_matmul_params(a, moe: bool, active: bool, conv: bool = False, mixer: 
         attn = 4 * d * d + a.conv_kernel * d
     elif mixer == "linear_attention":
         attn = _linear_attention_params(a)
+    elif mixer == kimi_delta.KIMI:
+        attn = kimi_delta.params(a)[0]
     else:
         attn = _latent_attention_params(a) if a.latent else d * hd * (2 * a.num_attention_heads + 2 * a.kv_heads)
         attn += d * hd * a.num_attention_heads * a.attn_output_gate  # the output gate's projection
@@ -286,6 +289,8 @@ def transformer_params(a, active: bool = False) -> int:
             total += _mamba_extras(a)
         elif spec.mixer == "linear_attention":  # A_log and dt_bias per value head, the gated norm's weight
             total += 2 * a.linear_num_value_heads + a.linear_value_head_dim
+        elif spec.mixer == kimi_delta.KIMI:
+            total += kimi_delta.params(a)[1]
         elif spec.mixer == "none":
             pass
         else:  # attention (and beside it a mamba mixer)
@@ -320,6 +325,9 @@ def transformer_flops(a, seq_len: int) -> float:
         if s.mixer == "linear_attention":  # per head: three state products, a chunk of 64's q.k, k.k and (q k) v
             dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
             state += a.linear_num_value_heads * (3 * dk * dv + 32 * (2 * dk + dv))
+            continue
+        if s.mixer == kimi_delta.KIMI:
+            state += kimi_delta.flops(a, s, seq_len) / 6
             continue
         if s.mixer in ("conv", "mamba", "none"):  # no attention (the taps are counted with the matmuls)
             continue
@@ -431,6 +439,9 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
             terms_ = _mamba_terms(terms_, t, a, seq_len, keep_attention=True)
         elif s_.mixer == "linear_attention":
             terms_ = _linear_terms(terms_, t, a, e.linear_attention_chunk)
+        elif s_.mixer == kimi_delta.KIMI:
+            terms_ = {k: v for k, v in terms_.items() if k not in _ATTENTION_TERMS} | kimi_delta.activations(
+                t, a, e.linear_attention_chunk)
         elif s_.mixer == "none":  # an MLP layer: no mixer's terms, no second residual
             terms_ = {k: v for k, v in terms_.items()
                       if k not in _ATTENTION_TERMS + ("attn_norm", "attn_out", "attn_residual")}
@@ -548,6 +559,8 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
             size = batch_size * (4 * nv * dk * dv + 4 + h * ((2 * nk * dk + nv * dv) * nbytes + 4))
         elif s.mixer == "conv":
             size = batch_size * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
+        elif s.mixer == kimi_delta.KIMI:
+            size = kimi_delta.cache_bytes(a, batch_size, length, nbytes)
         elif s.mixer == "none":
             continue
         else:

@@ -115,7 +115,9 @@ def to_hf(a) -> dict:
         num_experts=a.num_local_experts, num_experts_per_token=a.num_experts_per_tok,
         moe_intermediate_size=a.expert_size, num_shared_experts=a.shared_expert_intermediate_size // a.expert_size,
         num_expert_group=a.n_group, topk_group=a.topk_group, moe_renormalize=a.norm_topk_prob,
-        routed_scaling_factor=a.routed_scaling_factor)
+        routed_scaling_factor=a.routed_scaling_factor,
+        # transformers' default padding id (163839) is past a smaller vocabulary, which its embedding refuses
+        pad_token_id=SCHEMA["pad_token_id"] if a.vocab_size > SCHEMA["pad_token_id"] else None)
 
 
 # --------------------------------------------------------------------------------- weights
