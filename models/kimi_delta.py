@@ -192,14 +192,15 @@ def activations(t, a, chunk: int) -> dict:
     """What one KDA layer keeps for the backward pass, ``t(width, logical names, bytes=None)``
     the bytes of one activation: the projections (q, k, v, b, the two low-rank pairs), the
     convolution's outputs and masks, the normalised q, k and the decays (float32), a chunk's
-    explicit decays (chunk x head_dim per token and head), its systems and states, the output
-    and its gated norm's inputs."""
+    explicit decays, their exponents and the two products they weigh (about 3.5 x chunk x
+    head_dim per token and head, as XLA's CPU step of kimi-linear-tiny keeps at chunks of 16 and
+    64), its systems, inputs and states, the output and its gated norm's inputs."""
     kda = a.kimi_delta
     h, d = kda.num_heads, kda.head_dim
     hd, heads = h * d, (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
     return {"kda_in": t(3 * hd + h + 2 * d + 2 * hd, heads), "kda_conv": t(6 * hd, heads),
             "conv_masks": t(3 * kda.conv_kernel, heads[:2], 4), "kda_qkg": t(4 * hd, heads, 4),
-            "kda_chunk": t(h * (2 * chunk * d + 7 * chunk + 4 * d + d * d / chunk), heads, 4),
+            "kda_chunk": t(h * (3.5 * chunk * d + 7 * chunk + 11 * d + d * d / chunk), heads, 4),
             "kda_out": t(3 * hd, heads, 4), "attn_context": t(hd, heads)}
 
 
