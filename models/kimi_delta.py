@@ -36,6 +36,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError
+from shardzoo.models.component import Mixer
 from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
 from shardzoo.models.linear_attention import (
     GatedDeltaNet,
@@ -166,7 +167,7 @@ class KimiDeltaAttention(GatedDeltaNet):
 
 
 # ------------------------------------------------------------------------------ the component
-def apply(block, h, positions, segment_ids):
+def _apply(block, h, positions, segment_ids):
     """The mixer of a "kimi_delta" layer: KDA of the normed input ``h`` (its path: ``linear_attn``)."""
     return KimiDeltaAttention(block.config, block.placement, name="linear_attn")(h, segment_ids, block.decode)
 
@@ -188,13 +189,14 @@ def flops(a, spec, seq_len: int) -> float:
     return 6 * a.kimi_delta.num_heads * (4 * d * d + 32 * (5 * d))
 
 
-def activations(t, a, chunk: int) -> dict:
-    """What one KDA layer keeps for the backward pass, ``t(width, logical names, bytes=None)``
-    the bytes of one activation: the projections (q, k, v, b, the two low-rank pairs), the
+def activations(cost, spec=None) -> dict:
+    """What one KDA layer keeps for the backward pass (``cost.t``: the bytes of one activation):
+    the projections (q, k, v, b, the two low-rank pairs), the
     convolution's outputs and masks, the normalised q, k and the decays (float32), a chunk's
     explicit decays, their exponents and the two products they weigh (about 3.5 x chunk x
     head_dim per token and head, as XLA's CPU step of kimi-linear-tiny keeps at chunks of 16 and
     64), its systems, inputs and states, the output and its gated norm's inputs."""
+    a, t, chunk = cost.config.arch, cost.t, cost.config.execution.linear_attention_chunk
     kda = a.kimi_delta
     h, d = kda.num_heads, kda.head_dim
     hd, heads = h * d, (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
@@ -217,6 +219,7 @@ def check(a) -> None:
                          "must be set")
 
 
-CONTEXT_PARALLEL = ("Gated DeltaNet's: each chunk's final state affine in its initial one, passed along the "
-                    "ring's chunks by ppermute (ring_gated_delta on kimi_delta_chunked); the taps as the short "
-                    "convolution's")
+MIXER = Mixer(KIMI, (KIMI,), _apply, params, flops, activations=activations, cache_bytes=cache_bytes, check=check,
+              context_parallel="Gated DeltaNet's: each chunk's final state affine in its initial one, passed along "
+                               "the ring's chunks by ppermute (ring_gated_delta on kimi_delta_chunked); the taps as "
+                               "the short convolution's")
