@@ -35,7 +35,7 @@ import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, check_fields
 from shardzoo.models.component import Mixer
 from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
 from shardzoo.models.linear_attention import (
@@ -64,13 +64,11 @@ class KimiDelta:
     conv_kernel: int = 4
 
     def __post_init__(self):
-        for name in ("num_heads", "head_dim", "conv_kernel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"kimi_delta.{name}={value!r} must be an integer >= 1")
-        if self.conv_kernel < 2:
-            raise ModelError(f"kimi_delta.conv_kernel={self.conv_kernel} must be >= 2 (the taps of the causal "
-                             "convolution of q, k and v)")
+        check_fields(self, {}, ("num_heads", "head_dim", "conv_kernel"))
+        if None in (self.num_heads, self.head_dim, self.conv_kernel) or self.conv_kernel < 2:
+            raise ModelError(f"kimi_delta: num_heads={self.num_heads}, head_dim={self.head_dim} and conv_kernel="
+                             f"{self.conv_kernel} must be set, conv_kernel >= 2 (the taps of the causal convolution "
+                             "of q, k and v)")
 
 
 def kimi_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev_seg=None):

@@ -79,6 +79,14 @@ def test_config_reads_the_layer_pattern(built):
     assert all(s.rope == "none" for s in config.layer_specs())  # latent attention without positions
     assert config.kimi_delta == kd.KimiDelta(num_heads=2, head_dim=8, conv_kernel=4)
     assert (config.router_kind, config.n_group, config.routed_scaling_factor) == ("sigmoid_groups", 2, 2.446)
+    assert type(config).from_dict(config.to_dict()) == config  # the sub-record through a checkpoint's JSON
+
+
+def test_a_bad_kda_size_is_one_line():
+    from shardzoo.models import ModelError, get_model
+
+    with pytest.raises(ModelError, match=r"kimi_delta: .*conv_kernel=1 must be set, conv_kernel >= 2"):
+        get_model("kimi-linear-tiny", kimi_delta={"num_heads": 4, "head_dim": 16, "conv_kernel": 1})
 
 
 def test_logits_match_on_one_device_under_fsdp_tp_and_ep(built):
