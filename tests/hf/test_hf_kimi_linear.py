@@ -184,3 +184,13 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "kimi_linear" and hf["linear_attn_config"]["kda_layers"] == [1, 2, 4]
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora, parity):
+    """``shardzoo train --init-from`` the tiny Kimi-Linear under fsdp on 8 devices, with and without
+    LoRA adapters: the loss falls; the run's checkpoint (its config's kimi_delta record through
+    JSON) exports to what transformers loads and computes as the run does (1e-4)."""
+    model = randomized(KimiLinearConfig(**CONFIG), seed=3, draw=draw, buffers=correction_bias)
+    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
+    assert config.kimi_delta == kd.KimiDelta(num_heads=2, head_dim=8, conv_kernel=4)
