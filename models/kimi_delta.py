@@ -28,6 +28,7 @@ C): ``linear_attention_chunk`` sets C.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, check_fields
-from shardzoo.models.component import Mixer
+from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
 from shardzoo.models.linear_attention import (
     GatedDeltaNet,
@@ -54,10 +55,14 @@ BHV = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)  # v, the outp
 
 
 @dataclasses.dataclass(frozen=True)
-class KimiDelta:
-    """KDA's sizes (Kimi-Linear's ``linear_attn_config``): heads, each head's features (queries,
-    keys and values alike; also the rank of the decay's and the gate's projections) and the taps
-    of the short convolution."""
+class KimiDelta(SubRecord):
+    """KDA's sizes, the architecture's ``kimi_delta`` (Kimi-Linear's ``linear_attn_config``):
+    heads, each head's features (queries, keys and values alike; also the rank of the decay's and
+    the gate's projections) and the taps of the short convolution."""
+
+    NAME: ClassVar[str] = "kimi_delta"
+    FEATURE: ClassVar[str] = "kimi_delta"
+    OWNERS: ClassVar[tuple[str, ...]] = (KIMI,)
 
     num_heads: int = 32
     head_dim: int = 128
@@ -211,13 +216,8 @@ def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     return batch * (4 * hd * kda.head_dim + 4 + (kda.conv_kernel - 1) * (3 * hd * nbytes + 4))
 
 
-def check(a) -> None:
-    if a.kimi_delta is None:
-        raise ModelError(f"layer_types has {KIMI} layers: kimi_delta (its heads, head_dim and conv_kernel) "
-                         "must be set")
-
-
-MIXER = Mixer(KIMI, (KIMI,), _apply, params, flops, activations=activations, cache_bytes=cache_bytes, check=check,
+MIXER = Mixer(KIMI, (KIMI,), _apply, params, flops, activations=activations, cache_bytes=cache_bytes,
+              records=(KimiDelta,),
               context_parallel="Gated DeltaNet's: each chunk's final state affine in its initial one, passed along "
                                "the ring's chunks by ppermute (ring_gated_delta on kimi_delta_chunked); the taps as "
                                "the short convolution's")
