@@ -104,8 +104,7 @@ def to_hf(a) -> dict:
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_attention_heads,
         model_max_length=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
-        kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
-        qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
+        **a.latent.flat(),
         layer_types=[HF_LINEAR if s.mixer == KIMI else FULL for s in specs],
         linear_attn_config=dict(num_heads=kda.num_heads, head_dim=kda.head_dim, short_conv_kernel_size=kda.conv_kernel,
                                 kda_layers=linear, full_attn_layers=[i for i in range(1, len(specs) + 1)
