@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from shardzoo.models.arch import DENSE, FULL, MOE
 from shardzoo.models.hf import deepseek_v2, llama, mixtral
-from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, special_tokens
+from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, special_tokens
 from shardzoo.models.kimi_delta import KIMI, KimiDelta
 
 HF_LINEAR = "linear_attention"  # transformers' name of a KDA layer
@@ -70,6 +70,13 @@ def from_hf(hf: HFConfig) -> dict:
         if hf.get(key) != want:
             raise hf.refuse(key, why)
     linear = hf.get("linear_attn_config") or {}
+    # Kimi K3's additions, which transformers' KimiLinear ignores (its numbers would not be the model's)
+    for key, value in (("mla_use_output_gate", hf.raw.get("mla_use_output_gate")),
+                       ("linear_attn_config.use_full_rank_gate", linear.get("use_full_rank_gate")),
+                       ("linear_attn_config.gate_lower_bound", linear.get("gate_lower_bound"))):
+        if value:
+            raise HFError(f"{hf.where}: {key}={value!r}: Kimi K3's, which neither transformers' nor shardzoo's "
+                          "kimi_linear computes")
     kda = KimiDelta(**{field: linear.get(key, hf.get(flat)) for field, (key, flat) in
                        zip(("num_heads", "head_dim", "conv_kernel"), _SIZES, strict=True)})
     mlps = hf.get("mlp_layer_types")

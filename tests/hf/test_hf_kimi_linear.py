@@ -82,6 +82,16 @@ def test_config_reads_the_layer_pattern(built):
     assert type(config).from_dict(config.to_dict()) == config  # the sub-record through a checkpoint's JSON
 
 
+def test_kimi_k3_additions_are_refused():
+    """Kimi K3's output gate on latent attention and its KDA gate settings, which transformers'
+    KimiLinear ignores, are one-line errors naming the key."""
+    from shardzoo.models.hf import HFError
+
+    for key, value in (("mla_use_output_gate", True), ("linear_attn_config", dict(LINEAR, gate_lower_bound=-5.0))):
+        with pytest.raises(HFError, match=key.split("_config")[0]):
+            config_of(dict(_published(), **{key: value}))
+
+
 def test_a_bad_kda_size_is_one_line():
     from shardzoo.models import ModelError, get_model
 
