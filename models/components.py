@@ -23,7 +23,7 @@ sub-record of ``RECORDS`` (None where no layer uses it), checkpoints store it ne
 
 from __future__ import annotations
 
-from shardzoo.models import attention, conv_mixer, layers, linear_attention, moe, ssm
+from shardzoo.models import attention, conv_mixer, kimi_delta, layers, linear_attention, moe, ssm
 from shardzoo.models.component import Mixer, Mlp
 
 NONE = "none"
@@ -38,6 +38,7 @@ MIXERS = {m.name: m for m in (
     linear_attention.MIXER,  # Qwen3-Next's Gated DeltaNet
     ssm.MIXER,  # Mamba2's selective state-space mixer
     ssm.ATTENTION_MAMBA_MIXER,  # attention and a Mamba2 mixer side by side (Falcon-H1)
+    kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
     NO_MIXER,
 )}
 MLPS = {m.name: m for m in (

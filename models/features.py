@@ -81,6 +81,9 @@ FEATURES = {
     "mup_multipliers": "muP multipliers (Falcon-H1): on the attention's input, keys and output, the mamba mixer's "
                        "input, in_proj outputs (z, x, B, C, dt) and output, the MLP's gate and output",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
+    "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
+                  "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "
+                  "projections, a sigmoid-gated norm",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "

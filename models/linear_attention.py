@@ -70,7 +70,8 @@ def gated_delta_step(q, k, v, g, beta, seg=None, state=None, prev_seg=None):
     """The gated delta rule token by token (decoding; the reference of the chunked form).
 
     q, k: [batch, length, heads, key_dim] (normalised, one per value head); v: [batch, length,
-    heads, value_dim]; g (log decay), beta: [batch, length, heads]; seg [batch, length] segment
+    heads, value_dim]; g (log decay): [batch, length, heads] (or per key channel, [batch, length,
+    heads, key_dim]: ``models/kimi_delta.py``), beta: [batch, length, heads]; seg [batch, length] segment
     ids; state [batch, heads, key_dim, value_dim] (zeros when None), belonging to segment
     ``prev_seg`` [batch] (the first token's when None). Returns (out [batch, length, heads,
     value_dim] float32, the final state)."""
@@ -82,7 +83,8 @@ def gated_delta_step(q, k, v, g, beta, seg=None, state=None, prev_seg=None):
         s, prev = carry
         qt, kt, vt, gt, bt, st = xs
         s = jnp.where((st != prev)[:, None, None, None], 0.0, s)  # a new segment starts from zero
-        s = s * jnp.exp(gt)[..., None, None]
+        decay = jnp.exp(gt)  # [batch, heads], or [batch, heads, key_dim] (channel-wise: Kimi's)
+        s = s * decay.reshape(decay.shape + (1,) * (s.ndim - decay.ndim))
         delta = (vt - jnp.einsum("bhkv,bhk->bhv", s, kt)) * bt[..., None]
         s = s + kt[..., None] * delta[..., None, :]
         return (s, st), jnp.einsum("bhkv,bhk->bhv", s, qt)
@@ -138,19 +140,7 @@ def gated_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev
     b, length, h, dk = k.shape
     dv, c = v.shape[-1], chunk
     seg, state, prev_seg = _defaults(seg, state, prev_seg, b, length, h, dk, dv)
-    n = -(-length // c)
-    pad = n * c - length  # padded tokens: no decay (g 0), no update (k, v, beta 0), the last segment
-
-    def chunks(x):  # [batch, length, heads, ...] -> [n, batch, heads, c, ...]
-        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape((b, n, c) + x.shape[2:])
-        return jnp.moveaxis(x, (1, 3), (0, 2))
-
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:], pad, axis=1)], axis=1).reshape(b, n, c)
-    prev = jnp.concatenate([prev_seg[:, None], seg[:, :-1, -1]], axis=1)  # [batch, n]: the token before each chunk
-    seg, prev = jnp.moveaxis(seg, 1, 0)[:, :, None], jnp.moveaxis(prev, 1, 0)[:, :, None, None]
-    # seg: [n, batch, 1, c]; prev: [n, batch, 1, 1]
+    (q, k, v, g, beta), seg, prev = split_chunks((q, k, v, g, beta), seg, prev_seg, c)
     cum = jnp.cumsum(g, axis=-1)  # [n, batch, heads, c]
     same = (seg[..., :, None] == seg[..., None, :]) & jnp.tril(jnp.ones((c, c), bool))  # [n, batch, 1, c, c]
     decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
@@ -171,12 +161,35 @@ def gated_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev
         return s * keep[..., None, None] + jnp.swapaxes(kd, -1, -2) @ new, out
 
     state, out = jax.lax.scan(step, state, (u, w, qd, kd, intra, keep))
-    out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * c, h, dv)  # [batch, length, heads, value_dim]
-    return out[:, :length], state
+    return merge_chunks(out, length), state
+
+
+def split_chunks(xs, seg, prev_seg, chunk: int):
+    """The chunked rules' inputs in chunks: each of ``xs`` [batch, length, heads, ...] as float32
+    [n, batch, heads, chunk, ...] (padded: no decay (g 0), no update (k, v, beta 0)); the segment
+    ids [n, batch, 1, chunk] (the padding in the last segment), and the segment of the token
+    before each chunk [n, batch, 1, 1] (``prev_seg`` [batch] before the first)."""
+    b, length = seg.shape
+    n = -(-length // chunk)
+    pad = n * chunk - length
+
+    def chunks(x):  # [batch, length, heads, ...] -> [n, batch, heads, chunk, ...]
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), (1, 3), (0, 2))
+
+    seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:], pad, axis=1)], axis=1).reshape(b, n, chunk)
+    prev = jnp.concatenate([prev_seg[:, None], seg[:, :-1, -1]], axis=1)  # [batch, n]: the token before each chunk
+    return [chunks(x) for x in xs], jnp.moveaxis(seg, 1, 0)[:, :, None], jnp.moveaxis(prev, 1, 0)[:, :, None, None]
+
+
+def merge_chunks(out, length: int):
+    """The scan's outputs [n, batch, heads, chunk, value_dim] as [batch, length, heads, value_dim]."""
+    n, b, h, c, dv = out.shape
+    return jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * c, h, dv)[:, :length]
 
 
 # ------------------------------------------------------------------------ context parallelism
-def _ring_local(q, k, v, g, beta, seg, *, axes, n, chunk, vary):
+def _ring_local(q, k, v, g, beta, seg, *, axes, n, chunk, vary, rule):
     """Per device: the rows' chunks d and 2N-1-d (each [batch, C, ...]); see the module doc."""
     half = q.shape[1] // 2
     d = jax.lax.axis_index(axes)
@@ -195,8 +208,8 @@ def _ring_local(q, k, v, g, beta, seg, *, axes, n, chunk, vary):
 
     def affine(p, prev):  # the chunk's final state as M S_in + B
         q_, k_, v_, g_, beta_, s_ = p
-        _, zero_in = gated_delta_chunked(q_, k_, v_, g_, beta_, chunk, s_, zero, prev)
-        _, m = gated_delta_chunked(q_, k_, jnp.zeros_like(k_), g_, beta_, chunk, s_, eye, prev)
+        _, zero_in = rule(q_, k_, v_, g_, beta_, chunk, s_, zero, prev)
+        _, m = rule(q_, k_, jnp.zeros_like(k_), g_, beta_, chunk, s_, eye, prev)
         return lambda s: jnp.einsum("bhkj,bhjv->bhkv", m, s) + zero_in
 
     f1, f2 = affine(parts[0], prev1), affine(parts[1], prev2)
@@ -207,13 +220,14 @@ def _ring_local(q, k, v, g, beta, seg, *, axes, n, chunk, vary):
     s2 = jnp.where(d == n - 1, out1, 0.0)
     for _ in range(n - 1):  # chunk 2N-1-d's from device d + 1, device N - 1's from its first chunk
         s2 = jnp.where(d == n - 1, out1, jax.lax.ppermute(f2(s2), axes, backward))
-    y1, _ = gated_delta_chunked(*parts[0][:5], chunk, parts[0][5], s1, prev1)
-    y2, _ = gated_delta_chunked(*parts[1][:5], chunk, parts[1][5], s2, prev2)
+    y1, _ = rule(*parts[0][:5], chunk, parts[0][5], s1, prev1)
+    y2, _ = rule(*parts[1][:5], chunk, parts[1][5], s2, prev2)
     return jnp.concatenate([y1, y2], axis=1)
 
 
-def ring_gated_delta(q, k, v, g, beta, seg, chunk: int, placement):
-    """``gated_delta_chunked`` of length-sharded, zig-zag ordered rows over the placement's ring."""
+def ring_gated_delta(q, k, v, g, beta, seg, chunk: int, placement, rule=gated_delta_chunked):
+    """``rule`` (a chunked delta rule: ``gated_delta_chunked``'s arguments and results) of
+    length-sharded, zig-zag ordered rows over the placement's ring."""
     axes = placement.ring_axes
     n = placement.size(axes)
     batch = other_axes(placement, ax.BATCH, (q.shape[0],), axes)
@@ -221,7 +235,7 @@ def ring_gated_delta(q, k, v, g, beta, seg, chunk: int, placement):
     if seg is None:
         seg = jnp.ones(q.shape[:2], jnp.int32)
     x = spec_of(batch, axes, heads)
-    fn = lambda *xs: _ring_local(*xs, axes=axes, n=n, chunk=chunk, vary=axes + batch + heads)  # noqa: E731
+    fn = lambda *xs: _ring_local(*xs, axes=axes, n=n, chunk=chunk, vary=axes + batch + heads, rule=rule)  # noqa: E731
     return jax.shard_map(fn, mesh=placement.mesh, in_specs=(x, x, x, x, x, spec_of(batch, axes)),
                          out_specs=x)(q, k, v, g, beta, seg.astype(jnp.int32))
 
@@ -245,17 +259,21 @@ class GatedDeltaNet(nn.Module):
     """Qwen3-Next's Gated DeltaNet (see the module doc). Parameters: ``q``, ``k``, ``v``, ``z``,
     ``b``, ``a`` (transformers' in_proj_qkvz and in_proj_ba, split), the convolution's taps
     ``conv_q``, ``conv_k``, ``conv_v`` (its conv1d, split), ``A_log``, ``dt_bias``, ``norm``
-    and ``out``."""
+    and ``out``. A subclass with another decay swaps ``rule`` (Kimi's: ``models/kimi_delta.py``)."""
 
     config: object
     placement: object = None
+
+    def rule(self, *args):
+        """The chunked delta rule (``gated_delta_chunked``'s arguments and results)."""
+        return gated_delta_chunked(*args)
 
     @nn.compact
     def __call__(self, x, segment_ids=None, decode: bool = False):
         a, e, placement = self.config.arch, self.config.execution, self.placement
         la = a.linear_attention
         nk, nv = la.num_key_heads, la.num_value_heads
-        dk, dv, w = la.key_head_dim, la.value_head_dim, la.conv_kernel_dim
+        dk, dv = la.key_head_dim, la.value_head_dim
         kw, pdt = linear_kw(self.config), dtype_of(e.param_dtype)
         key_axes, value_axes = (ax.LINEAR_KEY_HEADS, ax.LINEAR_KEY_DIM), (ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)
         pairs = [[Linear(shape, (ax.EMBED, *axes), name=n, **kw) for n in names]
@@ -264,32 +282,8 @@ class GatedDeltaNet(nn.Module):
         project = fused if e.fuse_projections else lambda lins, x: [lin(x) for lin in lins]
         (q, k), (v, z), (b, a_) = (project(p, x) for p in pairs)
         # q, k: [batch, length, key_heads, key_dim]; v, z: [batch, length, heads, value_dim]; b, a: [batch, length, heads]
-        ring = placement.ring_axes if placement is not None and not decode else ()
-        taps = {n: self.param(f"conv_{n}", nn.with_logical_partitioning(
-            nn.initializers.normal(a.initializer_range), (ax.CONV_WIDTH, *axes)), (w, *shape), pdt)
-            for n, axes, shape in (("q", key_axes, (nk, dk)), ("k", key_axes, (nk, dk)), ("v", value_axes, (nv, dv)))}
-        seg = segment_ids
-        if decode:
-            seg = jnp.ones(x.shape[:2], jnp.int32) if seg is None else seg.astype(jnp.int32)
-            conv_cache = self._conv_cache(x.shape[0], w, nk, nv, dk, dv)
-            prev = {n: (var.value.reshape(x.shape[0], w - 1, -1), conv_cache[1].value)
-                    for n, var in conv_cache[0].items()}
-        convolved, inputs = {}, {}
-        for n, y, axes in (("q", q, BLKD), ("k", k, BLKD), ("v", v, BLVD)):
-            y = inputs[n] = constrain(y, axes, placement)
-            flat, kernel = y.reshape(y.shape[:2] + (-1,)), taps[n].reshape(w, -1)
-            if decode:
-                out = causal_conv(flat, kernel, seg, *prev[n])
-            elif ring and not self.is_initializing():
-                out = ring_conv(flat, kernel, seg, placement)
-            else:
-                if ring:  # init runs the plain path; the length is checked when the program is built
-                    check_ring_chunk(flat.shape[1], w, placement)
-                out = causal_conv(flat, kernel, seg)
-            convolved[n] = jax.nn.silu(out).reshape(y.shape)
-        if decode:
-            _push(*conv_cache, inputs, seg)
-        q, k, v = convolved["q"], convolved["k"], convolved["v"]
+        seg = self.segments(x, segment_ids, decode)
+        q, k, v = self.conv_silu({"q": (q, BLKD), "k": (k, BLKD), "v": (v, BLVD)}, seg, decode, la.conv_kernel_dim)
         a_log = self.param("A_log", nn.with_logical_partitioning(_a_log_init, (ax.LINEAR_HEADS,)), (nv,), pdt)
         dt_bias = self.param("dt_bias", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_HEADS,)),
                              (nv,), pdt)
@@ -298,13 +292,7 @@ class GatedDeltaNet(nn.Module):
         r = nv // nk  # each key head serves r consecutive value heads
         q = jnp.repeat(l2norm(q) * dk**-0.5, r, axis=2)  # [batch, length, heads, key_dim]
         k = jnp.repeat(l2norm(k), r, axis=2)
-        chunk = e.linear_attention_chunk
-        if decode:
-            out = self._recurrent(q, k, v, g, beta, seg, chunk, nv, dk, dv)
-        elif ring and not self.is_initializing():
-            out = ring_gated_delta(q, k, v, g, beta, seg, chunk, placement)
-        else:
-            out, _ = gated_delta_chunked(q, k, v, g, beta, chunk, seg)
+        out = self.delta(q, k, v, g, beta, seg, decode)
         out = constrain(out.astype(x.dtype), BLVD, placement)  # [batch, length, heads, value_dim]
         # the gated RMSNorm of each head (one weight for all heads): norm(out) * silu(z)
         scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_VALUE_DIM,)),
@@ -313,30 +301,75 @@ class GatedDeltaNet(nn.Module):
         out = Linear((a.hidden_size,), (*value_axes, ax.EMBED), name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
 
+    @staticmethod
+    def segments(x, segment_ids, decode: bool):
+        """The segment ids the rule and the taps read (decoding: ones where none are given)."""
+        if decode:
+            return jnp.ones(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        return segment_ids
+
+    def conv_silu(self, named: dict, seg, decode: bool, width: int) -> list:
+        """Each of ``named`` ({name: (x [batch, length, heads, dim], its logical axes)}) through its
+        causal depthwise convolution of ``width`` taps (the parameter ``conv_<name>`` [width, heads,
+        dim]) then SiLU; under context parallelism the taps read the previous chunk's tail
+        (``ring_conv``); decoding reads and moves on the cache of its last width - 1 inputs."""
+        a, placement = self.config.arch, self.placement
+        ring = placement.ring_axes if placement is not None and not decode else ()
+        pdt, w = dtype_of(self.config.execution.param_dtype), width
+        if decode:
+            cache = self._conv_cache({n: (y.shape, axes) for n, (y, axes) in named.items()}, w)
+            prev = {n: (var.value.reshape(seg.shape[0], w - 1, -1), cache[1].value) for n, var in cache[0].items()}
+        convolved, inputs = [], {}
+        for n, (y, axes) in named.items():
+            tap = self.param(f"conv_{n}", nn.with_logical_partitioning(
+                nn.initializers.normal(a.initializer_range), (ax.CONV_WIDTH, *axes[2:])), (w, *y.shape[2:]), pdt)
+            y = inputs[n] = constrain(y, axes, placement)
+            flat, kernel = y.reshape(y.shape[:2] + (-1,)), tap.reshape(w, -1)
+            if decode:
+                out = causal_conv(flat, kernel, seg, *prev[n])
+            elif ring and not self.is_initializing():
+                out = ring_conv(flat, kernel, seg, placement)
+            else:
+                if ring:  # init runs the plain path; the length is checked when the program is built
+                    check_ring_chunk(flat.shape[1], w, placement)
+                out = causal_conv(flat, kernel, seg)
+            convolved.append(jax.nn.silu(out).reshape(y.shape))
+        if decode:
+            _push(*cache, inputs, seg)
+        return convolved
+
+    def delta(self, q, k, v, g, beta, seg, decode: bool):
+        """The rule (``self.rule``) over q, k [batch, length, heads, key_dim], v [batch, length,
+        heads, value_dim]: in chunks, over the context-parallel ring, or from the cache while decoding."""
+        placement, chunk = self.placement, self.config.execution.linear_attention_chunk
+        if decode:
+            return self._recurrent(q, k, v, g, beta, seg, chunk)
+        if placement is not None and placement.ring_axes and not self.is_initializing():
+            return ring_gated_delta(q, k, v, g, beta, seg, chunk, placement, self.rule)
+        return self.rule(q, k, v, g, beta, chunk, seg)[0]
+
     def _cached(self, name, shape, axes, dtype):
         return self.variable("cache", name, nn.with_logical_partitioning(jnp.zeros, axes), shape, dtype)
 
-    def _conv_cache(self, batch, w, nk, nv, dk, dv):
-        """The cache variables of the convolution's last w - 1 inputs (q, k and v) and their
-        segment ids."""
-        h = w - 1
-        key_axes = (ax.BATCH, ax.CONV_WIDTH, ax.LINEAR_KEY_HEADS, ax.LINEAR_KEY_DIM)
-        value_axes = (ax.BATCH, ax.CONV_WIDTH, ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)
+    def _conv_cache(self, shapes: dict, w: int):
+        """The cache variables of the convolution's last w - 1 inputs (``shapes``: {name: (input
+        shape, its logical axes)}) and their segment ids."""
         dt = dtype_of(self.config.execution.dtype)
-        inputs = {n: self._cached(f"conv_{n}", (batch, h) + shape, axes, dt)
-                  for n, shape, axes in (("q", (nk, dk), key_axes), ("k", (nk, dk), key_axes), ("v", (nv, dv), value_axes))}
-        return inputs, self._cached("conv_segment_ids", (batch, h), (ax.BATCH, ax.CONV_WIDTH), jnp.int32)
+        inputs = {n: self._cached(f"conv_{n}", (shape[0], w - 1) + shape[2:], (ax.BATCH, ax.CONV_WIDTH, *axes[2:]), dt)
+                  for n, (shape, axes) in shapes.items()}
+        batch = next(iter(shapes.values()))[0][0]
+        return inputs, self._cached("conv_segment_ids", (batch, w - 1), (ax.BATCH, ax.CONV_WIDTH), jnp.int32)
 
-    def _recurrent(self, q, k, v, g, beta, seg, chunk, nv, dk, dv):
+    def _recurrent(self, q, k, v, g, beta, seg, chunk):
         """Decoding: the rule from the cached state (a prompt in chunks, a token by the step),
         and the cache moved on (state, its segment, the convolution's last inputs)."""
-        batch = q.shape[0]
-        state = self._cached("recurrent_state", (batch, nv, dk, dv), STATE, jnp.float32)
+        batch, _, nv, dk = q.shape
+        state = self._cached("recurrent_state", (batch, nv, dk, v.shape[-1]), STATE, jnp.float32)
         state_seg = self._cached("state_segment_id", (batch,), (ax.BATCH,), jnp.int32)
         if q.shape[1] == 1:
             out, new = gated_delta_step(q, k, v, g, beta, seg, state.value, state_seg.value)
         else:
-            out, new = gated_delta_chunked(q, k, v, g, beta, chunk, seg, state.value, state_seg.value)
+            out, new = self.rule(q, k, v, g, beta, chunk, seg, state.value, state_seg.value)
         state.value, state_seg.value = new, seg[:, -1]
         return out
 

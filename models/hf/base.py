@@ -51,6 +51,7 @@ class Weight:
     # the fused tensor's columns are ``groups`` equal blocks, each holding all n parts in turn
     # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block
     groups: int = 1
+    hf_shape: tuple[int, ...] = ()  # a whole "vec": the HF tensor's shape where it is not flat (Kimi's A_log)
 
 
 @dataclasses.dataclass(frozen=True)

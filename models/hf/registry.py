@@ -35,6 +35,7 @@ from shardzoo.models.hf import (
     gpt_oss,
     granite,
     hunyuan,
+    kimi_linear,
     lfm2,
     llama,
     llama4,
@@ -91,6 +92,7 @@ FAMILIES: tuple[Family, ...] = (
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
+    kimi_linear.KIMI_LINEAR,
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -63,7 +63,7 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
     if w.op == "copy":  # a part: its columns among the fused tensor's
         return lead + shape[:-1] + (shape[-1] * sum(widths) // widths[w.part[0]],)
     if w.op == "vec":
-        return lead + (math.prod(shape) * sum(widths) // widths[w.part[0]],)
+        return lead + (w.hf_shape or (math.prod(shape) * sum(widths) // widths[w.part[0]],))
     if w.op == "depthwise":  # [width, channels...] here, torch's Conv1d [channels, 1, width] there
         return lead + (math.prod(shape[1:]) * sum(widths) // widths[w.part[0]], 1, shape[0])
     fan_in = math.prod(shape[: w.n_in])
@@ -96,7 +96,7 @@ def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
         lead = a.shape[:1] if stacked else ()
         body = a.shape[len(lead):]
         if w.op == "vec":
-            a = a.reshape(lead + (-1,))
+            a = a.reshape(lead + (w.hf_shape or (-1,)))
         elif w.op in ("linear", "conv1d"):
             a = a.reshape(lead + (math.prod(body[: w.n_in]), -1))
         elif w.op == "depthwise":
