@@ -23,7 +23,7 @@ from shardzoo.models import kimi_delta as kd
 from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
-from shardzoo.train.hf_io import load_hf
+from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402

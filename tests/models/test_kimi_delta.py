@@ -175,7 +175,7 @@ def test_the_decoding_cache_of_a_kda_layer_is_counted():
     from shardzoo.train.program import Program
 
     config = get_config("kimi-linear-tiny")
-    shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).cache_shardings(8, 32)
+    shapes, _ = Program(config, get_rules("fsdp"), make_mesh("fsdp=8")).decoding.cache_shardings(8, 32)
     per_layer = {name: sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
                  for name, tree in shapes.items()}
     counted = decode_cache_bytes(config.arch, 8, 32, 4)
@@ -187,7 +187,7 @@ def test_plan_counts_the_kda_layers_within_15_percent_of_the_compiled_step():
     """kimi-linear-tiny, 16 x 64 under fsdp=8: the plan's total and temporaries against XLA's."""
     from shardzoo.models import get_config
     from shardzoo.train.config import TrainConfig
-    from shardzoo.train.program import run_program
+    from shardzoo.train.tasks.registry import run_program
 
     config = get_config("kimi-linear-tiny")
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))
