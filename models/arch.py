@@ -244,6 +244,12 @@ class TransformerArch:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; models/sparse_attention.py): a lightning indexer of
+    # index_n_heads x index_head_dim beside latent attention; each query attends its index_topk best keys
+    index_topk: int | None = feature(None, "sparse_attention")  # None: no indexer
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    indexer_rope_interleaved: bool = False  # the indexer's rotary turns pairs (GLM-5), not halves (V3.2)
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -322,6 +328,10 @@ class TransformerArch:
         if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
             for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 set_(name, None)
+        if self.index_topk is None:  # no indexer, no indexer sizes
+            set_("index_n_heads", None)
+            set_("index_head_dim", None)
+            set_("indexer_rope_interleaved", False)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
@@ -412,6 +422,10 @@ class TransformerArch:
         if not 0 <= self.router_jitter_noise < 1:
             raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
         self._check_latent()
+        # the indexer's own checks (imported here: sparse_attention imports attention, which imports this)
+        from shardzoo.models import sparse_attention
+
+        sparse_attention.check(self)
         self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")

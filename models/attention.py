@@ -427,6 +427,10 @@ class Attention(nn.Module):
             k_rope = k_rope[:, :, None]
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window, spec.chunk)
+        if a.index_topk:  # DeepSeek Sparse Attention: each query's top-k keys by its indexer (lazily: it imports this)
+            from shardzoo.models.sparse_attention import LightningIndexer
+
+            mask = LightningIndexer(self.config, placement, name="indexer")(x, cq, positions, mask, decode)
         kv = Linear((nh, nope + a.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
         # kv: [batch, length, heads, head_dim]: per head k_nope then v
         k_nope, v = kv[..., :nope], kv[..., nope:]

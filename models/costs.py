@@ -119,6 +119,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from shardzoo.models import sparse_attention
 from shardzoo.models.attention import attention_kernel
 from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
@@ -290,6 +291,7 @@ def transformer_params(a, active: bool = False) -> int:
             pass
         else:  # attention (and beside it a mamba mixer)
             total += _attention_extras(a, per) + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent else 0)
+            total += sparse_attention.params(a) if a.index_topk else 0
             total += _mamba_extras(a) if spec.mixer == "attention+mamba" else 0
         if moe:
             total += a.num_local_experts * (a.router_bias + a.expert_bias * (2 * a.expert_size + d)
@@ -313,6 +315,7 @@ def transformer_flops(a, seq_len: int) -> float:
     matmul += (1 if a.score_head else a.vocab_size) * a.hidden_size  # output head (tied or not; a reward model's score)
     keys = 0.0  # keys a query sees on average, summed over layers
     state = 0.0  # the gated delta rule's multiply-adds per token, summed over layers
+    indexer = 0.0  # sparse attention's indexers (models/sparse_attention.py), forward only
     for s in specs:
         w, c = s.window, s.chunk
         if s.mixer in ("mamba", "attention+mamba"):  # the scan's products (2 x 3 FLOPs per multiply-add, as attention's)
@@ -327,8 +330,10 @@ def transformer_flops(a, seq_len: int) -> float:
             keys += c / 2
             continue
         keys += seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
+        if a.index_topk:  # the indexer's forward (its projections; its scores where it selects)
+            indexer += sparse_attention.flops(a, seq_len / 2 if a.index_topk < seq_len else 0)
     # q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each
-    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys + 6 * state
+    return 6 * matmul + 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys + 6 * state + indexer
 
 
 def decode_flops(a, context: float) -> float:
@@ -343,6 +348,8 @@ def decode_flops(a, context: float) -> float:
                   if s.mixer in ("mamba", "attention+mamba"))
     keys = sum(min(context, s.window or context, s.chunk or context) for s in specs
                if s.mixer in ("attention", "attention+mamba"))
+    if a.index_topk:  # every layer's indexer scores the context where it selects
+        matmul += len(specs) * sparse_attention.flops(a, context if a.index_topk < context else 0) / 2
     return 2 * matmul + 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
 
 
@@ -378,6 +385,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         lat = a.kv_lora_rank + (a.q_lora_rank or 0)
         layer.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),
                      latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
+    if a.index_topk and a.index_topk < seq_len:  # each layer's own mask, its indexer's selection (bool)
+        layer["index_mask"] = t(seq_len, BL, 1)
     if a.attn_logit_softcapping:
         layer["softcap"] = t(2 * h * seq_len, BHL)
     if a.qk_norm in ("head", "heads", "projection"):  # as attn_norm's, of every query and key head
@@ -484,7 +493,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
 
 
 _ATTENTION_TERMS = ("query", "key", "value", "kv_proj", "scores", "probs", "softcap", "latent", "latent_norm",
-                    "qk_norm", "attn_context")
+                    "index_mask", "qk_norm", "attn_context")
 
 
 def _conv_terms(layer: dict, t, d: int, width: int) -> dict:
@@ -559,6 +568,7 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
             if s.mixer != "mamba":  # attention's keys, values, segment ids and the layer's cache index
                 per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
                 size += batch_size * length * (per * nbytes + 4) + 4
+                size += sparse_attention.cache_bytes(a, batch_size, length, nbytes) if a.index_topk else 0
         out[s.mixer] = out.get(s.mixer, 0) + size
     return out
 

@@ -1,0 +1,128 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks, for each query of
+latent attention, the ``index_topk`` keys it attends.
+
+The indexer has its own small projections: ``index_n_heads`` query heads of ``index_head_dim``
+from the query latent (``wq_b``), one key of ``index_head_dim`` per token (``wk``, LayerNorm'd:
+``k_norm``) and a weight per head and token (``weights_proj``); rotary on the first
+``qk_rope_head_dim`` features of both (halves in V3.2, interleaved pairs in GLM-5:
+``indexer_rope_interleaved``). A key's score for a query is
+``sum_h w[h] / sqrt(heads) * relu(q[h] . k / sqrt(index_head_dim))``, float32, over the keys the
+attention's mask allows; each query keeps the keys whose score reaches its ``index_topk``-th
+(``top_k_mask``: keys tied with it are all kept, transformers keeps an arbitrary few of them).
+Training and scoring: over the whole row, the mask folded into latent attention's. Decoding: the
+indexer's keys are cached beside the latent (``cached_index_key`` [batch, cache_length,
+index_head_dim], with its own ``cache_index``) and a new token scores the whole cache. Where a
+row has at most ``index_topk`` keys the indexer selects them all and nothing is scored.
+
+No gradient reaches the indexer through the selection (transformers runs it under no_grad;
+DeepSeek trains it with a separate KL loss, which shardzoo does not implement). Context
+parallelism: none of its own, as latent attention's (GSPMD gathers the keys' length).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from shardzoo.models import ModelError
+from shardzoo.models.attention import apply_rope, rope_frequencies
+from shardzoo.models.decode import _largest_key, _order_keys
+from shardzoo.models.layers import LayerNorm, Linear, constrain, linear_kw
+from shardzoo.sharding import axes as ax
+
+KEY_AXES = (ax.BATCH, ax.CACHE_LENGTH, ax.HEAD_DIM)  # the decoding cache of the indexer's keys
+
+
+def top_k_mask(scores, allowed, k: int):
+    """bool [..., k_len]: the keys whose score is at least the ``k``-th largest of the allowed
+    ones, and allowed (all allowed keys where fewer than ``k``). Sort-free: the k-th score's
+    order key found bit by bit (``models/decode.py``)."""
+    keys = _order_keys(jnp.where(allowed, scores, -jnp.inf))
+    kth = _largest_key(keys, lambda at_least: at_least.sum(-1) >= k)
+    return (keys >= kth) & allowed
+
+
+def index_scores(q, k, w):
+    """The indexer's scores, float32 [batch, q_len, k_len]: ``sum_h w * relu(q_h . k)``.
+    q: [batch, q_len, heads, dim] (scaled); k: [batch, k_len, dim]; w: [batch, q_len, heads]."""
+    per_head = jnp.einsum("blhd,bmd->blhm", q.astype(jnp.float32), k.astype(jnp.float32))
+    return jnp.einsum("blh,blhm->blm", w.astype(jnp.float32), jax.nn.relu(per_head))
+
+
+class LightningIndexer(nn.Module):
+    """The indexer of one latent-attention layer: ``(x, cq, positions, mask, decode)`` -> ``mask``
+    narrowed to each query's ``index_topk`` keys. x: [batch, length, embed]; cq: the normed
+    query latent [batch, length, q_lora]; mask: bool [batch, 1, q_len, k_len] (the cache's
+    length when decoding)."""
+
+    config: object
+    placement: object = None
+
+    @nn.compact
+    def __call__(self, x, cq, positions, mask, decode: bool = False):
+        a, e = self.config.arch, self.config.execution
+        heads, dim = a.index_n_heads, a.index_head_dim
+        kw = linear_kw(self.config)
+        q = Linear((heads, dim), (ax.Q_LORA, ax.HEADS, ax.HEAD_DIM), name="wq_b", **kw)(cq)
+        k = Linear((dim,), (ax.EMBED, ax.HEAD_DIM), name="wk", **kw)(x)  # [batch, length, head_dim]
+        k = LayerNorm(1e-6, e.dtype, e.param_dtype, axes=(ax.HEAD_DIM,), name="k_norm")(k)
+        w = Linear((heads,), (ax.EMBED, ax.HEADS), name="weights_proj", **kw)(x)  # [batch, length, heads]
+        inv_freq, factor = rope_frequencies(a, positions)
+        turn = a.indexer_rope_interleaved
+        q = apply_rope(q, positions, inv_freq, factor, turn)  # [batch, length, heads, head_dim]
+        k = apply_rope(k[:, :, None], positions, inv_freq, factor, turn)[:, :, 0]
+        if decode:
+            k = self._cached_keys(k)  # [batch, cache_length, head_dim]
+        if a.index_topk >= mask.shape[-1]:  # every key selected
+            return mask
+        q = constrain(q * jnp.asarray(dim**-0.5, q.dtype), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM),
+                      self.placement)
+        scores = index_scores(q, k, w * jnp.asarray(heads**-0.5, w.dtype))
+        keep = top_k_mask(jax.lax.stop_gradient(scores), mask[:, 0], a.index_topk)
+        return mask & keep[:, None]  # [batch, 1, q_len, k_len]
+
+    def _cached_keys(self, k):
+        """Write this chunk's keys at the cache index; the whole cache of keys."""
+        cached = self.variable("cache", "cached_index_key", nn.with_logical_partitioning(jnp.zeros, KEY_AXES),
+                               k.shape, k.dtype)
+        index = self.variable("cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ()), (), jnp.int32)
+        cached.value = jax.lax.dynamic_update_slice(cached.value, k, (0, index.value, 0))
+        index.value = index.value + k.shape[1]
+        return cached.value
+
+
+# ------------------------------------------------------------------------ what the rest asks
+def check(a) -> None:
+    """The architecture's indexer fields, when it has one (``index_topk`` set)."""
+    if a.index_topk is None:
+        return
+    for name in ("index_topk", "index_n_heads", "index_head_dim"):
+        value = getattr(a, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"sparse attention (index_topk={a.index_topk}): {name}={value!r} must be an integer >= 1")
+    if not a.latent or not a.q_lora_rank:
+        raise ModelError(f"the lightning indexer (index_topk={a.index_topk}) reads latent attention's query "
+                         "latent: set kv_lora_rank and q_lora_rank")
+    if a.index_head_dim < a.qk_rope_head_dim:
+        raise ModelError(f"index_head_dim={a.index_head_dim} must be at least qk_rope_head_dim="
+                         f"{a.qk_rope_head_dim} (the indexer rotates its first qk_rope_head_dim features)")
+
+
+def params(a) -> int:
+    """One layer's indexer parameters: wq_b, wk, k_norm (scale and bias), weights_proj."""
+    d, h, dim = a.hidden_size, a.index_n_heads, a.index_head_dim
+    return a.q_lora_rank * h * dim + d * dim + 2 * dim + d * h
+
+
+def flops(a, keys: float) -> float:
+    """Forward FLOPs per token of one layer's indexer (no backward: no gradient reaches it): its
+    projections and the scores of ``keys`` keys (``heads * dim`` multiply-adds each) and
+    their weighting (``keys`` 0 where it selects every key: no scores)."""
+    h, dim = a.index_n_heads, a.index_head_dim
+    return 2 * (params(a) - 2 * dim) + 2 * keys * h * (dim + 1)
+
+
+def cache_bytes(a, batch_size: int, length: int, nbytes: int) -> int:
+    """One layer's decoding cache of indexer keys, and its cache index."""
+    return batch_size * length * a.index_head_dim * nbytes + 4
