@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
-from shardzoo.models import get_config
+from shardzoo.models import ModelError, get_config
 from shardzoo.models.decode import cache_init_fn
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.models.hf.base import HFError
@@ -175,6 +175,15 @@ def test_glm5_index_sharing_is_refused():
                     dict(indexer_types=None, index_topk_freq=2, index_skip_topk_offset=1)):
         with pytest.raises(HFError, match="indexer_types"):
             config_of(base | changes)
+
+
+@pytest.mark.parametrize("change, named", [(dict(q_lora_rank=None), "q_lora_rank"),
+                                           (dict(index_head_dim=4), "index_head_dim=4"),
+                                           (dict(index_n_heads=0), "index_n_heads=0")])
+def test_an_indexer_it_cannot_build_is_refused_naming_the_field(change, named):
+    """The indexer reads the query latent and rotates its first qk_rope_head_dim (8) features."""
+    with pytest.raises(ModelError, match=named):
+        get_config("deepseek-v3.2-tiny").replace(**change)
 
 
 @pytest.mark.parametrize("name,count", [("deepseek-v3.2", 671_877_929_216), ("glm-5", 743_911_199_232)])
