@@ -21,38 +21,20 @@ import dataclasses
 import math
 
 from shardzoo.models import ModelError, check_fields
+from shardzoo.models.attention import CHUNKED, FULL, SLIDING
+from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE
+from shardzoo.models.conv_mixer import CONV
 from shardzoo.models.features import feature
+from shardzoo.models.layers import DENSE
+from shardzoo.models.linear_attention import LINEAR
+from shardzoo.models.linear_attention import SIZES as _LINEAR_FIELDS
+from shardzoo.models.moe import MOE
+from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
+from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA
 
-FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-CONV = "conv"  # a gated short-convolution block in place of attention (LFM2; models/conv_mixer.py)
-LINEAR = "linear_attention"  # a Gated DeltaNet block in place of attention (Qwen3-Next; models/linear_attention.py)
-MAMBA = "mamba"  # a Mamba2 state-space mixer in place of attention (Mamba2, Bamba, Nemotron-H; models/ssm.py)
-# attention and a Mamba2 mixer side by side on one norm, their outputs summed (Falcon-H1, whose
-# transformers config calls every layer "hybrid"): x + attn(norm(x)) + mamba(norm(x)), then the MLP
-ATTENTION_MAMBA = "attention+mamba"
-# "none" in layer_types: a layer without a token mixer (its block is x + mlp(norm(x)): Nemotron-H's
-# MLP layers); in mlp_layer_types: a layer without an MLP (x + mixer(norm(x)): Mamba2's layers,
-# Nemotron-H's mamba and attention layers)
-NONE = "none"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED, CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE)
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
-DENSE, MOE = "dense", "moe"
-MLP_TYPES = (DENSE, MOE, NONE)
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
-# rope_scaling types models/attention.py computes, with the keys each needs (a number > 0) and
-# the numbers each may have (> 0, or null: transformers' default).
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
-ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-    "dynamic": ("factor",),
-}
-ROPE_SCALING_OPTIONAL = {
-    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
-    "longrope": ("factor", "attention_factor"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,12 +226,13 @@ class TransformerArch:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; models/sparse_attention.py): a lightning indexer of
-    # index_n_heads x index_head_dim beside latent attention; each query attends its index_topk best keys
-    index_topk: int | None = feature(None, "sparse_attention")  # None: no indexer
+    # DeepSeek Sparse Attention (the "indexed_attention" layers of layer_types; models/sparse_attention.py):
+    # a lightning indexer of index_n_heads x index_head_dim beside latent attention keeps each query's
+    # index_topk best keys; indexer_rope_interleaved: its rotary turns pairs (GLM-5), not halves (V3.2)
+    index_topk: int | None = feature(None, "sparse_attention")
     index_n_heads: int | None = None
     index_head_dim: int | None = None
-    indexer_rope_interleaved: bool = False  # the indexer's rotary turns pairs (GLM-5), not halves (V3.2)
+    indexer_rope_interleaved: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -282,7 +265,7 @@ class TransformerArch:
         if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
             for name in _LINEAR_FIELDS:
                 set_(name, None)
-        if types is not None and len(set(types)) == 1 and types[0] not in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE):
+        if types is not None and len(set(types)) == 1 and MIXER_OF_LAYER_TYPE[types[0]] == ATTENTION:
             if types[0] != SLIDING:
                 set_("sliding_window", None)
             if types[0] != CHUNKED:
@@ -328,9 +311,9 @@ class TransformerArch:
         if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
             for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 set_(name, None)
-        if self.index_topk is None:  # no indexer, no indexer sizes
-            set_("index_n_heads", None)
-            set_("index_head_dim", None)
+        if not any(s.mixer == "sparse_attention" for s in self.layer_specs()):  # no indexer, no indexer sizes
+            for name in ("index_topk", "index_n_heads", "index_head_dim"):
+                set_(name, None)
             set_("indexer_rope_interleaved", False)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
@@ -378,7 +361,7 @@ class TransformerArch:
             raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
                              f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
         n = self.num_hidden_layers
-        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES)):
+        for name, allowed in (("layer_types", tuple(MIXER_OF_LAYER_TYPE)), ("mlp_layer_types", tuple(MLPS))):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -392,14 +375,10 @@ class TransformerArch:
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
-        if self.has_conv_layers and (self.conv_kernel is None or self.conv_kernel < 2):
-            raise ModelError(f"layer_types has {CONV} layers: conv_kernel={self.conv_kernel!r} must be an integer "
-                             ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
-        self._check_linear()
-        if self.has_conv_layers and self.latent:
-            raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
-                             "which no family has; remove one")
-        self._check_mamba()
+        self._check_layers()
+        for mixer in sorted({spec.mixer for spec in self.layer_specs()}):  # each mixer's own checks
+            if MIXERS[mixer].check is not None:
+                MIXERS[mixer].check(self)
         self._check_multipliers()
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
@@ -421,11 +400,6 @@ class TransformerArch:
                              f"num_local_experts={self.num_local_experts}")
         if not 0 <= self.router_jitter_noise < 1:
             raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
-        self._check_latent()
-        # the indexer's own checks (imported here: sparse_attention imports attention, which imports this)
-        from shardzoo.models import sparse_attention
-
-        sparse_attention.check(self)
         self._check_router()
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
@@ -441,7 +415,7 @@ class TransformerArch:
             raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)} scale dense MLPs only; "
                              f"num_local_experts={self.num_local_experts}")
 
-    def _check_mamba(self) -> None:
+    def _check_layers(self) -> None:
         types, mlps = self.layer_types or (), self.mlp_layer_types or ()
         if any(t == NONE and m == NONE for t, m in zip(types, mlps, strict=False)):
             raise ModelError("a layer with neither a mixer (layer_types 'none') nor an MLP (mlp_layer_types 'none') "
@@ -449,62 +423,6 @@ class TransformerArch:
         if self.parallel_residual and (NONE in types or NONE in mlps):
             raise ModelError("parallel_residual runs a mixer and an MLP side by side: every layer needs both "
                              "(no 'none' in layer_types or mlp_layer_types)")
-        if not self.has_mamba_layers:
-            return
-        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
-        if not isinstance(self.mamba_conv_kernel, int) or self.mamba_conv_kernel < 2:
-            raise ModelError(f"mamba_conv_kernel={self.mamba_conv_kernel!r} must be an integer >= 2 (the "
-                             "convolution's taps)")
-        if self.mamba_num_heads % self.mamba_n_groups:
-            raise ModelError(f"mamba_n_groups={self.mamba_n_groups} must divide mamba_num_heads={self.mamba_num_heads}")
-        if self.mamba_norm not in ("gated", "before_gate", "none"):
-            raise ModelError(f"mamba_norm={self.mamba_norm!r} is not one of gated, before_gate, none")
-        limit = self.time_step_limit
-        if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
-                or not 0 <= limit[0] <= limit[1]):
-            raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
-
-    def _check_linear(self) -> None:
-        if not self.has_linear_layers:
-            return
-        for name in _LINEAR_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"layer_types has {LINEAR} layers: {name}={value!r} must be an integer >= 1")
-        if self.linear_conv_kernel_dim < 2:
-            raise ModelError(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2 (the taps of the "
-                             "causal convolution of q, k and v)")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ModelError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
-                             f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves as many "
-                             "value heads)")
-        if self.latent:
-            raise ModelError(f"layer_types has {LINEAR} layers beside latent attention (kv_lora_rank), "
-                             "which no family has; remove one")
-
-    def _check_latent(self) -> None:
-        if self.kv_lora_rank is None:
-            return
-        check_fields(self, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                "v_head_dim"))
-        missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(self, n)]
-        if missing:
-            raise ModelError(f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs {', '.join(missing)}")
-        if self.qk_rope_head_dim % 2:
-            raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={self.qk_rope_head_dim}"
-                             " is odd")
-        if self.kv_heads != self.num_attention_heads:
-            raise ModelError(f"latent attention expands keys and values for every query head: "
-                             f"num_key_value_heads={self.kv_heads} must be num_attention_heads="
-                             f"{self.num_attention_heads}")
-        if self.qk_norm != "none" or self.attention_bias or self.partial_rotary_factor != 1.0 or self.attention_sinks:
-            raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
-                             "(it rotates qk_rope_head_dim features of each head)")
-        if self.attn_output_gate:
-            raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
 
     def _check_router(self) -> None:
         if self.router_kind not in ROUTERS:
@@ -627,14 +545,12 @@ class TransformerArch:
             elif sliding and self.rope_local_base_freq is not None:
                 rope = "local"
             chunk = self.attention_chunk_size if kind == CHUNKED else None
-            mixer = kind if kind in (CONV, LINEAR, MAMBA, ATTENTION_MAMBA, NONE) else ATTENTION
+            mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer))
         return tuple(out)
 
 
-_LINEAR_FIELDS = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-                  "linear_conv_kernel_dim")
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",

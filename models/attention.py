@@ -1,4 +1,4 @@
-"""Attention: rotary positions, masks, and the ``Attention`` block with its KV cache.
+"""Attention: masks, kernels, and the ``Attention`` block with its KV cache (rotary positions: ``models/rope.py``).
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
@@ -10,181 +10,32 @@ scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; m
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError, splash
-from shardzoo.models.arch import ROPE_SCALING
-from shardzoo.models.layers import Linear, RMSNorm, constrain, dtype_of, fused, linear_kw, make_norm
+from shardzoo.models import ModelError, check_fields, splash
+from shardzoo.models.component import Mixer
+from shardzoo.models.layers import (
+    Linear,
+    RMSNorm,
+    constrain,
+    dtype_of,
+    fused,
+    linear_kw,
+    make_norm,
+    scaled,
+)
 from shardzoo.models.ring_attention import ring_attention
+from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.models.splash import splash_attention
 from shardzoo.sharding import axes as ax
 
-
-# ----------------------------------------------------------------------------------- rotary
-def _scaling(config, local: bool) -> dict:
-    """The layer's ``rope_scaling`` (none for a local layer with its own base: Gemma 3)."""
-    return {} if local and config.rope_local_base_freq else config.rope_scaling_dict
-
-
-def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, float32, as Hugging Face computes them.
-
-    Handles ``partial_rotary_factor`` (latent attention: ``qk_rope_head_dim``) and every ``rope_scaling`` type of ``arch.ROPE_SCALING``,
-    each as ``transformers.modeling_rope_utils`` computes it at initialisation: linear, llama3,
-    yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``) and dynamic (plain
-    within ``max_position_embeddings``; beyond, ``rope_frequencies`` rescales per call).
-    A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
-    ``config`` is the architecture record.
-    """
-    dim = config.rope_dim  # head_dim x partial_rotary_factor; latent attention: qk_rope_head_dim
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    local_base = config.rope_local_base_freq if local else None
-    theta = local_base or config.rope_theta
-    pos_freqs = np.float32(theta) ** exponents
-    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
-    scaling = _scaling(config, local)
-    kind = scaling.get("rope_type", "default")
-    if kind in ("default", "dynamic"):
-        return inv_freq
-    if kind == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    if kind == "longrope":
-        factors = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
-        return (np.float32(1.0) / (factors * pos_freqs)).astype(np.float32)
-    if kind == "yarn":
-        return _yarn_inv_freq(scaling, dim, theta, pos_freqs)
-    if kind != "llama3":
-        raise NotImplementedError(f"rope_scaling type {kind!r} (supported: default, {', '.join(ROPE_SCALING)})")
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = np.float32(2 * math.pi) / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
-    if high == low:  # no band between (Llama 4 Scout): transformers' smoothing divides by zero, unused
-        return scaled.astype(np.float32)
-    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
-    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _yarn_inv_freq(scaling, dim, theta, pos_freqs):
-    """YaRN: interpolated (/ factor) below the correction range, extrapolated (as trained) above,
-    a linear ramp between (``_compute_yarn_parameters``)."""
-    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    extrapolation = np.float32(1) - ramp.astype(np.float32)
-    inv_extra = np.float32(1.0) / pos_freqs
-    inv_inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
-    return (inv_inter * (1 - extrapolation) + inv_extra * extrapolation).astype(np.float32)
-
-
-def _yarn_mscale(scale, mscale=1.0):
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def rope_attention_factor(config, local: bool = False) -> float:
-    """The factor of the rotary cos and sin (so of the rotated features of q and k): YaRN's and
-    longrope's ``attention_factor``, given or as transformers derives it; 1 otherwise."""
-    scaling = _scaling(config, local)
-    kind = scaling.get("rope_type", "default")
-    if kind not in ("yarn", "longrope"):
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    old_len = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or config.max_position_embeddings / old_len
-    if kind == "longrope":
-        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if mscale and mscale_all_dim:
-        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-    return _yarn_mscale(factor)
-
-
-def rope_frequencies(config, positions, local: bool = False):
-    """The layer's inverse frequencies for this call's ``positions`` [batch, length], and the
-    cos/sin factor. Static for most types; two depend on the longest position, as in
-    transformers' ``dynamic_rope_update``: longrope takes its long factors when any position is
-    at or past ``original_max_position_embeddings`` (else the short ones), dynamic NTK raises
-    the base to ``theta * (factor * S / max_position_embeddings - factor + 1) ** (d / (d - 2))``
-    for ``S = max(positions) + 1`` beyond ``max_position_embeddings``."""
-    scaling = _scaling(config, local)
-    kind = scaling.get("rope_type", "default")
-    inv_freq = rope_inv_freq(config, local)
-    if kind not in ("longrope", "dynamic"):
-        return inv_freq, rope_attention_factor(config, local)
-    seq_len = jnp.max(positions) + 1
-    if kind == "longrope":
-        beyond = seq_len > scaling["original_max_position_embeddings"]
-        return jnp.where(beyond, rope_inv_freq(config, local, long=True), inv_freq), rope_attention_factor(config, local)
-    dim, max_len = 2 * inv_freq.shape[0], config.max_position_embeddings
-    factor = scaling["factor"]
-    grown = jnp.maximum(seq_len, max_len).astype(jnp.float32)
-    base = config.rope_theta * (factor * grown / max_len - (factor - 1)) ** (dim / (dim - 2))
-    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-    return jnp.where(seq_len > max_len, 1.0 / base ** exponents, inv_freq), 1.0
-
-
-def check_rope_decoding(config, prompt_len: int, max_new_tokens: int) -> None:
-    """Refuse a longrope generation whose prefill is within ``original_max_position_embeddings``
-    and whose later steps pass it: transformers (Phi-3) then recomputes the whole cache with the
-    long factors, which a cache of short-rotated keys cannot do."""
-    scaling = config.rope_scaling_dict
-    if scaling.get("rope_type") == "longrope":
-        old_len = scaling["original_max_position_embeddings"]
-        if prompt_len <= old_len < prompt_len + max_new_tokens - 1:
-            raise ModelError(f"longrope: a prompt of {prompt_len} tokens and {max_new_tokens} new ones cross "
-                             f"original_max_position_embeddings={old_len} (short to long factors), which "
-                             "decoding from a cache does not do; give a prompt beyond it or fewer new tokens")
-
-
-def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0, interleaved: bool = False):
-    """Rotate the first ``2 * len(inv_freq)`` features of ``x``: feature i with i + rot/2
-    (rotate-half, as HF Llama) or, ``interleaved``, feature 2i with 2i + 1 (as HF Cohere, which
-    also turns them in float32); cos and sin times ``attention_factor`` (YaRN's, longrope's; as
-    transformers).
-
-    x: [batch, length, heads, head_dim]; positions: [batch, length].
-    """
-    rot = 2 * inv_freq.shape[0]
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, length, rot/2]
-    if interleaved:
-        emb = jnp.repeat(freqs, 2, axis=-1)[:, :, None, :]  # [batch, length, 1, rot]: f0 f0 f1 f1 ...
-    else:
-        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [batch, length, 1, rot]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if attention_factor != 1.0:
-        cos, sin = cos * attention_factor, sin * attention_factor
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    if interleaved:
-        x_rot, cos, sin = x_rot.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32)
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-        rotated = jnp.stack([-x2, x1], axis=-1).reshape(x_rot.shape)  # (-x1, x0, -x3, x2, ...)
-    else:
-        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-        rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = (x_rot * cos + rotated * sin).astype(x.dtype)
-    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"  # its layer_types
+BLHD = (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)
+BLKD = (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
+BHL = (ax.BATCH, ax.HEADS, ax.LENGTH, None)  # attention scores: [batch, heads, q, k]
 
 
 # -------------------------------------------------------------------------------- attention
@@ -427,10 +278,7 @@ class Attention(nn.Module):
             k_rope = k_rope[:, :, None]
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window, spec.chunk)
-        if a.index_topk:  # DeepSeek Sparse Attention: each query's top-k keys by its indexer (lazily: it imports this)
-            from shardzoo.models.sparse_attention import LightningIndexer
-
-            mask = LightningIndexer(self.config, placement, name="indexer")(x, cq, positions, mask, decode)
+        mask = self.select_keys(x, cq if a.q_lora_rank else None, positions, mask, decode)
         kv = Linear((nh, nope + a.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
         # kv: [batch, length, heads, head_dim]: per head k_nope then v
         k_nope, v = kv[..., :nope], kv[..., nope:]
@@ -442,6 +290,11 @@ class Attention(nn.Module):
                               "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def select_keys(self, x, cq, positions, mask, decode):
+        """The keys each query of latent attention sees: ``mask`` (bool [batch, 1, q_len, k_len]) as
+        it is; a subclass narrows it (``models/sparse_attention.py``). cq: the normed query latent."""
+        return mask
 
     def _update_latent_cache(self, c, k_rope, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's latents and rotary keys at the cache index; mask over the whole cache."""
@@ -482,3 +335,134 @@ class Attention(nn.Module):
         return ck.value, cv.value, mask
 
 
+
+
+# ------------------------------------------------------------------------------ the component
+def _apply(block, h, positions, segment_ids):
+    """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
+    a = block.config.arch
+    out = Attention(block.config, block.spec, block.placement, name="attn")(
+        scaled(h, a.attention_in_multiplier), positions, segment_ids, block.decode)
+    return scaled(out, a.attention_out_multiplier)
+
+
+def _latent_params(a) -> int:
+    """Multi-head latent attention's projections: q (or q_a, q_b), kv_a, k_rope, kv_b, o."""
+    d, h = a.hidden_size, a.num_attention_heads
+    q_out = h * a.qk_head_size
+    q = d * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else d * q_out
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + h * a.v_head_dim * d
+
+
+def params(a) -> tuple[int, int]:
+    """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
+    d, hd, nh, per = a.hidden_size, a.head_size, a.num_attention_heads, 2 if a.norm_type == "layernorm" else 1
+    matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + 2 * a.kv_heads)
+    matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
+    other = 0
+    if a.qk_norm not in ("none", "l2"):  # l2: no weight
+        qk_per = 1 if a.qk_norm_no_bias else per
+        other += qk_per * hd * (2 if a.qk_norm == "head" else nh + a.kv_heads)
+    if a.attention_bias:
+        other += hd * (nh * (1 + a.attn_output_gate) + 2 * a.kv_heads)
+    if a.attention_out_bias:
+        other += d
+    if a.attention_sinks:
+        other += nh
+    if a.latent:  # the latents' norms
+        other += a.kv_lora_rank + (a.q_lora_rank or 0)
+    return matmul, other
+
+
+def _keys(spec, seq_len: int) -> float:
+    """Keys a query of a training row sees on average: half the row, its window, or half its chunk."""
+    w, c = spec.window, spec.chunk
+    if c and c < seq_len:  # whole chunks of c (the last one possibly cut): about c / 2 keys each
+        return c / 2
+    return seq_len / 2 if not w or w >= seq_len else w - w * w / (2 * seq_len)
+
+
+def flops(a, spec, seq_len: int) -> float:
+    """q.k and probs.v: 2 x 3 FLOPs (forward and backward) per multiply-add of each."""
+    return 6 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * _keys(spec, seq_len)
+
+
+def decode_flops(a, spec, context: float) -> float:
+    """q.k and probs.v of one token over the ``context`` keys it attends (its window or chunk capping them)."""
+    keys = min(context, spec.window or context, spec.chunk or context)
+    return 2 * a.num_attention_heads * (a.qk_head_size + a.v_head_size) * keys
+
+
+def _flash(cost) -> bool:
+    """Whether the kernel keeps no scores, probabilities or mask (splash off a ring; cuDNN)."""
+    a, e = cost.config.arch, cost.config.execution
+    kernel = attention_kernel(cost.config, jnp.dtype(e.dtype), cost.seq_len)  # splash: not under a ring
+    # latent attention always runs in plain XLA (its values are narrower than its keys)
+    return kernel == "splash" and cost.ring == 1 or kernel == "cudnn" and not a.attn_logit_softcapping and not a.latent
+
+
+def activations(cost, spec=None) -> dict:
+    """One layer's attention arrays (models/costs.py's doc: query ... attn_context)."""
+    a, e, t, length = cost.config.arch, cost.config.execution, cost.t, cost.seq_len
+    h, k, dh, dq, dv = a.num_attention_heads, a.kv_heads, a.head_size, a.qk_head_size, a.v_head_size
+    scores, probs = (0, 0) if _flash(cost) else (t(h * length, BHL), t(h * length, BHL, 4))
+    if cost.ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
+        scores, probs = 0, probs if cost.gathered else int(probs * (cost.ring + 1) / (2 * cost.ring))
+    out = {"query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
+           "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
+           "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
+    if a.latent:
+        lat = a.kv_lora_rank + (a.q_lora_rank or 0)
+        out.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),
+                   latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
+    if a.attn_logit_softcapping:
+        out["softcap"] = t(2 * h * length, BHL)
+    if a.qk_norm in ("head", "heads", "projection"):  # as attn_norm's, of every query and key head
+        out["qk_norm"] = t(3 * (h + k) * dq, BLHD, 4)
+    return out
+
+
+def model_terms(cost) -> dict:
+    """The mask (bool [batch, K, H/K, L, L], made once outside the layer scan; none with a flash
+    kernel or a ring) and, on a ring, the diagonal block's two float32 cotangents."""
+    h, t, ring = cost.config.arch.num_attention_heads, cost.t, cost.ring
+    out = {"mask": 0 if _flash(cost) or ring > 1 else t(h * cost.seq_len, BHL, 1)}
+    if ring > 1 and not cost.gathered:  # (length / ring)^2 each
+        out["ring_diagonal"] = 2 * t(h * cost.seq_len, BHL, 4) // ring
+    return out
+
+
+def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
+    """Keys and values (latent attention: the latent and the rotary key), the segment ids of every
+    position, and the cache index."""
+    per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+    return batch * length * (per * nbytes + 4) + 4
+
+
+def check(a) -> None:
+    """Latent attention's sizes, and what it has no room for."""
+    if a.kv_lora_rank is None:
+        return
+    check_fields(a, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(a, n)]
+    if missing:
+        raise ModelError(f"latent attention (kv_lora_rank={a.kv_lora_rank}) needs {', '.join(missing)}")
+    if a.qk_rope_head_dim % 2:
+        raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={a.qk_rope_head_dim} is odd")
+    if a.kv_heads != a.num_attention_heads:
+        raise ModelError(f"latent attention expands keys and values for every query head: num_key_value_heads="
+                         f"{a.kv_heads} must be num_attention_heads={a.num_attention_heads}")
+    if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks:
+        raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
+                         "(it rotates qk_rope_head_dim features of each head)")
+    if a.attn_output_gate:
+        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
+
+
+CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-zag order, key/value blocks passed "
+                    "round the ring, or gathered whole with context_attention='all_gather'; splash attention takes "
+                    "the ring's shards as its own (models/splash.py)")
+MIXER = Mixer(
+    "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
+    cache_bytes, CONTEXT_PARALLEL, check)

@@ -25,10 +25,12 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError
+from shardzoo.models.component import Mixer
 from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
 
+CONV = "conv"  # its name in layer_types
 BLC = (ax.BATCH, ax.LENGTH, ax.CONV_CHANNELS)
 
 
@@ -184,3 +186,44 @@ class ShortConv(nn.Module):
         state.value = jnp.concatenate([state.value, bx], axis=1)[:, -h:]
         state_seg.value = jnp.concatenate([state_seg.value, seg], axis=1)[:, -h:]
         return out
+
+
+# ------------------------------------------------------------------------------ the component
+def _apply(block, h, positions, segment_ids):
+    return ShortConv(block.config, block.placement, name="conv")(h, segment_ids, block.decode)
+
+
+def params(a) -> tuple[int, int]:
+    """(in_proj's three and out_proj, and the taps, each multiplied once per token; the biases:
+    in_proj 3 d, taps d, out_proj d)."""
+    d = a.hidden_size
+    return 4 * d * d + a.conv_kernel * d, 5 * d * a.conv_bias
+
+
+def activations(cost, spec=None) -> dict:
+    """The projections' outputs b, c, x (slices of their fused matmul's, which is not kept), b * x
+    (the convolution's input), the convolution's output and c times it (the out projection's
+    input), d channels each; and the taps' float32 0/1 segment masks, conv_kernel per token."""
+    a, t = cost.config.arch, cost.t
+    d = a.hidden_size
+    return {"conv_in": t(3 * d, BLC), "conv_input": t(d, BLC), "conv_masks": t(a.conv_kernel, BLC[:2], 4),
+            "conv_out": t(d, BLC), "attn_context": t(d, BLC)}
+
+
+def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
+    """The last conv_kernel - 1 inputs and their segment ids."""
+    return batch * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
+
+
+def check(a) -> None:
+    if a.conv_kernel is None or a.conv_kernel < 2:
+        raise ModelError(f"layer_types has {CONV} layers: conv_kernel={a.conv_kernel!r} must be an integer "
+                         ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
+    if a.latent:
+        raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
+                         "which no family has; remove one")
+
+
+MIXER = Mixer(CONV, (CONV,), _apply, params, activations=activations, cache_bytes=cache_bytes, check=check,
+              context_parallel="each chunk's taps fed the previous chunk's last conv_kernel - 1 inputs by two "
+                               "ppermutes (ring_conv); the sequence is never gathered")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from shardzoo.models.component import Mlp
 from shardzoo.models.lora import linear_lora, target_of
 from shardzoo.sharding import axes as ax
 
@@ -342,6 +343,11 @@ class XIELU(nn.Module):
         return jnp.where(x > 0, positive, negative)
 
 
+def scaled(x, multiplier: float):
+    """``x`` times a model multiplier in its dtype (none when 1)."""
+    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
+
+
 @jax.custom_vjp
 def swiglu(gate, up):
     """``silu(gate) * up`` with a hand-written backward (one fused pass on CPU)."""
@@ -395,3 +401,37 @@ class MLP(nn.Module):
         if down_scale != 1.0:
             out = out * jnp.asarray(down_scale, out.dtype)
         return checkpoint_name(out, "mlp_out")  # [batch, length, embed]
+
+
+# ------------------------------------------------------------------------------ the component
+DENSE = "dense"  # its name in mlp_layer_types
+BLF = (ax.BATCH, ax.LENGTH, ax.MLP)
+
+
+def mlp_params(a, width: int) -> tuple[int, int]:
+    """A dense MLP of ``width`` (``mlp_type``'s): (gate (gated), up and down; their biases)."""
+    per = 2 if a.mlp_type == "gated" else 1
+    return (per + 1) * a.hidden_size * width, a.mlp_bias * (per * width + a.hidden_size)
+
+
+def _params(a, active: bool) -> tuple[int, int]:
+    matmul, other = mlp_params(a, a.intermediate_size)
+    return matmul, other + 2 * (a.hidden_act == "xielu")  # xIELU's alpha_p and alpha_n (beta, eps: buffers)
+
+
+def _activations(cost) -> dict:
+    """mlp_up, mlp_hidden; gated: mlp_gate, mlp_proj (the fused up|gate output), mlp_act (another
+    activation than SiLU); xielu's four residuals (models/costs.py's doc)."""
+    a, e, t, f = cost.config.arch, cost.config.execution, cost.t, cost.config.arch.intermediate_size
+    out = {"mlp_up": t(f, BLF), "mlp_hidden": t(f, BLF)}
+    if a.mlp_type == "gated":
+        out.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if e.fuse_projections else 0)
+        if a.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
+            out["mlp_act"] = t(f, BLF)
+    if a.hidden_act == "xielu":  # its residuals: alpha_p x, expm1's derivative, both branches' sums
+        out["xielu"] = t(4 * f, BLF)
+    return out
+
+
+MLP_KIND = Mlp(DENSE, lambda block, h, segment_ids: MLP(block.config, block.placement, name="mlp")(h), _params,
+               _activations)

@@ -57,9 +57,11 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import DTYPES, ModelError, check_fields
-from shardzoo.models.layers import ACTIVATIONS, constrain
+from shardzoo.models.component import Mlp
+from shardzoo.models.layers import ACTIVATIONS, BLF, MLP, Linear, constrain, linear_kw, mlp_params
 from shardzoo.sharding import axes as ax
 
+MOE = "moe"  # its name in mlp_layer_types
 DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")
 GMM_DTYPES = ("float32", "bfloat16")  # what megablox multiplies
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
@@ -614,3 +616,65 @@ class MoeMLP(nn.Module):
                 chosen = chosen * token_mask[..., None].astype(jnp.float32)
             self.sow("router_load", "expert_load", chosen.sum((0, 1)) / jnp.maximum(chosen.sum(), 1.0))
         return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED), self.placement)
+
+
+# ------------------------------------------------------------------------------ the component
+BLX = (ax.BATCH, ax.LENGTH, ax.EXPERT)
+BLEC = (ax.BATCH, ax.LENGTH, ax.EXPERT, ax.CAPACITY)  # dispatch and combine masks
+ECD = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)  # expert buffers
+ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
+
+
+def _apply(block, h, segment_ids):
+    """The routed experts, plus the shared expert: a dense MLP (``mlp_type``'s) every token goes
+    through, scaled by ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
+    config, a = block.config, block.config.arch
+    token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
+    out = MoeMLP(config.moe_config(), block.placement, name="moe")(h, block.deterministic, token_mask)
+    if not a.shared_expert_intermediate_size:
+        return out
+    shared = MLP(config, block.placement, a.shared_expert_intermediate_size, name="shared_expert")(h)
+    if a.shared_expert_gate:
+        gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(config))(h)  # [batch, length]
+        shared = shared * jax.nn.sigmoid(gate)[..., None].astype(shared.dtype)
+    return out + shared  # [batch, length, embed]
+
+
+def _params(a, active: bool) -> tuple[int, int]:
+    """(the router, the experts (``active``: the top-k) and the shared expert; the router's and
+    experts' biases, the correction bias of softmax_bias (a parameter in transformers; sigmoid_groups':
+    a buffer), the shared expert's biases)."""
+    d, e = a.hidden_size, a.num_local_experts
+    shared, shared_bias = mlp_params(a, a.shared_expert_intermediate_size)
+    per_expert = (3 if a.expert_type == "gated" else 2) * d * a.expert_size  # gate (gated), up, down
+    matmul = d * e + (a.num_experts_per_tok if active else e) * per_expert + shared + d * a.shared_expert_gate
+    other = e * (a.router_bias + a.expert_bias * (2 * a.expert_size + d) + (a.router_kind == "softmax_bias"))
+    return matmul, other + (shared_bias if a.shared_expert_intermediate_size else 0)
+
+
+def _activations(cost) -> dict:
+    """The router's float32 softmax and z-loss exp; the one-hot dispatch and combine masks of the
+    einsum dispatches (the indexed one keeps a few int32 slot indices per token: not counted);
+    the expert buffers in and out; the experts' projections and hidden arrays (gated: gate and up,
+    silu's residuals and their product; plain: up and the activation's output); the clamped
+    SwiGLU's three more; the shared expert's (models/costs.py's doc)."""
+    config, t, length = cost.config, cost.t, cost.seq_len
+    a, e = config.arch, config.execution
+    experts, d, fe, gated = a.num_local_experts, a.hidden_size, a.expert_size, a.expert_type == "gated"
+    slots = experts * config.moe_config().capacity(length)  # E*C per row, per token: / L
+    out = {"router_logits": t(experts, BLX, 4), "router": t(2 * experts, BLX, 4),
+           "masks": t(2 * slots, BLEC) if e.moe_dispatch in ("capacity", "shard_map") else 0,
+           "expert_in": t(slots * d / length, ECD), "expert_out": t(slots * d / length, ECD),
+           "expert_proj": t((2 if gated else 1) * slots * fe / length, ECF),
+           "expert_hidden": t((4 if gated else 1) * slots * fe / length, ECF)}
+    if a.swiglu_limit:  # the clamped SwiGLU's min and clip outputs and sigmoid(alpha g)
+        out["expert_clamp"] = t(3 * slots * fe / length, ECF)
+    fs = a.shared_expert_intermediate_size
+    if fs:  # a dense MLP's terms at its width (its gate: 1 per token)
+        out.update(shared_up=t(fs, BLF), shared_hidden=t(fs, BLF))
+        if a.mlp_type == "gated":
+            out.update(shared_gate=t(fs, BLF), shared_proj=t(fs, BLF) if e.fuse_projections else 0)
+    return out
+
+
+MLP_KIND = Mlp(MOE, _apply, _params, _activations)

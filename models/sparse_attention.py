@@ -25,12 +25,15 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import ModelError
-from shardzoo.models.attention import apply_rope, rope_frequencies
+from shardzoo.models import ModelError, attention
+from shardzoo.models.attention import Attention
+from shardzoo.models.component import Mixer
 from shardzoo.models.decode import _largest_key, _order_keys
 from shardzoo.models.layers import LayerNorm, Linear, constrain, linear_kw
+from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.sharding import axes as ax
 
+INDEXED = "indexed_attention"  # the layer_types name of its layers (transformers')
 KEY_AXES = (ax.BATCH, ax.CACHE_LENGTH, ax.HEAD_DIM)  # the decoding cache of the indexer's keys
 
 
@@ -92,37 +95,79 @@ class LightningIndexer(nn.Module):
         return cached.value
 
 
+class IndexedAttention(Attention):
+    """Latent attention (``models/attention.py``) whose queries see their indexer's top-k keys."""
+
+    def select_keys(self, x, cq, positions, mask, decode):
+        return LightningIndexer(self.config, self.placement, name="indexer")(x, cq, positions, mask, decode)
+
+
 # ------------------------------------------------------------------------ what the rest asks
-def check(a) -> None:
-    """The architecture's indexer fields, when it has one (``index_topk`` set)."""
-    if a.index_topk is None:
-        return
-    for name in ("index_topk", "index_n_heads", "index_head_dim"):
-        value = getattr(a, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelError(f"sparse attention (index_topk={a.index_topk}): {name}={value!r} must be an integer >= 1")
-    if not a.latent or not a.q_lora_rank:
-        raise ModelError(f"the lightning indexer (index_topk={a.index_topk}) reads latent attention's query "
-                         "latent: set kv_lora_rank and q_lora_rank")
-    if a.index_head_dim < a.qk_rope_head_dim:
-        raise ModelError(f"index_head_dim={a.index_head_dim} must be at least qk_rope_head_dim="
-                         f"{a.qk_rope_head_dim} (the indexer rotates its first qk_rope_head_dim features)")
+def _apply(block, h, positions, segment_ids):
+    return IndexedAttention(block.config, block.spec, block.placement, name="attn")(h, positions, segment_ids,
+                                                                                    block.decode)
 
 
-def params(a) -> int:
+def _indexer_params(a) -> int:
     """One layer's indexer parameters: wq_b, wk, k_norm (scale and bias), weights_proj."""
     d, h, dim = a.hidden_size, a.index_n_heads, a.index_head_dim
     return a.q_lora_rank * h * dim + d * dim + 2 * dim + d * h
 
 
-def flops(a, keys: float) -> float:
+def _indexer_flops(a, keys: float) -> float:
     """Forward FLOPs per token of one layer's indexer (no backward: no gradient reaches it): its
-    projections and the scores of ``keys`` keys (``heads * dim`` multiply-adds each) and
-    their weighting (``keys`` 0 where it selects every key: no scores)."""
+    projections, and where it selects (``keys`` > 0) the scores of ``keys`` keys, ``heads *
+    dim`` multiply-adds each, and their weighting."""
     h, dim = a.index_n_heads, a.index_head_dim
-    return 2 * (params(a) - 2 * dim) + 2 * keys * h * (dim + 1)
+    return 2 * (_indexer_params(a) - 2 * dim) + 2 * keys * h * (dim + 1)
 
 
-def cache_bytes(a, batch_size: int, length: int, nbytes: int) -> int:
-    """One layer's decoding cache of indexer keys, and its cache index."""
-    return batch_size * length * a.index_head_dim * nbytes + 4
+def params(a) -> tuple[int, int]:
+    """Latent attention's, and the indexer's (with the norms: it is not multiplied 6 times a token)."""
+    matmul, other = attention.params(a)
+    return matmul, other + _indexer_params(a)
+
+
+def flops(a, spec, seq_len: int) -> float:
+    """Latent attention's q.k and p.v (dense: the selection is a mask), and the indexer's forward."""
+    keys = seq_len / 2 if a.index_topk < seq_len else 0
+    return attention.flops(a, spec, seq_len) + _indexer_flops(a, keys)
+
+
+def decode_flops(a, spec, context: float) -> float:
+    return attention.decode_flops(a, spec, context) + _indexer_flops(a, context if a.index_topk < context else 0)
+
+
+def activations(cost, spec=None) -> dict:
+    """Latent attention's arrays and, where the indexer selects, the layer's own mask (bool)."""
+    out = attention.activations(cost, spec)
+    if cost.config.arch.index_topk < cost.seq_len:
+        out["index_mask"] = cost.t(cost.seq_len, (ax.BATCH, ax.LENGTH), 1)
+    return out
+
+
+def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
+    """Latent attention's cache, and the indexer's keys with their cache index."""
+    return attention.cache_bytes(a, batch, length, nbytes) + batch * length * a.index_head_dim * nbytes + 4
+
+
+def check(a) -> None:
+    """Latent attention's checks, and the indexer's sizes."""
+    for name in ("index_topk", "index_n_heads", "index_head_dim"):
+        value = getattr(a, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"layer_types has {INDEXED} layers: {name}={value!r} must be an integer >= 1")
+    if not a.latent or not a.q_lora_rank:
+        raise ModelError(f"layer_types has {INDEXED} layers, whose indexer reads latent attention's query latent: "
+                         f"set kv_lora_rank and q_lora_rank (kv_lora_rank={a.kv_lora_rank}, q_lora_rank="
+                         f"{a.q_lora_rank})")
+    attention.check(a)
+    if a.index_head_dim < a.qk_rope_head_dim:
+        raise ModelError(f"index_head_dim={a.index_head_dim} must be at least qk_rope_head_dim="
+                         f"{a.qk_rope_head_dim} (the indexer rotates its first qk_rope_head_dim features)")
+
+
+CONTEXT_PARALLEL = ("none of its own, as latent attention's: under the rules' length sharding GSPMD gathers the "
+                    "keys (and the indexer's) of the row")
+MIXER = Mixer("sparse_attention", (INDEXED,), _apply, params, flops, decode_flops, activations,
+              attention.model_terms, cache_bytes, CONTEXT_PARALLEL, check)

@@ -40,12 +40,17 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, attention
+from shardzoo.models.component import Mixer
 from shardzoo.models.conv_mixer import causal_conv, ring_conv
-from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
+from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw, scaled
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
 
+MAMBA = "mamba"  # its name in layer_types
+# attention and a Mamba2 mixer side by side on one norm, their outputs summed (Falcon-H1, whose
+# transformers config calls every layer "hybrid"): x + attn(norm(x)) + mamba(norm(x)), then the MLP
+ATTENTION_MAMBA = "attention+mamba"
 BLHP = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS, ax.SSM_HEAD_DIM)
 BLGN = (ax.BATCH, ax.LENGTH, ax.SSM_GROUPS, ax.SSM_STATE)
 STATE = (ax.BATCH, ax.SSM_HEADS, ax.SSM_HEAD_DIM, ax.SSM_STATE)
@@ -319,3 +324,99 @@ class Mamba2Mixer(nn.Module):
             y, final = ssd(x, dt, A, B, C, a.mamba_chunk_size, seg, state.value, state_seg.value)
         state.value, state_seg.value = final, seg[:, -1]
         return y
+
+
+# ------------------------------------------------------------------------------ the component
+def _apply(block, h, positions, segment_ids):
+    """The mixer of ``h``, its input and output scaled by the ssm multipliers (Falcon-H1's; 1 elsewhere)."""
+    a = block.config.arch
+    out = Mamba2Mixer(block.config, block.placement, name="mamba")(scaled(h, a.ssm_in_multiplier), segment_ids,
+                                                                   block.decode)
+    return scaled(out, a.ssm_out_multiplier)
+
+
+def params(a) -> tuple[int, int]:
+    """(in_proj (z, x, B, C, dt), out_proj and the convolution's taps over x, B, C; dt_bias, A_log,
+    D, the gated norm, the biases)."""
+    d, inner, gn, h = a.hidden_size, a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
+    matmul = d * (2 * inner + 2 * gn + h) + inner * d + a.mamba_conv_kernel * (inner + 2 * gn)
+    norm = inner * (a.mamba_norm != "none")
+    other = 3 * h + norm + a.mamba_conv_bias * (inner + 2 * gn) + a.mamba_proj_bias * (2 * inner + 2 * gn + h + d)
+    return matmul, other
+
+
+def flops(a, spec, seq_len: int) -> float:
+    """The chunked scan's multiply-adds per token (``ssd``: C.B and the masked product with x over
+    half a chunk on average, and each token's part of its chunk's state in and out), 2 x 3 FLOPs each."""
+    q, h, p, n = a.mamba_chunk_size, a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
+    return 6 * (q / 2 * (a.mamba_n_groups * n + h * p) + 2 * h * p * n)
+
+
+def decode_flops(a, spec, context: float) -> float:
+    """A step's update and read of the state: 2 h p n multiply-adds."""
+    return 2 * (2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size)
+
+
+def activations(cost, spec=None, context: str = "attn_context") -> dict:
+    """in_proj's outputs (z, x, B, C, dt), the convolutions' outputs, and the chunked scan's
+    float32 arrays of [chunk] per head and token (the decays' differences, their exponential, the
+    masked decay, its products with C.B and dt: 6 counting the masks' where), the per-chunk states
+    and the output; then the gated norm's (3 per feature, float32) and the out projection's input
+    (``context``: its name)."""
+    a, t = cost.config.arch, cost.t
+    inner, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
+    q = min(a.mamba_chunk_size, cost.seq_len)
+    blh = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
+    per_chunk_state = h * a.mamba_head_dim * a.ssm_state_size / q  # a chunk's state, per token
+    return {"mamba_in": t(2 * inner + 2 * gn + h, blh), "mamba_conv": t(inner + 2 * gn, blh),
+            "ssm_decay": t(6 * h * q, blh, 4), "ssm_states": t(2 * per_chunk_state, blh, 4),
+            "ssm_out": t(inner, blh), "ssm_norm": t(3 * inner, blh, 4), context: t(inner, blh)}
+
+
+def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
+    """The float32 state, its segment id, and each of three convolutions' last inputs."""
+    h, gn = a.mamba_conv_kernel - 1, a.mamba_n_groups * a.ssm_state_size
+    return batch * (4 * a.mamba_inner * a.ssm_state_size + 4 + h * ((a.mamba_inner + 2 * gn) * nbytes + 3 * 4))
+
+
+def check(a) -> None:
+    for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
+        value = getattr(a, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
+    if not isinstance(a.mamba_conv_kernel, int) or a.mamba_conv_kernel < 2:
+        raise ModelError(f"mamba_conv_kernel={a.mamba_conv_kernel!r} must be an integer >= 2 (the convolution's taps)")
+    if a.mamba_num_heads % a.mamba_n_groups:
+        raise ModelError(f"mamba_n_groups={a.mamba_n_groups} must divide mamba_num_heads={a.mamba_num_heads}")
+    if a.mamba_norm not in ("gated", "before_gate", "none"):
+        raise ModelError(f"mamba_norm={a.mamba_norm!r} is not one of gated, before_gate, none")
+    limit = a.time_step_limit
+    if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
+            or not 0 <= limit[0] <= limit[1]):
+        raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
+
+
+CONTEXT_PARALLEL = ("the scan linear in its initial state: each device scans its chunks from zero, the states passed "
+                    "along the ring's chunks by ppermute (ring_ssd); the convolutions' taps as the short "
+                    "convolution's")
+MIXER = Mixer(MAMBA, (MAMBA,), _apply, params, flops, decode_flops, activations, cache_bytes=cache_bytes,
+              context_parallel=CONTEXT_PARALLEL, check=check)
+
+
+def _both(f, g, combine=lambda x, y: x + y):
+    return lambda *args: combine(f(*args), g(*args))
+
+
+def _both_check(a) -> None:
+    attention.check(a)
+    check(a)
+
+
+# Falcon-H1's layers: attention's arrays and the mixer's beside them (its out projection's input as mamba_context)
+ATTENTION_MAMBA_MIXER = Mixer(
+    ATTENTION_MAMBA, (ATTENTION_MAMBA,), _both(attention.MIXER.apply, _apply),
+    _both(attention.params, params, lambda x, y: (x[0] + y[0], x[1] + y[1])), _both(attention.flops, flops),
+    _both(attention.decode_flops, decode_flops),
+    lambda cost, spec=None: attention.activations(cost) | activations(cost, context="mamba_context"),
+    attention.model_terms, _both(attention.cache_bytes, cache_bytes),
+    f"attention's ({attention.CONTEXT_PARALLEL}) and the mamba mixer's ({CONTEXT_PARALLEL})", _both_check)

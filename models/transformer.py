@@ -20,25 +20,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError, splash
-from shardzoo.models.arch import (
-    ATTENTION_MAMBA,
-    CONV,
-    LINEAR,
-    MAMBA,
-    MOE,
-    NONE,
-    LayerSpec,
-    TransformerArch,
-)
-from shardzoo.models.attention import Attention
+from shardzoo.models.arch import MOE, LayerSpec, TransformerArch
+from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP
 from shardzoo.models.config import ModelConfig
-from shardzoo.models.conv_mixer import ShortConv
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, write_cache
 from shardzoo.models.execution import REMAT_POLICIES, Execution
-from shardzoo.models.layers import MLP, Embed, Linear, constrain, dtype_of, linear_kw, make_norm
+from shardzoo.models.layers import Embed, Linear, constrain, dtype_of, make_norm
 from shardzoo.models.layout import Layout, layout_of
-from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.ring_attention import enter_ring, unzigzag
@@ -192,11 +181,10 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 
 
 class Block(nn.Module):
-    """Residual block: x + attn(norm(x)), then x + mlp(norm(x)) (a "conv" layer mixes tokens
-    by a gated short convolution in attention's place, ``models/conv_mixer.py``; a "mamba" layer by
-    Mamba2's state-space mixer, ``models/ssm.py``; an "attention+mamba" layer by both side by side
-    on the one norm, their outputs summed (Falcon-H1); a layer whose mixer or MLP is "none" has only the
-    other half); with ``norm_position="post"``
+    """Residual block: x + mixer(norm(x)), then x + mlp(norm(x)), the mixer and the MLP the
+    layer's components (``models/components.py``: attention, a short convolution, Gated DeltaNet,
+    Mamba2, ...; a dense or MoE MLP); a layer whose mixer or MLP is "none" has only the
+    other half; with ``norm_position="post"``
     the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
     x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
     norm side by side: x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere). The residual adds
@@ -219,71 +207,23 @@ class Block(nn.Module):
             h = h if scale == 1.0 else h * jnp.asarray(scale, h.dtype)
             return constrain(x + h, BLE, placement)
 
-        def mlp(h):
-            if self.spec.mlp == MOE:
-                from shardzoo.models.moe import MoeMLP  # lazily: the dense models need no moe.py
-
-                token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
-                routed = MoeMLP(self.config.moe_config(), placement, name="moe")(h, self.deterministic, token_mask)
-                return routed + self._shared_expert(h) if a.shared_expert_intermediate_size else routed
-            return MLP(self.config, placement, name="mlp")(h)
-
-        if self.spec.mixer == NONE:  # an MLP layer (Nemotron-H's): x + mlp(norm(x))
-            h = mlp(make_norm(self.config, "mlp_norm")(x) if pre else x)
+        mixer, mlp = MIXERS[self.spec.mixer], MLPS[self.spec.mlp]
+        if mixer is NO_MIXER:  # an MLP layer (Nemotron-H's): x + mlp(norm(x))
+            h = mlp.apply(self, make_norm(self.config, "mlp_norm")(x) if pre else x, segment_ids)
             x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
             return (x, None) if self.scanned else x
         h = make_norm(self.config, "attn_norm")(x) if pre else x
-        mixer = self.spec.mixer
-        if mixer == CONV:  # a gated short convolution in attention's place (LFM2)
-            attn = ShortConv(self.config, placement, name="conv")(h, segment_ids, self.decode)
-        elif mixer == LINEAR:  # Gated DeltaNet in attention's place (Qwen3-Next)
-            attn = GatedDeltaNet(self.config, placement, name="linear_attn")(h, segment_ids, self.decode)
-        elif mixer == MAMBA:  # a Mamba2 state-space mixer (models/ssm.py)
-            attn = self._mamba(h, segment_ids)
-        elif mixer == ATTENTION_MAMBA:  # attention and a mamba mixer side by side (Falcon-H1)
-            attn = self._attention(h, positions, segment_ids) + self._mamba(h, segment_ids)
-        else:
-            attn = self._attention(h, positions, segment_ids)
+        attn = mixer.apply(self, h, positions, segment_ids)  # components.MIXERS: the layer's token mixer
         attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
-        if self.spec.mlp == NONE:  # a mixer-only layer (Mamba2's, Nemotron-H's): x + mixer(norm(x))
+        if mlp is NO_MLP:  # a mixer-only layer (Mamba2's, Nemotron-H's): x + mixer(norm(x))
             x = residual(x, attn)
         elif a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
-            x = residual(x, attn + mlp(h))
+            x = residual(x, attn + mlp.apply(self, h, segment_ids))
         else:
             x = residual(x, attn)
-            h = mlp(make_norm(self.config, "mlp_norm")(x) if pre else x)
+            h = mlp.apply(self, make_norm(self.config, "mlp_norm")(x) if pre else x, segment_ids)
             x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
         return (x, None) if self.scanned else x  # [batch, length, embed]
-
-    def _attention(self, h, positions, segment_ids):
-        """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
-        a = self.config.arch
-        h = _scaled(h, a.attention_in_multiplier)
-        out = Attention(self.config, self.spec, self.placement, name="attn")(h, positions, segment_ids, self.decode)
-        return _scaled(out, a.attention_out_multiplier)
-
-    def _mamba(self, h, segment_ids):
-        """The Mamba2 mixer of ``h`` (models/ssm.py), its input and output scaled by the ssm multipliers."""
-        from shardzoo.models.ssm import Mamba2Mixer
-
-        a = self.config.arch
-        out = Mamba2Mixer(self.config, self.placement, name="mamba")(_scaled(h, a.ssm_in_multiplier), segment_ids,
-                                                                     self.decode)
-        return _scaled(out, a.ssm_out_multiplier)
-
-    def _shared_expert(self, h):
-        """A MoE layer's shared expert: a dense MLP (``mlp_type``'s) every token goes through, scaled by
-        ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
-        a = self.config.arch
-        out = MLP(self.config, self.placement, a.shared_expert_intermediate_size, name="shared_expert")(h)
-        if a.shared_expert_gate:
-            gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(self.config))(h)  # [batch, length]
-            out = out * jax.nn.sigmoid(gate)[..., None].astype(out.dtype)
-        return out  # [batch, length, embed]
-
-
-def _scaled(x, multiplier: float):
-    return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
 
 
 class PeriodBlock(nn.Module):

@@ -42,10 +42,10 @@ from flax import struct, traverse_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.models.attention import check_rope_decoding
 from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
 from shardzoo.models.layers import recording_constraints
 from shardzoo.models.lora import join, split
+from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.mesh import describe_mesh
 from shardzoo.sharding.partition import Placement, activate, replicated, spec_to_sharding
 from shardzoo.sharding.plan import Plan, make_plan

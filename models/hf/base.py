@@ -154,7 +154,7 @@ def is_hf_dir(path) -> bool:
 
 
 # ------------------------------------------------------------- fields several families share
-# those models/attention.py's rope_frequencies computes
+# those models/rope.py's rope_frequencies computes
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # the types whose original_max_position_embeddings transformers defaults to max_position_embeddings
 _ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")

@@ -15,13 +15,13 @@ from __future__ import annotations
 from shardzoo.models.arch import DENSE, MOE
 from shardzoo.models.hf import deepseek_v2, deepseek_v3, llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.sparse_attention import INDEXED
 
 # DeepseekV32Config's fields and defaults (transformers 5.25)
 SCHEMA = {k: v for k, v in deepseek_v3.SCHEMA.items() if k not in ("rope_interleave", "num_nextn_predict_layers")} | dict(
     max_position_embeddings=163840, mlp_layer_types=None, layer_types=None, index_topk=2048, index_head_dim=128,
     index_n_heads=64, mlp_bias=False, head_dim=64)
-FEATURES = deepseek_v3.FEATURES | {"sparse_attention"}
-INDEXED = "indexed_attention"  # transformers' layer_types of a DSA layer
+FEATURES = deepseek_v3.FEATURES | {"sparse_attention", "layer_pattern"}  # its layer_types: indexed_attention
 KINDS = {"dense": DENSE, "sparse": MOE}
 
 
@@ -32,7 +32,7 @@ def indexer_fields(hf: HFConfig) -> dict:
     if types is not None and (len(types) != n or set(types) != {INDEXED}):
         raise hf.refuse("layer_types", f"every layer of {hf.family.name} is {INDEXED!r}")
     out = dict(index_topk=hf.get("index_topk"), index_n_heads=hf.get("index_n_heads"),
-               index_head_dim=hf.get("index_head_dim"))
+               index_head_dim=hf.get("index_head_dim"), layer_types=(INDEXED,) * n)
     mlps = hf.get("mlp_layer_types")
     if mlps is not None:
         if len(mlps) != n or not set(mlps) <= set(KINDS):
@@ -46,7 +46,7 @@ def indexer_fields(hf: HFConfig) -> dict:
 def indexer_to_hf(a) -> dict:
     kinds = {v: k for k, v in KINDS.items()}
     return dict(index_topk=a.index_topk, index_n_heads=a.index_n_heads, index_head_dim=a.index_head_dim,
-                mlp_layer_types=[kinds[s.mlp] for s in a.layer_specs()])
+                mlp_layer_types=[kinds[s.mlp] for s in a.layer_specs()], layer_types=list(a.layer_types))
 
 
 def from_hf(hf: HFConfig) -> dict:
@@ -73,9 +73,10 @@ def layer_weights(a, spec) -> list[Weight]:
 
 # deepseek-ai/DeepSeek-V3.2/config.json: DeepSeek-V3's sizes (61 layers, the first 3 dense, 256
 # experts top-8 in 8 groups), an indexer of 64 heads of 128 keeping 2048 keys.
-V32 = deepseek_v3.V3 | dict(index_topk=2048, index_n_heads=64, index_head_dim=128)
+V32 = deepseek_v3.V3 | dict(index_topk=2048, index_n_heads=64, index_head_dim=128, layer_types=(INDEXED,) * 61)
 # a dense layer, then two MoE layers (scanned); a query latent; an indexer of 4 heads keeping 6 keys
-TINY = deepseek_v3.TINY | dict(q_lora_rank=24, index_topk=6, index_n_heads=4, index_head_dim=16)
+TINY = deepseek_v3.TINY | dict(q_lora_rank=24, index_topk=6, index_n_heads=4, index_head_dim=16,
+                              layer_types=(INDEXED,) * 3)
 DEEPSEEK_V32 = Family(
     "deepseek_v32", ("deepseek_v32",), "DeepseekV32ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights, execution=mixtral.HF_MOE,

@@ -56,7 +56,8 @@ GLM5 = dict(
     num_experts_per_tok=8, moe_intermediate_size=2048, shared_expert_intermediate_size=2048,
     router_kind="sigmoid_groups", n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
     router_aux_loss_coef=0.0, mlp_layer_types=("dense",) * 3 + ("moe",) * 75, bos_token_id=0, eos_token_id=1,
-    router_z_loss_coef=0.0, index_topk=2048, index_n_heads=32, index_head_dim=128, indexer_rope_interleaved=True)
+    router_z_loss_coef=0.0, index_topk=2048, index_n_heads=32, index_head_dim=128, indexer_rope_interleaved=True,
+    layer_types=(deepseek_v32.INDEXED,) * 78)
 TINY = deepseek_v32.TINY | dict(indexer_rope_interleaved=True, n_group=1, topk_group=1)
 GLM_MOE_DSA = Family(
     "glm_moe_dsa", ("glm_moe_dsa",), "GlmMoeDsaForCausalLM", SCHEMA, deepseek_v32.FEATURES, from_hf, to_hf,

@@ -194,7 +194,7 @@ def test_scouts_llama3_rope_without_a_band_equals_transformers():
     by zero; the inverse frequencies equal transformers' (float32, 1e-7)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from shardzoo.models.attention import rope_inv_freq
+    from shardzoo.models.rope import rope_inv_freq
 
     with np.errstate(all="raise"):
         ours = rope_inv_freq(PRESETS["llama-4-scout-17b-16e"].arch)

@@ -21,8 +21,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from shardzoo.errors import UserError
 from shardzoo.models import ModelError, get_config
 from shardzoo.models.arch import TransformerArch
-from shardzoo.models.attention import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.models.rope import rope_attention_factor, rope_frequencies, rope_inv_freq
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.hf_io import generate_text, load_hf
 from shardzoo.train.program import Program

@@ -12,11 +12,11 @@ import pytest
 from flax import linen as nn
 
 from shardzoo.models import ModelError, get_config, get_model, list_models
-from shardzoo.models.attention import apply_rope, rope_inv_freq
 from shardzoo.models.costs import buffers
 from shardzoo.models.execution import REMAT_POLICIES
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.models.layers import swiglu
+from shardzoo.models.rope import apply_rope, rope_inv_freq
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_abstract_mesh
 from shardzoo.sharding.partition import logical_shardings

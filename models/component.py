@@ -1,0 +1,62 @@
+"""The records of a layer's components, ``Mixer`` and ``Mlp``: what the model asks of a token
+mixer and of an MLP kind (``models/components.py`` holds the tables and says how to add one)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+Terms = dict  # {term name: bytes per device} of one layer (models/costs.py)
+
+
+def _nothing(*_args) -> float:
+    return 0
+
+
+def _no_terms(*_args) -> dict:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    """What the model asks of a token mixer. ``a`` is the architecture record (``TransformerArch``),
+    ``spec`` the layer's ``LayerSpec``, ``block`` the ``transformer.Block`` being built (its config,
+    spec, placement and decode flag), ``cost`` a ``costs.LayerCost`` (the config, the sequence
+    length, the execution's attention kernel and ring, and ``t``: bytes of one activation)."""
+
+    name: str
+    # the names of ``arch.layer_types`` that select this mixer (attention: full, sliding, chunked)
+    layer_types: tuple[str, ...]
+    # (block, h, positions, segment_ids) -> [batch, length, embed]: the mixer of the normed input,
+    # its flax module(s) created under the block (their names are the checkpoint's paths)
+    apply: Callable
+    # (a) -> (matmul parameters, multiplied once per token; the other parameters: norms, biases, scalars)
+    params: Callable
+    # (a, spec, seq_len) -> training FLOPs per token beyond 6 x the matmul parameters (attention's q.k and p.v)
+    flops: Callable = _nothing
+    # (a, spec, context) -> FLOPs of one generated token beyond 2 x the matmul parameters
+    decode_flops: Callable = _nothing
+    # (cost, spec) -> Terms: the arrays one layer's mixer keeps for the backward pass (models/costs.py's doc)
+    activations: Callable = _no_terms
+    # (cost) -> Terms kept once per model when some layer has this mixer (attention's mask)
+    model_terms: Callable | None = None
+    # (a, batch, length, nbytes) -> bytes of one layer's decoding cache; None: it keeps none
+    cache_bytes: Callable | None = None
+    # how it runs when the rules shard the length (context parallelism), or why it cannot
+    context_parallel: str = ""
+    # (a) -> None, or a ModelError naming the field: run when some layer has this mixer
+    check: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mlp:
+    """What the model asks of an MLP kind (``Mixer``'s names)."""
+
+    name: str
+    # (block, h, segment_ids) -> [batch, length, embed]
+    apply: Callable
+    # (a, active) -> (matmul parameters (``active``: the top-k experts only), other parameters)
+    params: Callable
+    # (cost) -> Terms of one layer's MLP
+    activations: Callable = _no_terms
+    check: Callable | None = None
