@@ -1,5 +1,7 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks, for each query of
-latent attention, the ``index_topk`` keys it attends.
+latent attention, the ``index_topk`` keys it attends. A token mixer (``MIXER``, the
+"indexed_attention" layers of ``layer_types``; ``models/components.py``): ``IndexedAttention`` is
+latent attention (``models/attention.py``) whose ``select_keys`` runs the indexer.
 
 The indexer has its own small projections: ``index_n_heads`` query heads of ``index_head_dim``
 from the query latent (``wq_b``), one key of ``index_head_dim`` per token (``wk``, LayerNorm'd:
@@ -9,7 +11,8 @@ from the query latent (``wq_b``), one key of ``index_head_dim`` per token (``wk`
 ``sum_h w[h] / sqrt(heads) * relu(q[h] . k / sqrt(index_head_dim))``, float32, over the keys the
 attention's mask allows; each query keeps the keys whose score reaches its ``index_topk``-th
 (``top_k_mask``: keys tied with it are all kept, transformers keeps an arbitrary few of them).
-Training and scoring: over the whole row, the mask folded into latent attention's. Decoding: the
+Training and scoring: over the whole row, the mask folded into latent attention's (which still
+computes every key: the selection changes the numbers, not yet the cost). Decoding: the
 indexer's keys are cached beside the latent (``cached_index_key`` [batch, cache_length,
 index_head_dim], with its own ``cache_index``) and a new token scores the whole cache. Where a
 row has at most ``index_topk`` keys the indexer selects them all and nothing is scored.
