@@ -3,8 +3,8 @@ indexer beside latent attention keeping each query's ``index_topk`` keys (V3.2 r
 indexer's halves, GLM-5 its interleaved pairs), over DeepSeek-V3's MoE.
 
 Tiny random HF models (16 indexer heads, so that no two keys tie at a row's k-th score; keeping
-5 of up to 16 keys): logits equal transformers' on one device (both), under fsdp_tp and ep on 8
-devices (V3.2: the mechanism's sharded checks, once); decoding from the latent and indexer caches
+5 of up to 16 keys): logits equal transformers' on one device (both), under fsdp_tp, ep and cp on
+8 devices (V3.2: the mechanism's sharded checks, once); decoding from the latent and indexer caches
 equals the full forward; greedy tokens over 16 equal transformers'; export then
 ``from_pretrained`` equal; with every key selected transformers and shardzoo both give other
 logits. The plan within 15% of the compiled step. Tolerance: 1e-4 on float32 logits.
@@ -101,9 +101,10 @@ def test_logits_match_on_one_device(built):
 
 
 @pytest.mark.parametrize("built", ["deepseek_v32"], indirect=True)
-def test_logits_match_under_fsdp_tp_and_ep_on_8_devices(built):
+def test_logits_match_under_fsdp_tp_ep_and_cp_on_8_devices(built):
     """The indexer's heads split over tensor (its scores summed across them), its projections over
-    fsdp; then the experts over expert=4."""
+    fsdp; the experts over expert=4; the row over context=4 (its tokens in the ring's zig-zag
+    order, which neither the mask by position nor the selection depends on)."""
     _, path, _, ref = built
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
@@ -115,6 +116,11 @@ def test_logits_match_under_fsdp_tp_and_ep_on_8_devices(built):
     module, _, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=E / K)
     got, _ = apply_mutable(module, params, mesh, ["metrics"])
     print(f"ep max |logit diff| {np.abs(got - ref).max():.2e}")
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    mesh = make_mesh("data=2,context=4")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("cp"))
+    got = apply(module, params, mesh)
+    print(f"cp max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
 
