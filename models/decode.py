@@ -64,16 +64,15 @@ def unrolled_params(layout, params):
 def cache_writes(old, new, length: int):
     """What one layer's decoding call of ``length`` tokens wrote into its cache ``old`` (``new``:
     the cache after it): of an attention cache (a subtree with ``cache_index``) the ``length``
-    new positions of each [batch, cache_length, ...] array, at the old index, and the new index
-    (a subtree in it, as the sparse-attention indexer's cache, alike);
+    new positions of each [batch, cache_length, ...] array, at the old index, and the new index;
     every other state (convolutions', recurrences') whole. The layer scan emits these."""
     if not isinstance(new, dict):
         return new
     if "cache_index" not in new:
         return {k: cache_writes(old[k], v, length) for k, v in new.items()}
     i = old["cache_index"]
-    return {k: v if k == "cache_index" else cache_writes(old[k], v, length) if isinstance(v, dict)
-            else jax.lax.dynamic_slice_in_dim(v, i, length, axis=1) for k, v in new.items()}
+    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=1)
+            for k, v in new.items()}
 
 
 def write_cache(cache, writes):
@@ -85,8 +84,8 @@ def write_cache(cache, writes):
     if "cache_index" not in writes:
         return {k: write_cache(cache[k], v) for k, v in writes.items()}
     i = cache["cache_index"][0]
-    return {k: v if k == "cache_index" else write_cache(cache[k], v) if isinstance(v, dict)
-            else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=2) for k, v in writes.items()}
+    return {k: v if k == "cache_index" else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=2)
+            for k, v in writes.items()}
 
 
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):

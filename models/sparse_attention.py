@@ -14,7 +14,7 @@ attention's mask allows; each query keeps the keys whose score reaches its ``ind
 Training and scoring: over the whole row, the mask folded into latent attention's (which still
 computes every key: the selection changes the numbers, not yet the cost). Decoding: the
 indexer's keys are cached beside the latent (``cached_index_key`` [batch, cache_length,
-index_head_dim], with its own ``cache_index``) and a new token scores the whole cache. Where a
+index_head_dim], at the latent cache's index) and a new token scores the whole cache. Where a
 row has at most ``index_topk`` keys the indexer selects them all and nothing is scored.
 
 No gradient reaches the indexer through the selection (transformers runs it under no_grad;
@@ -57,16 +57,15 @@ def index_scores(q, k, w):
 
 
 class LightningIndexer(nn.Module):
-    """The indexer of one latent-attention layer: ``(x, cq, positions, mask, decode)`` -> ``mask``
-    narrowed to each query's ``index_topk`` keys. x: [batch, length, embed]; cq: the normed
-    query latent [batch, length, q_lora]; mask: bool [batch, 1, q_len, k_len] (the cache's
-    length when decoding)."""
+    """The indexer's projections of one latent-attention layer: ``(x, cq, positions)`` -> (q
+    [batch, length, heads, head_dim] with its 1/sqrt(head_dim), k [batch, length, head_dim], w
+    [batch, length, heads] with its 1/sqrt(heads)). x: the layer's input; cq: the normed query latent."""
 
     config: object
     placement: object = None
 
     @nn.compact
-    def __call__(self, x, cq, positions, mask, decode: bool = False):
+    def __call__(self, x, cq, positions):
         a, e = self.config.arch, self.config.execution
         heads, dim = a.index_n_heads, a.index_head_dim
         kw = linear_kw(self.config)
@@ -76,33 +75,29 @@ class LightningIndexer(nn.Module):
         w = Linear((heads,), (ax.EMBED, ax.HEADS), name="weights_proj", **kw)(x)  # [batch, length, heads]
         inv_freq, factor = rope_frequencies(a, positions)
         turn = a.indexer_rope_interleaved
-        q = apply_rope(q, positions, inv_freq, factor, turn)  # [batch, length, heads, head_dim]
+        q = apply_rope(q, positions, inv_freq, factor, turn) * jnp.asarray(dim**-0.5, q.dtype)
         k = apply_rope(k[:, :, None], positions, inv_freq, factor, turn)[:, :, 0]
-        if decode:
-            k = self._cached_keys(k)  # [batch, cache_length, head_dim]
-        if a.index_topk >= mask.shape[-1]:  # every key selected
-            return mask
-        q = constrain(q * jnp.asarray(dim**-0.5, q.dtype), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM),
-                      self.placement)
-        scores = index_scores(q, k, w * jnp.asarray(heads**-0.5, w.dtype))
-        keep = top_k_mask(jax.lax.stop_gradient(scores), mask[:, 0], a.index_topk)
-        return mask & keep[:, None]  # [batch, 1, q_len, k_len]
-
-    def _cached_keys(self, k):
-        """Write this chunk's keys at the cache index; the whole cache of keys."""
-        cached = self.variable("cache", "cached_index_key", nn.with_logical_partitioning(jnp.zeros, KEY_AXES),
-                               k.shape, k.dtype)
-        index = self.variable("cache", "cache_index", nn.with_logical_partitioning(jnp.zeros, ()), (), jnp.int32)
-        cached.value = jax.lax.dynamic_update_slice(cached.value, k, (0, index.value, 0))
-        index.value = index.value + k.shape[1]
-        return cached.value
+        q = constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), self.placement)
+        return q, k, w * jnp.asarray(heads**-0.5, w.dtype)
 
 
 class IndexedAttention(Attention):
     """Latent attention (``models/attention.py``) whose queries see their indexer's top-k keys."""
 
     def select_keys(self, x, cq, positions, mask, decode):
-        return LightningIndexer(self.config, self.placement, name="indexer")(x, cq, positions, mask, decode)
+        """``mask`` narrowed to each query's ``index_topk`` keys; when decoding, the indexer's keys
+        cached beside the latent (``cached_index_key``, at the latent cache's index)."""
+        a = self.config.arch
+        q, k, w = LightningIndexer(self.config, self.placement, name="indexer")(x, cq, positions)
+        if decode:  # the latent cache's index has passed this chunk already
+            cached = self._cached("cached_index_key", k.shape, KEY_AXES, k.dtype)
+            start = nn.unbox(self.get_variable("cache", "cache_index")) - k.shape[1]
+            cached.value = jax.lax.dynamic_update_slice(cached.value, k, (0, start, 0))
+            k = cached.value  # [batch, cache_length, head_dim]
+        if a.index_topk >= mask.shape[-1]:  # every key selected
+            return mask
+        keep = top_k_mask(jax.lax.stop_gradient(index_scores(q, k, w)), mask[:, 0], a.index_topk)
+        return mask & keep[:, None]  # [batch, 1, q_len, k_len]
 
 
 # ------------------------------------------------------------------------ what the rest asks
@@ -150,8 +145,8 @@ def activations(cost, spec=None) -> dict:
 
 
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
-    """Latent attention's cache, and the indexer's keys with their cache index."""
-    return attention.cache_bytes(a, batch, length, nbytes) + batch * length * a.index_head_dim * nbytes + 4
+    """Latent attention's cache, and the indexer's keys."""
+    return attention.cache_bytes(a, batch, length, nbytes) + batch * length * a.index_head_dim * nbytes
 
 
 def check(a) -> None:

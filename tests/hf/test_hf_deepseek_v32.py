@@ -154,9 +154,10 @@ def test_decoding_from_the_latent_and_indexer_caches_equals_the_full_forward(bui
     module, _, params = load_hf(path, mesh=one, rules=get_rules("fsdp"))
     full = apply(module, params, one)
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
-    indexer = cache["layers"]["attn"]["indexer"]
-    assert sorted(indexer) == ["cache_index", "cached_index_key"]
-    assert indexer["cached_index_key"].value.shape == (2, 4, 16, 16)  # [layers, batch, cache_length, head_dim]
+    attn = cache["layers"]["attn"]
+    assert sorted(attn) == ["cache_index", "cached_index_key", "cached_latent", "cached_rope_key",
+                            "cached_segment_ids"]
+    assert attn["cached_index_key"].value.shape == (2, 4, 16, 16)  # [layers, batch, cache_length, head_dim]
     got = decoded(module, params, cache, TOKENS, prefill=7)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
