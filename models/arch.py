@@ -10,6 +10,9 @@ Layer patterns are data: ``layer_types`` gives each layer's attention kind (Hugg
 names), ``mlp_layer_types`` each layer's MLP kind, ``rope_layers`` which layers rotate (the
 others have no positions: NoPE); ``layer_specs()`` turns them into one ``LayerSpec`` per layer,
 from which the model builds its blocks and ``models/layout.py`` its scan.
+A mechanism's settings are a sub-record owned by its component (``models/components.py``
+``RECORDS``: ``conv``, ``linear_attention``, ``multipliers``, ``attn_temperature_tuning``, ...), a
+field that is None where no layer uses it; ``arch_of`` and ``nest`` read their flat names.
 A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
 uniform pattern None, MoE settings of a dense model their defaults), so two families that read
 the same model agree, and export can compare.
@@ -22,12 +25,11 @@ import math
 
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.attention import CHUNKED, FULL, SLIDING
-from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE
-from shardzoo.models.conv_mixer import CONV
+from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE, RECORDS
+from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' names, which the families import from here)
 from shardzoo.models.features import feature
-from shardzoo.models.layers import DENSE
-from shardzoo.models.linear_attention import LINEAR
-from shardzoo.models.linear_attention import SIZES as _LINEAR_FIELDS
+from shardzoo.models.layers import DENSE, positive
+from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe import MOE
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA
@@ -63,13 +65,10 @@ def _scaling_feature(value):
     return None if value is None else f"rope_scaling:{dict(value).get('rope_type')}"
 
 
-def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
 @dataclasses.dataclass(frozen=True)
-class TransformerArch:
-    """A decoder LM's architecture; names and defaults follow Hugging Face (``LlamaConfig``)."""
+class ArchCore:
+    """A decoder LM's architecture, but for its sub-records (``TransformerArch`` below); names and
+    defaults follow Hugging Face (``LlamaConfig``)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -96,11 +95,6 @@ class TransformerArch:
     rope_local_base_freq: float | None = feature(None, "local_rope")  # sliding layers' base, unscaled
     rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
     rope_interleaved: bool = feature(False, "rope_interleaved")  # turn pairs (2i, 2i+1), not halves
-    # Llama 4's attention temperature on the NoPE layers: queries at position p times
-    # 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
-    attn_temperature_tuning: bool = feature(False, "attention_temperature")
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
     # norms
     norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
                                          "layernorm": "layernorm", "layernorm_no_bias": "layernorm_no_bias"})
@@ -173,11 +167,6 @@ class TransformerArch:
     # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
-    # gated short convolutions (LFM2's "conv" layers of layer_types): in_proj to B, C, x (each
-    # hidden_size wide), y = C * conv(B * x), a causal depthwise convolution of conv_kernel taps
-    # (LFM2's conv_L_cache), then out_proj; conv_bias: biases on in_proj, the conv and out_proj
-    conv_kernel: int | None = feature(None, "short_conv")  # None: no conv layers
-    conv_bias: bool = feature(False, "conv_bias")
     # Mamba2 mixers (the "mamba" layers of layer_types, models/ssm.py): in_proj to z, x (heads x
     # head_dim each), B, C (n_groups x ssm_state_size each) and dt (heads); x, B, C through a
     # causal depthwise conv of mamba_conv_kernel taps (with bias: mamba_conv_bias) and SiLU; the
@@ -195,26 +184,6 @@ class TransformerArch:
     # the mixer's output gate and norm: "gated" RMSNorm(y * silu(z)) (Mamba2's), "before_gate"
     # RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
     mamba_norm: str = feature("gated", {"before_gate": "mamba_norm_before_gate", "none": "mamba_no_norm"})
-    # Falcon-H1's muP multipliers (1: none): the attention's input and output, its keys (the k
-    # projection's output), the mamba mixer's input and output, its in_proj outputs z, x, B, C, dt
-    # (ssm_multipliers), the MLP's gate projection and its output (mlp_multipliers: gate, down)
-    key_multiplier: float = feature(1.0, "mup_multipliers")
-    attention_in_multiplier: float = feature(1.0, "mup_multipliers")
-    attention_out_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_in_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_out_multiplier: float = feature(1.0, "mup_multipliers")
-    ssm_multipliers: tuple[float, ...] = feature((1.0,) * 5, "mup_multipliers")
-    mlp_multipliers: tuple[float, float] = feature((1.0, 1.0), "mup_multipliers")
-    # Gated DeltaNet (Qwen3-Next's "linear_attention" layers of layer_types; models/linear_attention.py):
-    # q, k (linear_num_key_heads x linear_key_head_dim), v, z (linear_num_value_heads x
-    # linear_value_head_dim), per value head b and a; a causal depthwise convolution of
-    # linear_conv_kernel_dim taps on q|k|v then SiLU; the gated delta rule with decay
-    # exp(-exp(A_log) softplus(a + dt_bias)) and rate sigmoid(b); RMSNorm(out) * silu(z); out_proj
-    linear_num_value_heads: int | None = feature(None, "gated_deltanet")  # None: no linear-attention layers
-    linear_num_key_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
     # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
@@ -236,8 +205,9 @@ class TransformerArch:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit",
-                     "ssm_multipliers", "mlp_multipliers"):
+        for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
+            set_(record.NAME, record.of(getattr(self, record.NAME)))
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -255,16 +225,10 @@ class TransformerArch:
         if self.attention_multiplier == (self.query_pre_attn_scalar or self.head_size) ** -0.5:
             set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
-        if not self.has_conv_layers:  # no conv layers, no convolution
-            set_("conv_kernel", None)
-            set_("conv_bias", False)
         if not self.has_mamba_layers:  # no mamba layers, no mamba settings
             for f in dataclasses.fields(self):
                 if f.name in _MAMBA_FIELDS:
                     set_(f.name, f.default)
-        if not self.has_linear_layers:  # no linear-attention layers, no Gated DeltaNet sizes
-            for name in _LINEAR_FIELDS:
-                set_(name, None)
         if types is not None and len(set(types)) == 1 and MIXER_OF_LAYER_TYPE[types[0]] == ATTENTION:
             if types[0] != SLIDING:
                 set_("sliding_window", None)
@@ -288,11 +252,6 @@ class TransformerArch:
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
             set_("rope_interleaved", False)
-        if not any(s.rope == "none" for s in self.layer_specs()):
-            set_("attn_temperature_tuning", False)  # no NoPE layer to tune
-        if not self.attn_temperature_tuning:
-            set_("floor_scale", 8192.0)
-            set_("attn_scale", 0.1)
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS and not (f.name == "mlp_layer_types" and NONE in (self.mlp_layer_types or ())):
@@ -329,21 +288,18 @@ class TransformerArch:
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
                       "max_position_embeddings", "sliding_window", "moe_intermediate_size",
-                      "attention_chunk_size", "conv_kernel"))
-        if not _positive(self.floor_scale) or not (math.isfinite(self.attn_scale) and self.attn_scale >= 0):
-            raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
-                             f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
+                      "attention_chunk_size"))
         if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
-                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale", *_MUP_SCALARS):
-            if not _positive(getattr(self, name)):
+                     "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
+            if not positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "rope_local_base_freq", "attention_multiplier", "swiglu_limit"):
             value = getattr(self, name)
-            if value is not None and not _positive(value):
+            if value is not None and not positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
         if self.parallel_residual and self.norm_position != "pre":
             raise ModelError(f"parallel_residual (x + attn(norm(x)) + mlp(norm(x))) has one norm before "
@@ -376,10 +332,13 @@ class TransformerArch:
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         self._check_layers()
+        self._place_records()
         for mixer in sorted({spec.mixer for spec in self.layer_specs()}):  # each mixer's own checks
             if MIXERS[mixer].check is not None:
                 MIXERS[mixer].check(self)
-        self._check_multipliers()
+        for record in RECORDS.values():
+            if getattr(self, record.NAME) is not None:
+                getattr(self, record.NAME).check(self)
         if self.layer_types is not None and CHUNKED in self.layer_types and not self.attention_chunk_size:
             raise ModelError(f"layer_types has {CHUNKED} layers but attention_chunk_size is not set")
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
@@ -404,16 +363,18 @@ class TransformerArch:
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
 
-    def _check_multipliers(self) -> None:
-        for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or len(value) != n or not all(map(_positive, value)):
-                raise ModelError(f"{name}={value!r} must be {n} finite numbers > 0")
-        if self.mlp_type == "plain" and self.mlp_multipliers[0] != 1.0:
-            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)}: a plain MLP has no gate to scale")
-        if self.num_local_experts and self.mlp_multipliers != (1.0, 1.0):
-            raise ModelError(f"mlp_multipliers={list(self.mlp_multipliers)} scale dense MLPs only; "
-                             f"num_local_experts={self.num_local_experts}")
+    def _place_records(self) -> None:
+        """Each sub-record where a layer uses it (``SubRecord``): an owned one exactly where a layer
+        has its owner (its defaults if none was given), another where it is used, else None."""
+        specs = self.layer_specs()
+        kinds = {s.mixer for s in specs} | {s.mlp for s in specs}
+        for record in RECORDS.values():
+            value = getattr(self, record.NAME)
+            if record.OWNERS:
+                value = (value or record()) if kinds & set(record.OWNERS) else None
+            elif value is not None and not value.used(self):
+                value = None
+            object.__setattr__(self, record.NAME, value)
 
     def _check_layers(self) -> None:
         types, mlps = self.layer_types or (), self.mlp_layer_types or ()
@@ -431,7 +392,7 @@ class TransformerArch:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"{name}={value!r} must be an integer >= 1")
-        if not _positive(self.routed_scaling_factor):
+        if not positive(self.routed_scaling_factor):
             raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
         e, g = self.num_local_experts, self.n_group
         if not e or self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):
@@ -487,10 +448,6 @@ class TransformerArch:
         return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
 
     @property
-    def has_conv_layers(self) -> bool:
-        return self.layer_types is not None and CONV in self.layer_types
-
-    @property
     def has_mamba_layers(self) -> bool:
         """Layers with a mamba mixer (alone or beside attention)."""
         return self.layer_types is not None and (MAMBA in self.layer_types or ATTENTION_MAMBA in self.layer_types)
@@ -499,10 +456,6 @@ class TransformerArch:
     def mamba_inner(self) -> int:
         """Features of a mamba layer's x (and z): heads x head_dim."""
         return self.mamba_num_heads * self.mamba_head_dim
-
-    @property
-    def has_linear_layers(self) -> bool:
-        return self.layer_types is not None and LINEAR in self.layer_types
 
     @property
     def has_chunked_layers(self) -> bool:
@@ -551,6 +504,43 @@ class TransformerArch:
         return tuple(out)
 
 
+def _record_feature(record):
+    return lambda value: None if value is None else record.FEATURE
+
+
+# The architecture record: the core fields, then one field per sub-record of the components'
+# tables (models/components.py RECORDS), None where no layer uses it: a new component's settings
+# are its own record, named in its table line, not fields here.
+TransformerArch = dataclasses.make_dataclass(
+    "TransformerArch", [(name, record | None, feature(None, _record_feature(record))) for name, record in RECORDS.items()],
+    bases=(ArchCore,), frozen=True,
+    namespace={"__module__": __name__, "__doc__": ArchCore.__doc__.replace(", but for its sub-records (``TransformerArch`` below)", "")})
+
+
+def nest(fields: dict, current=None) -> dict:
+    """``fields`` with the flat names of sub-record fields (``SubRecord.FLAT``: older checkpoints,
+    ``--override``, the families' mappings) gathered into their records, onto ``current``'s
+    (the architecture being replaced) where given; a record switched off (None, false) takes none."""
+    out = dict(fields)
+    for record in RECORDS.values():
+        mine = {record.FLAT[k]: out.pop(k) for k in list(out) if k in record.FLAT}
+        if not mine:
+            continue
+        if record.NAME in out:
+            base = record.of(out[record.NAME])
+            if base is None:
+                continue
+        else:
+            base = record.of(getattr(current, record.NAME, None))
+        out[record.NAME] = dataclasses.replace(base or record(), **mine)
+    return out
+
+
+def arch_of(**fields):
+    """A ``TransformerArch`` of fields by name, the sub-records' by their flat names too (``nest``)."""
+    return TransformerArch(**nest(fields))
+
+
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
                "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
                "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
@@ -558,10 +548,7 @@ _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types"
 
 
 _MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",
-                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "mamba_norm",
-                 "ssm_in_multiplier", "ssm_out_multiplier", "ssm_multipliers")
-_MUP_SCALARS = ("key_multiplier", "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
-                "ssm_out_multiplier")
+                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "mamba_norm")
 
 
 def _rope_scaling(value, pairs: int):
@@ -586,15 +573,15 @@ def _rope_scaling(value, pairs: int):
     for key in ROPE_SCALING[kind]:
         if key.endswith("_factor") and kind == "longrope":
             factors = scaling.get(key)
-            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(_positive, factors)):
+            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(positive, factors)):
                 raise ModelError(f"rope_scaling of rope_type 'longrope' needs {key}: a list of {pairs} numbers "
                                  f"> 0 (one per rotated pair of head_dim), got {factors!r}")
             scaling[key] = tuple(factors)
-        elif not _positive(scaling.get(key)):
+        elif not positive(scaling.get(key)):
             raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
     for key in ROPE_SCALING_OPTIONAL.get(kind, ()):
         value = scaling.get(key)
-        if value is not None and not (_positive(value) or (key.startswith("mscale") and value == 0)):
+        if value is not None and not (positive(value) or (key.startswith("mscale") and value == 0)):
             raise ModelError(f"rope_scaling of rope_type {kind!r}: {key}={value!r} must be a number > 0 "
                              "(or null: transformers' default)")
     if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):

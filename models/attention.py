@@ -10,14 +10,19 @@ scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; m
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, check_fields, splash
-from shardzoo.models.component import Mixer
+from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.layers import (
+    NO_MULTIPLIERS,
     Linear,
     RMSNorm,
     constrain,
@@ -25,6 +30,7 @@ from shardzoo.models.layers import (
     fused,
     linear_kw,
     make_norm,
+    positive,
     scaled,
 )
 from shardzoo.models.ring_attention import ring_attention
@@ -62,6 +68,29 @@ def l2_norm(x, eps: float):
     ``Llama4TextL2Norm``). x: [batch, length, heads, head_dim]."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TemperatureTuning(SubRecord):
+    """Llama 4's attention temperature on the NoPE layers (``attn_temperature_tuning``): queries at
+    position p times 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)); dropped where every
+    layer rotates."""
+
+    NAME: ClassVar[str] = "attn_temperature_tuning"
+    FEATURE: ClassVar[str] = "attention_temperature"
+    FLAT: ClassVar[dict[str, str]] = {"floor_scale": "floor_scale", "attn_scale": "attn_scale"}
+
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+    def __post_init__(self):
+        if not positive(self.floor_scale) or not (isinstance(self.attn_scale, (int, float))
+                                                  and math.isfinite(self.attn_scale) and self.attn_scale >= 0):
+            raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
+                             f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
+
+    def used(self, arch) -> bool:
+        return any(s.rope == "none" for s in arch.layer_specs())
 
 
 def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
@@ -164,8 +193,7 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        if a.key_multiplier != 1.0:  # Falcon-H1: the k projection's output (bias included) scaled
-            k = k * jnp.asarray(a.key_multiplier, k.dtype)
+        k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if spec.rope != "none":
@@ -177,7 +205,8 @@ class Attention(nn.Module):
         if a.qk_norm == "l2" and spec.rope != "none":  # Llama 4: rotary layers only
             q, k = l2_norm(q, a.rms_norm_eps), l2_norm(k, a.rms_norm_eps)
         if a.attn_temperature_tuning and spec.rope == "none":
-            q = temperature_tuned(q, positions, a.floor_scale, a.attn_scale)
+            q = temperature_tuned(q, positions, a.attn_temperature_tuning.floor_scale,
+                                  a.attn_temperature_tuning.attn_scale)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
@@ -340,10 +369,10 @@ class Attention(nn.Module):
 # ------------------------------------------------------------------------------ the component
 def _apply(block, h, positions, segment_ids):
     """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
-    a = block.config.arch
+    m = block.config.arch.multipliers or NO_MULTIPLIERS
     out = Attention(block.config, block.spec, block.placement, name="attn")(
-        scaled(h, a.attention_in_multiplier), positions, segment_ids, block.decode)
-    return scaled(out, a.attention_out_multiplier)
+        scaled(h, m.attention_in), positions, segment_ids, block.decode)
+    return scaled(out, m.attention_out)
 
 
 def _latent_params(a) -> int:
@@ -465,4 +494,4 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
                     "the ring's shards as its own (models/splash.py)")
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
-    cache_bytes, CONTEXT_PARALLEL, check)
+    cache_bytes, CONTEXT_PARALLEL, check, (TemperatureTuning,))

@@ -1,10 +1,15 @@
 """The records of a layer's components, ``Mixer`` and ``Mlp``: what the model asks of a token
-mixer and of an MLP kind (``models/components.py`` holds the tables and says how to add one)."""
+mixer and of an MLP kind (``models/components.py`` holds the tables and says how to add one);
+and ``SubRecord``, the base of the architecture's sub-records, each owned by the component that
+reads it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
+
+from shardzoo.models import ModelError
 
 Terms = dict  # {term name: bytes per device} of one layer (models/costs.py)
 
@@ -46,6 +51,8 @@ class Mixer:
     context_parallel: str = ""
     # (a) -> None, or a ModelError naming the field: run when some layer has this mixer
     check: Callable | None = None
+    # the architecture's sub-records it reads (``SubRecord`` classes): TransformerArch has a field for each
+    records: tuple[type, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +67,45 @@ class Mlp:
     # (cost) -> Terms of one layer's MLP
     activations: Callable = _no_terms
     check: Callable | None = None
+    records: tuple[type, ...] = ()
+
+
+class SubRecord:
+    """Base of a sub-record of the architecture (a frozen dataclass): the settings of one
+    mechanism, a field ``NAME`` of ``TransformerArch`` that is None where no layer uses it. With
+    ``OWNERS`` (the mixers or MLP kinds that read it) it exists exactly where a layer has one
+    (its defaults where none was given); without, where it differs from its defaults.
+    ``FLAT``: the flat names of its fields (older checkpoints, ``--override``, the families'
+    mappings) -> its own; ``check(arch)`` what it says together with the rest of the record."""
+
+    NAME: ClassVar[str]
+    FEATURE: ClassVar[str]  # the feature a model with it uses (models/features.py)
+    OWNERS: ClassVar[tuple[str, ...]] = ()
+    FLAT: ClassVar[dict[str, str]] = {}
+
+    def check(self, arch) -> None:
+        """A ModelError for what it cannot be beside ``arch``'s other settings."""
+
+    def used(self, arch) -> bool:
+        """Whether ``arch`` keeps it (records without ``OWNERS``): where it is not all defaults."""
+        return self != type(self)()
+
+    def flat(self) -> dict:
+        """Its fields by their flat names (what the families' config.json mappings write)."""
+        return {flat: getattr(self, name) for flat, name in self.FLAT.items()}
+
+    @classmethod
+    def of(cls, value):
+        """``value`` as this record: None, one, the mapping a stored config holds, or a switch
+        (true: the defaults; false: none)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            return cls() if value else None
+        if isinstance(value, dict):
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ModelError(f"{cls.NAME}: unknown field {', '.join(unknown)}; fields: {', '.join(sorted(names))}")
+            return cls(**value)
+        raise ModelError(f"{cls.NAME}={value!r} is not a mapping of its fields")

@@ -14,6 +14,11 @@ A new token mixer is:
   2. one line in ``MIXERS`` below (and its ``layer_types`` names, which configs then accept);
   3. its Hugging Face family module in ``models/hf/`` (config mapping and weight map).
 A new MLP kind likewise: a module exporting an ``Mlp`` record and one line in ``MLPS``.
+
+Its settings are its own sub-record of the architecture (a ``component.SubRecord`` dataclass in
+its module, named in its record's ``records``): ``TransformerArch`` has a field for every
+sub-record of ``RECORDS`` (None where no layer uses it), checkpoints store it nested, and its
+``FLAT`` names (the fields' names in older checkpoints and ``--override``) read into it.
 """
 
 from __future__ import annotations
@@ -51,3 +56,9 @@ MLPS = {m.name: m for m in (
 )}
 # each name of arch.layer_types, and its mixer
 MIXER_OF_LAYER_TYPE = {t: m.name for m in MIXERS.values() for t in m.layer_types}
+# the architecture's sub-records (component.SubRecord), each a field of TransformerArch: the
+# components' own, and the block's
+RECORDS = {r.NAME: r for r in (
+    *(r for m in (*MIXERS.values(), *MLPS.values()) for r in m.records),
+    layers.Multipliers,  # Falcon-H1's muP scalars
+)}

@@ -19,13 +19,17 @@ array a layer; the sequence is never gathered.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError
-from shardzoo.models.component import Mixer
+from shardzoo.models.component import Mixer, SubRecord
+from shardzoo.models.features import feature
 from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
@@ -146,8 +150,8 @@ class ShortConv(nn.Module):
     @nn.compact
     def __call__(self, h, segment_ids=None, decode: bool = False):
         a, e, placement = self.config.arch, self.config.execution, self.placement
-        d, w, kw = a.hidden_size, a.conv_kernel, linear_kw(self.config)
-        ins = [Linear((d,), (ax.EMBED, ax.CONV_CHANNELS), a.conv_bias, name=f"in_{n}", **kw) for n in "bcx"]
+        d, w, kw = a.hidden_size, a.conv.kernel, linear_kw(self.config)
+        ins = [Linear((d,), (ax.EMBED, ax.CONV_CHANNELS), a.conv.bias, name=f"in_{n}", **kw) for n in "bcx"]
         b, c, x = fused(ins, h) if e.fuse_projections else [lin(h) for lin in ins]  # [batch, length, conv_channels]
         bx = checkpoint_name(constrain(b * x, BLC, placement), "conv_input")
         pdt = dtype_of(e.param_dtype)
@@ -163,13 +167,13 @@ class ShortConv(nn.Module):
             conv = causal_conv(bx, kernel, segment_ids)
         else:
             conv = causal_conv(bx, kernel, segment_ids)
-        if a.conv_bias:
+        if a.conv.bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.CONV_CHANNELS,)),
                               (d,), pdt)
             conv = conv + bias.astype(conv.dtype)
         # the out projection's input, named as attention's (what remat policy save_attn_mlp keeps)
         y = checkpoint_name(constrain(c * conv, BLC, placement), "attn_context")
-        out = Linear((a.hidden_size,), (ax.CONV_CHANNELS, ax.EMBED), a.conv_bias, name="out", **kw)(y)
+        out = Linear((a.hidden_size,), (ax.CONV_CHANNELS, ax.EMBED), a.conv.bias, name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
 
     def _continue(self, bx, kernel, segment_ids):
@@ -189,6 +193,20 @@ class ShortConv(nn.Module):
 
 
 # ------------------------------------------------------------------------------ the component
+@dataclasses.dataclass(frozen=True)
+class ShortConvArch(SubRecord):
+    """The conv layers' settings: ``kernel`` taps (LFM2's conv_L_cache); ``bias``: biases on
+    in_proj, the taps and out_proj."""
+
+    NAME: ClassVar[str] = "conv"
+    FEATURE: ClassVar[str] = "short_conv"
+    OWNERS: ClassVar[tuple[str, ...]] = (CONV,)
+    FLAT: ClassVar[dict[str, str]] = {"conv_kernel": "kernel", "conv_bias": "bias"}
+
+    kernel: int | None = None
+    bias: bool = feature(False, "conv_bias")
+
+
 def _apply(block, h, positions, segment_ids):
     return ShortConv(block.config, block.placement, name="conv")(h, segment_ids, block.decode)
 
@@ -197,7 +215,7 @@ def params(a) -> tuple[int, int]:
     """(in_proj's three and out_proj, and the taps, each multiplied once per token; the biases:
     in_proj 3 d, taps d, out_proj d)."""
     d = a.hidden_size
-    return 4 * d * d + a.conv_kernel * d, 5 * d * a.conv_bias
+    return 4 * d * d + a.conv.kernel * d, 5 * d * a.conv.bias
 
 
 def activations(cost, spec=None) -> dict:
@@ -206,18 +224,19 @@ def activations(cost, spec=None) -> dict:
     input), d channels each; and the taps' float32 0/1 segment masks, conv_kernel per token."""
     a, t = cost.config.arch, cost.t
     d = a.hidden_size
-    return {"conv_in": t(3 * d, BLC), "conv_input": t(d, BLC), "conv_masks": t(a.conv_kernel, BLC[:2], 4),
+    return {"conv_in": t(3 * d, BLC), "conv_input": t(d, BLC), "conv_masks": t(a.conv.kernel, BLC[:2], 4),
             "conv_out": t(d, BLC), "attn_context": t(d, BLC)}
 
 
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """The last conv_kernel - 1 inputs and their segment ids."""
-    return batch * (a.conv_kernel - 1) * (a.hidden_size * nbytes + 4)
+    return batch * (a.conv.kernel - 1) * (a.hidden_size * nbytes + 4)
 
 
 def check(a) -> None:
-    if a.conv_kernel is None or a.conv_kernel < 2:
-        raise ModelError(f"layer_types has {CONV} layers: conv_kernel={a.conv_kernel!r} must be an integer "
+    kernel = a.conv.kernel
+    if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 2:
+        raise ModelError(f"layer_types has {CONV} layers: conv_kernel={kernel!r} must be an integer "
                          ">= 2 (the taps of the short convolution: LFM2's conv_L_cache)")
     if a.latent:
         raise ModelError(f"layer_types has {CONV} layers beside latent attention (kv_lora_rank), "
@@ -225,5 +244,6 @@ def check(a) -> None:
 
 
 MIXER = Mixer(CONV, (CONV,), _apply, params, activations=activations, cache_bytes=cache_bytes, check=check,
+              records=(ShortConvArch,),
               context_parallel="each chunk's taps fed the previous chunk's last conv_kernel - 1 inputs by two "
                                "ppermutes (ring_conv); the sequence is never gathered")

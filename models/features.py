@@ -111,9 +111,24 @@ def used_features(record) -> dict[str, list[str]]:
             name = kind.get(value)
         else:
             name = kind(value)
+        sub = dataclasses.is_dataclass(value)  # a sub-record: shown by its fields' flat names
         if name is not None:
-            used.setdefault(name, []).append(f"{f.name}={_shown(value)}")
+            used.setdefault(name, []).extend(_record_fields(f.name, value) if sub else [f"{f.name}={_shown(value)}"])
+        if sub:  # and its own fields' features
+            names = getattr(value, "FLAT", {})
+            for inner, fields in used_features(value).items():
+                flat = {v: k for k, v in names.items()}
+                used.setdefault(inner, []).extend(flat.get(shown.split("=")[0], f"{f.name}." + shown.split("=")[0])
+                                                  + "=" + shown.split("=", 1)[1] for shown in fields)
     return used
+
+
+def _record_fields(name: str, record) -> list[str]:
+    """A sub-record's fields away from their defaults, by their flat names ("name=true" if none)."""
+    default = type(record)()
+    shown = [f"{flat}={_shown(getattr(record, field))}" for flat, field in getattr(record, "FLAT", {}).items()
+             if getattr(record, field) != getattr(default, field)]
+    return shown or [f"{name}=true"]
 
 
 def _shown(value) -> str:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models.component import Mlp
+from shardzoo.models import ModelError
+from shardzoo.models.component import Mlp, SubRecord
 from shardzoo.models.lora import linear_lora, target_of
 from shardzoo.sharding import axes as ax
 
@@ -343,6 +346,54 @@ class XIELU(nn.Module):
         return jnp.where(x > 0, positive, negative)
 
 
+def positive(value) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Multipliers(SubRecord):
+    """Falcon-H1's muP multipliers (1: none): the attention's input and output, its keys (the k
+    projection's output), the mamba mixer's input and output, its in_proj outputs z, x, B, C, dt
+    (``ssm``), the MLP's gate projection and its output (``mlp``: gate, down)."""
+
+    NAME: ClassVar[str] = "multipliers"
+    FEATURE: ClassVar[str] = "mup_multipliers"
+    FLAT: ClassVar[dict[str, str]] = {
+        "key_multiplier": "key", "attention_in_multiplier": "attention_in", "attention_out_multiplier": "attention_out",
+        "ssm_in_multiplier": "ssm_in", "ssm_out_multiplier": "ssm_out", "ssm_multipliers": "ssm",
+        "mlp_multipliers": "mlp"}
+
+    key: float = 1.0
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm: tuple[float, ...] = (1.0,) * 5
+    mlp: tuple[float, float] = (1.0, 1.0)
+
+    def __post_init__(self):
+        for flat, name in self.FLAT.items():
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, value := tuple(value))
+            n = {"ssm": 5, "mlp": 2}.get(name)
+            if n is None and not positive(value):
+                raise ModelError(f"{flat}={value!r} must be a finite number > 0")
+            if n is not None and (not isinstance(value, tuple) or len(value) != n or not all(map(positive, value))):
+                raise ModelError(f"{flat}={value!r} must be {n} finite numbers > 0")
+
+    def check(self, arch) -> None:
+        if arch.mlp_type == "plain" and self.mlp[0] != 1.0:
+            raise ModelError(f"mlp_multipliers={list(self.mlp)}: a plain MLP has no gate to scale")
+        if arch.num_local_experts and self.mlp != (1.0, 1.0):
+            raise ModelError(f"mlp_multipliers={list(self.mlp)} scale dense MLPs only; "
+                             f"num_local_experts={arch.num_local_experts}")
+
+
+NO_MULTIPLIERS = Multipliers()
+
+
 def scaled(x, multiplier: float):
     """``x`` times a model multiplier in its dtype (none when 1)."""
     return x if multiplier == 1.0 else x * jnp.asarray(multiplier, x.dtype)
@@ -369,7 +420,7 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 class MLP(nn.Module):
     """Gated (SwiGLU: down(act(gate x) * up x)) or plain (down(act(up x))) feed-forward;
-    ``mlp_multipliers`` (gate, down) scale the gate projection's output and the MLP's (Falcon-H1)."""
+    ``multipliers.mlp`` (gate, down) scale the gate projection's output and the MLP's (Falcon-H1)."""
 
     config: object
     placement: object = None
@@ -387,7 +438,7 @@ class MLP(nn.Module):
         def linear(name):
             return Linear((width,), (ax.EMBED, ax.MLP), a.mlp_bias, name=name, **kw)
 
-        gate_scale, down_scale = a.mlp_multipliers  # Falcon-H1's (1, 1 elsewhere)
+        gate_scale, down_scale = (a.multipliers or NO_MULTIPLIERS).mlp  # Falcon-H1's (1, 1 elsewhere)
         if a.mlp_type == "gated":
             up, gate = linear("up"), linear("gate")
             up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))

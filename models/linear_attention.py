@@ -31,6 +31,9 @@ sequence is never gathered.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +41,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError
-from shardzoo.models.component import Mixer
+from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.conv_mixer import causal_conv, check_ring_chunk, ring_conv
 from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
 from shardzoo.models.ring_attention import other_axes, spec_of
@@ -250,8 +253,9 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids=None, decode: bool = False):
         a, e, placement = self.config.arch, self.config.execution, self.placement
-        nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
-        dk, dv, w = a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim
+        la = a.linear_attention
+        nk, nv = la.num_key_heads, la.num_value_heads
+        dk, dv, w = la.key_head_dim, la.value_head_dim, la.conv_kernel_dim
         kw, pdt = linear_kw(self.config), dtype_of(e.param_dtype)
         key_axes, value_axes = (ax.LINEAR_KEY_HEADS, ax.LINEAR_KEY_DIM), (ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)
         pairs = [[Linear(shape, (ax.EMBED, *axes), name=n, **kw) for n in names]
@@ -346,8 +350,34 @@ def _push(variables, seg_variable, inputs, seg):
 
 
 # ------------------------------------------------------------------------------ the component
-SIZES = ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
-         "linear_conv_kernel_dim")
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetArch(SubRecord):
+    """The linear-attention layers' sizes: q, k num_key_heads x key_head_dim, v, z num_value_heads
+    x value_head_dim, the causal convolution's conv_kernel_dim taps (Qwen3-Next's linear_* fields)."""
+
+    NAME: ClassVar[str] = "linear_attention"
+    FEATURE: ClassVar[str] = "gated_deltanet"
+    OWNERS: ClassVar[tuple[str, ...]] = (LINEAR,)
+    FLAT: ClassVar[dict[str, str]] = {f"linear_{n}": n for n in (
+        "num_value_heads", "num_key_heads", "key_head_dim", "value_head_dim", "conv_kernel_dim")}
+
+    num_value_heads: int | None = None
+    num_key_heads: int | None = None
+    key_head_dim: int | None = None
+    value_head_dim: int | None = None
+    conv_kernel_dim: int | None = None
+
+    def check(self, arch) -> None:
+        for flat, name in self.FLAT.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"layer_types has {LINEAR} layers: {flat}={value!r} must be an integer >= 1")
+        if self.conv_kernel_dim < 2:
+            raise ModelError(f"linear_conv_kernel_dim={self.conv_kernel_dim} must be >= 2 (the taps of the "
+                             "causal convolution of q, k and v)")
+        if self.num_value_heads % self.num_key_heads:
+            raise ModelError(f"linear_num_value_heads={self.num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.num_key_heads} (each key head serves as many value heads)")
 
 
 def _apply(block, h, positions, segment_ids):
@@ -357,54 +387,48 @@ def _apply(block, h, positions, segment_ids):
 def params(a) -> tuple[int, int]:
     """(the projections q, k, v, z, b, a, out and the convolution's taps; A_log and dt_bias per
     value head, the gated norm's weight)."""
-    keys, values = a.linear_num_key_heads * a.linear_key_head_dim, a.linear_num_value_heads * a.linear_value_head_dim
-    proj = a.hidden_size * (2 * keys + 2 * values + 2 * a.linear_num_value_heads) + values * a.hidden_size
-    matmul = proj + a.linear_conv_kernel_dim * (2 * keys + values)
-    return matmul, 2 * a.linear_num_value_heads + a.linear_value_head_dim
+    la = a.linear_attention
+    keys, values = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+    proj = a.hidden_size * (2 * keys + 2 * values + 2 * la.num_value_heads) + values * a.hidden_size
+    matmul = proj + la.conv_kernel_dim * (2 * keys + values)
+    return matmul, 2 * la.num_value_heads + la.value_head_dim
 
 
 def flops(a, spec, seq_len: int) -> float:
     """Per head: three state products, a chunk of 64's q.k, k.k and (q k) v; 2 x 3 FLOPs per multiply-add."""
-    dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-    return 6 * a.linear_num_value_heads * (3 * dk * dv + 32 * (2 * dk + dv))
+    la = a.linear_attention
+    dk, dv = la.key_head_dim, la.value_head_dim
+    return 6 * la.num_value_heads * (3 * dk * dv + 32 * (2 * dk + dv))
 
 
 def activations(cost, spec=None) -> dict:
     """gdn_in, gdn_conv, conv_masks, gdn_qk, gdn_chunk, gdn_out, attn_context (models/costs.py's doc)."""
     a, t, chunk = cost.config.arch, cost.t, cost.config.execution.linear_attention_chunk
-    nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    la = a.linear_attention
+    nk, nv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
     heads = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS)
     qkv = 2 * nk * dk + nv * dv
     return {"gdn_in": t(qkv + nv * dv + 2 * nv, heads), "gdn_conv": t(2 * qkv, heads),
-            "conv_masks": t(3 * a.linear_conv_kernel_dim, heads[:2], 4), "gdn_qk": t(2 * nv * dk, heads, 4),
+            "conv_masks": t(3 * la.conv_kernel_dim, heads[:2], 4), "gdn_qk": t(2 * nv * dk, heads, 4),
             "gdn_chunk": t(nv * (7 * chunk + 3 * dk + dv + dk * dv / chunk), heads, 4),
             "gdn_out": t(2 * nv * dv, heads, 4), "attn_context": t(nv * dv, heads)}
 
 
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """The float32 state per value head, its segment id, and the convolution's last inputs."""
-    nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
-    dk, dv, h = a.linear_key_head_dim, a.linear_value_head_dim, a.linear_conv_kernel_dim - 1
+    la = a.linear_attention
+    nk, nv = la.num_key_heads, la.num_value_heads
+    dk, dv, h = la.key_head_dim, la.value_head_dim, la.conv_kernel_dim - 1
     return batch * (4 * nv * dk * dv + 4 + h * ((2 * nk * dk + nv * dv) * nbytes + 4))
 
 
 def check(a) -> None:
-    for name in SIZES:
-        value = getattr(a, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelError(f"layer_types has {LINEAR} layers: {name}={value!r} must be an integer >= 1")
-    if a.linear_conv_kernel_dim < 2:
-        raise ModelError(f"linear_conv_kernel_dim={a.linear_conv_kernel_dim} must be >= 2 (the taps of the "
-                         "causal convolution of q, k and v)")
-    if a.linear_num_value_heads % a.linear_num_key_heads:
-        raise ModelError(f"linear_num_value_heads={a.linear_num_value_heads} must be a multiple of "
-                         f"linear_num_key_heads={a.linear_num_key_heads} (each key head serves as many value heads)")
     if a.latent:
         raise ModelError(f"layer_types has {LINEAR} layers beside latent attention (kv_lora_rank), "
                          "which no family has; remove one")
 
 
 MIXER = Mixer(LINEAR, (LINEAR,), _apply, params, flops, activations=activations, cache_bytes=cache_bytes,
-              check=check, context_parallel="each chunk's final state affine in its initial one, the states "
+              check=check, records=(GatedDeltaNetArch,), context_parallel="each chunk's final state affine in its initial one, the states "
                                             "passed along the ring's chunks by ppermute (ring_gated_delta); the "
                                             "convolution's taps as the short convolution's")

@@ -10,7 +10,7 @@ dt_bias), time_step_limit)``; ``A = -exp(A_log)``; per head h (heads share B and
 
 then the gated RMSNorm ``norm(y * silu(z))`` over each group of ``num_heads / n_groups`` heads'
 features (transformers' ``MambaRMSNormGated``; ``mamba_norm``: or ``norm(y) * silu(z)``, or
-``y * silu(z)`` without a norm) and ``out_proj``. Falcon-H1's ``ssm_multipliers`` scale in_proj's
+``y * silu(z)`` without a norm) and ``out_proj``. Falcon-H1's ``multipliers.ssm`` scale in_proj's
 five outputs.
 
 Training computes the recurrence in chunks (``ssd``: the SSD form): within a chunk of
@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardzoo.models import ModelError, attention
 from shardzoo.models.component import Mixer
 from shardzoo.models.conv_mixer import causal_conv, ring_conv
-from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw, scaled
+from shardzoo.models.layers import NO_MULTIPLIERS, Linear, constrain, dtype_of, linear_kw, scaled
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
 
@@ -244,7 +244,7 @@ class Mamba2Mixer(nn.Module):
         dt = Linear((heads,), (ax.EMBED, ax.SSM_HEADS), bias, name="in_dt", **kw)(h)  # [batch, length, ssm_heads]
         # Falcon-H1's muP vector: each of in_proj's outputs (bias included) times its multiplier
         z, x, B, C, dt = (t if m == 1.0 else t * jnp.asarray(m, t.dtype)
-                          for t, m in zip((z, x, B, C, dt), a.ssm_multipliers, strict=True))
+                          for t, m in zip((z, x, B, C, dt), (a.multipliers or NO_MULTIPLIERS).ssm, strict=True))
         x, B, C = constrain(x, BLHP, placement), constrain(B, BLGN, placement), constrain(C, BLGN, placement)
         ring = placement.ring_axes if placement is not None and not decode and not self.is_initializing() else ()
         seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -329,10 +329,9 @@ class Mamba2Mixer(nn.Module):
 # ------------------------------------------------------------------------------ the component
 def _apply(block, h, positions, segment_ids):
     """The mixer of ``h``, its input and output scaled by the ssm multipliers (Falcon-H1's; 1 elsewhere)."""
-    a = block.config.arch
-    out = Mamba2Mixer(block.config, block.placement, name="mamba")(scaled(h, a.ssm_in_multiplier), segment_ids,
-                                                                   block.decode)
-    return scaled(out, a.ssm_out_multiplier)
+    m = block.config.arch.multipliers or NO_MULTIPLIERS
+    out = Mamba2Mixer(block.config, block.placement, name="mamba")(scaled(h, m.ssm_in), segment_ids, block.decode)
+    return scaled(out, m.ssm_out)
 
 
 def params(a) -> tuple[int, int]:

@@ -13,6 +13,7 @@ runs as a pipeline (``models/pipeline.py``).
 from __future__ import annotations
 
 import functools
+import typing
 from typing import ClassVar
 
 import jax
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError, splash
-from shardzoo.models.arch import MOE, LayerSpec, TransformerArch
-from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP
+from shardzoo.models.arch import MOE, LayerSpec, TransformerArch, nest
+from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, RECORDS
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, write_cache
@@ -63,6 +64,19 @@ class TransformerConfig(ModelConfig):
             raise ModelError(f"router_bias_update_rate={self.execution.router_bias_update_rate} balances a router "
                              "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); this model's router "
                              f"is {self.arch.router_kind!r}{'' if self.arch.num_local_experts else ' (no MoE layers)'}")
+
+    @classmethod
+    def field_types(cls) -> dict[str, tuple[str, object]]:
+        """The records' fields, and the sub-records' fields by their flat names (``SubRecord.FLAT``)."""
+        out = super().field_types()
+        for record in RECORDS.values():
+            hints = typing.get_type_hints(record)
+            out.update({flat: ("arch", hints[name]) for flat, name in record.FLAT.items()})
+        return out
+
+    def replace(self, **fields):
+        """A copy with fields replaced by name, a sub-record's by its flat names too (``arch.nest``)."""
+        return super().replace(**nest(fields, self.arch))
 
     # ------------------------------------------------------------------ layers
     def layer_specs(self) -> tuple[LayerSpec, ...]:

@@ -18,6 +18,7 @@ import math
 from shardzoo.models.arch import ATTENTION_MAMBA
 from shardzoo.models.hf import bamba, llama, mamba2
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, rope, rope_to_hf, sizes
+from shardzoo.models.layers import Multipliers
 
 # FalconH1Config's fields and transformers' defaults; and head_dim, which its attention and
 # rotary embedding read when config.json has it (else hidden_size / num_attention_heads), and
@@ -68,14 +69,15 @@ def from_hf(hf: HFConfig) -> dict:
 
 def to_hf(a) -> dict:
     names = dict(NAMES, expand=None)  # the inner width as mamba_d_ssm
-    return mamba2.mamba_to_hf(a, names) | rope_to_hf(a) | {k: getattr(a, k) for k in SCALARS} | dict(
+    m = (a.multipliers or Multipliers()).flat()
+    return mamba2.mamba_to_hf(a, names) | rope_to_hf(a) | {k: m.get(k, getattr(a, k, None)) for k in SCALARS} | dict(
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.kv_heads, head_dim=a.head_size,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
         attention_bias=a.attention_bias, mlp_bias=a.mlp_bias, mamba_d_ssm=a.mamba_inner,
         projectors_bias=a.mamba_proj_bias, mamba_rms_norm=a.mamba_norm != "none",
         mamba_norm_before_gate=a.mamba_norm != "gated", lm_head_multiplier=a.logit_scale,  # none: the default
-        ssm_multipliers=list(a.ssm_multipliers), mlp_multipliers=list(a.mlp_multipliers))
+        ssm_multipliers=list(m["ssm_multipliers"]), mlp_multipliers=list(m["mlp_multipliers"]))
 
 
 global_weights = bamba.global_weights  # embed_tokens, final_layernorm, lm_head: Bamba's names

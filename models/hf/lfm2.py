@@ -73,7 +73,7 @@ def from_hf(hf: HFConfig) -> dict:
 def to_hf(a) -> dict:
     out = sizes_to_hf(a) | rope_to_hf(a) | dict(
         norm_eps=a.rms_norm_eps, block_auto_adjust_ff_dim=False, layer_types=layer_types(a),
-        conv_L_cache=a.conv_kernel or SCHEMA["conv_L_cache"], conv_bias=a.conv_bias)
+        conv_L_cache=a.conv.kernel if a.conv else SCHEMA["conv_L_cache"], conv_bias=bool(a.conv and a.conv.bias))
     for key in ("rms_norm_eps", "hidden_act", "partial_rotary_factor"):
         out.pop(key, None)
     if a.head_dim is None:
@@ -100,11 +100,11 @@ def layer_weights(a, spec) -> list[Weight]:
         c = h + "conv."
         for j, n in enumerate("bcx"):  # in_proj's rows: B, C, x
             out.append(Weight(("conv", f"in_{n}", "kernel"), c + "in_proj.weight", "linear", part=(j, 3)))
-            if a.conv_bias:
+            if a.conv.bias:
                 out.append(Weight(("conv", f"in_{n}", "bias"), c + "in_proj.bias", "vec", part=(j, 3)))
         out += [Weight(("conv", "kernel"), c + "conv.weight", "depthwise"),
                 Weight(("conv", "out", "kernel"), c + "out_proj.weight", "linear")]
-        if a.conv_bias:
+        if a.conv.bias:
             out += [Weight(("conv", "bias"), c + "conv.bias", "vec"),
                     Weight(("conv", "out", "bias"), c + "out_proj.bias", "vec")]
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardzoo.models.arch import CHUNKED, DENSE, FULL, MOE
+from shardzoo.models.attention import TemperatureTuning
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, layer_types
 
@@ -103,15 +104,17 @@ def to_hf(a) -> dict:
     rotates = [int(s.rope != "none") for s in specs]
     step = _interval(lambda k: list(range(k - 1, n, k)) == moe, n, 1)
     interval = _interval(lambda k: [int((i + 1) % k != 0) for i in range(n)] == rotates, n, 4)
+    tuning = a.attn_temperature_tuning
+    t = tuning or TemperatureTuning()
     out = llama.rotary_to_hf(a) | dict(
         intermediate_size_mlp=a.intermediate_size, intermediate_size=a.expert_size,
         num_local_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
         moe_layers=moe, router_aux_loss_coef=a.router_aux_loss_coef,
         attention_bias=a.attention_bias, no_rope_layers=rotates,
         layer_types=layer_types(a), attention_chunk_size=a.attention_chunk_size,
-        use_qk_norm=a.qk_norm == "l2", attn_temperature_tuning=a.attn_temperature_tuning,
-        floor_scale=int(a.floor_scale) if float(a.floor_scale).is_integer() else a.floor_scale,  # HF: an int
-        attn_scale=a.attn_scale)
+        use_qk_norm=a.qk_norm == "l2", attn_temperature_tuning=bool(tuning),
+        floor_scale=int(t.floor_scale) if float(t.floor_scale).is_integer() else t.floor_scale,  # HF: an int
+        attn_scale=t.attn_scale)
     if step is not None:  # what moe_layers would default to; no_rope_layers' likewise
         out["interleave_moe_layer_step"] = step
     if interval is not None:

@@ -86,7 +86,7 @@ def from_hf(hf: HFConfig) -> dict:
 
 def to_hf(a) -> dict:
     kinds = a.layer_specs()
-    linear = {name: getattr(a, name) or SCHEMA[name] for name in _LINEAR}
+    linear = a.linear_attention.flat() if a.linear_attention else {name: SCHEMA[name] for name in _LINEAR}
     return sizes_to_hf(a) | rope_to_hf(a) | linear | dict(
         partial_rotary_factor=a.partial_rotary_factor, attention_bias=a.attention_bias, layer_types=layer_types(a),
         num_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
@@ -100,7 +100,8 @@ def linear_attention_weights(a) -> list[Weight]:
     """A Gated DeltaNet's tensors: in_proj_qkvz and in_proj_ba per key head in turn, conv1d's
     channels q | k | v."""
     x = llama.LAYER + "linear_attn."
-    nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    la = a.linear_attention
+    nk, nv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
     r = nv // nk
     qkvz = (dk, dk, r * dv, r * dv)
     out = [Weight(("linear_attn", n, "kernel"), x + "in_proj_qkvz.weight", "linear", part=(j, 4), widths=qkvz,

@@ -15,6 +15,7 @@ import json
 import os
 
 from shardzoo.models import apply_overrides, register
+from shardzoo.models.arch import arch_of
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
     apertus,
@@ -123,7 +124,7 @@ def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
     view = HFConfig(hf, family, where)
     fields = family.from_hf(view)
     view.finish()
-    arch = TransformerConfig.ARCH(**fields, score_head=is_reward_model(hf))
+    arch = arch_of(**fields, score_head=is_reward_model(hf))
     # what the family read uses a feature it does not declare (a value it cannot compute right)
     missing = {name: used for name, used in used_features(arch).items() if name not in family.features}
     if missing:

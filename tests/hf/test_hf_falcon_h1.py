@@ -62,7 +62,8 @@ def test_config_reads_every_layer_as_attention_and_mamba(built):
     a = config.arch
     assert (a.head_size, a.mamba_num_heads, a.mamba_head_dim, a.mamba_n_groups, a.mamba_norm) == (
         12, 6, 8, 2, "before_gate")
-    assert (a.embedding_multiplier, a.logit_scale, a.key_multiplier, a.ssm_multipliers, a.mlp_multipliers) == (
+    m = a.multipliers
+    assert (a.embedding_multiplier, a.logit_scale, m.key, m.ssm, m.mlp) == (
         1.7, 0.6, 0.8, (0.5, 1.5, 0.75, 1.25, 0.6), (1.4, 0.8))
 
 
@@ -76,9 +77,9 @@ def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_multiplier_matter
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     changes = {k: 1.0 for k in ("embedding_multiplier", "logit_scale", "key_multiplier", "attention_in_multiplier",
                                 "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")}
-    changes.update({f"ssm_multipliers[{j}]": tuple(1.0 if i == j else m for i, m in enumerate(config.ssm_multipliers))
+    changes.update({f"ssm_multipliers[{j}]": tuple(1.0 if i == j else m for i, m in enumerate(config.multipliers.ssm))
                     for j in range(5)})
-    changes.update({f"mlp_multipliers[{j}]": tuple(1.0 if i == j else m for i, m in enumerate(config.mlp_multipliers))
+    changes.update({f"mlp_multipliers[{j}]": tuple(1.0 if i == j else m for i, m in enumerate(config.multipliers.mlp))
                     for j in range(2)})
     changes["mamba_norm"] = "gated"
     variants = [(config.replace(**{name.split("[")[0]: value}).build(), params) for name, value in changes.items()]

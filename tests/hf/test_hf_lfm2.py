@@ -52,7 +52,7 @@ def built(tmp_path_factory):
 
 def test_config_reads_the_layer_pattern_and_the_derived_mlp_width(built):
     config = load_hf_config(built[0])
-    assert config.layer_types == tuple(LAYERS) and config.conv_kernel == 3 and not config.conv_bias
+    assert config.layer_types == tuple(LAYERS) and config.conv.kernel == 3 and not config.conv.bias
     assert config.intermediate_size == 80  # int(1.5 * int(2 * 72 / 3)) = 72, rounded up to a multiple of 16
     assert [s.mixer for s in config.layer_specs()] == ["conv", "attention", "conv", "conv"]
     assert config.qk_norm == "head" and config.tie_word_embeddings and config.rms_norm_eps == 1e-5
@@ -91,7 +91,7 @@ def test_conv_biases_match_transformers(tmp_path):
     path, model, ref = saved(randomized(Lfm2Config(**(CONFIG | dict(conv_bias=True, conv_L_cache=4))), seed=2,
                                         draw=DRAW), tmp_path)
     module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
-    assert config.conv_bias and config.conv_kernel == 4
+    assert config.conv.bias and config.conv.kernel == 4
     np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
 
@@ -192,4 +192,4 @@ def test_a_model_without_conv_layers_drops_the_conv_fields():
     from shardzoo.models import get_config
 
     dense = get_config("lfm2-tiny").replace(layer_types=None)
-    assert dense.conv_kernel is None and not dense.conv_bias
+    assert dense.conv is None

@@ -75,7 +75,7 @@ def _load(path, mesh=None, rules="fsdp"):
 def test_config_reads_the_layer_pattern(built):
     config = load_hf_config(built[0])
     assert config.layer_types == tuple(LAYERS) and config.attn_output_gate and config.norm_type == "rmsnorm_plus_one"
-    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 4)
+    assert (config.linear_attention.num_key_heads, config.linear_attention.num_value_heads) == (2, 4)
     assert config.partial_rotary_factor == 0.25 and config.qk_norm == "head"
     assert [s.mixer for s in config.layer_specs()] == ["linear_attention"] * 3 + ["attention"]
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe", "moe"]
@@ -224,4 +224,4 @@ def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers
     falls; the export loads in transformers and computes what the run computes (1e-4)."""
     model = randomized(Qwen3NextConfig(**CONFIG), seed=3, draw=draw)
     config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
-    assert config.has_linear_layers and config.attn_output_gate
+    assert config.linear_attention is not None and config.attn_output_gate

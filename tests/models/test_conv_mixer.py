@@ -138,7 +138,7 @@ def test_plan_counts_the_conv_layers_within_15_percent_of_the_compiled_step():
     assert 0.85 < totals["total"] / memory["total"] < 1.15, (totals, memory)
     temp = totals["activations"] + totals["gradients"]
     assert 0.85 < temp / memory["temp"] < 1.15, (temp, memory)
-    d, w = config.hidden_size, config.conv_kernel
+    d, w = config.hidden_size, config.conv.kernel
     attention = config.replace(layer_types=None)  # the same model, every layer attention
     assert config.num_params() - attention.num_params() == 2 * (4 * d * d + w * d - 2 * d * 64 - 2 * d * 32 - 2 * 16)
     conv = config.activation_estimate(16, 64, lambda names: 1)
