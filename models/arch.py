@@ -195,13 +195,6 @@ class ArchCore:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    # DeepSeek Sparse Attention (the "indexed_attention" layers of layer_types; models/sparse_attention.py):
-    # a lightning indexer of index_n_heads x index_head_dim beside latent attention keeps each query's
-    # index_topk best keys; indexer_rope_interleaved: its rotary turns pairs (GLM-5), not halves (V3.2)
-    index_topk: int | None = feature(None, "sparse_attention")
-    index_n_heads: int | None = None
-    index_head_dim: int | None = None
-    indexer_rope_interleaved: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -270,10 +263,6 @@ class ArchCore:
         if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
             for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 set_(name, None)
-        if not any(s.mixer == "sparse_attention" for s in self.layer_specs()):  # no indexer, no indexer sizes
-            for name in ("index_topk", "index_n_heads", "index_head_dim"):
-                set_(name, None)
-            set_("indexer_rope_interleaved", False)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:

@@ -45,7 +45,8 @@ def indexer_fields(hf: HFConfig) -> dict:
 
 def indexer_to_hf(a) -> dict:
     kinds = {v: k for k, v in KINDS.items()}
-    return dict(index_topk=a.index_topk, index_n_heads=a.index_n_heads, index_head_dim=a.index_head_dim,
+    i = a.indexer
+    return dict(index_topk=i.topk, index_n_heads=i.n_heads, index_head_dim=i.head_dim,
                 mlp_layer_types=[kinds[s.mlp] for s in a.layer_specs()], layer_types=list(a.layer_types))
 
 

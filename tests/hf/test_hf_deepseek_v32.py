@@ -83,8 +83,9 @@ def test_top_k_mask_keeps_each_rows_k_best_allowed_keys():
 def test_the_config_reads_the_indexer(built):
     family, path, model, _ = built
     config = load_hf_config(path)
-    assert (config.index_topk, config.index_n_heads, config.index_head_dim) == (TOPK, 16, 16)
-    assert config.indexer_rope_interleaved == (family == "glm_moe_dsa")
+    indexer = config.indexer  # the mixer's sub-record
+    assert (indexer.topk, indexer.n_heads, indexer.head_dim) == (TOPK, 16, 16)
+    assert indexer.rope_interleaved == (family == "glm_moe_dsa")
     assert config.rope_interleaved and config.router_kind == "sigmoid_groups"
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe"]
     assert config.num_params() == sum(p.numel() for p in model.parameters())
