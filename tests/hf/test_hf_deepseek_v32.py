@@ -146,6 +146,18 @@ def test_the_indexer_moves_the_logits(built, tmp_path):
     np.testing.assert_allclose(apply(module, params, one), want, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("built", ["glm_moe_dsa"], indirect=True)
+def test_glm5s_indexer_rotates_pairs_and_that_moves_the_logits(built):
+    """GLM-5's checkpoint read with the indexer's rotary on halves (V3.2's): other keys selected,
+    logits off transformers' by more than 1e-3 (so the parity above tells the two apart)."""
+    _, path, _, ref = built
+    one = one_device()
+    module, config, params = load_hf(path, mesh=one, rules=get_rules("fsdp"),
+                                     overrides={"indexer_rope_interleaved": False})
+    assert not config.indexer.rope_interleaved
+    assert np.abs(apply(module, params, one) - ref).max() > 1e-3
+
+
 @pytest.mark.parametrize("built", ["deepseek_v32"], indirect=True)
 def test_decoding_from_the_latent_and_indexer_caches_equals_the_full_forward(built):
     """A prefill of 7 tokens then 9 single steps through the scanned layers' stacked cache give
