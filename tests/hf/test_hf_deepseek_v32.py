@@ -26,7 +26,6 @@ from shardzoo.models.hf.registry import config_to_hf
 from shardzoo.models.sparse_attention import top_k_mask
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.hf_io import load_hf
-from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402
@@ -38,7 +37,6 @@ from harness import (  # noqa: E402
     correction_bias,
     decoded,
     hf_logits,
-    left_padded_generates_alone,
     load_ep,
     one_device,
     randomized,
@@ -174,15 +172,6 @@ def test_decoding_from_the_latent_and_indexer_caches_equals_the_full_forward(bui
     got = decoded(module, params, cache, TOKENS, prefill=7)
     print(f"max |decode - forward| {np.abs(got - full).max():.2e}")
     np.testing.assert_allclose(got, full, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("built", ["deepseek_v32"], indirect=True)
-def test_left_padded_rows_generate_as_they_do_alone(built):
-    """A 3-token prompt left-padded to 8 beside an 8-token one: the indexer never selects the
-    padding (segment 0), so each row continues as it does alone."""
-    _, path, _, _ = built
-    _, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
-    left_padded_generates_alone(Program(config, get_rules("fsdp"), one_device()), params)
 
 
 def test_greedy_generate_matches_transformers(built, parity):
