@@ -109,7 +109,7 @@ def _apply(block, h, positions, segment_ids):
 def _indexer_params(a) -> int:
     """One layer's indexer parameters: wq_b, wk, k_norm (scale and bias), weights_proj."""
     d, h, dim = a.hidden_size, a.indexer.n_heads, a.indexer.head_dim
-    return a.q_lora_rank * h * dim + d * dim + 2 * dim + d * h
+    return a.latent.q_lora_rank * h * dim + d * dim + 2 * dim + d * h
 
 
 def _indexer_flops(a, keys: float) -> float:
@@ -170,17 +170,19 @@ class IndexerArch(SubRecord):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"layer_types has {INDEXED} layers: {flat}={value!r} must be an integer >= 1")
-        if self.head_dim < arch.qk_rope_head_dim:
-            raise ModelError(f"index_head_dim={self.head_dim} must be at least qk_rope_head_dim="
-                             f"{arch.qk_rope_head_dim} (the indexer rotates its first qk_rope_head_dim features)")
+        rotated = arch.latent.qk_rope_head_dim if arch.latent else 0
+        if self.head_dim < rotated:
+            raise ModelError(f"index_head_dim={self.head_dim} must be at least qk_rope_head_dim={rotated} (the "
+                             "indexer rotates its first qk_rope_head_dim features)")
 
 
 def check(a) -> None:
     """Latent attention's checks, with the query latent the indexer reads."""
-    if not a.latent or not a.q_lora_rank:
+    latent = a.latent
+    if latent is None or not latent.q_lora_rank:
         raise ModelError(f"layer_types has {INDEXED} layers, whose indexer reads latent attention's query latent: "
-                         f"set kv_lora_rank and q_lora_rank (kv_lora_rank={a.kv_lora_rank}, q_lora_rank="
-                         f"{a.q_lora_rank})")
+                         f"set kv_lora_rank and q_lora_rank (kv_lora_rank={latent and latent.kv_lora_rank}, "
+                         f"q_lora_rank={latent and latent.q_lora_rank})")
     attention.check(a)
 
 
