@@ -133,6 +133,7 @@ def flops(a, spec, seq_len: int) -> float:
 
 
 def decode_flops(a, spec, context: float) -> float:
+    """Latent attention's over the ``context`` keys, and the indexer's (its scores where it selects)."""
     return attention.decode_flops(a, spec, context) + _indexer_flops(a, context if a.indexer.topk < context else 0)
 
 
