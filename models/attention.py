@@ -329,6 +329,7 @@ class Attention(nn.Module):
             k_rope = k_rope[:, :, None]
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window, spec.chunk)
+        mask = self.select_keys(x, cq if a.latent.q_lora_rank else None, positions, mask, decode)
         kv = Linear((nh, nope + a.latent.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
         # kv: [batch, length, heads, head_dim]: per head k_nope then v
         k_nope, v = kv[..., :nope], kv[..., nope:]
@@ -340,6 +341,11 @@ class Attention(nn.Module):
                               "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def select_keys(self, x, cq, positions, mask, decode):
+        """The keys each query of latent attention sees: ``mask`` (bool [batch, 1, q_len, k_len]) as
+        it is; a subclass narrows it (``models/sparse_attention.py``). cq: the normed query latent."""
+        return mask
 
     def _update_latent_cache(self, c, k_rope, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's latents and rotary keys at the cache index; mask over the whole cache."""

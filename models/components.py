@@ -23,7 +23,16 @@ sub-record of ``RECORDS`` (None where no layer uses it), checkpoints store it ne
 
 from __future__ import annotations
 
-from shardzoo.models import attention, conv_mixer, kimi_delta, layers, linear_attention, moe, ssm
+from shardzoo.models import (
+    attention,
+    conv_mixer,
+    kimi_delta,
+    layers,
+    linear_attention,
+    moe,
+    sparse_attention,
+    ssm,
+)
 from shardzoo.models.component import Mixer, Mlp
 
 NONE = "none"
@@ -39,6 +48,7 @@ MIXERS = {m.name: m for m in (
     ssm.MIXER,  # Mamba2's selective state-space mixer
     ssm.ATTENTION_MAMBA_MIXER,  # attention and a Mamba2 mixer side by side (Falcon-H1)
     kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
+    sparse_attention.MIXER,  # DeepSeek Sparse Attention: latent attention over its lightning indexer's top-k keys
     NO_MIXER,
 )}
 MLPS = {m.name: m for m in (

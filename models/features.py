@@ -90,6 +90,8 @@ FEATURES = {
                              "(Qwen3-Next)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
+    "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "
+                        "index_topk keys (DeepSeek-V3.2, GLM-5; index_n_heads, index_head_dim)",
 }
 
 

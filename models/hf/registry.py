@@ -25,12 +25,14 @@ from shardzoo.models.hf import (
     cohere2,
     deepseek_v2,
     deepseek_v3,
+    deepseek_v32,
     ernie4_5,
     exaone4,
     falcon_h1,
     gemma,
     glm,
     glm4_moe,
+    glm_moe_dsa,
     gpt2,
     gpt_oss,
     granite,
@@ -93,6 +95,7 @@ FAMILIES: tuple[Family, ...] = (
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
     kimi_linear.KIMI_LINEAR,
+    deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
 )
 
 REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why

@@ -22,6 +22,7 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV32Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -32,6 +33,7 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
+    GlmMoeDsaConfig,
     GPT2Config,
     GPTNeoXConfig,
     GptOssConfig,
@@ -87,7 +89,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h", "qwen3_next", "falcon_h1")  # models/hf/<name>.py
+                  "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -150,6 +152,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "deepseek_v2": lambda: DeepseekV2Config(**MLA, q_lora_rank=None, n_shared_experts=2,
                                             topk_method="group_limited_greedy", n_group=2, topk_group=1),
     "deepseek_v3": lambda: DeepseekV3Config(**MLA, q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=False),
+    # DeepSeek-V3 with the lightning indexer keeping 4 keys; GLM-5's, its rotary on interleaved pairs
+    "deepseek_v32": lambda: DeepseekV32Config(**MLA, q_lora_rank=24, n_group=2, topk_group=1, index_topk=4,
+                                              index_n_heads=4, index_head_dim=16),
+    "glm_moe_dsa": lambda: GlmMoeDsaConfig(**MLA, q_lora_rank=24, index_topk=4, index_n_heads=4, index_head_dim=16),
     "gpt_oss": lambda: GptOssConfig(**(DIMS | dict(intermediate_size=16)), head_dim=8, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=4, swiglu_limit=3.0),  # sinks, YaRN
     "llama4_text": lambda: Llama4TextConfig(**LLAMA4_TEXT),
