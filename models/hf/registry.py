@@ -93,7 +93,6 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
 )
 
-REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 BY_NAME = {f.name: f for f in FAMILIES}
 SUPPORTED = tuple(BY_MODEL_TYPE)
@@ -103,8 +102,6 @@ if len(BY_MODEL_TYPE) != sum(len(f.model_types) for f in FAMILIES) or len(BY_NAM
 
 def family_of_model_type(model_type, where: str = "config.json") -> Family:
     """The family that reads config.json's ``model_type``; an HFError naming the supported ones."""
-    if model_type in REFUSED:
-        raise HFError(f"{where}: {REFUSED[model_type]}")
     if model_type not in BY_MODEL_TYPE:
         raise HFError(f"{where}: unsupported model_type {model_type!r}; "
                       f"supported: {', '.join(SUPPORTED)}")
