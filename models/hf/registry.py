@@ -34,6 +34,8 @@ from shardzoo.models.hf import (
     gpt2,
     gpt_oss,
     granite,
+    granitemoeshared,
+    helium,
     hunyuan,
     lfm2,
     llama,
@@ -55,6 +57,7 @@ from shardzoo.models.hf import (
     smollm3,
     stablelm,
     starcoder2,
+    vaultgemma,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -91,6 +94,7 @@ FAMILIES: tuple[Family, ...] = (
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
+    helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

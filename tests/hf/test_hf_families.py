@@ -37,6 +37,8 @@ from transformers import (
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    HeliumConfig,
     HunYuanDenseV1Config,
     Lfm2Config,
     Llama4Config,
@@ -61,6 +63,7 @@ from transformers import (
     SmolLM3Config,
     StableLmConfig,
     Starcoder2Config,
+    VaultGemmaConfig,
 )
 
 from shardzoo import cli
@@ -91,7 +94,8 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h", "qwen3_next", "falcon_h1")  # models/hf/<name>.py
+                  "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
+                  "granitemoeshared")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -191,6 +195,10 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                           linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                           mlp_only_layers=[0]),
+    "helium": lambda: HeliumConfig(**DIMS, head_dim=8, attention_bias=True, mlp_bias=True),
+    "vaultgemma": lambda: VaultGemmaConfig(**DIMS, head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
+    "granitemoeshared": lambda: GraniteMoeSharedConfig(**DIMS, num_local_experts=4, shared_intermediate_size=16,
+                                                       embedding_multiplier=2.0),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
