@@ -25,12 +25,14 @@ from shardzoo.models.hf import (
     cohere2,
     deepseek_v2,
     deepseek_v3,
+    dots1,
     ernie4_5,
     exaone4,
     falcon_h1,
     gemma,
     glm,
     glm4_moe,
+    glm4_moe_lite,
     gpt2,
     gpt_oss,
     granite,
@@ -94,7 +96,8 @@ FAMILIES: tuple[Family, ...] = (
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
-    helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED,
+    helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
+    glm4_moe_lite.GLM4_MOE_LITE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -1,6 +1,8 @@
 """Families that only combine existing components: Helium (interleaved rotary, q/k/v and MLP
 biases), VaultGemma (Gemma 2 with pre-norms only), Granite-MoE-Shared (Granite-MoE's multipliers
-and experts with a fused shared expert).
+and experts with a fused shared expert), HunYuan-MoE (HunYuan's attention, softmax experts and a
+shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE), GLM-4.7-Flash
+(DeepSeek-V3 with its MoE layers listed).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -12,13 +14,20 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import GraniteMoeSharedConfig, HeliumConfig, VaultGemmaConfig
+from transformers import (
+    Dots1Config,
+    Glm4MoeLiteConfig,
+    GraniteMoeSharedConfig,
+    HeliumConfig,
+    HunYuanMoEV1Config,
+    VaultGemmaConfig,
+)
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, one_device, randomized, saved  # noqa: E402
+from harness import TOKENS, TOL, apply, correction_bias, one_device, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -30,14 +39,28 @@ CONFIGS = {
     "granitemoeshared": lambda: GraniteMoeSharedConfig(
         **DIMS, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16, embedding_multiplier=4.0,
         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.5),
+    # qk-norm after the rotation, q/k/v/o biases, 4 experts top-2 and a shared expert in every layer
+    "hunyuan_v1_moe": lambda: HunYuanMoEV1Config(**DIMS, head_dim=8, num_experts=4, moe_topk=2, attention_bias=True),
+    # qk-norm, a dense layer then MoE (4 groups of 2 experts, 2 kept; a shared expert, scaled weights),
+    # full then sliding layers (a window of 4)
+    "dots1": lambda: Dots1Config(**(DIMS | dict(num_hidden_layers=3)), n_routed_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                 topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, sliding_window=4,
+                                 max_window_layers=1),
+    # latent attention (q through its low rank), MoE, dense, MoE layers
+    "glm4_moe_lite": lambda: Glm4MoeLiteConfig(
+        **(DIMS | dict(num_hidden_layers=3, num_key_value_heads=4)), kv_lora_rank=16, q_lora_rank=24,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_group=4, topk_group=2, mlp_layer_types=["sparse", "dense", "sparse"]),
 }
-SEEDS = {"helium": 0, "vaultgemma": 0, "granitemoeshared": 0}
+SEEDS = {"helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
+BUFFERS = {"dots1": correction_bias, "glm4_moe_lite": correction_bias}  # the routers' correction bias
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    model = randomized(CONFIGS[request.param](), SEEDS[request.param])
+    model = randomized(CONFIGS[request.param](), SEEDS[request.param], buffers=BUFFERS.get(request.param))
     return saved(model, tmp_path_factory.mktemp(request.param))
 
 

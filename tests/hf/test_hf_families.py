@@ -22,6 +22,7 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -31,6 +32,7 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GlmConfig,
     GPT2Config,
     GPTNeoXConfig,
@@ -40,6 +42,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
     Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
@@ -95,7 +98,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
-                  "granitemoeshared")  # models/hf/<name>.py
+                  "granitemoeshared", "dots1", "glm4_moe_lite")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -199,6 +202,13 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "vaultgemma": lambda: VaultGemmaConfig(**DIMS, head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
     "granitemoeshared": lambda: GraniteMoeSharedConfig(**DIMS, num_local_experts=4, shared_intermediate_size=16,
                                                        embedding_multiplier=2.0),
+    "hunyuan_v1_moe": lambda: HunYuanMoEV1Config(**DIMS, head_dim=8, num_experts=4, moe_topk=2),
+    "dots1": lambda: Dots1Config(**(DIMS | dict(num_hidden_layers=3)), n_routed_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                                 sliding_window=4, max_window_layers=1),
+    "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"},
+                                               q_lora_rank=24,
+                                               mlp_layer_types=["dense", "sparse", "sparse"]),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -236,8 +246,10 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     hf_dir = save_tiny(TINY[model_type](), tmp_path / "hf")
     config = load_hf_config(hf_dir)
     # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
-    # Mistral unless the family is named (as a checkpoint records it).
-    assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text"}.get(model_type, model_type)
+    # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
+    # prefix as DeepSeek-V3.
+    assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text",
+                                             "glm4_moe_lite": "deepseek_v3"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
