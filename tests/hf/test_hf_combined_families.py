@@ -2,7 +2,7 @@
 biases), VaultGemma (Gemma 2 with pre-norms only), Granite-MoE-Shared (Granite-MoE's multipliers
 and experts with a fused shared expert), HunYuan-MoE (HunYuan's attention, softmax experts and a
 shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE), GLM-4.7-Flash
-(DeepSeek-V3 with its MoE layers listed).
+(DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -17,6 +17,7 @@ import pytest
 from transformers import (
     Dots1Config,
     Glm4MoeLiteConfig,
+    GPTJConfig,
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanMoEV1Config,
@@ -27,7 +28,7 @@ from shardzoo.models.hf import export_hf
 from shardzoo.train.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, correction_bias, one_device, randomized, saved  # noqa: E402
+from harness import TOKENS, TOL, apply, correction_bias, near_one, one_device, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -52,15 +53,21 @@ CONFIGS = {
         **(DIMS | dict(num_hidden_layers=3, num_key_value_heads=4)), kv_lora_rank=16, q_lora_rank=24,
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=16, n_group=4, topk_group=2, mlp_layer_types=["sparse", "dense", "sparse"]),
+    # parallel attention and MLP, interleaved rotary on half of each head, a biased head
+    "gptj": lambda: GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, bos_token_id=None,
+                               eos_token_id=None),
 }
-SEEDS = {"helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
+SEEDS = {"gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
+# GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
+DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = {"dots1": correction_bias, "glm4_moe_lite": correction_bias}  # the routers' correction bias
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    model = randomized(CONFIGS[request.param](), SEEDS[request.param], buffers=BUFFERS.get(request.param))
+    model = randomized(CONFIGS[request.param](), SEEDS[request.param], DRAWS.get(request.param, near_one()),
+                       BUFFERS.get(request.param))
     return saved(model, tmp_path_factory.mktemp(request.param))
 
 

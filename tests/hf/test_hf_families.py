@@ -35,6 +35,7 @@ from transformers import (
     Glm4MoeLiteConfig,
     GlmConfig,
     GPT2Config,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -98,7 +99,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
-                  "granitemoeshared", "dots1", "glm4_moe_lite")  # models/hf/<name>.py
+                  "granitemoeshared", "dots1", "glm4_moe_lite", "gptj")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -209,6 +210,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"},
                                                q_lora_rank=24,
                                                mlp_layer_types=["dense", "sparse", "sparse"]),
+    "gptj": lambda: GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
