@@ -11,7 +11,8 @@ names), ``mlp_layer_types`` each layer's MLP kind, ``rope_layers`` which layers 
 others have no positions: NoPE); ``layer_specs()`` turns them into one ``LayerSpec`` per layer,
 from which the model builds its blocks and ``models/layout.py`` its scan.
 A mechanism's settings are a sub-record owned by its component (``models/components.py``
-``RECORDS``: ``conv``, ``linear_attention``, ``multipliers``, ``attn_temperature_tuning``, ...), a
+``RECORDS``: ``latent``, ``mamba``, ``conv``, ``linear_attention``, ``multipliers``,
+``attn_temperature_tuning``), a
 field that is None where no layer uses it; ``arch_of`` and ``nest`` read their flat names.
 A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
 uniform pattern None, MoE settings of a dense model their defaults), so two families that read
@@ -32,7 +33,7 @@ from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe import MOE
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
-from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA
+from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
@@ -167,40 +168,14 @@ class ArchCore:
     # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
-    # Mamba2 mixers (the "mamba" layers of layer_types, models/ssm.py): in_proj to z, x (heads x
-    # head_dim each), B, C (n_groups x ssm_state_size each) and dt (heads); x, B, C through a
-    # causal depthwise conv of mamba_conv_kernel taps (with bias: mamba_conv_bias) and SiLU; the
-    # selective scan in chunks of mamba_chunk_size tokens, dt = clamp(softplus(dt + dt_bias),
-    # time_step_limit); the gated RMSNorm over groups; out_proj (biases: mamba_proj_bias)
-    mamba_num_heads: int = feature(0, "mamba2")  # 0: no mamba layers
-    mamba_head_dim: int = 64
-    mamba_n_groups: int = 1
-    ssm_state_size: int = 128
-    mamba_conv_kernel: int = 4
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = feature(False, "mamba_proj_bias")
-    time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
-    # the mixer's output gate and norm: "gated" RMSNorm(y * silu(z)) (Mamba2's), "before_gate"
-    # RMSNorm(y) * silu(z), "none" y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
-    mamba_norm: str = feature("gated", {"before_gate": "mamba_norm_before_gate", "none": "mamba_no_norm"})
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
-    # Multi-head latent attention (DeepSeek-V2/V3, the "latent_attention" feature): q from x (or
-    # from a q_lora_rank latent, RMSNorm'd); keys and values from one kv_lora_rank latent per
-    # token (RMSNorm'd, expanded per head to [k_nope, v]) and one qk_rope_head_dim rotary key
-    # shared by all heads; rotary on the queries' and keys' last qk_rope_head_dim features only
-    kv_lora_rank: int | None = feature(None, "latent_attention")  # None: ordinary attention
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
             set_(record.NAME, record.of(getattr(self, record.NAME)))
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id", "time_step_limit"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -218,10 +193,6 @@ class ArchCore:
         if self.attention_multiplier == (self.query_pre_attn_scalar or self.head_size) ** -0.5:
             set_("attention_multiplier", None)  # the scale every family uses by default
         types = self.layer_types
-        if not self.has_mamba_layers:  # no mamba layers, no mamba settings
-            for f in dataclasses.fields(self):
-                if f.name in _MAMBA_FIELDS:
-                    set_(f.name, f.default)
         if types is not None and len(set(types)) == 1 and MIXER_OF_LAYER_TYPE[types[0]] == ATTENTION:
             if types[0] != SLIDING:
                 set_("sliding_window", None)
@@ -260,9 +231,6 @@ class ArchCore:
             set_("topk_group", 1)
         if self.swiglu_limit is None:
             set_("swiglu_alpha", 1.702)  # no clamped SwiGLU, no gain
-        if self.kv_lora_rank is None:  # ordinary attention: the latent sizes mean nothing
-            for name in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                set_(name, None)
         if self.moe_intermediate_size == self.intermediate_size:
             set_("moe_intermediate_size", None)
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
@@ -302,7 +270,7 @@ class ArchCore:
             raise ModelError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.kv_heads}")
         rotated = int(self.head_size * self.partial_rotary_factor)
-        if self.position_embedding == "rope" and rotated % 2 and self.kv_lora_rank is None:
+        if self.position_embedding == "rope" and rotated % 2 and not (self.latent and self.latent.kv_lora_rank):
             raise ModelError(f"rotary embeddings turn pairs of features: head_dim={self.head_size} x "
                              f"partial_rotary_factor={self.partial_rotary_factor} = {rotated} is odd")
         n = self.num_hidden_layers
@@ -406,23 +374,18 @@ class ArchCore:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
-    def latent(self) -> bool:
-        """Multi-head latent attention (DeepSeek)."""
-        return self.kv_lora_rank is not None
-
-    @property
     def qk_head_size(self) -> int:
         """Features of one query/key head (MLA: nope + rope)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.head_size
+        return self.latent.qk_nope_head_dim + self.latent.qk_rope_head_dim if self.latent else self.head_size
 
     @property
     def v_head_size(self) -> int:
-        return self.v_head_dim if self.latent else self.head_size
+        return self.latent.v_head_dim if self.latent else self.head_size
 
     @property
     def rope_dim(self) -> int:
         """Features of a head that rotate."""
-        return self.qk_rope_head_dim if self.latent else int(self.head_size * self.partial_rotary_factor)
+        return self.latent.qk_rope_head_dim if self.latent else int(self.head_size * self.partial_rotary_factor)
 
     @property
     def rope_scaling_dict(self) -> dict:
@@ -435,16 +398,6 @@ class ArchCore:
     @property
     def has_sliding_layers(self) -> bool:
         return bool(self.sliding_window) and (self.layer_types is None or SLIDING in self.layer_types)
-
-    @property
-    def has_mamba_layers(self) -> bool:
-        """Layers with a mamba mixer (alone or beside attention)."""
-        return self.layer_types is not None and (MAMBA in self.layer_types or ATTENTION_MAMBA in self.layer_types)
-
-    @property
-    def mamba_inner(self) -> int:
-        """Features of a mamba layer's x (and z): heads x head_dim."""
-        return self.mamba_num_heads * self.mamba_head_dim
 
     @property
     def has_chunked_layers(self) -> bool:
@@ -464,7 +417,7 @@ class ArchCore:
             return self.attention_multiplier
         scale = (self.query_pre_attn_scalar or self.qk_head_size) ** -0.5
         scaling = self.rope_scaling_dict
-        if self.kv_lora_rank and scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
+        if self.latent and scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
             # latent attention under YaRN scales every dim of q.k, not only the rotary ones, by
             # mscale(factor, mscale_all_dim) squared (DeepSeek's reference; transformers' yarn_apply_mscale)
             factor = scaling["factor"]
@@ -536,8 +489,6 @@ _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types"
                "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "expert_type")
 
 
-_MAMBA_FIELDS = ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_conv_kernel",
-                 "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "mamba_norm")
 
 
 def _rope_scaling(value, pairs: int):

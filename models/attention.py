@@ -93,6 +93,28 @@ class TemperatureTuning(SubRecord):
         return any(s.rope == "none" for s in arch.layer_specs())
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentAttentionArch(SubRecord):
+    """Multi-head latent attention (DeepSeek-V2/V3): q from x (or from a q_lora_rank latent,
+    RMSNorm'd); keys and values from one kv_lora_rank latent per token (RMSNorm'd, expanded per
+    head to [k_nope, v]) and one qk_rope_head_dim rotary key shared by all heads; rotary on the
+    queries' and keys' last qk_rope_head_dim features only."""
+
+    NAME: ClassVar[str] = "latent"
+    FEATURE: ClassVar[str] = "latent_attention"
+    FLAT: ClassVar[dict[str, str]] = {n: n for n in (
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+
+    kv_lora_rank: int | None = None  # None: ordinary attention
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    def used(self, arch) -> bool:
+        return self.kv_lora_rank is not None
+
+
 def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
     """Queries at position p times ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``:
     Llama 4's attention temperature on its NoPE layers (transformers takes p from the cache
@@ -269,25 +291,25 @@ class Attention(nn.Module):
         return q, k
 
     def _latent(self, x, positions, segment_ids, decode):
-        """Multi-head latent attention (DeepSeek-V2/V3; ``TransformerArch.kv_lora_rank``).
+        """Multi-head latent attention (DeepSeek-V2/V3; ``TransformerArch.latent.kv_lora_rank``).
 
         Decoding caches what the keys and values are made of, the normed latent and the rotated
         shared key (kv_lora_rank + qk_rope_head_dim values per token), and expands the whole
         cache per step.
         """
         a, e, spec, placement = self.config.arch, self.config.execution, self.spec, self.placement
-        nh, nope, rope_d = a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
+        nh, nope, rope_d = a.num_attention_heads, a.latent.qk_nope_head_dim, a.latent.qk_rope_head_dim
         kw = linear_kw(self.config)
         # transformers builds the latents' norms with RMSNorm's default eps, not rms_norm_eps
         norm = dict(eps=1e-6, dtype=e.dtype, param_dtype=e.param_dtype)
         qk = (ax.HEADS, ax.HEAD_DIM)
-        if a.q_lora_rank:
-            cq = Linear((a.q_lora_rank,), (ax.EMBED, ax.Q_LORA), name="q_a", **kw)(x)  # [batch, length, q_lora]
+        if a.latent.q_lora_rank:
+            cq = Linear((a.latent.q_lora_rank,), (ax.EMBED, ax.Q_LORA), name="q_a", **kw)(x)  # [batch, length, q_lora]
             cq = RMSNorm(**norm, axes=(ax.Q_LORA,), name="q_a_norm")(cq)
             q = Linear((nh, nope + rope_d), (ax.Q_LORA, *qk), name="q_b", **kw)(cq)
         else:
             q = Linear((nh, nope + rope_d), (ax.EMBED, *qk), name="q", **kw)(x)  # [batch, length, heads, head_dim]
-        c = Linear((a.kv_lora_rank,), (ax.EMBED, ax.KV_LORA), name="kv_a", **kw)(x)  # [batch, length, kv_lora]
+        c = Linear((a.latent.kv_lora_rank,), (ax.EMBED, ax.KV_LORA), name="kv_a", **kw)(x)  # [batch, length, kv_lora]
         k_rope = Linear((rope_d,), (ax.EMBED, ax.HEAD_DIM), name="k_rope", **kw)(x)[:, :, None]
         # k_rope: [batch, length, 1, head_dim], one rotary key for every head
         c = constrain(RMSNorm(**norm, axes=(ax.KV_LORA,), name="kv_a_norm")(c), (ax.BATCH, ax.LENGTH, ax.KV_LORA),
@@ -307,7 +329,7 @@ class Attention(nn.Module):
             k_rope = k_rope[:, :, None]
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, spec.window, spec.chunk)
-        kv = Linear((nh, nope + a.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
+        kv = Linear((nh, nope + a.latent.v_head_dim), (ax.KV_LORA, *qk), name="kv_b", **kw)(c)
         # kv: [batch, length, heads, head_dim]: per head k_nope then v
         k_nope, v = kv[..., :nope], kv[..., nope:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:3] + (rope_d,)).astype(k_nope.dtype)], -1)
@@ -373,9 +395,9 @@ def _latent_params(a) -> int:
     """Multi-head latent attention's projections: q (or q_a, q_b), kv_a, k_rope, kv_b, o."""
     d, h = a.hidden_size, a.num_attention_heads
     q_out = h * a.qk_head_size
-    q = d * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else d * q_out
-    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
-    return q + kv + h * a.v_head_dim * d
+    q = d * a.latent.q_lora_rank + a.latent.q_lora_rank * q_out if a.latent.q_lora_rank else d * q_out
+    kv = d * (a.latent.kv_lora_rank + a.latent.qk_rope_head_dim) + a.latent.kv_lora_rank * h * (a.latent.qk_nope_head_dim + a.latent.v_head_dim)
+    return q + kv + h * a.latent.v_head_dim * d
 
 
 def params(a) -> tuple[int, int]:
@@ -394,7 +416,7 @@ def params(a) -> tuple[int, int]:
     if a.attention_sinks:
         other += nh
     if a.latent:  # the latents' norms
-        other += a.kv_lora_rank + (a.q_lora_rank or 0)
+        other += a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
     return matmul, other
 
 
@@ -436,7 +458,7 @@ def activations(cost, spec=None) -> dict:
            "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
            "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
     if a.latent:
-        lat = a.kv_lora_rank + (a.q_lora_rank or 0)
+        lat = a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
         out.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),
                    latent_norm=t(3 * lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA), 4))
     if a.attn_logit_softcapping:
@@ -459,20 +481,20 @@ def model_terms(cost) -> dict:
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """Keys and values (latent attention: the latent and the rotary key), the segment ids of every
     position, and the cache index."""
-    per = a.kv_lora_rank + a.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+    per = a.latent.kv_lora_rank + a.latent.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
     return batch * length * (per * nbytes + 4) + 4
 
 
 def check(a) -> None:
     """Latent attention's sizes, and what it has no room for."""
-    if a.kv_lora_rank is None:
+    if not a.latent:
         return
-    check_fields(a, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(a, n)]
+    check_fields(a.latent, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(a.latent, n)]
     if missing:
-        raise ModelError(f"latent attention (kv_lora_rank={a.kv_lora_rank}) needs {', '.join(missing)}")
-    if a.qk_rope_head_dim % 2:
-        raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={a.qk_rope_head_dim} is odd")
+        raise ModelError(f"latent attention (kv_lora_rank={a.latent.kv_lora_rank}) needs {', '.join(missing)}")
+    if a.latent.qk_rope_head_dim % 2:
+        raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={a.latent.qk_rope_head_dim} is odd")
     if a.kv_heads != a.num_attention_heads:
         raise ModelError(f"latent attention expands keys and values for every query head: num_key_value_heads="
                          f"{a.kv_heads} must be num_attention_heads={a.num_attention_heads}")
@@ -488,4 +510,4 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
                     "the ring's shards as its own (models/splash.py)")
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
-    cache_bytes, CONTEXT_PARALLEL, check, (TemperatureTuning,))
+    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning))

@@ -35,14 +35,19 @@ gathered; only states [batch, heads, head_dim, state] move.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, attention
-from shardzoo.models.component import Mixer
+from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.conv_mixer import causal_conv, ring_conv
+from shardzoo.models.features import feature
 from shardzoo.models.layers import NO_MULTIPLIERS, Linear, constrain, dtype_of, linear_kw, scaled
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
@@ -234,9 +239,9 @@ class Mamba2Mixer(nn.Module):
     @nn.compact
     def __call__(self, h, segment_ids=None, decode: bool = False):
         a, placement = self.config.arch, self.placement
-        heads, p, g, n = a.mamba_num_heads, a.mamba_head_dim, a.mamba_n_groups, a.ssm_state_size
+        heads, p, g, n = a.mamba.num_heads, a.mamba.head_dim, a.mamba.n_groups, a.mamba.state_size
         kw, pdt = linear_kw(self.config), dtype_of(self.config.execution.param_dtype)
-        bias = a.mamba_proj_bias
+        bias = a.mamba.proj_bias
         z = Linear((heads, p), (ax.EMBED, ax.SSM_HEADS, ax.SSM_HEAD_DIM), bias, name="in_z", **kw)(h)
         x = Linear((heads, p), (ax.EMBED, ax.SSM_HEADS, ax.SSM_HEAD_DIM), bias, name="in_x", **kw)(h)
         B = Linear((g, n), (ax.EMBED, ax.SSM_GROUPS, ax.SSM_STATE), bias, name="in_b", **kw)(h)
@@ -260,24 +265,24 @@ class Mamba2Mixer(nn.Module):
         dt_bias = vector("dt_bias", nn.initializers.zeros)
         A_log = vector("A_log", lambda key, shape, dtype: jnp.log(jnp.arange(1, shape[0] + 1, dtype=dtype)))
         D = vector("D", nn.initializers.ones)
-        lo, hi = a.time_step_limit
+        lo, hi = a.mamba.time_step_limit
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32)), lo, hi)
         A = -jnp.exp(A_log.astype(jnp.float32))
         if decode:
             y = self._continue(x, dt, A, B, C, seg)
         elif ring:
-            y = ring_ssd(x, dt, A, B, C, seg, a.mamba_chunk_size, placement)
+            y = ring_ssd(x, dt, A, B, C, seg, a.mamba.chunk_size, placement)
         else:
-            y, _ = ssd(x, dt, A, B, C, a.mamba_chunk_size, seg)
+            y, _ = ssd(x, dt, A, B, C, a.mamba.chunk_size, seg)
         y = y + x.astype(jnp.float32) * D.astype(jnp.float32)[:, None]
         y = checkpoint_name(constrain(y.astype(h.dtype), BLHP, placement), "ssm_out")
-        if a.mamba_norm == "none":  # the gate without a norm (Falcon-H1's mamba_rms_norm false)
+        if a.mamba.norm == "none":  # the gate without a norm (Falcon-H1's mamba_rms_norm false)
             y = (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(y.dtype)
         else:
             scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.SSM_HEADS,
                                                                                             ax.SSM_HEAD_DIM)),
                                (heads, p), pdt)
-            y = gated_rms_norm(y, z, scale, g, a.rms_norm_eps, a.mamba_norm == "before_gate")
+            y = gated_rms_norm(y, z, scale, g, a.rms_norm_eps, a.mamba.norm == "before_gate")
         y = checkpoint_name(constrain(y, BLHP, placement), "attn_context")
         out = Linear((a.hidden_size,), (ax.SSM_HEADS, ax.SSM_HEAD_DIM, ax.EMBED), bias, name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
@@ -286,7 +291,7 @@ class Mamba2Mixer(nn.Module):
         """SiLU(causal depthwise conv + bias) of t [batch, length, *feature dims]; decoding
         continues the cached inputs; under context parallelism the ring passes the tails."""
         a = self.config.arch
-        w, pdt = a.mamba_conv_kernel, dtype_of(self.config.execution.param_dtype)
+        w, pdt = a.mamba.conv_kernel, dtype_of(self.config.execution.param_dtype)
         dims = t.shape[2:]
         kernel = self.param(f"conv_{name}", nn.with_logical_partitioning(
             nn.initializers.normal(a.initializer_range), (ax.CONV_WIDTH,) + axes), (w,) + dims, pdt)
@@ -305,7 +310,7 @@ class Mamba2Mixer(nn.Module):
             out = ring_conv(flat, k, seg, self.placement, axes[0])
         else:
             out = causal_conv(flat, k, seg)
-        if a.mamba_conv_bias:
+        if a.mamba.conv_bias:
             bias = self.param(f"conv_{name}_bias", nn.with_logical_partitioning(nn.initializers.zeros, axes), dims, pdt)
             out = out + bias.reshape(-1).astype(out.dtype)
         return jax.nn.silu(out).reshape(t.shape)
@@ -313,7 +318,7 @@ class Mamba2Mixer(nn.Module):
     def _continue(self, x, dt, A, B, C, seg):
         """The scan continuing the cached state (a prompt in chunks, a token by the recurrence)."""
         a = self.config.arch
-        batch, heads, p, n = x.shape[0], a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
+        batch, heads, p, n = x.shape[0], a.mamba.num_heads, a.mamba.head_dim, a.mamba.state_size
         state = self.variable("cache", "ssm_state", nn.with_logical_partitioning(jnp.zeros, STATE),
                               (batch, heads, p, n), jnp.float32)
         state_seg = self.variable("cache", "ssm_segment_ids", nn.with_logical_partitioning(jnp.zeros, (ax.BATCH,)),
@@ -321,7 +326,7 @@ class Mamba2Mixer(nn.Module):
         if x.shape[1] == 1:
             y, final = ssd_steps(x, dt, A, B, C, seg, state.value, state_seg.value)
         else:
-            y, final = ssd(x, dt, A, B, C, a.mamba_chunk_size, seg, state.value, state_seg.value)
+            y, final = ssd(x, dt, A, B, C, a.mamba.chunk_size, seg, state.value, state_seg.value)
         state.value, state_seg.value = final, seg[:, -1]
         return y
 
@@ -337,23 +342,23 @@ def _apply(block, h, positions, segment_ids):
 def params(a) -> tuple[int, int]:
     """(in_proj (z, x, B, C, dt), out_proj and the convolution's taps over x, B, C; dt_bias, A_log,
     D, the gated norm, the biases)."""
-    d, inner, gn, h = a.hidden_size, a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
-    matmul = d * (2 * inner + 2 * gn + h) + inner * d + a.mamba_conv_kernel * (inner + 2 * gn)
-    norm = inner * (a.mamba_norm != "none")
-    other = 3 * h + norm + a.mamba_conv_bias * (inner + 2 * gn) + a.mamba_proj_bias * (2 * inner + 2 * gn + h + d)
+    d, inner, gn, h = a.hidden_size, a.mamba.inner, a.mamba.n_groups * a.mamba.state_size, a.mamba.num_heads
+    matmul = d * (2 * inner + 2 * gn + h) + inner * d + a.mamba.conv_kernel * (inner + 2 * gn)
+    norm = inner * (a.mamba.norm != "none")
+    other = 3 * h + norm + a.mamba.conv_bias * (inner + 2 * gn) + a.mamba.proj_bias * (2 * inner + 2 * gn + h + d)
     return matmul, other
 
 
 def flops(a, spec, seq_len: int) -> float:
     """The chunked scan's multiply-adds per token (``ssd``: C.B and the masked product with x over
     half a chunk on average, and each token's part of its chunk's state in and out), 2 x 3 FLOPs each."""
-    q, h, p, n = a.mamba_chunk_size, a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
-    return 6 * (q / 2 * (a.mamba_n_groups * n + h * p) + 2 * h * p * n)
+    q, h, p, n = a.mamba.chunk_size, a.mamba.num_heads, a.mamba.head_dim, a.mamba.state_size
+    return 6 * (q / 2 * (a.mamba.n_groups * n + h * p) + 2 * h * p * n)
 
 
 def decode_flops(a, spec, context: float) -> float:
     """A step's update and read of the state: 2 h p n multiply-adds."""
-    return 2 * (2 * a.mamba_num_heads * a.mamba_head_dim * a.ssm_state_size)
+    return 2 * (2 * a.mamba.num_heads * a.mamba.head_dim * a.mamba.state_size)
 
 
 def activations(cost, spec=None, context: str = "attn_context") -> dict:
@@ -363,10 +368,10 @@ def activations(cost, spec=None, context: str = "attn_context") -> dict:
     and the output; then the gated norm's (3 per feature, float32) and the out projection's input
     (``context``: its name)."""
     a, t = cost.config.arch, cost.t
-    inner, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
-    q = min(a.mamba_chunk_size, cost.seq_len)
+    inner, gn, h = a.mamba.inner, a.mamba.n_groups * a.mamba.state_size, a.mamba.num_heads
+    q = min(a.mamba.chunk_size, cost.seq_len)
     blh = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
-    per_chunk_state = h * a.mamba_head_dim * a.ssm_state_size / q  # a chunk's state, per token
+    per_chunk_state = h * a.mamba.head_dim * a.mamba.state_size / q  # a chunk's state, per token
     return {"mamba_in": t(2 * inner + 2 * gn + h, blh), "mamba_conv": t(inner + 2 * gn, blh),
             "ssm_decay": t(6 * h * q, blh, 4), "ssm_states": t(2 * per_chunk_state, blh, 4),
             "ssm_out": t(inner, blh), "ssm_norm": t(3 * inner, blh, 4), context: t(inner, blh)}
@@ -374,41 +379,75 @@ def activations(cost, spec=None, context: str = "attn_context") -> dict:
 
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """The float32 state, its segment id, and each of three convolutions' last inputs."""
-    h, gn = a.mamba_conv_kernel - 1, a.mamba_n_groups * a.ssm_state_size
-    return batch * (4 * a.mamba_inner * a.ssm_state_size + 4 + h * ((a.mamba_inner + 2 * gn) * nbytes + 3 * 4))
+    h, gn = a.mamba.conv_kernel - 1, a.mamba.n_groups * a.mamba.state_size
+    return batch * (4 * a.mamba.inner * a.mamba.state_size + 4 + h * ((a.mamba.inner + 2 * gn) * nbytes + 3 * 4))
 
 
-def check(a) -> None:
-    for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
-        value = getattr(a, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
-    if not isinstance(a.mamba_conv_kernel, int) or a.mamba_conv_kernel < 2:
-        raise ModelError(f"mamba_conv_kernel={a.mamba_conv_kernel!r} must be an integer >= 2 (the convolution's taps)")
-    if a.mamba_num_heads % a.mamba_n_groups:
-        raise ModelError(f"mamba_n_groups={a.mamba_n_groups} must divide mamba_num_heads={a.mamba_num_heads}")
-    if a.mamba_norm not in ("gated", "before_gate", "none"):
-        raise ModelError(f"mamba_norm={a.mamba_norm!r} is not one of gated, before_gate, none")
-    limit = a.time_step_limit
-    if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
-            or not 0 <= limit[0] <= limit[1]):
-        raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
+@dataclasses.dataclass(frozen=True)
+class MambaArch(SubRecord):
+    """The Mamba2 mixers' settings (the mamba and attention+mamba layers): in_proj to z, x
+    (num_heads x head_dim each), B, C (n_groups x state_size each) and dt (heads); x, B, C
+    through a causal depthwise conv of conv_kernel taps (with bias: conv_bias) and SiLU; the
+    selective scan in chunks of chunk_size tokens, dt = clamp(softplus(dt + dt_bias),
+    time_step_limit); the output's gate and norm (``norm``: "gated" RMSNorm(y * silu(z)),
+    Mamba2's; "before_gate" RMSNorm(y) * silu(z); "none" y * silu(z), Falcon-H1's
+    mamba_rms_norm false); out_proj (biases: proj_bias)."""
+
+    NAME: ClassVar[str] = "mamba"
+    FEATURE: ClassVar[str] = "mamba2"
+    OWNERS: ClassVar[tuple[str, ...]] = (MAMBA, ATTENTION_MAMBA)
+    FLAT: ClassVar[dict[str, str]] = {
+        "mamba_num_heads": "num_heads", "mamba_head_dim": "head_dim", "mamba_n_groups": "n_groups",
+        "ssm_state_size": "state_size", "mamba_conv_kernel": "conv_kernel", "mamba_chunk_size": "chunk_size",
+        "mamba_conv_bias": "conv_bias", "mamba_proj_bias": "proj_bias", "time_step_limit": "time_step_limit",
+        "mamba_norm": "norm"}
+
+    num_heads: int = 0
+    head_dim: int = 64
+    n_groups: int = 1
+    state_size: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = feature(False, "mamba_proj_bias")
+    time_step_limit: tuple[float, float] = feature((0.0, math.inf), "time_step_limit")
+    norm: str = feature("gated", {"before_gate": "mamba_norm_before_gate", "none": "mamba_no_norm"})
+
+    def __post_init__(self):
+        if isinstance(self.time_step_limit, list):
+            object.__setattr__(self, "time_step_limit", tuple(self.time_step_limit))
+
+    @property
+    def inner(self) -> int:
+        """Features of a mamba layer's x (and z): heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+    def check(self, arch) -> None:
+        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "ssm_state_size", "mamba_chunk_size"):
+            value = getattr(self, self.FLAT[name])
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelError(f"layer_types has {MAMBA} layers: {name}={value!r} must be an integer >= 1")
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
+            raise ModelError(f"mamba_conv_kernel={self.conv_kernel!r} must be an integer >= 2 (the convolution's taps)")
+        if self.num_heads % self.n_groups:
+            raise ModelError(f"mamba_n_groups={self.n_groups} must divide mamba_num_heads={self.num_heads}")
+        if self.norm not in ("gated", "before_gate", "none"):
+            raise ModelError(f"mamba_norm={self.norm!r} is not one of gated, before_gate, none")
+        limit = self.time_step_limit
+        if (not isinstance(limit, tuple) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit)
+                or not 0 <= limit[0] <= limit[1]):
+            raise ModelError(f"time_step_limit={limit!r} must be two numbers 0 <= low <= high (dt's clamp)")
 
 
 CONTEXT_PARALLEL = ("the scan linear in its initial state: each device scans its chunks from zero, the states passed "
                     "along the ring's chunks by ppermute (ring_ssd); the convolutions' taps as the short "
                     "convolution's")
 MIXER = Mixer(MAMBA, (MAMBA,), _apply, params, flops, decode_flops, activations, cache_bytes=cache_bytes,
-              context_parallel=CONTEXT_PARALLEL, check=check)
+              context_parallel=CONTEXT_PARALLEL, records=(MambaArch,))
 
 
 def _both(f, g, combine=lambda x, y: x + y):
     return lambda *args: combine(f(*args), g(*args))
-
-
-def _both_check(a) -> None:
-    attention.check(a)
-    check(a)
 
 
 # Falcon-H1's layers: attention's arrays and the mixer's beside them (its out projection's input as mamba_context)
@@ -418,4 +457,5 @@ ATTENTION_MAMBA_MIXER = Mixer(
     _both(attention.decode_flops, decode_flops),
     lambda cost, spec=None: attention.activations(cost) | activations(cost, context="mamba_context"),
     attention.model_terms, _both(attention.cache_bytes, cache_bytes),
-    f"attention's ({attention.CONTEXT_PARALLEL}) and the mamba mixer's ({CONTEXT_PARALLEL})", _both_check)
+    f"attention's ({attention.CONTEXT_PARALLEL}) and the mamba mixer's ({CONTEXT_PARALLEL})", attention.check,
+    (*attention.MIXER.records, MambaArch))

@@ -80,8 +80,7 @@ def latent_to_hf(a) -> dict:
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_attention_heads,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
-        kv_lora_rank=a.kv_lora_rank, q_lora_rank=a.q_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
-        qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim)
+        **a.latent.flat())
 
 
 def moe_fields(hf: HFConfig) -> dict:
@@ -132,13 +131,13 @@ def latent_attention_weights(a) -> list[Weight]:
     h = llama.LAYER + "self_attn."
     out = [Weight(("attn_norm", "scale"), llama.LAYER + "input_layernorm.weight"),
            Weight(("mlp_norm", "scale"), llama.LAYER + "post_attention_layernorm.weight")]
-    if a.q_lora_rank:
+    if a.latent.q_lora_rank:
         out += [Weight(("attn", "q_a", "kernel"), h + "q_a_proj.weight", "linear"),
                 Weight(("attn", "q_a_norm", "scale"), h + "q_a_layernorm.weight"),
                 Weight(("attn", "q_b", "kernel"), h + "q_b_proj.weight", "linear")]
     else:
         out.append(Weight(("attn", "q", "kernel"), h + "q_proj.weight", "linear"))
-    widths = (a.kv_lora_rank, a.qk_rope_head_dim)
+    widths = (a.latent.kv_lora_rank, a.latent.qk_rope_head_dim)
     return out + [
         Weight(("attn", "kv_a", "kernel"), h + "kv_a_proj_with_mqa.weight", "linear", part=(0, 2), widths=widths),
         Weight(("attn", "k_rope", "kernel"), h + "kv_a_proj_with_mqa.weight", "linear", part=(1, 2), widths=widths),

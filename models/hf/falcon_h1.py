@@ -74,9 +74,9 @@ def to_hf(a) -> dict:
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.kv_heads, head_dim=a.head_size,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
-        attention_bias=a.attention_bias, mlp_bias=a.mlp_bias, mamba_d_ssm=a.mamba_inner,
-        projectors_bias=a.mamba_proj_bias, mamba_rms_norm=a.mamba_norm != "none",
-        mamba_norm_before_gate=a.mamba_norm != "gated", lm_head_multiplier=a.logit_scale,  # none: the default
+        attention_bias=a.attention_bias, mlp_bias=a.mlp_bias, mamba_d_ssm=a.mamba.inner,
+        projectors_bias=a.mamba.proj_bias, mamba_rms_norm=a.mamba.norm != "none",
+        mamba_norm_before_gate=a.mamba.norm != "gated", lm_head_multiplier=a.logit_scale,  # none: the default
         ssm_multipliers=list(m["ssm_multipliers"]), mlp_multipliers=list(m["mlp_multipliers"]))
 
 

@@ -61,32 +61,32 @@ def _number(value) -> float:
 
 
 def mamba_to_hf(a, names: dict) -> dict:
-    return {names["heads"]: a.mamba_num_heads, names["head_dim"]: a.mamba_head_dim,
-            names["groups"]: a.mamba_n_groups, names["state"]: a.ssm_state_size, names["conv"]: a.mamba_conv_kernel,
-            names["chunk"]: a.mamba_chunk_size, names["conv_bias"]: a.mamba_conv_bias,
-            names["proj_bias"]: a.mamba_proj_bias, names["limit"]: list(a.time_step_limit),  # inf: JSON's Infinity
-            **({names["expand"]: a.mamba_inner // a.hidden_size} if names["expand"] else {})}
+    return {names["heads"]: a.mamba.num_heads, names["head_dim"]: a.mamba.head_dim,
+            names["groups"]: a.mamba.n_groups, names["state"]: a.mamba.state_size, names["conv"]: a.mamba.conv_kernel,
+            names["chunk"]: a.mamba.chunk_size, names["conv_bias"]: a.mamba.conv_bias,
+            names["proj_bias"]: a.mamba.proj_bias, names["limit"]: list(a.mamba.time_step_limit),  # inf: JSON's Infinity
+            **({names["expand"]: a.mamba.inner // a.hidden_size} if names["expand"] else {})}
 
 
 def mamba_weights(a, m: str) -> list[Weight]:
     """A mixer's tensors under prefix ``m`` (transformers' Mamba2Mixer: in_proj rows z | x | B |
     C | dt; conv1d's channels x | B | C)."""
-    hp, gn, h = a.mamba_inner, a.mamba_n_groups * a.ssm_state_size, a.mamba_num_heads
+    hp, gn, h = a.mamba.inner, a.mamba.n_groups * a.mamba.state_size, a.mamba.num_heads
     proj, conv = (hp, hp, gn, gn, h), (hp, gn, gn)
     out = []
     for j, n in enumerate(("z", "x", "b", "c", "dt")):
         out.append(Weight(("mamba", f"in_{n}", "kernel"), m + "in_proj.weight", "linear", part=(j, 5), widths=proj))
-        if a.mamba_proj_bias:
+        if a.mamba.proj_bias:
             out.append(Weight(("mamba", f"in_{n}", "bias"), m + "in_proj.bias", "vec", part=(j, 5), widths=proj))
     for j, n in enumerate("xbc"):
         out.append(Weight(("mamba", f"conv_{n}"), m + "conv1d.weight", "depthwise", part=(j, 3), widths=conv))
-        if a.mamba_conv_bias:
+        if a.mamba.conv_bias:
             out.append(Weight(("mamba", f"conv_{n}_bias"), m + "conv1d.bias", "vec", part=(j, 3), widths=conv))
     out += [Weight(("mamba", n), m + n) for n in ("dt_bias", "A_log", "D")]
-    if a.mamba_norm != "none":
+    if a.mamba.norm != "none":
         out.append(Weight(("mamba", "norm"), m + "norm.weight", "vec"))
     out.append(Weight(("mamba", "out", "kernel"), m + "out_proj.weight", "linear", n_in=2))
-    if a.mamba_proj_bias:
+    if a.mamba.proj_bias:
         out.append(Weight(("mamba", "out", "bias"), m + "out_proj.bias", "vec"))
     return out
 

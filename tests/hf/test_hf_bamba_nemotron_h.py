@@ -60,12 +60,12 @@ def test_config_reads_the_layer_pattern(built):
     specs = [(s.mixer, s.mlp) for s in config.layer_specs()]
     if family == "bamba":
         assert specs == [("mamba", "dense"), ("attention", "dense"), ("mamba", "dense"), ("mamba", "dense")]
-        assert config.partial_rotary_factor == 0.5 and config.mamba_chunk_size == 4
+        assert config.partial_rotary_factor == 0.5 and config.mamba.chunk_size == 4
     else:
         assert specs == [("mamba", "none"), ("none", "dense"), ("attention", "none"), ("mamba", "none"),
                          ("none", "dense")]
         assert config.rope_layers == (False,) * 5 and config.mlp_type == "plain" and config.hidden_act == "relu2"
-    assert (config.mamba_num_heads, config.mamba_head_dim, config.mamba_n_groups, config.ssm_state_size) == (8, 8, 2, 8)
+    assert (config.mamba.num_heads, config.mamba.head_dim, config.mamba.n_groups, config.mamba.state_size) == (8, 8, 2, 8)
 
 
 def test_logits_match_on_one_device_and_under_fsdp_tp_and_each_mechanism_matters(built):

@@ -60,7 +60,7 @@ def test_config_reads_every_layer_as_attention_and_mamba(built):
     config = load_hf_config(path)
     assert [(s.mixer, s.mlp) for s in config.layer_specs()] == [("attention+mamba", "dense")] * 2
     a = config.arch
-    assert (a.head_size, a.mamba_num_heads, a.mamba_head_dim, a.mamba_n_groups, a.mamba_norm) == (
+    assert (a.head_size, a.mamba.num_heads, a.mamba.head_dim, a.mamba.n_groups, a.mamba.norm) == (
         12, 6, 8, 2, "before_gate")
     m = a.multipliers
     assert (a.embedding_multiplier, a.logit_scale, m.key, m.ssm, m.mlp) == (
@@ -108,7 +108,7 @@ def test_the_other_mamba_norms_match_transformers(tmp_path, rms_norm, before_gat
                        seed=2, draw=mamba_draw)
     model.save_pretrained(tmp_path / "hf")
     module, config, params = load_hf(str(tmp_path / "hf"), mesh=one_device(), rules=get_rules("fsdp"))
-    assert config.mamba_norm == ("gated" if rms_norm else "none")
+    assert config.mamba.norm == ("gated" if rms_norm else "none")
     assert ("norm" in params["layers"]["mamba"]) == rms_norm
     ref = hf_logits(model, TOKENS)
     np.testing.assert_allclose(_apply(module, params), ref, atol=TOL, rtol=0)

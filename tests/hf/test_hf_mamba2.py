@@ -59,9 +59,9 @@ def _apply(module, params, mesh):
 def test_config_reads_the_mixer(built):
     config = load_hf_config(built[0])
     assert config.layer_types == ("mamba",) * 3 and config.mlp_layer_types == ("none",) * 3
-    assert (config.mamba_num_heads, config.mamba_head_dim, config.mamba_n_groups, config.ssm_state_size) == (8, 8, 2, 8)
-    assert config.mamba_chunk_size == 4 and config.mamba_conv_kernel == 4 and config.mamba_conv_bias
-    assert config.time_step_limit == (0.0, float("inf"))
+    assert (config.mamba.num_heads, config.mamba.head_dim, config.mamba.n_groups, config.mamba.state_size) == (8, 8, 2, 8)
+    assert config.mamba.chunk_size == 4 and config.mamba.conv_kernel == 4 and config.mamba.conv_bias
+    assert config.mamba.time_step_limit == (0.0, float("inf"))
     assert [(s.mixer, s.mlp) for s in config.layer_specs()] == [("mamba", "none")] * 3
 
 
@@ -107,7 +107,7 @@ def test_biases_and_a_clamp_match_transformers(tmp_path):
                                                      time_step_limit=(0.05, 0.5)))), seed=2, draw=mamba_draw)
     path, model, ref = saved(model, tmp_path, TOKENS)
     module, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
-    assert config.mamba_proj_bias and not config.mamba_conv_bias and config.time_step_limit == (0.05, 0.5)
+    assert config.mamba.proj_bias and not config.mamba.conv_bias and config.mamba.time_step_limit == (0.05, 0.5)
     np.testing.assert_allclose(_apply(module, params, one_device()), ref, atol=TOL, rtol=0)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     unclamped = config.replace(time_step_limit=(0.0, float("inf"))).build()
