@@ -50,6 +50,7 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    persimmon,
     phi,
     phi3,
     qwen2_moe,
@@ -98,7 +99,7 @@ FAMILIES: tuple[Family, ...] = (
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     qwen3_next.QWEN3_NEXT,
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
-    glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ,
+    glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -2,7 +2,8 @@
 biases), VaultGemma (Gemma 2 with pre-norms only), Granite-MoE-Shared (Granite-MoE's multipliers
 and experts with a fused shared expert), HunYuan-MoE (HunYuan's attention, softmax experts and a
 shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE), GLM-4.7-Flash
-(DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary).
+(DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary),
+Persimmon (Phi's attention, q|k|v fused per head, in a sequential block).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -21,6 +22,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanMoEV1Config,
+    PersimmonConfig,
     VaultGemmaConfig,
 )
 
@@ -56,8 +58,10 @@ CONFIGS = {
     # parallel attention and MLP, interleaved rotary on half of each head, a biased head
     "gptj": lambda: GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, bos_token_id=None,
                                eos_token_id=None),
+    # q|k|v fused per head, LayerNorms of each query and key head, rotary on half of each head, relu2
+    "persimmon": lambda: PersimmonConfig(**{k: v for k, v in DIMS.items() if k != "num_key_value_heads"}),
 }
-SEEDS = {"gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
+SEEDS = {"persimmon": 0, "gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = {"dots1": correction_bias, "glm4_moe_lite": correction_bias}  # the routers' correction bias

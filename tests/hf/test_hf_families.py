@@ -56,6 +56,7 @@ from transformers import (
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
+    PersimmonConfig,
     Phi3Config,
     PhiConfig,
     Qwen2Config,
@@ -99,7 +100,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
-                  "granitemoeshared", "dots1", "glm4_moe_lite", "gptj")  # models/hf/<name>.py
+                  "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -211,6 +212,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                                q_lora_rank=24,
                                                mlp_layer_types=["dense", "sparse", "sparse"]),
     "gptj": lambda: GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    "persimmon": lambda: PersimmonConfig(**{k: v for k, v in DIMS.items() if k != "num_key_value_heads"}),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
