@@ -3,7 +3,8 @@ biases), VaultGemma (Gemma 2 with pre-norms only), Granite-MoE-Shared (Granite-M
 and experts with a fused shared expert), HunYuan-MoE (HunYuan's attention, softmax experts and a
 shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE), GLM-4.7-Flash
 (DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary),
-Persimmon (Phi's attention, q|k|v fused per head, in a sequential block).
+Persimmon (Phi's attention, q|k|v fused per head, in a sequential block), EXAONE 3 (Llama under
+other names).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from transformers import (
     Dots1Config,
+    ExaoneConfig,
     Glm4MoeLiteConfig,
     GPTJConfig,
     GraniteMoeSharedConfig,
@@ -60,8 +62,10 @@ CONFIGS = {
                                eos_token_id=None),
     # q|k|v fused per head, LayerNorms of each query and key head, rotary on half of each head, relu2
     "persimmon": lambda: PersimmonConfig(**{k: v for k, v in DIMS.items() if k != "num_key_value_heads"}),
+    # Llama under GPT-2-like names, q/k/v/o and MLP biases
+    "exaone": lambda: ExaoneConfig(**DIMS, attention_bias=True, mlp_bias=True),
 }
-SEEDS = {"persimmon": 0, "gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
+SEEDS = {"exaone": 0, "persimmon": 0, "gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = {"dots1": correction_bias, "glm4_moe_lite": correction_bias}  # the routers' correction bias
@@ -91,5 +95,6 @@ def test_greedy_generate_matches_transformers(built, parity):
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
     _, config, params = load_hf(path)
-    assert export_hf(config, params, str(tmp_path))["model_type"] == model.config.model_type
+    kind = model.config.model_type  # the family an import records (EXAONE's model is also Llama's)
+    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
