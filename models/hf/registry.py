@@ -60,6 +60,7 @@ from shardzoo.models.hf import (
     qwen3_next,
     seed_oss,
     smollm3,
+    solar_open,
     stablelm,
     starcoder2,
     vaultgemma,
@@ -101,6 +102,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
+    solar_open.SOLAR_OPEN,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
