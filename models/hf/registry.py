@@ -41,6 +41,7 @@ from shardzoo.models.hf import (
     granitemoeshared,
     helium,
     hunyuan,
+    internlm3,
     lfm2,
     llama,
     llama4,
@@ -102,7 +103,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
-    solar_open.SOLAR_OPEN,
+    solar_open.SOLAR_OPEN, internlm3.INTERNLM3,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

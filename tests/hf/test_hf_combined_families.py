@@ -4,7 +4,8 @@ and experts with a fused shared expert), HunYuan-MoE (HunYuan's attention, softm
 shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE), GLM-4.7-Flash
 (DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary),
 Persimmon (Phi's attention, q|k|v fused per head, in a sequential block), EXAONE 3 (Llama under
-other names), Solar Open (GLM-4.5's MoE in every layer under Llama's attention).
+other names), Solar Open (GLM-4.5's MoE in every layer under Llama's attention), InternLM3 (Llama
+under its bias names).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -24,6 +25,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanMoEV1Config,
+    InternLM3Config,
     PersimmonConfig,
     SolarOpenConfig,
     VaultGemmaConfig,
@@ -70,8 +72,9 @@ CONFIGS = {
         **{k: v for k, v in DIMS.items() if k != "intermediate_size"}, head_dim=8, attention_bias=True,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2,
         routed_scaling_factor=2.5),
+    # Llama with q/k/v/o and MLP biases, head_dim apart from the width
+    "internlm3": lambda: InternLM3Config(**DIMS, head_dim=16, attention_bias=True, mlp_bias=True),
 }
-SEEDS = {"solar_open": 0, "exaone": 0, "persimmon": 0, "gptj": 0, "helium": 0, "vaultgemma": 0, "granitemoeshared": 0, "hunyuan_v1_moe": 0, "dots1": 0, "glm4_moe_lite": 0}
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open"), correction_bias)  # the routers' correction bias
@@ -80,7 +83,7 @@ BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open"), correction_bia
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    model = randomized(CONFIGS[request.param](), SEEDS[request.param], DRAWS.get(request.param, near_one()),
+    model = randomized(CONFIGS[request.param](), 0, DRAWS.get(request.param, near_one()),
                        BUFFERS.get(request.param))
     return saved(model, tmp_path_factory.mktemp(request.param))
 

@@ -45,6 +45,7 @@ from transformers import (
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
+    InternLM3Config,
     Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
@@ -103,7 +104,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
-                  "solar_open")  # models/hf/<name>.py
+                  "solar_open", "internlm3")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -219,6 +220,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "exaone": lambda: ExaoneConfig(**DIMS, attention_bias=True, eos_token_id=2, pad_token_id=0),
     "solar_open": lambda: SolarOpenConfig(**{k: v for k, v in DIMS.items() if k != "intermediate_size"}, head_dim=8,
                                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "internlm3": lambda: InternLM3Config(**DIMS, head_dim=8),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -257,10 +259,10 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     config = load_hf_config(hf_dir)
     # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
     # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
-    # prefix as DeepSeek-V3, EXAONE 3 as Llama, Solar Open as GLM-4.5 (no dense layer, full rotary).
+    # prefix as DeepSeek-V3, EXAONE 3 and InternLM3 as Llama, Solar Open as GLM-4.5 (no dense layer, full rotary).
     assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text",
                                              "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
-                                             "solar_open": "glm4_moe"}.get(model_type, model_type)
+                                             "solar_open": "glm4_moe", "internlm3": "llama"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
