@@ -30,6 +30,7 @@ from shardzoo.models.hf import (
     exaone,
     exaone4,
     falcon_h1,
+    flex_olmo,
     gemma,
     glm,
     glm4_moe,
@@ -103,7 +104,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
-    solar_open.SOLAR_OPEN, internlm3.INTERNLM3,
+    solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

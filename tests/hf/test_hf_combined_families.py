@@ -5,7 +5,7 @@ shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE
 (DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary),
 Persimmon (Phi's attention, q|k|v fused per head, in a sequential block), EXAONE 3 (Llama under
 other names), Solar Open (GLM-4.5's MoE in every layer under Llama's attention), InternLM3 (Llama
-under its bias names).
+under its bias names), FlexOlmo (OLMoE with OLMo 2's post-norms).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -20,6 +20,7 @@ import pytest
 from transformers import (
     Dots1Config,
     ExaoneConfig,
+    FlexOlmoConfig,
     Glm4MoeLiteConfig,
     GPTJConfig,
     GraniteMoeSharedConfig,
@@ -74,7 +75,11 @@ CONFIGS = {
         routed_scaling_factor=2.5),
     # Llama with q/k/v/o and MLP biases, head_dim apart from the width
     "internlm3": lambda: InternLM3Config(**DIMS, head_dim=16, attention_bias=True, mlp_bias=True),
+    # OLMoE's experts (4, top-2, renormalised) and qk-norm with OLMo 2's post-norms, q/k/v/o biases
+    "flex_olmo": lambda: FlexOlmoConfig(**DIMS, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                        attention_bias=True),
 }
+SEEDS = {"flex_olmo": 4}  # else 0; each with a varied greedy continuation
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open"), correction_bias)  # the routers' correction bias
@@ -83,7 +88,7 @@ BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open"), correction_bia
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    model = randomized(CONFIGS[request.param](), 0, DRAWS.get(request.param, near_one()),
+    model = randomized(CONFIGS[request.param](), SEEDS.get(request.param, 0), DRAWS.get(request.param, near_one()),
                        BUFFERS.get(request.param))
     return saved(model, tmp_path_factory.mktemp(request.param))
 

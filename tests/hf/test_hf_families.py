@@ -28,6 +28,7 @@ from transformers import (
     Exaone4Config,
     ExaoneConfig,
     FalconH1Config,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -104,7 +105,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
-                  "solar_open", "internlm3")  # models/hf/<name>.py
+                  "solar_open", "internlm3", "flex_olmo")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -221,6 +222,7 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "solar_open": lambda: SolarOpenConfig(**{k: v for k, v in DIMS.items() if k != "intermediate_size"}, head_dim=8,
                                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "internlm3": lambda: InternLM3Config(**DIMS, head_dim=8),
+    "flex_olmo": lambda: FlexOlmoConfig(**DIMS, num_experts=4, num_experts_per_tok=2, pad_token_id=None),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
