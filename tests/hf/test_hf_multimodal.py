@@ -1,6 +1,6 @@
 """The text model of a multimodal checkpoint: a tiny random ``gemma3`` (Gemma3ForConditionalGeneration,
 a one-layer SigLIP vision tower) imports as its ``gemma3_text`` language model, saying once that the
-vision tower is left out; its logits and greedy tokens on text equal transformers' (fp32, 1e-4); it
+vision tower is left out (a tiny ``mistral3`` likewise: its logits); its logits and greedy tokens on text equal transformers' (fp32, 1e-4); it
 exports text-only as ``gemma3_text``, and, with ``--into`` the original, as the whole checkpoint: the
 vision tower's tensors unchanged and the trained language model's logits (1e-4).
 """
@@ -13,7 +13,13 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+)
 
 from shardzoo import cli
 from shardzoo.models.hf import HFError, load_hf_config
@@ -53,6 +59,20 @@ def test_the_text_model_imports_with_transformers_logits(built, capfd):
 def test_greedy_generate_matches_transformers(built, parity):
     path, model, _ = built
     parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+def test_mistral3_text_model_imports_with_transformers_logits(tmp_path):
+    """Mistral 3 (a Pixtral vision tower around a Mistral text model): the text model's logits."""
+    text = {k: v for k, v in TEXT.items() if k not in ("query_pre_attn_scalar", "layer_types")} | dict(
+        model_type="mistral", sliding_window=None)
+    vision = dict(VISION, model_type="pixtral", head_dim=8)
+    torch.manual_seed(0)
+    model = randomize(Mistral3ForConditionalGeneration(
+        Mistral3Config(text_config=text, vision_config=vision, image_token_index=127)).eval())
+    path, _, ref = saved(model, tmp_path / "mistral3")
+    assert load_hf_config(path).num_hidden_layers == 2
+    module, _, params = load_hf(path, mesh=one_device())
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
 
 
 def test_a_multimodal_config_without_text_config_is_one_line(tmp_path):
