@@ -60,6 +60,7 @@ from shardzoo.models.hf import (
     qwen3,
     qwen3_moe,
     qwen3_next,
+    sarvam_moe,
     seed_oss,
     smollm3,
     solar_open,
@@ -105,6 +106,7 @@ FAMILIES: tuple[Family, ...] = (
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
+    sarvam_moe.SARVAM_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

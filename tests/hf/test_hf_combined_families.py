@@ -5,7 +5,8 @@ shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE
 (DeepSeek-V3 with its MoE layers listed), GPT-J (Phi's parallel block, interleaved partial rotary),
 Persimmon (Phi's attention, q|k|v fused per head, in a sequential block), EXAONE 3 (Llama under
 other names), Solar Open (GLM-4.5's MoE in every layer under Llama's attention), InternLM3 (Llama
-under its bias names), FlexOlmo (OLMoE with OLMo 2's post-norms).
+under its bias names), FlexOlmo (OLMoE with OLMo 2's post-norms), Sarvam-MoE
+(GLM-4.5 under other names, q|k|v fused).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -28,6 +29,7 @@ from transformers import (
     HunYuanMoEV1Config,
     InternLM3Config,
     PersimmonConfig,
+    SarvamMoEConfig,
     SolarOpenConfig,
     VaultGemmaConfig,
 )
@@ -78,11 +80,15 @@ CONFIGS = {
     # OLMoE's experts (4, top-2, renormalised) and qk-norm with OLMo 2's post-norms, q/k/v/o biases
     "flex_olmo": lambda: FlexOlmoConfig(**DIMS, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                         attention_bias=True),
+    # GLM-4.5's model with q|k|v fused (GQA), q/k/v biases, full rotary: a dense layer, then MoE
+    "sarvam_moe": lambda: SarvamMoEConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, attention_bias=True, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2),
 }
 SEEDS = {"flex_olmo": 4}  # else 0; each with a varied greedy continuation
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
-BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open"), correction_bias)  # the routers' correction bias
+BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open", "sarvam_moe"), correction_bias)  # the routers' correction bias
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -67,6 +67,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    SarvamMoEConfig,
     SeedOssConfig,
     SmolLM3Config,
     SolarOpenConfig,
@@ -105,7 +106,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
-                  "solar_open", "internlm3", "flex_olmo")  # models/hf/<name>.py
+                  "solar_open", "internlm3", "flex_olmo", "sarvam_moe")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -223,6 +224,9 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "internlm3": lambda: InternLM3Config(**DIMS, head_dim=8),
     "flex_olmo": lambda: FlexOlmoConfig(**DIMS, num_experts=4, num_experts_per_tok=2, pad_token_id=None),
+    "sarvam_moe": lambda: SarvamMoEConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=8, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=16,
+                                          pad_token_id=1),  # GLM's export writes the eos id as pad
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -261,10 +265,12 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     config = load_hf_config(hf_dir)
     # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
     # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
-    # prefix as DeepSeek-V3, EXAONE 3 and InternLM3 as Llama, Solar Open as GLM-4.5 (no dense layer, full rotary).
+    # prefix as DeepSeek-V3, EXAONE 3 and InternLM3 as Llama, Solar Open (no dense layer, full rotary)
+    # and Sarvam-MoE as GLM-4.5.
     assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text",
                                              "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
-                                             "solar_open": "glm4_moe", "internlm3": "llama"}.get(model_type, model_type)
+                                             "solar_open": "glm4_moe", "internlm3": "llama",
+                                             "sarvam_moe": "glm4_moe"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
