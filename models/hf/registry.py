@@ -39,6 +39,7 @@ from shardzoo.models.hf import (
     gpt_oss,
     gptj,
     granite,
+    granite_swa,
     granitemoeshared,
     helium,
     hunyuan,
@@ -106,7 +107,7 @@ FAMILIES: tuple[Family, ...] = (
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
-    sarvam_moe.SARVAM_MOE,
+    sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -6,7 +6,7 @@ shared one), dots.llm1 (Qwen3's attention with sliding layers, DeepSeek-V3's MoE
 Persimmon (Phi's attention, q|k|v fused per head, in a sequential block), EXAONE 3 (Llama under
 other names), Solar Open (GLM-4.5's MoE in every layer under Llama's attention), InternLM3 (Llama
 under its bias names), FlexOlmo (OLMoE with OLMo 2's post-norms), Sarvam-MoE
-(GLM-4.5 under other names, q|k|v fused).
+(GLM-4.5 under other names, q|k|v fused), Granite-SWA (Granite with sliding layers, sinks, NoPE layers).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
@@ -25,6 +25,7 @@ from transformers import (
     Glm4MoeLiteConfig,
     GPTJConfig,
     GraniteMoeSharedConfig,
+    GraniteSWAConfig,
     HeliumConfig,
     HunYuanMoEV1Config,
     InternLM3Config,
@@ -84,8 +85,14 @@ CONFIGS = {
     "sarvam_moe": lambda: SarvamMoEConfig(
         **(DIMS | dict(num_hidden_layers=3)), head_dim=8, attention_bias=True, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2),
+    # sinks, full then sliding layers (a window of 4), the middle layer NoPE; the attention scale
+    # attention_multiplier (1: not 1/sqrt(head_dim); the other multipliers are Granite's, tested there)
+    "granite_swa": lambda: GraniteSWAConfig(
+        **(DIMS | dict(num_hidden_layers=3)), sliding_window=4, layer_types=["full_attention", "sliding_attention",
+                                                                             "sliding_attention"],
+        layer_rope_theta=[10000.0, 0, 10000.0]),
 }
-SEEDS = {"flex_olmo": 4}  # else 0; each with a varied greedy continuation
+SEEDS = {"flex_olmo": 4, "granite_swa": 2}  # else 0; each with a varied greedy continuation
 # GPT-2's names: its LayerNorm scales near 1 (ln_1, ln_f)
 DRAWS = {"gptj": near_one(lambda name, p: "ln_" in name and name.endswith("weight"))}
 BUFFERS = dict.fromkeys(("dots1", "glm4_moe_lite", "solar_open", "sarvam_moe"), correction_bias)  # the routers' correction bias

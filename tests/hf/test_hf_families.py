@@ -43,6 +43,7 @@ from transformers import (
     GraniteConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
+    GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
@@ -106,7 +107,8 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
                   "nemotron_h", "qwen3_next", "falcon_h1", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
-                  "solar_open", "internlm3", "flex_olmo", "sarvam_moe")  # models/hf/<name>.py
+                  "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
+                  "granite_swa")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -227,6 +229,8 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
     "sarvam_moe": lambda: SarvamMoEConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=8, n_routed_experts=4,
                                           num_experts_per_tok=2, moe_intermediate_size=16,
                                           pad_token_id=1),  # GLM's export writes the eos id as pad
+    "granite_swa": lambda: GraniteSWAConfig(**(DIMS | dict(num_hidden_layers=3)), sliding_window=4,
+                                            layer_rope_theta=[10000.0, 0, 10000.0], bos_token_id=1, eos_token_id=2),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
