@@ -210,6 +210,9 @@ def add_export_hf_args(p: argparse.ArgumentParser) -> None:
                    help="write into OUT_DIR even when it is not empty (its files of the same name are replaced)")
     p.add_argument("--merge-lora", action="store_true",
                    help="a LoRA run: fold the adapters into the base weights (alpha/r A B added)")
+    p.add_argument("--into", metavar="HF_DIR",
+                   help="the multimodal checkpoint (gemma3, mistral3, ...) the model's text was imported from: "
+                        "write it whole, the trained language model in place of its own")
     _add_step_arg(p)
     _add_sharding_args(p, "the checkpoint's param_dtype")
 
@@ -224,7 +227,7 @@ def cmd_export_hf(args) -> int:
         raise UserError(f"--max-shard-size must be a positive number of GiB, got {args.max_shard_size}")
     hf_config = hf_io.export_hf(args.checkpoint, args.out, mesh, rules, args.dtype,
                                 int(args.max_shard_size * 2**30), overwrite=args.overwrite, step=args.step,
-                                merge_lora=args.merge_lora)
+                                merge_lora=args.merge_lora, into=args.into)
     print(f"exported {hf_config['architectures'][0]} to {args.out}")
     return 0
 

@@ -131,15 +131,20 @@ class HFConfig:
 
 # ------------------------------------------------------------------------------- config.json
 def read_hf_config(hf_dir: str) -> dict:
-    """The parsed ``config.json`` of an HF model directory."""
+    """The parsed ``config.json`` of an HF model directory; of a multimodal checkpoint, its text
+    model's (multimodal.py), said once on stderr."""
+    from shardzoo.models.hf import multimodal
+
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise HFError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
     try:
         with open(path) as f:
-            return json.load(f)
+            hf = json.load(f)
     except (OSError, ValueError) as e:
         raise HFError(f"{path}: cannot read: {e}") from None
+    multimodal.note(hf_dir, hf)
+    return multimodal.text_part(hf, path)
 
 
 def is_hf_dir(path) -> bool:

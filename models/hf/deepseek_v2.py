@@ -31,6 +31,7 @@ from shardzoo.models.hf.base import (
     INERT,
     Family,
     HFConfig,
+    HFError,
     Weight,
     rope,
     rope_to_hf,
@@ -76,6 +77,8 @@ def latent_fields(hf: HFConfig) -> dict:
 
 
 def latent_to_hf(a) -> dict:
+    if a.latent is None:  # an ordinary attention (a family choosing how to export says: not this one)
+        raise HFError("DeepSeek's config.json describes latent attention only; this model has none")
     return rope_to_hf(a) | dict(
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_attention_heads,

@@ -15,9 +15,6 @@ from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.hf import llama
 from shardzoo.models.hf.base import Family, HFConfig, HFError, Weight, layer_types, rope
 
-# model_types that name a Gemma but that shardzoo does not read, and why (registry.py).
-REFUSED = {"gemma3": "multimodal Gemma 3 (model_type 'gemma3', a vision tower with a text model) "
-                     "is not supported; shardzoo reads the text-only gemma3_text"}
 SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k not in ("mlp_bias", "pretraining_tp")}
           | dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
                  num_attention_heads=16, head_dim=256, hidden_act="gelu_pytorch_tanh",

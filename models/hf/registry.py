@@ -26,17 +26,26 @@ from shardzoo.models.hf import (
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
+    dots1,
     ernie4_5,
+    exaone,
     exaone4,
     falcon_h1,
+    flex_olmo,
     gemma,
     glm,
     glm4_moe,
+    glm4_moe_lite,
     glm_moe_dsa,
     gpt2,
     gpt_oss,
+    gptj,
     granite,
+    granite_swa,
+    granitemoeshared,
+    helium,
     hunyuan,
+    internlm3,
     kimi_linear,
     lfm2,
     llama,
@@ -48,16 +57,20 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    persimmon,
     phi,
     phi3,
     qwen2_moe,
     qwen3,
     qwen3_moe,
     qwen3_next,
+    sarvam_moe,
     seed_oss,
     smollm3,
+    solar_open,
     stablelm,
     starcoder2,
+    vaultgemma,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -96,9 +109,12 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.QWEN3_NEXT,
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
+    helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,
+    glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
+    solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
+    sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
 )
 
-REFUSED = gemma.REFUSED  # model_types a family module names as unsupported, with why
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 BY_NAME = {f.name: f for f in FAMILIES}
 SUPPORTED = tuple(BY_MODEL_TYPE)
@@ -108,8 +124,6 @@ if len(BY_MODEL_TYPE) != sum(len(f.model_types) for f in FAMILIES) or len(BY_NAM
 
 def family_of_model_type(model_type, where: str = "config.json") -> Family:
     """The family that reads config.json's ``model_type``; an HFError naming the supported ones."""
-    if model_type in REFUSED:
-        raise HFError(f"{where}: {REFUSED[model_type]}")
     if model_type not in BY_MODEL_TYPE:
         raise HFError(f"{where}: unsupported model_type {model_type!r}; "
                       f"supported: {', '.join(SUPPORTED)}")

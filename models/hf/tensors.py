@@ -19,6 +19,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
 
+from shardzoo.models.hf import multimodal
 from shardzoo.models.hf.base import HFError, Weight, read_hf_config
 from shardzoo.models.hf.registry import (
     config_to_hf,
@@ -139,11 +140,14 @@ class SafetensorsReader:
     def resolve(self, name: str) -> str | None:
         """The stored name (GPT-2 files from the Hub lack the ``transformer.`` prefix; a
         ``llama4`` directory that transformers' AutoModelForCausalLM saved, ``language_model.``; an
-        MXFP4 tensor is stored as ``{name}_blocks`` and ``{name}_scales``)."""
+        MXFP4 tensor is stored as ``{name}_blocks`` and ``{name}_scales``; a multimodal checkpoint's text
+        model, ``multimodal.stored_names``)."""
         if name in self._where or self._mxfp4(name):
             return name
         bare = name.removeprefix("transformer.").removeprefix("language_model.")
-        return bare if bare in self._where else None
+        if bare in self._where:
+            return bare
+        return next((n for n in multimodal.stored_names(name) if n in self._where), None)  # gemma3's text
 
     def _mxfp4(self, name: str) -> bool:
         return name not in self._where and f"{name}_blocks" in self._where and f"{name}_scales" in self._where

@@ -23,23 +23,33 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     DeepseekV32Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneConfig,
     FalconH1Config,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GlmConfig,
     GlmMoeDsaConfig,
     GPT2Config,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    GraniteSWAConfig,
+    HeliumConfig,
     HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
+    InternLM3Config,
     Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
@@ -52,6 +62,7 @@ from transformers import (
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
+    PersimmonConfig,
     Phi3Config,
     PhiConfig,
     Qwen2Config,
@@ -59,10 +70,13 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    SarvamMoEConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
     StableLmConfig,
     Starcoder2Config,
+    VaultGemmaConfig,
 )
 
 from shardzoo import cli
@@ -89,7 +103,10 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa")  # models/hf/<name>.py
+                  "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa", "helium", "vaultgemma",
+                  "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
+                  "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
+                  "granite_swa")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -193,6 +210,29 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                           linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                           mlp_only_layers=[0]),
+    "helium": lambda: HeliumConfig(**DIMS, head_dim=8, attention_bias=True, mlp_bias=True),
+    "vaultgemma": lambda: VaultGemmaConfig(**DIMS, head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
+    "granitemoeshared": lambda: GraniteMoeSharedConfig(**DIMS, num_local_experts=4, shared_intermediate_size=16,
+                                                       embedding_multiplier=2.0),
+    "hunyuan_v1_moe": lambda: HunYuanMoEV1Config(**DIMS, head_dim=8, num_experts=4, moe_topk=2),
+    "dots1": lambda: Dots1Config(**(DIMS | dict(num_hidden_layers=3)), n_routed_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                                 sliding_window=4, max_window_layers=1),
+    "glm4_moe_lite": lambda: Glm4MoeLiteConfig(**{k: v for k, v in MLA.items() if k != "first_k_dense_replace"},
+                                               q_lora_rank=24,
+                                               mlp_layer_types=["dense", "sparse", "sparse"]),
+    "gptj": lambda: GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    "persimmon": lambda: PersimmonConfig(**{k: v for k, v in DIMS.items() if k != "num_key_value_heads"}),
+    "exaone": lambda: ExaoneConfig(**DIMS, attention_bias=True, eos_token_id=2, pad_token_id=0),
+    "solar_open": lambda: SolarOpenConfig(**{k: v for k, v in DIMS.items() if k != "intermediate_size"}, head_dim=8,
+                                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "internlm3": lambda: InternLM3Config(**DIMS, head_dim=8),
+    "flex_olmo": lambda: FlexOlmoConfig(**DIMS, num_experts=4, num_experts_per_tok=2, pad_token_id=None),
+    "sarvam_moe": lambda: SarvamMoEConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=8, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=16,
+                                          pad_token_id=1),  # GLM's export writes the eos id as pad
+    "granite_swa": lambda: GraniteSWAConfig(**(DIMS | dict(num_hidden_layers=3)), sliding_window=4,
+                                            layer_rope_theta=[10000.0, 0, 10000.0], bos_token_id=1, eos_token_id=2),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -230,8 +270,13 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     hf_dir = save_tiny(TINY[model_type](), tmp_path / "hf")
     config = load_hf_config(hf_dir)
     # Exports as the family it came from, but Phi-3 (Mistral's config with fused tensors) as
-    # Mistral unless the family is named (as a checkpoint records it).
-    assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text"}.get(model_type, model_type)
+    # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
+    # prefix as DeepSeek-V3, EXAONE 3 and InternLM3 as Llama, Solar Open (no dense layer, full rotary)
+    # and Sarvam-MoE as GLM-4.5.
+    assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text",
+                                             "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
+                                             "solar_open": "glm4_moe", "internlm3": "llama",
+                                             "sarvam_moe": "glm4_moe"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch

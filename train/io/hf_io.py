@@ -103,8 +103,10 @@ def _import_hf(hf_dir, out_dir, mesh, rules, dtype, scan_layers, model_type, fam
 
 def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=None,
               max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, step: int | None = None,
-              merge_lora: bool = False) -> dict:
-    """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files.
+              merge_lora: bool = False, into: str | None = None) -> dict:
+    """Write a run's (or checkpoint's) model as an HF dir, with the run's tokenizer files; with
+    ``into`` (the multimodal checkpoint it was imported from), that whole checkpoint with the
+    model as its language model (``models.hf.multimodal.write_full``).
 
     ``out_dir`` must be missing or empty unless ``overwrite``; it is locked while written. The
     newest restorable checkpoint is exported, or that of ``step``. A LoRA run's adapters are
@@ -112,6 +114,9 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
     mesh, rules = mesh_and_rules(mesh, rules)
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     check_empty_target(out_dir, "OUT_DIR", overwrite)
+    if into is not None:
+        into = resolve_model_dir(into, "--into")
+        hf.multimodal.original_config(into)
     source = open_source(checkpoint_dir, step=step, what="CHECKPOINT_DIR", accept=READS_RUNS)
     _, config, params = load_model(source, mesh, rules)
     tokenizer_spec = source.tokenizer
@@ -131,6 +136,8 @@ def export_hf(checkpoint_dir: str, out_dir: str, mesh=None, rules=None, dtype=No
                 src = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
                 if os.path.isdir(src):
                     copy_tokenizer_files(src, out_dir)
+            if into is not None and jax.process_index() == 0:
+                hf_config = hf.multimodal.write_full(out_dir, into, max_shard_bytes)
         except (OSError, SafetensorError) as e:
             _remove_new_entries(out_dir, before)
             raise _write_error(out_dir, e) from None

@@ -1,0 +1,39 @@
+"""Granite-MoE-Shared: Granite-MoE with a shared expert beside the routed ones in every layer
+(``shared_mlp``: a gated MLP ``shared_intermediate_size`` wide, its gate | up rows fused in
+``input_linear``, as the experts'); none when that width is 0.
+"""
+
+from __future__ import annotations
+
+from shardzoo.models.hf import granite, mixtral
+from shardzoo.models.hf.base import Family, HFConfig, Weight
+
+# GraniteMoeSharedConfig's fields and defaults (transformers 5.25)
+SCHEMA = granite.MOE_SCHEMA | dict(shared_intermediate_size=0)
+FEATURES = granite.GRANITE_MOE.features | {"shared_experts"}
+
+
+def from_hf(hf: HFConfig) -> dict:
+    return granite.moe_from_hf(hf) | dict(shared_expert_intermediate_size=hf.get("shared_intermediate_size"))
+
+
+def to_hf(a) -> dict:
+    return granite.moe_to_hf(a) | dict(shared_intermediate_size=a.shared_expert_intermediate_size)
+
+
+def layer_weights(a, spec) -> list[Weight]:
+    """Granite-MoE's, and the shared expert's fused ``input_linear`` (gate | up) and ``output_linear``."""
+    out = granite.moe_layer_weights(a, spec)
+    if a.shared_expert_intermediate_size:
+        x = granite.llama.LAYER + "shared_mlp."
+        out += [Weight(("shared_expert", "gate", "kernel"), x + "input_linear.weight", "linear", part=(0, 2)),
+                Weight(("shared_expert", "up", "kernel"), x + "input_linear.weight", "linear", part=(1, 2)),
+                Weight(("shared_expert", "down", "kernel"), x + "output_linear.weight", "linear")]
+    return out
+
+
+GRANITEMOESHARED = Family(
+    "granitemoeshared", ("granitemoeshared",), "GraniteMoeSharedForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
+    granite.llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
+    presets={"granite-moe-shared-tiny": granite.GRANITE_MOE.presets["granite-moe-tiny"]
+             | dict(shared_expert_intermediate_size=32)})
