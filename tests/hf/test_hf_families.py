@@ -50,6 +50,7 @@ from transformers import (
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
     InternLM3Config,
+    KimiLinearConfig,
     Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
@@ -103,7 +104,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "cohere", "arcee", "exaone4", "hunyuan", "seed_oss", "deepseek_v2",
                   "deepseek_v3", "gpt_oss", "llama4", "glm", "glm4_moe", "cohere2",
                   "stablelm", "ernie4_5", "apertus", "lfm2", "mamba2", "bamba",
-                  "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa", "helium", "vaultgemma",
+                  "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
                   "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
                   "granite_swa")  # models/hf/<name>.py
@@ -204,6 +205,13 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                         mamba_d_state=8, mamba_chunk_size=4, key_multiplier=0.5,
                                         ssm_multipliers=[0.5, 1.0, 2.0, 1.0, 0.25], mlp_multipliers=[1.5, 0.5]),
     # Gated DeltaNet layers beside output-gated attention, a dense layer then MoE with a shared expert
+    "kimi_linear": lambda: KimiLinearConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
+        first_k_dense_replace=1, num_expert_group=2, topk_group=1, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        linear_attn_config=dict(num_heads=2, head_dim=8, short_conv_kernel_size=4, kda_layers=[1, 2, 4],
+                                full_attn_layers=[3])),
     "qwen3_next": lambda: Qwen3NextConfig(**(DIMS | dict(num_hidden_layers=3)), head_dim=16,
                                           layer_types=["linear_attention", "linear_attention", "full_attention"],
                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,

@@ -23,8 +23,8 @@ from transformers import (
 
 from shardzoo import cli
 from shardzoo.models.hf import HFError, load_hf_config
-from shardzoo.train.io.sources import load_model_and_params
 from shardzoo.train.io.hf_io import load_hf
+from shardzoo.train.io.sources import load_model_and_params
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import TOKENS, TOL, apply, bpe_tokenizer, hf_logits, one_device, randomize, saved  # noqa: E402
