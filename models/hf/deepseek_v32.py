@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from shardzoo.models.arch import DENSE, MOE
 from shardzoo.models.hf import deepseek_v2, deepseek_v3, llama, mixtral
-from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.hf.base import Family, HFConfig, HFError, Weight
 from shardzoo.models.sparse_attention import INDEXED
 
 # DeepseekV32Config's fields and defaults (transformers 5.25)
@@ -46,6 +46,8 @@ def indexer_fields(hf: HFConfig) -> dict:
 def indexer_to_hf(a) -> dict:
     kinds = {v: k for k, v in KINDS.items()}
     i = a.indexer
+    if i is None:  # not this family's model (family_of_config tries each family's export)
+        raise HFError("DeepSeek Sparse Attention's config.json describes an indexer; this model has none")
     return dict(index_topk=i.topk, index_n_heads=i.n_heads, index_head_dim=i.head_dim,
                 mlp_layer_types=[kinds[s.mlp] for s in a.layer_specs()], layer_types=list(a.layer_types))
 
