@@ -75,6 +75,8 @@ BENCHES = (
           quick=("--lengths", "256,512", "--rounds", "1")),
     Bench("grpo", "GRPO: rollout tokens/s on the training mesh against the standalone decoding, and a step's "
           "time split into sampling, scoring and update", "bench_grpo.py", quick=("--quick",)),
+    Bench("distill", "a distillation step (teacher forward + student step; full vocabulary and top-k) against an "
+          "SFT step of the same student", "bench_distill.py", quick=("--rounds", "1")),
     Bench("advise", "`shardzoo advise` for llama3-8b on 256 devices, every preset: seconds (goal < 60); "
           "its collective bytes against the compiled step's", "bench_advise.py", quick=("--quick",)),
     Bench("gpu_mfu", "MFU of llama3.2-1b, bf16, cuDNN attention, one GPU", "gpu_mfu.py",
