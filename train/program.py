@@ -152,7 +152,7 @@ class Program:
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
-        self._old_logps_step = self._teacher_step = None
+        self._old_logps_step = self._teacher_step = self._teacher_program = None
         self._build_teacher(teacher, strict)
         self.reward_model = None  # GRPO's --reward-model: its own params-only Program (tasks/reward.py)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
@@ -388,9 +388,20 @@ class Program:
         return make_plan(self.report, self.mesh, self.config, micro_batch=self.micro_batch * self.task.rows_per_example, seq_len=seq_len,
                          optimizer_bytes=opt, gradient_bytes=grads, device_memory=device_memory,
                          name=name, workload=workload, reference_bytes=self.reference_bytes(),
-                         rollout_bytes=self.decoding.cache_bytes(self.batch_size, self.seq_len)
-                         if self.task.samples else None,  # GRPO, on-policy GKD: the sampler's cache
-                         reward_model_bytes=self.reward_model_bytes())
+                         rollout_bytes=self.rollout_bytes(), reward_model_bytes=self.reward_model_bytes())
+
+    def rollout_bytes(self) -> int | None:
+        """The sampler's decoding cache on one device (GRPO, on-policy GKD), else None; with ``--seq-kd``
+        the larger of the student's and the teacher's (a step samples with one of them)."""
+        samplers = ([self] if self.task.samples else []) + ([self.teacher_program()] if self.task.teacher_samples else [])
+        return max((p.decoding.cache_bytes(self.batch_size, self.seq_len) for p in samplers), default=None)
+
+    def teacher_program(self):
+        """The teacher as a params-only Program on this run's rules and mesh (``--seq-kd`` samples with it)."""
+        if self._teacher_program is None:
+            self._teacher_program = Program(self.teacher_config, self.rules, self.mesh, batch_size=self.batch_size,
+                                            seq_len=self.seq_len)
+        return self._teacher_program
 
     def reward_model_bytes(self) -> int | None:
         """GRPO's ``--reward-model``: its params' bytes on one device; None without one."""

@@ -84,9 +84,7 @@ def first_step_loss(setup, host) -> float:
 def gkd_batch(hf, setup, step=0, **kw):
     """``GKDTrainer.batch`` of the first prompts, on a stand-in for the trainer."""
     data = gkd_data(settings(hf, **kw), setup.tokenizer)
-    trainer = types.SimpleNamespace(train_data=data, program=setup.program, reference_params=setup.teacher_params,
-                                    _teacher_decoder=None)
-    trainer.teacher_decoder = functools.partial(GKDTrainer.teacher_decoder, trainer)
+    trainer = types.SimpleNamespace(train_data=data, program=setup.program, reference_params=setup.teacher_params)
     indices = next(data)
     host, metrics = GKDTrainer.batch(trainer, setup.params, indices, step)
     return data, indices, host, metrics
@@ -211,6 +209,17 @@ def test_plan_counts_the_samplers_cache_of_on_policy_distillation(capsys):
     on = json.loads(capsys.readouterr().out)["totals"]
     assert "rollouts" not in off and on["rollouts"] > 0 and on["reference"] == off["reference"] > 0
     assert on["total"] == off["total"] - (off["activations"] or 0) + max(on["activations"] or 0, on["rollouts"])
+    # --seq-kd: the teacher samples the other steps; a teacher with a larger cache (qwen3-tiny: more
+    # layers or heads than llama-tiny's) sets the rollouts' bytes, a smaller one leaves the student's
+    assert main([*argv, "--lmbda", "0.5", "--seq-kd"]) == 0
+    kd = json.loads(capsys.readouterr().out)["totals"]
+    from shardzoo.models import get_config
+    from shardzoo.models.costs import decode_cache_bytes
+
+    caches = {m: sum(decode_cache_bytes(get_config(m).arch, 8, 16, 4).values()) for m in ("llama-tiny", "qwen3-tiny")}
+    assert caches["qwen3-tiny"] > 1.5 * caches["llama-tiny"]  # the teacher's cache is the larger here
+    assert kd["rollouts"] == pytest.approx(on["rollouts"] * caches["qwen3-tiny"] / caches["llama-tiny"], rel=1e-3)
+    assert kd["total"] == off["total"] - (off["activations"] or 0) + max(on["activations"] or 0, kd["rollouts"])
 
 
 def test_a_bad_row_of_an_on_policy_run_is_one_line(hf, capsys):

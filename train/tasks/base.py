@@ -63,6 +63,7 @@ class Task:
     rows_per_example = 1
     has_sequence = True
     samples = False
+    teacher_samples = False  # distillation whose teacher samples completions too (--seq-kd)
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         """The batch's entries for ``batch_size`` rows of ``seq_len`` tokens each."""

@@ -63,6 +63,7 @@ class DistillTask(Task):
     temperature: float = 1.0
     top_k: int = 0  # 0: the whole vocabulary
     samples: bool = False  # on-policy (``--lmbda``/``--seq-kd``, ``train/tasks/gkd.py``): completions sampled each step
+    teacher_samples: bool = False  # ``--seq-kd``: the teacher samples the steps the student does not
 
     @property
     def tiles_head(self) -> bool:
@@ -90,9 +91,11 @@ class DistillTask(Task):
         return {"loss": jnp.sum(loss * weights), "weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 
-def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0, samples: bool = False) -> DistillTask:
+def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0, samples: bool = False,
+                 teacher_samples: bool = False) -> DistillTask:
     """The ``distill`` task; ``beta`` in [0, 1], ``temperature`` > 0, ``top_k`` >= 0 (TRL's names);
-    ``samples``: on-policy, its completions sampled while training (the plan counts the sampler's cache)."""
+    ``samples``: on-policy, its completions sampled while training (the plan counts the sampler's cache);
+    ``teacher_samples``: the teacher samples too (``--seq-kd``; the plan counts the larger cache)."""
     if not 0.0 <= beta <= 1.0:
         raise UserError(f"--beta {beta} must be between 0 (forward KL) and 1 (reverse KL) for --task distill")
     if temperature <= 0:
@@ -100,7 +103,8 @@ def distill_task(beta: float = 0.0, temperature: float = 1.0, top_k: int = 0, sa
     if top_k < 0:
         raise UserError(f"--distill-top-k {top_k} must be 0 (the whole vocabulary) or positive")
     return DistillTask("distill", "tokens", "distill_loss", has_accuracy=True, has_perplexity=False,
-                       beta=beta, temperature=temperature, top_k=top_k, samples=bool(samples))
+                       beta=beta, temperature=temperature, top_k=top_k, samples=bool(samples),
+                       teacher_samples=bool(teacher_samples))
 
 
 def teacher_config(spec: str):
@@ -128,7 +132,8 @@ class DistillRun(RunTask):
 
     def task(self, cfg, config):
         language_model_only(cfg, config)
-        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k, samples=cfg.on_policy), "teacher"
+        return distill_task(cfg.beta or 0.0, cfg.temperature, cfg.distill_top_k, samples=cfg.on_policy,
+                            teacher_samples=cfg.seq_kd), "teacher"
 
     def teacher(self, cfg, config):
         return teacher_config(cfg.teacher)

@@ -25,7 +25,6 @@ import numpy as np
 from shardzoo.data.errors import DataError
 from shardzoo.data.prompts import PromptIterator, tokenize_prompts
 from shardzoo.errors import UserError
-from shardzoo.train.program import Program
 from shardzoo.train.tasks.reward_functions import completion_lengths, left_pad, rollout_rows
 from shardzoo.train.tasks.rollouts import completion_length, sampler_key
 from shardzoo.train.trainer import Trainer
@@ -137,7 +136,6 @@ def gkd_data(cfg, tokenizer) -> GKDData:
 class GKDTrainer(Trainer):
     """The Trainer of on-policy distillation: each step's completions written, then the step."""
 
-    _teacher_decoder = None
 
     def train_step(self, state, indices) -> tuple:
         step = int(jax.device_get(state.step))
@@ -152,7 +150,7 @@ class GKDTrainer(Trainer):
         mode = data.mode(step)
         sample = None
         if mode != "data":
-            program = self.program if mode == "student" else self.teacher_decoder()
+            program = self.program if mode == "student" else self.program.teacher_program()
             weights = params if mode == "student" else self.reference_params
             sample = lambda prompt, lengths: program.decoding.generate(  # noqa: E731
                 weights, prompt, lengths, max_new_tokens=data.completion, key=data.key(step),
@@ -161,11 +159,3 @@ class GKDTrainer(Trainer):
         lengths = host["weights"].sum(1)
         return host, {"on_policy": float(mode == "student"), "completions/mean_length": float(lengths.mean())}
 
-    def teacher_decoder(self):
-        """A params-only Program of the teacher (its config, the run's rules and mesh), for
-        ``--seq-kd``'s sampling with the teacher's params (placed as the program's teacher)."""
-        if self._teacher_decoder is None:
-            p = self.program
-            self._teacher_decoder = Program(p.teacher_config, p.rules, p.mesh, batch_size=p.batch_size,
-                                            seq_len=p.seq_len)
-        return self._teacher_decoder
