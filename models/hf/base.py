@@ -130,6 +130,18 @@ class HFConfig:
 
 
 # ------------------------------------------------------------------------------- config.json
+def renamed(weights: list, names: tuple[tuple[str, str], ...]) -> list:
+    """``weights`` with each ``(old, new)`` substring of their HF names replaced, in order: a family
+    that stores another family's tensors under its own names."""
+    out = []
+    for w in weights:
+        name = w.name
+        for old, new in names:
+            name = name.replace(old, new)
+        out.append(dataclasses.replace(w, name=name))
+    return out
+
+
 def read_hf_config(hf_dir: str) -> dict:
     """The parsed ``config.json`` of an HF model directory; of a multimodal checkpoint, its text
     model's (multimodal.py), said once on stderr."""

@@ -7,10 +7,8 @@ q/k/v/o biases, and ``mlp_bias``.
 
 from __future__ import annotations
 
-import dataclasses
-
 from shardzoo.models.hf import llama
-from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.hf.base import Family, HFConfig, Weight, renamed
 
 # ExaoneConfig's fields and defaults (transformers 5.25: LlamaConfig's but these)
 SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k != "pretraining_tp"}
@@ -35,13 +33,7 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def _renamed(ws: list[Weight]) -> list[Weight]:
-    out = []
-    for w in ws:
-        name = w.name
-        for old, new in _NAMES:
-            name = name.replace(old, new)
-        out.append(dataclasses.replace(w, name=name))
-    return out
+    return renamed(ws, _NAMES)
 
 
 def global_weights(a) -> list[Weight]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardzoo.models.hf import glm4_moe, llama, mixtral
-from shardzoo.models.hf.base import Family, HFConfig, Weight, rope
+from shardzoo.models.hf.base import Family, HFConfig, Weight, renamed, rope
 
 # SarvamMoEConfig's fields and defaults (transformers 5.25: Glm4MoeConfig's but these)
 SCHEMA = ({k: v for k, v in glm4_moe.SCHEMA.items() if k != "num_nextn_predict_layers"}
@@ -36,13 +36,7 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def _renamed(ws: list[Weight]) -> list[Weight]:
-    out = []
-    for w in ws:
-        name = w.name
-        for old, new in _NAMES:
-            name = name.replace(old, new)
-        out.append(dataclasses.replace(w, name=name))
-    return out
+    return renamed(ws, _NAMES)
 
 
 def global_weights(a) -> list[Weight]:
