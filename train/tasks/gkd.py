@@ -23,10 +23,9 @@ import jax
 import numpy as np
 
 from shardzoo.data.errors import DataError
-from shardzoo.data.prompts import PromptIterator, tokenize_prompts
-from shardzoo.errors import UserError
+from shardzoo.data.prompts import PromptIterator
 from shardzoo.train.tasks.reward_functions import completion_lengths, left_pad, rollout_rows
-from shardzoo.train.tasks.rollouts import completion_length, sampler_key
+from shardzoo.train.tasks.rollouts import sampler_key, train_prompts
 from shardzoo.train.trainer import Trainer
 
 COMPLETION = "completion"
@@ -115,16 +114,8 @@ class GKDData:
 def gkd_data(cfg, tokenizer) -> GKDData:
     """The ``GKDData`` of a run's settings: its prompts (and completions, where the data's are
     used) read and tokenized, one-line errors naming the data, row and column."""
-    from shardzoo.data import load_source
 
-    completion = completion_length(cfg)
-    width = cfg.seq_len - completion
-    if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
-        raise UserError(f"--max-prompt-length {cfg.max_prompt_length} must be from 1 to --seq-len - "
-                        f"--max-completion-length = {width}")
-    prompts = tokenize_prompts(load_source(cfg.data), tokenizer, cfg.data,
-                               max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
-                               skip_bad=cfg.skip_missing)
+    prompts, width, completion = train_prompts(cfg, tokenizer)
     completions = None
     if cfg.lmbda < 1 and not cfg.seq_kd:
         completions = completion_tokens(prompts, tokenizer, cfg.data, completion)

@@ -56,6 +56,22 @@ def completion_length(cfg) -> int:
     return cfg.max_completion_length or cfg.seq_len // 2
 
 
+
+def train_prompts(cfg, tokenizer):
+    """``(prompts, prompt width, completion length)`` of a sampling run's ``--data``: the prompt
+    width is ``--seq-len`` less ``--max-completion-length``, which ``--max-prompt-length`` must fit."""
+    from shardzoo.data import load_source
+
+    completion = completion_length(cfg)
+    width = cfg.seq_len - completion
+    if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
+        raise UserError(f"--max-prompt-length {cfg.max_prompt_length} must be from 1 to --seq-len - "
+                        f"--max-completion-length = {width}")
+    prompts = tokenize_prompts(load_source(cfg.data), tokenizer, cfg.data,
+                               max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
+                               skip_bad=cfg.skip_missing)
+    return prompts, width, completion
+
 def rollout_layout(cfg, config):
     """The model GRPO trains: its layers unrolled unless ``--override scan_layers=...`` says
     otherwise. The rollouts decode the train state's own params, and decoding runs the layers
@@ -217,14 +233,7 @@ def rollout_data(cfg, tokenizer, program=None) -> Rollouts:
     functions = [load_reward_function(spec) for spec in cfg.reward_funcs]
     if getattr(cfg, "reward_model", None):
         functions.append(reward_model_function(cfg.reward_model, program.reward_model, tokenizer))
-    completion = completion_length(cfg)
-    width = cfg.seq_len - completion
-    if cfg.max_prompt_length is not None and not 1 <= cfg.max_prompt_length <= width:
-        raise UserError(f"--max-prompt-length {cfg.max_prompt_length} must be from 1 to --seq-len - "
-                        f"--max-completion-length = {width}")
-    prompts = tokenize_prompts(load_source(cfg.data), tokenizer, cfg.data,
-                               max_prompt_length=cfg.max_prompt_length or width, add_bos=cfg.add_bos,
-                               skip_bad=cfg.skip_missing)
+    prompts, width, completion = train_prompts(cfg, tokenizer)
     eval_prompts = None
     if cfg.eval_data:
         eval_prompts = tokenize_prompts(load_source(cfg.eval_data), tokenizer, cfg.eval_data,
