@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/program_
 from program_step import one_device_program, packed_batch, stepper  # noqa: E402
 
 from shardzoo.models import get_model  # noqa: E402
+from shardzoo.models.costs import POLICY_TERMS  # noqa: E402
+from shardzoo.models.execution import REMAT_POLICIES  # noqa: E402
 from shardzoo.sharding.plan import first_fit  # noqa: E402
 from shardzoo.train.xla_flags import XLA_PRESETS, apply_xla_preset  # noqa: E402
 
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
                         help="attention_impl (default: cudnn on a GPU, xla with --tiny, else the config's auto)")
     parser.add_argument("--override", action="append", default=[], metavar="K=V",
                         help="a config field (as `shardzoo train --override`), e.g. moe_dispatch=gmm; repeatable")
+    parser.add_argument("--policy", action="append", default=[], metavar="NAME=LABEL+LABEL",
+                        help="register a remat policy saving these checkpoint names (an ablation of a built-in one, "
+                             "e.g. save_qkv_mlp less its splash residuals); use NAME in --candidates")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -118,6 +123,10 @@ def main(argv=None) -> int:
     args.xla_preset = args.xla_preset or ("gpu-overlap" if gpu else "none")
     xla_flags = apply_xla_preset(args.xla_preset)  # before the first device query starts XLA
 
+    for item in args.policy:
+        name, _, labels = item.partition("=")
+        REMAT_POLICIES[name] = jax.checkpoint_policies.save_only_these_names(*labels.split("+"))
+        POLICY_TERMS[name] = ("block_input", *labels.split("+"))
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     overrides = dict(dtype="bfloat16", param_dtype=args.param_dtype)

@@ -35,6 +35,10 @@ ROWS = (
      ("attention_impl=xla",)),
     ("ablation-loss", "llama3.2-1b", "2x2048:save_qkv_mlp,2x2048:save_attn_mlp,2x2048:full", ("tiled_loss=off",)),
     ("ablation-remat", "llama3.2-1b", "4x2048:full", ()),
+    ("ablation-residuals", "llama3.2-1b", "2x2048:recompute_kernel",
+     ("--policy=recompute_kernel=query+key+value+mlp_gate+mlp_up",)),
+    ("llama-bq1024", "llama3.2-1b", "2x2048:save_qkv_mlp", ("splash_block_q=1024",)),
+    ("llama-bq2048", "llama3.2-1b", "2x2048:save_qkv_mlp", ("splash_block_q=2048",)),
     ("ablation-gmm", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full",
      (*MOE, "moe_dispatch=indexed")),
     # the candidates the rows above were chosen from
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.join(HERE, "gpu_mfu.py"), "--model", model, "--param-dtype", "bfloat16",
                "--candidates", candidates, "--steps", args.steps, "--out", f"/tmp/tpu_mfu_{name}.md"]
         for kv in (*overrides, *extra.get(name, ())):
-            cmd += ["--override", kv]
+            cmd += [kv] if kv.startswith("--") else ["--override", kv]  # a flag of gpu_mfu's, else a field
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

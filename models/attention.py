@@ -253,7 +253,7 @@ class Attention(nn.Module):
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
         if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
-                                   chunk=chunk, logit_cap=cap, placement=placement)
+                                   chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
         elif decode and length == 1:
@@ -463,6 +463,9 @@ def activations(cost, spec=None) -> dict:
     out = {"query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
            "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
            "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
+    if _flash(cost) and attention_kernel(cost.config, jnp.dtype(e.dtype), length) == "splash":
+        # the kernel's output (head_dim as it gets it) and float32 log-sum-exp (splash.RESIDUALS)
+        out["attn_kernel"] = t(h * splash.padded_width(dv), BLHD) + t(h, BLHD, 4)
     if a.latent:
         lat = a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
         out.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),

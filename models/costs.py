@@ -136,7 +136,7 @@ POLICY_TERMS = {
     "dots_saveable": _DOTS + ("scores", "attn_context"),
     "dots_with_no_batch_dims_saveable": _DOTS,
     "save_attn_mlp": ("block_input", "attn_context", "mamba_context", "mlp_hidden", "shared_hidden"),
-    "save_qkv_mlp": ("block_input", "query", "key", "value", "mlp_gate", "mlp_up"),
+    "save_qkv_mlp": ("block_input", "query", "key", "value", "attn_kernel", "mlp_gate", "mlp_up"),
 }
 # Terms that only a remat policy saves (autodiff without remat does not keep them).
 _POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")

@@ -26,10 +26,12 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attn_mlp": jax.checkpoint_policies.save_only_these_names("attn_context", "mlp_hidden"),
-    # the inputs of everything but the matmuls: the backward recomputes attention (splash: its
-    # forward kernel) and the MLP's activation, never a projection (MaxText's save_qkv_proj and
-    # save_dot_except_mlp between them)
-    "save_qkv_mlp": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "mlp_gate", "mlp_up"),
+    # the inputs of everything but the matmuls, and the splash kernel's output and log-sum-exp
+    # (models/splash.py RESIDUALS): the backward recomputes the MLP's activation and XLA
+    # attention's scores, never a projection nor splash's forward kernel (MaxText's
+    # save_qkv_proj and save_dot_except_mlp between them)
+    "save_qkv_mlp": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_kernel", "mlp_gate",
+                                                                  "mlp_up"),
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 # What ``shardzoo train --remat auto`` tries, fastest first: by the FLOPs each recomputes per
@@ -58,6 +60,7 @@ class Execution:
     # "auto" (cuDNN on GPU, splash on TPU, where each can), "xla", "cudnn", "splash" (Pallas, TPU;
     # interpreted elsewhere; models/splash.py says which layers and lengths it leaves to XLA)
     attention_impl: str = "auto"
+    splash_block_q: int | None = None  # splash's query tile (MaxText's sa_block_q); None: 512 or what divides
     context_attention: str = "ring"  # under context parallelism: "ring" or "all_gather" K/V
     fuse_projections: bool = True  # k|v and up|gate as one matmul each (parameters unchanged)
     # tokens per chunk of the gated delta rule (models/linear_attention.py): parallel within a
@@ -117,4 +120,8 @@ class Execution:
         if isinstance(self.vocab_pad_multiple, bool) or not isinstance(self.vocab_pad_multiple, int) \
                 or self.vocab_pad_multiple < 1:
             raise ModelError(f"vocab_pad_multiple={self.vocab_pad_multiple!r} must be an integer >= 1 (1: no padding)")
+        block = self.splash_block_q
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 128 or block % 128):
+            raise ModelError(f"splash_block_q={block!r} must be a multiple of 128 (the kernel's lanes), or null: "
+                             "512 or the largest of 256, 128 that divides the length")
         check_lora(self)

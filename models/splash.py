@@ -33,6 +33,9 @@ from shardzoo.sharding import axes as ax
 
 LANES = 128  # the kernel's blocks along the length are multiples of this
 _BLOCKS = (512, 256, 128)
+# the checkpoint name of the forward kernel's output and log-sum-exp, all its backward needs
+# beside q, k, v: a remat policy that saves them (save_qkv_mlp) never reruns the forward kernel
+RESIDUALS = "attn_kernel"
 
 
 def serves(arch) -> str | None:
@@ -49,7 +52,7 @@ def block_size(length: int) -> int | None:
     return next((b for b in _BLOCKS if length % b == 0), None)
 
 
-def _padded(head_dim: int) -> int:
+def padded_width(head_dim: int) -> int:
     """The head width the kernel gets: 64 or a multiple of 128 as is, else the next multiple of 128."""
     return head_dim if head_dim == 64 or head_dim % LANES == 0 else -(-head_dim // LANES) * LANES
 
@@ -70,19 +73,20 @@ def _mask(length, heads, window):
     return sm.MultiHeadMask([one] * heads)
 
 
-def _local(q, k, v, seg, *, window, cap, interpret):
+def _local(q, k, v, seg, *, window, cap, block_q, interpret):
     """On one device: q [batch, length, heads, head_dim], k, v [batch, length, kv_heads, head_dim]
     (head_dim already the kernel's), seg [batch, length] or None."""
     batch, length, heads, _ = q.shape
     kv_heads = k.shape[2]
     b = block_size(length)
+    bq = block_q if block_q and length % block_q == 0 else b
     # one backward kernel for dq and dk/dv (MaxText's sa_use_fused_bwd_kernel): the attention
     # probabilities are recomputed once in the backward, not once per gradient
-    blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+    blocks = sk.BlockSizes(block_q=bq, block_kv=b, block_kv_compute=b, block_q_dkv=bq, block_kv_dkv=b,
                            block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
     make = sk.make_splash_mqa if kv_heads == 1 else sk.make_splash_mha
-    kernel = make(_mask(length, heads, window), block_sizes=blocks, head_shards=1,
-                  q_seq_shards=1, attn_logits_soft_cap=cap, interpret=interpret)
+    kernel = make(_mask(length, heads, window), block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                  attn_logits_soft_cap=cap, residual_checkpoint_name=RESIDUALS, interpret=interpret)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [batch, heads|kv_heads, length, head_dim]
     if kv_heads == 1:
         k, v = k[:, 0], v[:, 0]  # [batch, length, head_dim]
@@ -94,21 +98,22 @@ def _local(q, k, v, seg, *, window, cap, interpret):
 
 
 def splash_attention(q, k, v, segment_ids, positions, *, scale, sliding_window=None, chunk=None,
-                     logit_cap=None, placement=None, interpret=None):
+                     logit_cap=None, placement=None, block_q=None, interpret=None):
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads,
     head_dim] by the splash kernel; equal to ``attention_mask``'s (by position within packed
-    segments) plus ``xla_attention``. Needs ``block_size(length)``. ``interpret``: None runs
-    Pallas' interpreter anywhere but on a TPU."""
+    segments) plus ``xla_attention``. Needs ``block_size(length)``. ``block_q``: the query tile
+    where it divides the length (None: ``block_size``). ``interpret``: None runs Pallas'
+    interpreter anywhere but on a TPU."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     dim = q.shape[-1]
-    width = _padded(dim)
+    width = padded_width(dim)
     q = q * jnp.asarray(scale, q.dtype)
     if width != dim:  # zeros add nothing to q.k; the padded value features are dropped below
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
     seg = _chunk_segments(segment_ids, positions, chunk) if chunk else segment_ids
-    fn = functools.partial(_local, window=sliding_window, cap=logit_cap, interpret=interpret)
+    fn = functools.partial(_local, window=sliding_window, cap=logit_cap, block_q=block_q, interpret=interpret)
     if placement is None:
         out = fn(q, k, v, seg)
     else:

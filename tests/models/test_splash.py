@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from shardzoo.models import ModelError, get_model
 from shardzoo.models import attention as attn
 from shardzoo.models.attention import attention_kernel, attention_mask, xla_attention
-from shardzoo.models.splash import _padded, shard_spec, splash_attention
+from shardzoo.models.splash import padded_width, shard_spec, splash_attention
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.config import TrainConfig
@@ -77,7 +77,7 @@ def test_splash_output_and_gradients_equal_xla(case):
     close(got, want, "output")
     for name, a, b in zip("qkv", grads, ref, strict=True):
         close(a, b, f"d{name}")
-    assert _padded(dim) == (128 if dim == 80 else dim)
+    assert padded_width(dim) == (128 if dim == 80 else dim)
 
 
 def test_auto_picks_splash_on_tpu_only_and_leaves_sinks_and_odd_lengths_to_xla(monkeypatch):
@@ -174,3 +174,56 @@ def test_train_step_loss_with_splash_equals_xla():
     xla = losses("xla")
     assert xla[1] != xla[0]
     np.testing.assert_allclose(losses("splash"), xla, rtol=0, atol=1e-5)
+
+
+def _scanned_grads(policy, block_q=None):
+    """Gradients of a 3-layer scan of splash attention under ``policy`` (q, k, v by name, as the
+    Attention module names them) and the compiled program's while loops (the scan's and each
+    interpreted kernel's)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    seg, pos = packed(5)
+
+    def layer(x, w):
+        q, k, v = (checkpoint_name(jnp.einsum("bld,dhe->blhe", x, w[i]), n)
+                   for i, n in enumerate(("query", "key", "value")))
+        out = splash_attention(q, k, v, seg, pos, scale=0.125, block_q=block_q)
+        return x + out.reshape(x.shape), None
+
+    def loss(ws, x):
+        y, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), x, ws)
+        return jnp.sum(y ** 2)
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(B, L, H * 64)), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=(3, 3, H * 64, H, 64)) * 0.05, jnp.float32)
+    step = jax.jit(jax.grad(loss))
+    return step(ws, x), step.lower(ws, x).compile().as_text().count(" while(")
+
+
+def test_save_qkv_mlp_keeps_the_kernels_residuals_so_the_backward_never_reruns_its_forward():
+    from shardzoo.models.execution import REMAT_POLICIES
+
+    names = jax.checkpoint_policies.save_only_these_names
+    saved, loops = _scanned_grads(REMAT_POLICIES["save_qkv_mlp"])
+    recomputed, loops_before = _scanned_grads(names("query", "key", "value"))
+    # the forward scan, its kernel, the backward scan, its kernel; recomputing adds one more
+    assert (loops, loops_before) == (4, 5)
+    close(saved, recomputed, "gradients")
+    tiled, _ = _scanned_grads(REMAT_POLICIES["save_qkv_mlp"], block_q=256)  # one 256-query tile a row
+    close(tiled, recomputed, "block_q=256")
+
+
+def test_splash_block_q_must_be_a_multiple_of_128():
+    with pytest.raises(ModelError, match=r"splash_block_q=192 must be a multiple of 128"):
+        get_model("llama-tiny", splash_block_q=192)
+
+
+def test_plan_counts_the_kernels_residuals_where_save_qkv_mlp_keeps_them():
+    """The plan's per-layer term: the kernel's output at its head width, float32 log-sum-exp."""
+    _, cfg = get_model("llama-tiny", attention_impl="splash", remat_policy="save_qkv_mlp")
+    est = cfg.activation_estimate(2, 256, lambda names: 1)
+    heads, width = cfg.arch.num_attention_heads, padded_width(cfg.head_size)
+    assert est.terms["attn_kernel"] == 2 * 256 * heads * (width * 4 + 4)  # float32 compute here
+    _, xla = get_model("llama-tiny", attention_impl="xla", remat_policy="save_qkv_mlp")
+    assert "attn_kernel" not in xla.activation_estimate(2, 256, lambda names: 1).terms
