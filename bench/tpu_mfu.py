@@ -43,7 +43,7 @@ ROWS = (
      (*MOE, "moe_dispatch=indexed")),
     # the candidates the rows above were chosen from
     ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
-    ("gemma-qkv", "gemma-3-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
+    ("gemma-qkv", "gemma-3-1b", "3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
     ("llama-none", "llama3.2-1b", "2x2048:none,1x2048:none", ()),
     ("llama-b8", "llama3.2-1b", "8x2048:full", ()),
