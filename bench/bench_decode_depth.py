@@ -44,8 +44,9 @@ def nbytes(tree) -> int:
     return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, hbm: float) -> dict:
-    """Compile seconds, tokens/s and the fraction of the bandwidth bound of one ``generate``."""
+def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, hbm: float, profile=None) -> dict:
+    """Compile seconds, tokens/s and the fraction of the bandwidth bound of one ``generate``;
+    ``profile``: a trace directory, where the device time of one more call went (printed)."""
     _, config = get_model(name, **overrides)
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     params = program.init(np.asarray(jax.random.PRNGKey(0), np.uint32)).params
@@ -61,6 +62,11 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
         program.decoding.generate(params, prompt, max_new_tokens=new)
         times.append(time.perf_counter() - t)
     run_s = min(times)
+    if profile:
+        from profile_ops import profile_ops
+
+        print(profile_ops(lambda: program.decoding.generate(params, prompt, max_new_tokens=new), steps=1,
+                          trace_dir=profile, top=30), flush=True)
     cache, _ = program.decoding.cache_shardings(batch, prompt_len + new)
     step_bytes = nbytes(params) + nbytes(cache)
     bound = batch * hbm / step_bytes  # tokens/s if each step only read weights and cache once
@@ -79,20 +85,24 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="compute and param dtype")
     parser.add_argument("--hbm", type=float, default=819e9, help="memory bandwidth, bytes/s")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="trace one more call of each row into DIR/ROW and print its device ops (bench/profile_ops.py)")
+    parser.add_argument("--scan", default="both", choices=("both", "scan", "unroll"), help="which decoding layers")
     args = parser.parse_args()
     tiny = args.models == "llama-tiny"
     rows = []
     for name in args.models.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                for scan in (True, False):
+                for scan in {"both": (True, False), "scan": (True,), "unroll": (False,)}[args.scan]:
                     overrides = dict(decode_layers="scan" if scan else "unroll", dtype=args.dtype,
                                      param_dtype=args.dtype)
                     if tiny:
                         overrides.update(TINY, max_position_embeddings=args.prompt + args.new)
                     if layers:
                         overrides["num_hidden_layers"] = layers
-                    r = measure(name, overrides, batch, args.prompt, args.new, args.hbm)
+                    trace = args.profile and os.path.join(args.profile, f"{name}_{layers}_{batch}_{scan}")
+                    r = measure(name, overrides, batch, args.prompt, args.new, args.hbm, trace)
                     rows.append(f"| {name} | {r['layers']} | {batch} | {'scanned' if scan else 'unrolled'} | "
                                 f"{r['compile_s']:.1f} | {r['rate']:,.0f} | {r['of_bound']:.1%} | "
                                 f"{r['weights_mb']:,.1f} | {r['cache_mb']:,.1f} |")

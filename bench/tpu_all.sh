@@ -4,7 +4,7 @@
 #
 #   bash bench/tpu_all.sh install tests              # the machine's install, then tests/tpu
 #   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
-#   bash bench/tpu_all.sh install decode:llama3.2-1b moe
+#   bash bench/tpu_all.sh install decode:llama3.2-1b moe decodeprof:llama3.2-1b:32:scan
 #   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
 #
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
@@ -43,6 +43,11 @@ for part in "$@"; do
     decode:*)
       timeout 400 python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \
         --prompt 128 --new 256 --layers 0 --out "$out/tpu_decode_${part#decode:}.md" 2>&1 | tail -20
+      ;;
+    decodeprof:*)  # decodeprof:MODEL:BATCH:scan|unroll -- where a generate call's device time goes
+      IFS=: read -r _ model batch mode <<< "$part"
+      timeout 400 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
+        --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace 2>&1 | tail -60
       ;;
     moe)
       JAX_PLATFORMS=tpu timeout 300 python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \
