@@ -170,22 +170,32 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
     return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
 
-def one_query_attention(q, k, v, mask, scale):
+def one_query_attention(q, k, v, mask, scale, k_new=None, v_new=None):
     """Attention of one new token per row over the cache (a decoding step) as multiply-and-sum
     over the cache's own layout: a dot_general would transpose the whole cache to put its
     batch and head axes first, every layer and every step. Softmax in float32.
 
     q: [batch, 1, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim]; mask: bool
-    [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
+    [batch, 1, 1, k_len]. ``k_new``, ``v_new`` [batch, 1, kv_heads, head_dim]: the token's own
+    key and value, seen beside the cache as it was before them (so a decoding step reads the
+    cache and never a copy with the token written in). Returns [batch, 1, heads, head_dim].
     """
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, 1, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
     scores = jnp.sum(q * k[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, k_len, kv_heads, group]
     scores = jnp.where(mask[:, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
-    ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
-    return ctx.reshape(batch, 1, heads, v.shape[-1])
+    if k_new is None:
+        probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+        ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
+        return ctx.reshape(batch, 1, heads, v.shape[-1])
+    own = jnp.sum(q * k_new[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, 1, kv_heads, group]
+    top = jnp.maximum(jnp.max(scores, axis=1, keepdims=True), own)
+    weights, weight = jnp.exp(scores - top), jnp.exp(own - top)
+    total = jnp.sum(weights, axis=1) + weight[:, 0]  # [batch, kv_heads, group]
+    ctx = jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, :, None, :], axis=1, dtype=jnp.float32)
+    ctx = (ctx + weight[:, 0, ..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)) / total[..., None]
+    return ctx.astype(v.dtype).reshape(batch, 1, heads, v.shape[-1])
 
 
 class Attention(nn.Module):
@@ -246,7 +256,8 @@ class Attention(nn.Module):
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
         if decode:
-            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            new_k, new_v = k, v
+            (k, v, mask), before = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -257,7 +268,7 @@ class Attention(nn.Module):
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
         elif decode and length == 1:
-            ctx = one_query_attention(q, k, v, mask, scale)
+            ctx = one_query_attention(q, *before, scale, k_new=new_k, v_new=new_v)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism
@@ -365,7 +376,10 @@ class Attention(nn.Module):
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
-        """Write this chunk's keys/values at the cache index; mask over the whole cache."""
+        """Write this chunk's keys/values at the cache index. Returns (keys, values, mask) of the
+        whole cache after the write, and (keys, values, mask) of the cache before it (each slot
+        the chunk writes still empty, so hidden): a one-token step attends to those and to its
+        own key (``one_query_attention``), never reading the cache it wrote."""
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
         ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
@@ -374,18 +388,16 @@ class Attention(nn.Module):
         index = self._cached("cache_index", (), (), jnp.int32)  # a scalar (a layers axis when scanned)
         seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
         i = index.value
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
-        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
-        index.value = i + length
         cache_len = ck.value.shape[1]
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
-        return ck.value, cv.value, mask
-
-
+        before = (ck.value, cv.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
+        cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
+        index.value = i + length
+        return (ck.value, cv.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)), before
 
 
 # ------------------------------------------------------------------------------ the component
