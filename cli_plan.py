@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 
 from shardzoo.errors import UserError
-from shardzoo.train.config import OPTIMIZERS, TASKS
+from shardzoo.train.config import OPTIMIZERS
+from shardzoo.train.tasks.settings import TASKS
 
 
 # --------------------------------------------------------------------------- plan

@@ -9,6 +9,10 @@ class UserError(ValueError):
     """Bad input from the user; the message names what the user controls."""
 
 
+class ConfigError(UserError):
+    """A bad training setting: a flag value, a --config file or a key in it."""
+
+
 class EnvironmentFault(RuntimeError):
     """The machine failed the command (a full disk, a lost file system), not the user's input.
 

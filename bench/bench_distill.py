@@ -3,7 +3,7 @@
 The student is bench_transformer.py's Llama (hidden 512, 4 layers, vocab 8192, float32); the
 teacher a Qwen2 twice as deep with the same vocabulary. The SFT row is the language-model step
 ``shardzoo train`` runs; the distillation rows are ``--task distill``'s: the teacher's compiled
-forward (``Program.compiled_teacher_step``, its logits a float32 batch entry) and then the
+forward (``Program.teacher.compiled_step``, its logits a float32 batch entry) and then the
 student's step on them, full vocabulary (forward KL, ``beta`` 0) and top-k 64. Interleaved rounds
 (every row once per round) after a warm-up, medians and ratios to SFT.
 
@@ -48,8 +48,8 @@ def distill_runner(top_k: int):
     mesh, rules = make_mesh("data=1", devices=jax.devices()[:1]), get_rules("dp")
     program = Program(CONFIG, rules, mesh, optimizer=functools.partial(make_optimizer, TrainConfig(lr=1e-4)),
                       task=distill_task(top_k=top_k), batch_size=BATCH, seq_len=LENGTH, teacher=TEACHER)
-    teacher = program.compiled_teacher_step()
-    teacher_params = jax.jit(lambda k: nn.meta.unbox(program.teacher_module.init(
+    teacher = program.teacher.compiled_step()
+    teacher_params = jax.jit(lambda k: nn.meta.unbox(program.teacher.module.init(
         k, np.zeros((1, 8), np.int32))["params"]))(jax.random.key(1))
     batch = program.place(packed_batch(CONFIG.vocab_size, BATCH, LENGTH))
     step, box = program.compiled_train_step(), {"state": program.init(jax.random.key(0))}

@@ -119,7 +119,7 @@ def preview_labelled(config: DataConfig, batch_size: int, seed: int, show: int, 
         if it is None:
             continue
         part = {"examples": len(it.rows)}
-        if it.task == "classification":
+        if it.num_classes is not None:  # classification: the examples of each class
             counts = np.bincount(it.rows.targets, minlength=it.num_classes)
             part["class_counts"] = {(names[i] if names else str(i)): int(c) for i, c in enumerate(counts)}
         out[key] = part

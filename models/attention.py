@@ -1,4 +1,5 @@
-"""Attention: masks, kernels, and the ``Attention`` block with its KV cache (rotary positions: ``models/rope.py``).
+"""The ``Attention`` block with its KV cache, and its component (masks and kernels:
+``models/attention_kernels.py``; rotary positions: ``models/rope.py``).
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
@@ -19,7 +20,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError, check_fields, splash
+from shardzoo.models import ModelError, check_fields
+from shardzoo.models.attention_kernels import (
+    attention_kernel,
+    attention_mask,
+    one_query_attention,
+    xla_attention,
+)
 from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
@@ -35,7 +42,7 @@ from shardzoo.models.layers import (
 )
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.models.rope import apply_rope, rope_frequencies
-from shardzoo.models.splash import splash_attention
+from shardzoo.models.splash import padded_width, splash_attention
 from shardzoo.sharding import axes as ax
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"  # its layer_types
@@ -45,24 +52,6 @@ BHL = (ax.BATCH, ax.HEADS, ax.LENGTH, None)  # attention scores: [batch, heads, 
 
 
 # -------------------------------------------------------------------------------- attention
-def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window, chunk=None):
-    """Boolean mask [batch, 1, q_len, k_len]: causal, same segment, within the window or chunk.
-
-    Slots are each token's index in its row (cache slot when decoding); a query at i sees a
-    key at j when j <= i, i - j < sliding_window, i // chunk == j // chunk (chunked
-    attention: Llama 4's attention_chunk_size), and their segment ids are equal.
-    """
-    i, j = q_slots[:, None, :, None], k_slots[:, None, None, :]
-    mask = j <= i
-    if sliding_window:
-        mask &= i - j < sliding_window
-    if chunk:
-        mask &= i // chunk == j // chunk
-    if q_segments is not None:
-        mask &= q_segments[:, None, :, None] == k_segments[:, None, None, :]
-    return mask
-
-
 def l2_norm(x, eps: float):
     """Each head's features over their root mean square, no weight, in float32 (Llama 4's
     ``Llama4TextL2Norm``). x: [batch, length, heads, head_dim]."""
@@ -122,80 +111,6 @@ def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
     p = positions.astype(jnp.float32)
     scale = jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0  # [batch, length]
     return (q * scale[:, :, None, None]).astype(q.dtype)
-
-
-def attention_kernel(config, dtype, length):
-    """"xla", "cudnn" or "splash" for a layer's attention over rows of ``length``: ``auto`` takes
-    splash on a TPU, cuDNN on a GPU, where each can; splash leaves lengths it cannot tile to XLA."""
-    impl = config.execution.attention_impl
-    if impl == "auto":
-        backend, head = jax.default_backend(), config.arch.head_size
-        fits = head % 8 == 0 and head <= 256  # cuDNN flash attention's limits
-        if backend == "tpu" and not splash.serves(config.arch):
-            impl = "splash"
-        else:
-            impl = "cudnn" if backend == "gpu" and fits and dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return "xla" if impl == "splash" and splash.block_size(length) is None else impl
-
-
-def softcap(x, cap):
-    """``cap * tanh(x / cap)``: values squashed smoothly into (-cap, cap) (Gemma 2)."""
-    return cap * jnp.tanh(x / cap)
-
-
-def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
-    """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
-    (soft-capped logits, sinks): scores scaled, capped, masked, softmax in float32 (as HF's eager).
-
-    q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
-    mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
-    ``sinks`` [heads]: each head's learned logit, one more column of the softmax that attends
-    no value (GPT-OSS): the weights of the keys sum to less than 1.
-    """
-    batch, length, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
-    # [batch, kv_heads, group, q_len, k_len]
-    if logit_cap:
-        scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
-    scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    else:  # [batch, kv_heads, group, q_len, k_len + 1]: the sink last, dropped after the softmax
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1),
-                                scores.shape[:-1] + (1,))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
-    ctx = jnp.einsum("bkglm,bmkd->blkgd", probs, v)
-    return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
-
-
-def one_query_attention(q, k, v, mask, scale, k_new=None, v_new=None):
-    """Attention of one new token per row over the cache (a decoding step) as multiply-and-sum
-    over the cache's own layout: a dot_general would transpose the whole cache to put its
-    batch and head axes first, every layer and every step. Softmax in float32.
-
-    q: [batch, 1, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim]; mask: bool
-    [batch, 1, 1, k_len]. ``k_new``, ``v_new`` [batch, 1, kv_heads, head_dim]: the token's own
-    key and value, seen beside the cache as it was before them (so a decoding step reads the
-    cache and never a copy with the token written in). Returns [batch, 1, heads, head_dim].
-    """
-    batch, _, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, 1, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
-    scores = jnp.sum(q * k[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, k_len, kv_heads, group]
-    scores = jnp.where(mask[:, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    if k_new is None:
-        probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
-        ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
-        return ctx.reshape(batch, 1, heads, v.shape[-1])
-    own = jnp.sum(q * k_new[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, 1, kv_heads, group]
-    top = jnp.maximum(jnp.max(scores, axis=1, keepdims=True), own)
-    weights, weight = jnp.exp(scores - top), jnp.exp(own - top)
-    total = jnp.sum(weights, axis=1) + weight[:, 0]  # [batch, kv_heads, group]
-    ctx = jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, :, None, :], axis=1, dtype=jnp.float32)
-    ctx = (ctx + weight[:, 0, ..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)) / total[..., None]
-    return ctx.astype(v.dtype).reshape(batch, 1, heads, v.shape[-1])
 
 
 class Attention(nn.Module):
@@ -477,7 +392,7 @@ def activations(cost, spec=None) -> dict:
            "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
     if _flash(cost) and attention_kernel(cost.config, jnp.dtype(e.dtype), length) == "splash":
         # the kernel's output (head_dim as it gets it) and float32 log-sum-exp (splash.RESIDUALS)
-        out["attn_kernel"] = t(h * splash.padded_width(dv), BLHD) + t(h, BLHD, 4)
+        out["attn_kernel"] = t(h * padded_width(dv), BLHD) + t(h, BLHD, 4)
     if a.latent:
         lat = a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
         out.update(latent=t(lat, (ax.BATCH, ax.LENGTH, ax.KV_LORA)),

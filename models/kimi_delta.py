@@ -38,15 +38,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.component import Mixer, SubRecord
-from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
-from shardzoo.models.linear_attention import (
-    GatedDeltaNet,
-    _defaults,
+from shardzoo.models.delta_rule import (
+    fill_defaults,
     l2norm,
     merge_chunks,
     split_chunks,
     unit_lower_inverse,
 )
+from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
+from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.sharding import axes as ax
 
 KIMI = "kimi_delta"  # its name in layer_types (Kimi-Linear's "linear_attention" layers)
@@ -83,7 +83,7 @@ def kimi_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev_
     key features weighted by that feature's decay between them."""
     b, length, h, dk = k.shape
     dv, c = v.shape[-1], chunk
-    seg, state, prev_seg = _defaults(seg, state, prev_seg, b, length, h, dk, dv)
+    seg, state, prev_seg = fill_defaults(seg, state, prev_seg, b, length, h, dk, dv)
     (q, k, v, g, beta), seg, prev = split_chunks((q, k, v, g, beta), seg, prev_seg, c)
     # q, k, g: [n, batch, heads, c, key_dim]; v: [.., value_dim]; beta [n, batch, heads, c]; seg [n, batch, 1, c]
     cum = jnp.cumsum(g, axis=-2)

@@ -18,48 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardzoo.errors import UserError
+from shardzoo.errors import ConfigError
+from shardzoo.train.tasks.settings import OWNED, TASK_SETTINGS, TASKS, owners, said
 from shardzoo.train.xla_flags import XLA_PRESETS
 from shardzoo.values import check_seed
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 SCHEDULES = ("cosine", "linear", "constant")
-TASKS = (None, "lm", "dpo", "kto", "grpo", "rloo", "reward", "distill")
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
-GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's
-IMPORTANCE_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-GRPO_OPTIONS = ("importance_sampling_level", "use_bias_correction_kl", "delta", "sapo_temperature_neg",
-                "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-                "top_entropy_quantile", "entropy_coef")  # TRL's GRPOConfig's, not RLOOConfig's
-RLOO_OPTIONS = ("normalize_advantages", "reward_clip_range")
-SAMPLING = ("reward_funcs", "reward_model", "reward_weights", "num_generations", "num_iterations", "epsilon", "epsilon_high",
-            "mask_truncated_completions", "temperature", "top_k", "top_p")  # GRPO's and RLOO's
-DPO_SETTINGS = ("loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
-                "use_weighting")
-# the tasks that own each task-only setting: any other --task refuses it changed from its default
-TASK_SETTINGS = {
-    **dict.fromkeys(("reference", "max_prompt_length", "max_completion_length"), ("dpo", "kto", "grpo", "rloo")),
-    "precompute_reference": ("dpo", "kto"),
-    "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
-    "center_rewards_coefficient": ("reward",),
-    **dict.fromkeys(DPO_SETTINGS, ("dpo",)),
-    **dict.fromkeys(SAMPLING, ("grpo", "rloo")),
-    "temperature": ("grpo", "rloo", "distill"),  # GKD's temperature too
-    **dict.fromkeys(("scale_rewards", "multi_objective_aggregation", *GRPO_OPTIONS), ("grpo",)),
-    **dict.fromkeys(RLOO_OPTIONS, ("rloo",)),
-    **dict.fromkeys(("teacher", "distill_top_k", "lmbda", "seq_kd"), ("distill",)),
-}
-ON_POLICY = ("max_prompt_length", "max_completion_length", "top_k", "top_p")  # on-policy GKD's too
-
 NONFINITE_EXIT = 3  # exit status of a run stopped by a NaN/Inf loss or gradient
-
-
-class ConfigError(UserError):
-    """A bad training setting: a flag value, a --config file or a key in it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,19 +176,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{flag(name)} must be a finite number >= 0, got {value}")
-        if self.task not in TASKS:
+        if self.task not in TASK_SETTINGS:
             raise ConfigError(f"--task {self.task!r}: choose one of {', '.join(t for t in TASKS if t)}")
-        defaults = TrainConfig.__dataclass_fields__
-        for name, owners in TASK_SETTINGS.items():
-            if self.task not in owners and getattr(self, name) != defaults[name].default \
-                    and not (self.on_policy and name in ON_POLICY):
-                tasks = ", ".join(owners[:-1]) + " or " + owners[-1] if len(owners) > 1 else owners[0]
-                raise ConfigError(f"--{flag(name)} is a setting of --task {tasks}")
-        if self.task not in ("dpo", "kto", "grpo", "rloo") and self.loss is not None:  # rloo: its own line
-            raise ConfigError(f"--loss {self.loss}: a setting of --task dpo, kto or grpo")
-        self._check_dpo()
-        self._check_grpo()
-        self._check_distill()
+        task, defaults = TASK_SETTINGS[self.task], TrainConfig.__dataclass_fields__
+        for name in OWNED:  # the task-only settings: refused changed by a task that does not take them
+            if not task.takes(name, self) and getattr(self, name) != defaults[name].default:
+                raise ConfigError(f"--{flag(name)} is a setting of --task {said(owners(name))}")
+        task.check(self)  # its own settings' values (tasks/settings.py)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.xla_preset not in XLA_PRESETS:
@@ -234,87 +194,10 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}"
             )
 
-    def _check_dpo(self) -> None:
-        """The DPO and KTO losses known."""
-        if self.task == "kto" and self.loss is not None and self.loss not in KTO_LOSSES:
-            raise ConfigError(f"--loss {self.loss!r}: --task kto takes one of {', '.join(KTO_LOSSES)}")
-        if self.task != "dpo":
-            return
-        unknown = [x for x in (self.loss or "sigmoid").split(",") if x not in DPO_LOSSES]
-        if unknown:
-            raise ConfigError(f"--loss {unknown[0]!r}: --task dpo takes one or more (comma-separated) of "
-                              f"{', '.join(DPO_LOSSES)}")
-
     @property
     def on_policy(self) -> bool:
-        """``--task distill`` whose completions are sampled (``--lmbda`` > 0 or ``--seq-kd``: ``train/tasks/gkd.py``)."""
-        return self.task == "distill" and (self.lmbda > 0 or self.seq_kd)
-
-    def _check_distill(self) -> None:
-        """``--task distill`` needs ``--teacher``; its settings in range."""
-        if self.task != "distill":
-            return
-        if not self.teacher:
-            raise ConfigError("--task distill needs --teacher DIR (the teacher's run or HF dir)")
-        if self.beta is not None and not 0.0 <= self.beta <= 1.0:
-            raise ConfigError(f"--beta {self.beta} must be in [0, 1] for --task distill (0: forward KL, 1: reverse)")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
-        if self.distill_top_k < 0:
-            raise ConfigError(f"--distill-top-k must be >= 0 (0: the whole vocabulary), got {self.distill_top_k}")
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ConfigError(f"--lmbda must be in [0, 1] (the share of on-policy steps), got {self.lmbda}")
-
-    def _check_grpo(self) -> None:
-        """The GRPO and RLOO settings in range."""
-        if self.task not in ("grpo", "rloo"):
-            return
-        if self.task == "rloo" and self.loss is not None:
-            raise ConfigError(f"--loss {self.loss!r}: --task rloo has one loss (TRL's RLOOTrainer has no loss_type)")
-        if self.loss is not None and self.loss not in GRPO_LOSSES:
-            raise ConfigError(f"--loss {self.loss!r}: --task grpo takes one of {', '.join(GRPO_LOSSES)}")
-        if self.beta is not None and not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ConfigError(f"--beta must be a finite number >= 0 for --task {self.task}, got {self.beta}")
-        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
-            raise ConfigError(f"--importance-sampling-level {self.importance_sampling_level!r}: choose one of "
-                              f"{', '.join(IMPORTANCE_LEVELS)}")
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ConfigError(f"--top-entropy-quantile must be in [0, 1], got {self.top_entropy_quantile}")
-        clip = self.reward_clip_range
-        if clip is not None and (len(clip) != 2 or not clip[0] <= clip[1]):
-            raise ConfigError(f"--reward-clip-range takes MIN,MAX with MIN <= MAX, got {','.join(map(str, clip))}")
-        rewards = len(self.reward_funcs) + bool(self.reward_model)
-        if self.reward_weights is not None and len(self.reward_weights) != rewards:
-            raise ConfigError(f"--reward-weights has {len(self.reward_weights)} values for "
-                              f"{len(self.reward_funcs)} --reward-funcs"
-                              + (" and the --reward-model" if self.reward_model else ""))
-        if self.num_generations < 2:
-            raise ConfigError(f"--num-generations must be at least 2 (a group), got {self.num_generations}")
-        if self.batch_size % self.num_generations:
-            raise ConfigError(f"--batch-size {self.batch_size} (completions per step) is not divisible by "
-                              f"--num-generations {self.num_generations}")
-        if self.num_iterations < 1:
-            raise ConfigError(f"--num-iterations must be at least 1, got {self.num_iterations}")
-        for name in ("epsilon", "epsilon_high"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"--{flag(name)} must be a finite number >= 0, got {value}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(f"--scale-rewards {self.scale_rewards!r}: choose one of {', '.join(SCALE_REWARDS)}")
-        if self.multi_objective_aggregation not in AGGREGATIONS:
-            raise ConfigError(f"--multi-objective-aggregation {self.multi_objective_aggregation!r}: choose one of "
-                              f"{', '.join(AGGREGATIONS)}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ConfigError(f"--temperature must be > 0 (GRPO samples), got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-k must be >= 0 and --top-p in (0, 1], got {self.top_k} and {self.top_p}")
-        completion = self.max_completion_length
-        if completion is not None and not 1 <= completion < self.seq_len:
-            raise ConfigError(f"--max-completion-length {completion} must be from 1 to --seq-len - 1 "
-                              f"({self.seq_len - 1}): each row holds the prompt and its completion")
-        if self.precompute_reference:
-            raise ConfigError(f"--precompute-reference: {self.task.upper()}'s completions are sampled while training; "
-                              "the reference scores them as they come")
+        """Whether the run samples its completions as on-policy distillation does (``train/tasks/gkd.py``)."""
+        return TASK_SETTINGS[self.task].on_policy(self)
 
     def _check_distributed(self) -> None:
         """The multi-host flags, checked before anything starts (jax would abort or raise)."""

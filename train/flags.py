@@ -8,17 +8,14 @@ import dataclasses
 import typing
 
 from shardzoo.train.config import (
-    AGGREGATIONS,
-    IMPORTANCE_LEVELS,
     OPTIMIZERS,
-    SCALE_REWARDS,
     SCHEDULES,
     SECTIONS,
-    TASKS,
     ConfigError,
     TrainConfig,
     flag,
 )
+from shardzoo.train.tasks.settings import AGGREGATIONS, IMPORTANCE_LEVELS, SCALE_REWARDS, TASKS
 from shardzoo.train.xla_flags import XLA_PRESET_HELP
 from shardzoo.values import coerce
 

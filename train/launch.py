@@ -36,6 +36,7 @@ from shardzoo.train.io.runmeta import model_meta, recorded_remat
 from shardzoo.train.io.sources import open_source
 from shardzoo.train.metrics import set_aside_orphans, signal_keys
 from shardzoo.train.optim import warmup_note
+from shardzoo.train.tasks.base import model_task
 from shardzoo.train.tasks.preference import check_reference, load_reference
 from shardzoo.train.tasks.registry import run_program, run_task
 from shardzoo.train.trainer import NonFiniteError, is_main_process, say
@@ -180,10 +181,9 @@ def _check_labelled(cfg, config, data) -> None:
         raise ConfigError(f"--data {cfg.data}: {data.num_features} features per example, --model "
                           f"{cfg.model} takes in_features={config.in_features} "
                           f"(--override in_features={data.num_features})")
-    wanted = data.num_classes if data.task == "classification" else data.num_outputs
-    if (wanted > config.num_outputs) if data.task == "classification" else (wanted != config.num_outputs):
-        raise ConfigError(f"--label-column {cfg.label_column}: {wanted} "
-                          f"{'classes' if data.task == 'classification' else 'outputs'}, --model "
+    task, wanted = model_task(config), data.num_outputs
+    if not task.learns(wanted, config.num_outputs):
+        raise ConfigError(f"--label-column {cfg.label_column}: {wanted} {task.outputs_are}, --model "
                           f"{cfg.model} has num_outputs={config.num_outputs} "
                           f"(--override num_outputs={wanted})")
 
@@ -191,7 +191,7 @@ def _check_labelled(cfg, config, data) -> None:
 def _check_same_classes(cfg, out, resume_step, data) -> None:
     """A resumed classification run must see the class names it was trained on: the ids of
     string labels follow the names present in the data."""
-    if resume_step is None or data.task != "classification":
+    if resume_step is None or data.num_classes is None:  # regression: no classes
         return
     from shardzoo.train.io.checkpoint import read_meta
 

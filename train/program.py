@@ -57,10 +57,10 @@ from shardzoo.train.step import (
     old_logps_step,
     reference_step,
     score_step,
-    teacher_step,
     train_step,
 )
 from shardzoo.train.tasks.base import model_task
+from shardzoo.train.teacher import Teacher
 
 
 @struct.dataclass
@@ -152,8 +152,9 @@ class Program:
                                     opt_state=opt_report.shardings(mesh))
         self.abstract = with_shardings(abstract, self.shardings)
         self._train_step = self._eval_step = self._score_step = self._reference_step = None
-        self._old_logps_step = self._teacher_step = self._teacher_program = None
-        self._build_teacher(teacher, strict)
+        self._old_logps_step = None
+        # distillation's teacher (a model config, any family with the student's vocabulary)
+        self.teacher = Teacher(self, teacher, strict) if teacher is not None else None
         self.reward_model = None  # GRPO's --reward-model: its own params-only Program (tasks/reward.py)
         self.compile_seconds = None  # how long the train step took to compile (once compiled)
 
@@ -274,14 +275,14 @@ class Program:
         """The compiled reference step of a preference task: ``(params, batch) -> {ref_logps}``,
         the batch without its reference entries. ``params``: the reference's (a frozen copy,
         placed as the params), or with ``reference="adapters"`` the policy's own (its LoRA
-        adapters are switched off inside the step). Distillation: the teacher step."""
-        if self.teacher_config is not None:
-            return self.compiled_teacher_step()
+        adapters are switched off inside the step). Distillation: the teacher's step."""
+        if self.teacher is not None:
+            return self.teacher.compiled_step()
         if self._reference_step is None:
             keys = self.task.reference_keys
             fn = functools.partial(reference_step, module=self.module, task=self.task,
                                    adapters_off=bool(model_info.lora_rank(self.config)))
-            self._reference_step = self._compile_filler(fn, keys)
+            self._reference_step = self.compile_filler(fn, keys)
         return self._reference_step
 
     def compiled_old_logps_step(self):
@@ -289,10 +290,10 @@ class Program:
         batch without its later entries (``task.later_keys``)."""
         if self._old_logps_step is None:
             fn = functools.partial(old_logps_step, module=self.module, task=self.task)
-            self._old_logps_step = self._compile_filler(fn, ("old_logps",))
+            self._old_logps_step = self.compile_filler(fn, ("old_logps",))
         return self._old_logps_step
 
-    def _compile_filler(self, fn, keys, params=None, params_shardings=None):
+    def compile_filler(self, fn, keys, params=None, params_shardings=None):
         """``fn(params, batch) -> {key: array for keys}``, compiled for the batch without
         ``task.later_keys`` (those a batch holds already are left out of the call); ``params``
         and their shardings: this program's, or another model's (the teacher's)."""
@@ -305,40 +306,11 @@ class Program:
                                 out_shardings={k: self.batch_shardings[k] for k in keys})
         return lambda params, placed: compiled(params, {k: v for k, v in placed.items() if k not in later})
 
-    def _build_teacher(self, teacher, strict) -> None:
-        """Distillation's teacher (a model config, any family with the student's vocabulary):
-        its module on this program's placement and its frozen params' abstract shapes and
-        shardings, from one trace of its init under the same rules."""
-        self.teacher_config = teacher
-        if teacher is None:
-            return
-        self.teacher_config = teacher = model_info.with_vocab_of(self.config, teacher)
-        self.teacher_module = teacher.build(self.placement)
-        inputs = [jnp.zeros(s.shape, s.dtype) for s in teacher.sample_inputs(self.micro_batch, self.seq_len)]
-
-        def init(rng):
-            return self.teacher_module.init({"params": rng}, *inputs, deterministic=True)["params"]
-
-        with activate(self.mesh):
-            boxed = jax.eval_shape(init, jax.random.key(0))
-        report = check({"teacher": boxed}, self.rules, self.mesh, strict=strict)  # its paths: teacher/...
-        self.teacher_shardings = report.shardings(self.mesh)["teacher"]
-        self.teacher_target = with_shardings(nn.meta.unbox(boxed), self.teacher_shardings)
-
-    def compiled_teacher_step(self):
-        """Distillation's compiled teacher step: ``(teacher_params, batch) -> {teacher_logits}``,
-        the batch without its later entries; the teacher's params placed as ``teacher_target``."""
-        if self._teacher_step is None:
-            fn = functools.partial(teacher_step, module=self.teacher_module, task=self.task)
-            self._teacher_step = self._compile_filler(fn, ("teacher_logits",), params=self.teacher_target,
-                                                      params_shardings=self.teacher_shardings)
-        return self._teacher_step
-
     def reference_bytes(self) -> int | None:
         """What the reference model costs one device: a frozen copy's parameters, else 0 (the
         base under LoRA's adapters, or stored log-probs); None without a reference."""
-        if self.teacher_config is not None:  # distillation: the frozen teacher's params
-            return per_device_bytes(self.teacher_target, self.teacher_shardings)
+        if self.teacher is not None:  # distillation: the frozen teacher's params
+            return self.teacher.param_bytes()
         if not self.task.reference_keys or self.reference is None:
             return None
         return per_device_bytes(self.abstract.params, self.shardings.params) if self.reference == "copy" else 0
@@ -393,15 +365,8 @@ class Program:
     def rollout_bytes(self) -> int | None:
         """The sampler's decoding cache on one device (GRPO, on-policy GKD), else None; with ``--seq-kd``
         the larger of the student's and the teacher's (a step samples with one of them)."""
-        samplers = ([self] if self.task.samples else []) + ([self.teacher_program()] if self.task.teacher_samples else [])
+        samplers = ([self] if self.task.samples else []) + ([self.teacher.sampler()] if self.task.teacher_samples else [])
         return max((p.decoding.cache_bytes(self.batch_size, self.seq_len) for p in samplers), default=None)
-
-    def teacher_program(self):
-        """The teacher as a params-only Program on this run's rules and mesh (``--seq-kd`` samples with it)."""
-        if self._teacher_program is None:
-            self._teacher_program = Program(self.teacher_config, self.rules, self.mesh, batch_size=self.batch_size,
-                                            seq_len=self.seq_len)
-        return self._teacher_program
 
     def reward_model_bytes(self) -> int | None:
         """GRPO's ``--reward-model``: its params' bytes on one device; None without one."""

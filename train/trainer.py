@@ -172,7 +172,7 @@ class Trainer:
         read back on a resume)."""
         kind = self.program.reference
         if kind == "teacher":  # distillation: the teacher's own params (its family, its layout)
-            self.reference_params = self._reference_source(self.program.teacher_target)
+            self.reference_params = self._reference_source(self.program.teacher.target)
         elif kind == "copy":
             self.reference_params = self._load_reference()
         elif kind == "stored":

@@ -139,7 +139,7 @@ def test_a_llama4_directory_imports_its_text_part(built, tmp_path):
 def test_the_chunked_mask_in_one_pass_and_from_the_cache():
     """A query sees the keys of its own chunk up to itself: in one pass (slots = positions) and
     when decoding at cache index 5 over a cache of 8 slots."""
-    from shardzoo.models.attention import attention_mask
+    from shardzoo.models.attention_kernels import attention_mask
 
     slots = np.arange(8)[None]
     m = np.asarray(attention_mask(slots, slots, None, None, None, 4))[0, 0]

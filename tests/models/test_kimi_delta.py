@@ -19,9 +19,8 @@ import torch
 from flax import linen as nn
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
-from shardzoo.models import get_model
+from shardzoo.models import delta_rule, get_model
 from shardzoo.models import kimi_delta as kd
-from shardzoo.models import linear_attention as la
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.program import count_collectives
@@ -46,7 +45,7 @@ def rule_inputs(length, seed=0):
     seg = np.ones((2, length), np.int32)
     seg[0, length // 3:] = 2  # row 0: two documents; row 1: left padding (segment 0), then one
     seg[1, :3] = 0
-    return (la.l2norm(q) * D**-0.5, la.l2norm(k), v, g, beta), jnp.asarray(seg)
+    return (delta_rule.l2norm(q) * D**-0.5, delta_rule.l2norm(k), v, g, beta), jnp.asarray(seg)
 
 
 @pytest.mark.parametrize("length", [12, 13, 3])
@@ -54,7 +53,7 @@ def test_chunked_equals_the_recurrence_with_gradients(length):
     xs, seg = rule_inputs(length)
     state = jax.random.normal(jax.random.key(7), (2, HEADS, D, D))
     prev = jnp.array([1, 5])  # row 0's state belongs to its first segment, row 1's to none of its own
-    out1, s1 = la.gated_delta_step(*xs, seg, state, prev)
+    out1, s1 = delta_rule.gated_delta_step(*xs, seg, state, prev)
     out2, s2 = kd.kimi_delta_chunked(*xs, CHUNK, seg, state, prev)
     np.testing.assert_allclose(out2, out1, atol=1e-5, rtol=0)
     np.testing.assert_allclose(s2, s1, atol=1e-5, rtol=0)
@@ -65,7 +64,7 @@ def test_chunked_equals_the_recurrence_with_gradients(length):
         probe = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         return jnp.sum(out * probe) + jnp.sum(jnp.sin(final))
 
-    step = jax.grad(lambda xs, s: loss(la.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
+    step = jax.grad(lambda xs, s: loss(delta_rule.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
     chunked = jax.grad(lambda xs, s: loss(lambda *a: kd.kimi_delta_chunked(*a[:5], CHUNK, *a[5:]),
                                           *xs, seg, s, prev), argnums=(0, 1))(xs, state)
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(step), strict=True):
@@ -83,9 +82,9 @@ def test_rule_equals_transformers_chunked_and_recurrent():
                                                          use_qk_l2norm_in_kernel=True)
     ref_step, _ = hf.recurrent_kimi_delta_attention(*t[:3], g=t[3], beta=t[4], initial_state=t[5],
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
-    xs = (la.l2norm(q) * D**-0.5, la.l2norm(k), v, g, beta)
+    xs = (delta_rule.l2norm(q) * D**-0.5, delta_rule.l2norm(k), v, g, beta)
     out, final = kd.kimi_delta_chunked(*xs, CHUNK, None, state)
-    step, _ = la.gated_delta_step(*xs, None, state)
+    step, _ = delta_rule.gated_delta_step(*xs, None, state)
     np.testing.assert_allclose(out, ref_chunk.numpy(), atol=1e-5, rtol=0)
     np.testing.assert_allclose(final, ref_state.numpy(), atol=1e-5, rtol=0)
     np.testing.assert_allclose(step, ref_step.numpy(), atol=1e-5, rtol=0)
@@ -134,7 +133,7 @@ def reference():
 def test_the_model_in_chunks_equals_the_model_step_by_step(reference, monkeypatch):
     module, _, params, batch, (logits, grads) = reference
     monkeypatch.setattr(kd, "kimi_delta_chunked", lambda q, k, v, g, beta, chunk, seg=None, state=None,
-                        prev_seg=None: la.gated_delta_step(q, k, v, g, beta, seg, state, prev_seg))
+                        prev_seg=None: delta_rule.gated_delta_step(q, k, v, g, beta, seg, state, prev_seg))
     (_, step_logits), step_grads = objective(module)(params, batch)
     np.testing.assert_allclose(step_logits, logits, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(step_grads), jax.tree.leaves(grads), strict=True):

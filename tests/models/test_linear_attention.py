@@ -1,4 +1,4 @@
-"""The gated delta rule (models/linear_attention.py): the chunked training form equals the
+"""The gated delta rule (models/delta_rule.py): the chunked training form equals the
 token-by-token recurrence (outputs, final state and gradients, 1e-5) for lengths that are and
 are not multiples of the chunk, with packed segments and an initial state; in the model too
 (qwen3-next-tiny's pattern, logits and gradients). Context parallelism (context=4): logits and
@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from shardzoo.models import get_model
-from shardzoo.models import linear_attention as la
+from shardzoo.models import delta_rule, get_model, linear_attention
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.jit import count_collectives
@@ -30,8 +29,8 @@ HEADS, DK, DV = 4, 8, 12
 
 def rule_inputs(length, seed=0):
     ks = jax.random.split(jax.random.key(seed), 6)
-    q = la.l2norm(jax.random.normal(ks[0], (2, length, HEADS, DK))) * DK**-0.5
-    k = la.l2norm(jax.random.normal(ks[1], (2, length, HEADS, DK)))
+    q = delta_rule.l2norm(jax.random.normal(ks[0], (2, length, HEADS, DK))) * DK**-0.5
+    k = delta_rule.l2norm(jax.random.normal(ks[1], (2, length, HEADS, DK)))
     v = jax.random.normal(ks[2], (2, length, HEADS, DV))
     g = -jax.nn.softplus(jax.random.normal(ks[3], (2, length, HEADS)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (2, length, HEADS)))
@@ -46,19 +45,19 @@ def test_chunked_equals_the_recurrence_with_gradients(length):
     xs, seg = rule_inputs(length)
     state = jax.random.normal(jax.random.key(7), (2, HEADS, DK, DV))
     prev = jnp.array([1, 5])  # row 0's state belongs to its first segment, row 1's to none of its own
-    out1, s1 = la.gated_delta_step(*xs, seg, state, prev)
-    out2, s2 = la.gated_delta_chunked(*xs, CHUNK, seg, state, prev)
+    out1, s1 = delta_rule.gated_delta_step(*xs, seg, state, prev)
+    out2, s2 = delta_rule.gated_delta_chunked(*xs, CHUNK, seg, state, prev)
     np.testing.assert_allclose(out2, out1, atol=1e-5, rtol=0)
     np.testing.assert_allclose(s2, s1, atol=1e-5, rtol=0)
-    assert np.abs(la.gated_delta_chunked(*xs, CHUNK)[0] - out2).max() > 1e-2  # the segments matter
+    assert np.abs(delta_rule.gated_delta_chunked(*xs, CHUNK)[0] - out2).max() > 1e-2  # the segments matter
 
     def loss(fn, *args):
         out, final = fn(*args)
         probe = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         return jnp.sum(out * probe) + jnp.sum(jnp.sin(final))
 
-    step = jax.grad(lambda xs, s: loss(la.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
-    chunked = jax.grad(lambda xs, s: loss(lambda *a: la.gated_delta_chunked(*a[:5], CHUNK, *a[5:]),
+    step = jax.grad(lambda xs, s: loss(delta_rule.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
+    chunked = jax.grad(lambda xs, s: loss(lambda *a: delta_rule.gated_delta_chunked(*a[:5], CHUNK, *a[5:]),
                                           *xs, seg, s, prev), argnums=(0, 1))(xs, state)
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(step), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -93,8 +92,8 @@ def reference():
 
 def test_the_model_in_chunks_equals_the_model_step_by_step(reference, monkeypatch):
     module, _, params, batch, (logits, grads) = reference
-    monkeypatch.setattr(la, "gated_delta_chunked", lambda q, k, v, g, beta, chunk, seg=None, state=None,
-                        prev_seg=None: la.gated_delta_step(q, k, v, g, beta, seg, state, prev_seg))
+    monkeypatch.setattr(linear_attention, "gated_delta_chunked", lambda q, k, v, g, beta, chunk, seg=None, state=None,
+                        prev_seg=None: delta_rule.gated_delta_step(q, k, v, g, beta, seg, state, prev_seg))
     (_, step_logits), step_grads = objective(module)(params, batch)
     np.testing.assert_allclose(step_logits, logits, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(step_grads), jax.tree.leaves(grads), strict=True):
@@ -200,7 +199,7 @@ def test_plan_counts_the_linear_attention_layers_within_15_percent_of_the_compil
 def test_the_unit_lower_inverse_and_its_gradient_equal_a_triangular_solve():
     """``unit_lower_inverse`` (forward substitution with its own backward) equals XLA's triangular
     solve of the identity, and so do the gradients through it (1e-5)."""
-    from shardzoo.models.linear_attention import unit_lower_inverse
+    from shardzoo.models.delta_rule import unit_lower_inverse
 
     rng = np.random.default_rng(0)
     strict = jnp.asarray(np.tril(rng.normal(size=(2, 3, 8, 8)) * 0.3, k=-1), jnp.float32)

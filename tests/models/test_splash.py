@@ -13,9 +13,8 @@ import pytest
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from shardzoo.models import ModelError, get_model
-from shardzoo.models import attention as attn
-from shardzoo.models.attention import attention_kernel, attention_mask, xla_attention
+from shardzoo.models import ModelError, attention_kernels, get_model
+from shardzoo.models.attention_kernels import attention_kernel, attention_mask, xla_attention
 from shardzoo.models.splash import padded_width, shard_spec, splash_attention
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
@@ -86,7 +85,7 @@ def test_auto_picks_splash_on_tpu_only_and_leaves_sinks_and_odd_lengths_to_xla(m
     f32 = jnp.dtype("float32")
     scores = lambda: llama.activation_estimate(2, 256, lambda names: 1).terms["scores"]  # noqa: E731
     assert attention_kernel(llama, f32, 256) == "xla" and scores() > 0  # CPU
-    monkeypatch.setattr(attn.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda: "tpu")
     assert attention_kernel(llama, f32, 256) == "splash"
     assert scores() == 0  # the plan: splash keeps no scores
     assert attention_kernel(llama, f32, 200) == "xla"  # not a multiple of 128

@@ -1,4 +1,4 @@
-"""Mamba2's state-space mixer (models/ssm.py): the chunked scan (SSD) equals the token-by-token
+"""Mamba2's state-space mixer (models/ssm.py, models/ssm_scan.py): the chunked scan (SSD) equals the token-by-token
 recurrence, outputs, final states and gradients (1e-5), for lengths that are and are not
 multiples of the chunk, with packed segments and an initial state; a whole model's logits and
 gradients equal with every mamba layer run by the recurrence; and context parallelism: the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from shardzoo.models import get_model, ssm
+from shardzoo.models import get_model, ssm, ssm_scan
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.jit import count_collectives
@@ -49,20 +49,20 @@ def test_the_chunked_scan_equals_the_recurrence(length):
     state = jnp.asarray(rng.normal(size=(2, HEADS, HEAD_DIM, STATE)), jnp.float32)
     state_seg = jnp.asarray([1, 5])  # row 0 continues its state, row 1 starts a new document
     for s, st, ss in ((None, None, None), (seg, None, None), (seg, state, state_seg)):
-        y1, f1 = ssm.ssd(x, dt, A, B, C, CHUNK, s, st, ss)
-        y2, f2 = ssm.ssd_steps(x, dt, A, B, C, s, st, ss)
+        y1, f1 = ssm_scan.ssd(x, dt, A, B, C, CHUNK, s, st, ss)
+        y2, f2 = ssm_scan.ssd_steps(x, dt, A, B, C, s, st, ss)
         np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(f1, f2, atol=1e-5, rtol=1e-5)
-    chunked = ssm.ssd(x, dt, A, B, C, CHUNK, seg)[0]
-    assert np.abs(chunked - ssm.ssd(x, dt, A, B, C, CHUNK)[0]).max() > 1e-2  # the segments matter
+    chunked = ssm_scan.ssd(x, dt, A, B, C, CHUNK, seg)[0]
+    assert np.abs(chunked - ssm_scan.ssd(x, dt, A, B, C, CHUNK)[0]).max() > 1e-2  # the segments matter
     probe = jnp.cos(0.1 * jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
 
     def loss(fn):
         return lambda *a: jnp.mean(fn(*a)[0] * probe)
 
     args = (x, dt, A, B, C)
-    g1 = jax.grad(loss(lambda *a: ssm.ssd(*a, CHUNK, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
-    g2 = jax.grad(loss(lambda *a: ssm.ssd_steps(*a, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
+    g1 = jax.grad(loss(lambda *a: ssm_scan.ssd(*a, CHUNK, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
+    g2 = jax.grad(loss(lambda *a: ssm_scan.ssd_steps(*a, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
     for name, a, b in zip("x dt A B C".split(), g1, g2, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
         assert float(np.abs(b).max()) > 1e-3, name
@@ -111,7 +111,7 @@ def test_a_model_run_by_the_recurrence_equals_the_chunked_model(reference, monke
     gradients (1e-5), 48 tokens in chunks of 4, packed documents."""
     module, _, params, batch, (logits, grads) = reference
     monkeypatch.setattr(ssm, "ssd", lambda x, dt, A, B, C, chunk, seg=None, state=None, state_seg=None:
-                        ssm.ssd_steps(x, dt, A, B, C, seg, state, state_seg))
+                        ssm_scan.ssd_steps(x, dt, A, B, C, seg, state, state_seg))
     (_, got), got_grads = objective(module, per_token=True)(params, batch)
     np.testing.assert_allclose(got, logits, atol=1e-5, rtol=0)
     _close(got_grads, grads)

@@ -104,7 +104,7 @@ def first_step(hf, mesh_spec="data=1", rules="dp", grad_accum=1, **task):
                       task=distill_task(**task), batch_size=BATCH, seq_len=SEQ, teacher=teacher_config,
                       grad_accum=grad_accum)
     placed = program.place(hf.batch)
-    placed.update(program.compiled_teacher_step()(teacher_params, placed))
+    placed.update(program.teacher.compiled_step()(teacher_params, placed))
     state = program.init(np.zeros(2, np.uint32), params=params)
     _, metrics = program.compiled_train_step()(state, placed, np.zeros(2, np.uint32))
     return {k: float(v) for k, v in jax.device_get(metrics).items()}, program
@@ -124,7 +124,7 @@ def test_first_step_equals_the_loss_on_transformers_logits(hf, beta):
     assert abs(metrics["loss"] - expected) < 1e-5 * max(1.0, expected)
     assert metrics["tokens"] == hf.batch["weights"].sum()
     # the plan counts the teacher's frozen params as the reference model's memory
-    teacher_bytes = sum(np.dtype(a.dtype).itemsize * a.size for a in jax.tree.leaves(program.teacher_target))
+    teacher_bytes = sum(np.dtype(a.dtype).itemsize * a.size for a in jax.tree.leaves(program.teacher.target))
     assert program.plan().totals["reference"] == teacher_bytes
 
 

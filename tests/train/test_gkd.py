@@ -75,7 +75,7 @@ def setup(hf):
 def first_step_loss(setup, host) -> float:
     program = setup.program
     placed = program.place_global(host)
-    placed.update(program.compiled_teacher_step()(setup.teacher_params, placed))
+    placed.update(program.teacher.compiled_step()(setup.teacher_params, placed))
     state = program.init(np.zeros(2, np.uint32), params=setup.params)
     _, metrics = program.compiled_train_step()(state, placed, np.zeros(2, np.uint32))
     return float(metrics["distill_loss"])
@@ -136,7 +136,7 @@ def test_seq_kd_samples_with_the_teacher_and_lmbda_splits_the_steps(hf, setup):
     data, indices, host, metrics = gkd_batch(hf, setup, lmbda=0.0, seq_kd=True)
     assert data.mode(0) == "teacher" and metrics["on_policy"] == 0.0
     prompt = np.stack([data.prompts.ids[i] for i in indices])
-    teacher = Program(setup.program.teacher_config, setup.program.rules, setup.program.mesh, batch_size=BATCH,
+    teacher = Program(setup.program.teacher.config, setup.program.rules, setup.program.mesh, batch_size=BATCH,
                       seq_len=PROMPT + COMPLETION)
     sampled = teacher.decoding.generate(setup.teacher_params, prompt, max_new_tokens=COMPLETION, key=data.key(0),
                                eos_ids=(2,), pad_id=0, temperature=1.0)

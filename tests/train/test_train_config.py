@@ -59,3 +59,20 @@ def test_a_warm_up_as_long_as_the_run_is_said_in_one_line():
     assert float(make_schedule(short)(short.steps - 1)) < short.lr  # what it says: the last step's lr is below
     assert warmup_note(TrainConfig(steps=21, warmup_steps=20)) is None
     assert warmup_note(TrainConfig(steps=5, warmup_steps=0)) is None
+
+
+def test_each_task_owns_its_settings_and_the_other_tasks_refuse_them():
+    from shardzoo.train.tasks.registry import RUN_TASKS
+    from shardzoo.train.tasks.settings import OWNED, TASK_SETTINGS
+
+    assert set(OWNED) <= {f.name for f in dataclasses.fields(TrainConfig)}  # no typo in a task's settings
+    assert all(component.settings is TASK_SETTINGS[name] for name, component in RUN_TASKS.items())
+    assert TrainConfig(task="kto", desirable_weight=2.0).desirable_weight == 2.0
+    with pytest.raises(ConfigError, match="--desirable-weight is a setting of --task kto$"):
+        TrainConfig(task="dpo", desirable_weight=2.0)
+    with pytest.raises(ConfigError, match="--reference is a setting of --task dpo, kto, grpo or rloo$"):
+        TrainConfig(task="reward", reference="somewhere")
+    # on-policy distillation takes the sampler's settings; off-policy it refuses them
+    assert TrainConfig(task="distill", teacher="t", lmbda=0.5, top_k=4).on_policy
+    with pytest.raises(ConfigError, match="--top-k is a setting of --task grpo or rloo$"):
+        TrainConfig(task="distill", teacher="t", top_k=4)

@@ -122,9 +122,15 @@ class ClassificationTask(Task):
     """Labelled examples: ``inputs [batch, features]``, int32 ``targets [batch]``; cross-entropy."""
 
     has_sequence = False
+    outputs_are = "classes"  # what a model's num_outputs stand for
 
     def _targets(self, config, batch_size: int) -> Field:
         return Field((batch_size,), "int32", (ax.BATCH,))
+
+    def learns(self, needed: int, num_outputs: int) -> bool:
+        """Whether a model of ``num_outputs`` outputs can learn labels that need ``needed``
+        (the data's ``num_outputs``): a logit per class, more allowed."""
+        return needed <= num_outputs
 
     def fields(self, config, batch_size: int, seq_len: int | None) -> dict[str, Field]:
         (features,) = config.sample_inputs(batch_size, seq_len)
@@ -146,6 +152,12 @@ class ClassificationTask(Task):
 class RegressionTask(ClassificationTask):
     """As classification with float32 ``targets [batch, outputs]``; the mean squared error over
     each example's outputs."""
+
+    outputs_are = "outputs"
+
+    def learns(self, needed: int, num_outputs: int) -> bool:
+        """Exactly the targets' width."""
+        return needed == num_outputs
 
     def _targets(self, config, batch_size: int) -> Field:
         return Field((batch_size, config.num_outputs), "float32", (ax.BATCH, None))

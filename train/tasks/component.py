@@ -8,6 +8,7 @@ from __future__ import annotations
 from shardzoo.errors import UserError
 from shardzoo.train import model_info
 from shardzoo.train.tasks.base import model_task
+from shardzoo.train.tasks.settings import TASK_SETTINGS, TaskSettings
 from shardzoo.train.trainer import Trainer
 
 
@@ -20,6 +21,11 @@ class RunTask:
     preference = False
     unpaired = False
     eval_task = "lm"  # ``shardzoo eval``'s default ``--task`` for a run of this task
+
+    @property
+    def settings(self) -> TaskSettings:
+        """Its settings: the flags only it takes and their checks (``tasks/settings.py``)."""
+        return TASK_SETTINGS[self.name]
 
     def model(self, cfg, config):
         """The model config this task trains, from the one the run names."""

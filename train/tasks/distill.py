@@ -162,7 +162,7 @@ class DistillRun(RunTask):
     def frozen_params(self, cfg, program):
         from shardzoo.train.io.sources import open_source
 
-        return lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, program.teacher_config)
+        return lambda target: open_source(cfg.teacher, what="--teacher").load_params(target, program.teacher.config)
 
     def default(self):
         return distill_task()

@@ -141,7 +141,7 @@ class GKDTrainer(Trainer):
         mode = data.mode(step)
         sample = None
         if mode != "data":
-            program = self.program if mode == "student" else self.program.teacher_program()
+            program = self.program if mode == "student" else self.program.teacher.sampler()
             weights = params if mode == "student" else self.reference_params
             sample = lambda prompt, lengths: program.decoding.generate(  # noqa: E731
                 weights, prompt, lengths, max_new_tokens=data.completion, key=data.key(step),

@@ -13,8 +13,8 @@ from shardzoo.errors import UserError
 from shardzoo.sharding import axes as ax
 from shardzoo.train.tasks.base import Field
 from shardzoo.train.tasks.preference import DPORun, PreferenceTask, sequence_logps
+from shardzoo.train.tasks.settings import KTO_LOSSES
 
-KTO_LOSSES = ("kto", "apo_zero_unpaired")
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 
 
@@ -91,9 +91,20 @@ class KTORun(DPORun):
 
     name = eval_task = "kto"
     unpaired = True
+    trained_on, eval_rows = "unpaired (KTO) rows", "examples"
+    recorded = ("loss", "beta", "desirable_weight", "undesirable_weight")
 
     def make(self, cfg, beta: float):
         return kto_task(cfg.loss or "kto", beta, cfg.desirable_weight, cfg.undesirable_weight)
 
     def default(self):
         return kto_task()
+
+    def from_settings(self, **settings):
+        return kto_task(**settings)
+
+    def format_eval(self, metrics: dict) -> str:
+        return (f"kto ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
+                f"{metrics['examples']} examples: loss {metrics['loss']:.4f}, kl {metrics['kl']:.4f}, rewards/margins "
+                f"{metrics['rewards/margins']:.4f}, logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected "
+                f"{metrics['logps/rejected']:.4f}")

@@ -44,10 +44,10 @@ from shardzoo.errors import UserError
 from shardzoo.models.tiled_loss import token_stats
 from shardzoo.sharding import axes as ax
 from shardzoo.train import model_info
-from shardzoo.train.config import DPO_SETTINGS
 from shardzoo.train.jit import zeros_on
 from shardzoo.train.tasks.base import Field, Task
 from shardzoo.train.tasks.component import RunTask, language_model_only
+from shardzoo.train.tasks.settings import DPO_SETTINGS
 
 LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
           "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", "simpo", "orpo")
@@ -359,6 +359,33 @@ class DPORun(RunTask):
 
     def default(self):
         return preference_task()
+
+    # ``shardzoo eval --task dpo`` (``tasks/preference_eval.py``): what its rows are, what its
+    # metrics count, and the settings of run.json that its task is rebuilt from
+    trained_on, eval_rows = "preference pairs", "pairs"
+    recorded = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS)
+
+    def from_settings(self, **settings):
+        return preference_task(**settings)
+
+    def eval_task_of(self, settings: dict, s, config):
+        """The task ``shardzoo eval`` scores with: the run's (``settings``: run.json's task
+        section; ``s``: eval's settings); a model that did not train on it needs ``--reference``."""
+        if settings.get("task") != self.name and s.reference is None:
+            raise UserError(f"--task {self.name} of a model that did not train on {self.trained_on} "
+                            "needs --reference DIR")
+        return self.from_settings(**{n: settings[n] for n in self.recorded if settings.get(n) is not None})
+
+    def eval_details(self, task, reference) -> dict:
+        """The eval's metrics beside the numbers: the loss, beta and the reference it scored against."""
+        return {"loss_type": task.loss, "beta": task.beta, "reference": {
+            "copy": "frozen copy", "adapters": "the base (adapters off)"}.get(reference, "none")}
+
+    def format_eval(self, metrics: dict) -> str:
+        return (f"dpo ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
+                f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "
+                f"{metrics['rewards/accuracies']:.4f}, rewards/margins {metrics['rewards/margins']:.4f}, "
+                f"logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected {metrics['logps/rejected']:.4f}")
 
 
 def reference_kind(cfg, config) -> str:

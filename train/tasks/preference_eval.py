@@ -1,5 +1,9 @@
 """``shardzoo eval --task dpo|kto|reward``: a preference task's loss and TRL's metrics over
-preference pairs (or KTO's rows), against the reference the run trained with."""
+preference pairs (or KTO's rows), against the reference the run trained with.
+
+What differs by task is the task component's own (``tasks/registry.py``'s ``RUN_TASKS``):
+``eval_task_of`` (the task rebuilt from the run's settings, or a refusal), ``unpaired`` (KTO's
+rows), ``eval_rows`` (what the metrics count), ``eval_details`` and ``format_eval``."""
 
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ from shardzoo.train.eval_common import eval_progress
 from shardzoo.train.program import Program
 from shardzoo.train.step import merge_sums
 from shardzoo.train.tasks.base import summarize_eval
+from shardzoo.train.tasks.registry import RUN_TASKS
 
 
-def evaluate_preference(program: Program, params, reference, batches) -> dict:
+def evaluate_preference(program: Program, params, reference, batches, rows: str = "pairs") -> dict:
     """A preference task's loss and TRL's ``rewards/*`` and ``logps/*`` over every pair of
     ``batches``, against ``reference`` (a frozen copy's params; None: ``params`` themselves, whose
-    LoRA adapters the reference step switches off), summed in float64 on the host."""
+    LoRA adapters the reference step switches off), summed in float64 on the host; ``rows``: what
+    the count of weighted rows is called."""
     step, totals, count = program.compiled_eval_step(), {}, 0
     ref_step = program.compiled_reference_step() if program.task.reference_keys else None
     with eval_progress(getattr(batches, "batches_per_epoch", None), "eval") as bar:
@@ -37,7 +43,6 @@ def evaluate_preference(program: Program, params, reference, batches) -> dict:
     if not count or totals["weight"] <= 0:
         raise UserError("the evaluation data has no preference pairs")
     summary = summarize_eval(program.task, totals)
-    rows = "examples" if program.task.name == "kto" else "pairs"
     return {"task": program.task.name, "loss": summary.pop("eval_loss"), rows: int(round(totals["weight"])),
             "batches": count, **{k.removeprefix("eval_"): v for k, v in summary.items()}}
 
@@ -64,35 +69,18 @@ def _reference_params(program: Program, task_settings: dict, model_settings: dic
     return program.init(keys[1], params=given).params
 
 
-WHAT = {"dpo": "preference pairs", "kto": "unpaired (KTO) rows", "reward": "preference pairs"}
-
-
 def evaluate_preference_run(s, run: dict, recorded: dict, config, params, mesh, rules, tokenizer) -> dict:
     """``shardzoo eval`` of a preference (``--task dpo``) run, or of a model with ``--task dpo``:
     its loss and reward metrics on preference pairs (the run's held-out pairs with ``--split
     eval``), against the reference it trained with; ``--task reward``: a reward model's loss and
     TRL's accuracy, margin and min/mean/max rewards on the pairs (no reference)."""
     from shardzoo.data import make_preference_eval_dataset
-    from shardzoo.train.tasks.kto import kto_task
-    from shardzoo.train.tasks.preference import DPO_SETTINGS, preference_task
 
     settings = run.get("settings") or {}
     task_settings, data_settings = settings.get("task") or {}, settings.get("data") or {}
     model_settings = settings.get("model") or {}
-    if s.task == "reward":
-        from shardzoo.train.tasks.reward import reward_task
-
-        if not getattr(getattr(config, "arch", None), "score_head", False):
-            raise UserError("--task reward scores with a reward model: this model has no score head")
-        task = reward_task(task_settings.get("center_rewards_coefficient"))
-    else:
-        if task_settings.get("task") != s.task and s.reference is None:
-            raise UserError(f"--task {s.task} of a model that did not train on {WHAT[s.task]} needs --reference DIR")
-        if s.task == "kto":
-            names, make = ("loss", "beta", "desirable_weight", "undesirable_weight"), kto_task
-        else:
-            names, make = ("loss", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha", *DPO_SETTINGS), preference_task
-        task = make(**{n: task_settings[n] for n in names if task_settings.get(n) is not None})
+    component = RUN_TASKS[s.task]
+    task = component.eval_task_of(task_settings, s, config)
     recorded = {k: v for k, v in data_settings.items() if v is not None}
     data, split = s.data or recorded.get("data"), s.split
     if data is None:
@@ -104,7 +92,7 @@ def evaluate_preference_run(s, run: dict, recorded: dict, config, params, mesh, 
     seed = s.seed if s.seed is not None else (settings.get("optimizer") or {}).get("seed", 0)
     add_bos = s.add_bos or recorded.get("add_bos", False)
     data_config = DataConfig(data=data, eval_fraction=fraction or 0.0, tokenizer=tokenizer.spec, add_bos=add_bos,
-                             preference=True, unpaired=s.task == "kto", skip_missing=recorded.get("skip_missing", False),
+                             preference=True, unpaired=component.unpaired, skip_missing=recorded.get("skip_missing", False),
                              max_prompt_length=recorded.get("max_prompt_length"),
                              max_completion_length=recorded.get("max_completion_length"))
     seq_len = s.seq_len or default_seq_len(config, recorded.get("seq_len"))
@@ -118,10 +106,8 @@ def evaluate_preference_run(s, run: dict, recorded: dict, config, params, mesh, 
     ref_params = _reference_params(program, task_settings, model_settings, seed, s)
     batches = make_preference_eval_dataset(data_config, tokenizer, seq_len, batch_size, split=split, seed=seed,
                                            mesh=mesh, rules=rules)
-    metrics = {**evaluate_preference(program, params, ref_params, batches), "split": split}
-    if s.task != "reward":
-        metrics.update(loss_type=task.loss, beta=task.beta, reference={
-            "copy": "frozen copy", "adapters": "the base (adapters off)"}.get(reference, "none"))
+    metrics = {**evaluate_preference(program, params, ref_params, batches, component.eval_rows), "split": split,
+               **component.eval_details(task, reference)}
     if split != "all":
         metrics.update(eval_fraction=fraction, seed=seed)
     metrics.update(data=data, model=s.checkpoint or s.hf, batch_size=batch_size, seq_len=seq_len,
@@ -130,16 +116,5 @@ def evaluate_preference_run(s, run: dict, recorded: dict, config, params, mesh, 
 
 
 def format_preference(metrics: dict) -> str:
-    if metrics["task"] == "kto":
-        return (f"kto ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
-                f"{metrics['examples']} examples: loss {metrics['loss']:.4f}, kl {metrics['kl']:.4f}, rewards/margins "
-                f"{metrics['rewards/margins']:.4f}, logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected "
-                f"{metrics['logps/rejected']:.4f}")
-    if metrics["task"] == "reward":
-        return (f"reward over {metrics['pairs']} pairs: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f}, "
-                f"margin {metrics['margin']:.4f}, rewards min/mean/max {metrics['min_reward']:.4f} / "
-                f"{metrics['mean_reward']:.4f} / {metrics['max_reward']:.4f}")
-    return (f"dpo ({metrics['loss_type']}, beta {metrics['beta']:g}, reference: {metrics['reference']}) over "
-            f"{metrics['pairs']} pairs: loss {metrics['loss']:.4f}, rewards/accuracies "
-            f"{metrics['rewards/accuracies']:.4f}, rewards/margins {metrics['rewards/margins']:.4f}, "
-            f"logps/chosen {metrics['logps/chosen']:.4f}, logps/rejected {metrics['logps/rejected']:.4f}")
+    """The one line of a preference task's metrics, in its component's words."""
+    return RUN_TASKS[metrics["task"]].format_eval(metrics)

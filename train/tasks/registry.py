@@ -1,11 +1,12 @@
 """The task registry: each ``shardzoo train --task`` as one component (``tasks/component.py``),
 and the Program of a run's settings. ``launch``, ``plan``, ``shardzoo eval`` and ``plot`` ask
-the run's component; none of them names a task."""
+the run's component; none of them names a task. A component's settings (the flags only it takes
+and their checks) are its entry of ``tasks/settings.py``'s ``TASK_SETTINGS`` (``component.settings``),
+which ``TrainConfig`` reads without importing the tasks' code."""
 
 from __future__ import annotations
 
 from shardzoo.errors import UserError
-from shardzoo.train.config import TASKS as TASK_NAMES
 from shardzoo.train.program import Program, settings_program
 from shardzoo.train.tasks.base import TASKS as MODEL_TASKS
 from shardzoo.train.tasks.base import Task
@@ -15,6 +16,7 @@ from shardzoo.train.tasks.kto import KTORun
 from shardzoo.train.tasks.preference import DPORun
 from shardzoo.train.tasks.reward import RewardRun
 from shardzoo.train.tasks.rollouts import RolloutRun
+from shardzoo.train.tasks.settings import TASKS as TASK_NAMES
 
 
 class LMRun(RunTask):
@@ -25,7 +27,7 @@ class LMRun(RunTask):
 
 RUN_TASKS: dict[str | None, RunTask] = {c.name: c for c in (
     RunTask(), LMRun(), DPORun(), KTORun(), RolloutRun("grpo"), RolloutRun("rloo"), RewardRun(), DistillRun())}
-assert tuple(RUN_TASKS) == TASK_NAMES, "config.TASKS names the --task choices: one component each"
+assert tuple(RUN_TASKS) == TASK_NAMES, "tasks/settings.py names the --task choices: one component each"
 
 
 def run_task(cfg) -> RunTask:

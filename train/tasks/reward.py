@@ -229,3 +229,20 @@ class RewardRun(RunTask):
 
     def default(self):
         return reward_task()
+
+    # ``shardzoo eval --task reward`` (``tasks/preference_eval.py``): a reward model's loss and
+    # TRL's accuracy, margin and rewards over preference pairs, no reference
+    eval_rows = "pairs"
+
+    def eval_task_of(self, settings: dict, s, config):
+        if not getattr(getattr(config, "arch", None), "score_head", False):
+            raise UserError("--task reward scores with a reward model: this model has no score head")
+        return reward_task(settings.get("center_rewards_coefficient"))
+
+    def eval_details(self, task, reference) -> dict:
+        return {}
+
+    def format_eval(self, metrics: dict) -> str:
+        return (f"reward over {metrics['pairs']} pairs: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f}, "
+                f"margin {metrics['margin']:.4f}, rewards min/mean/max {metrics['min_reward']:.4f} / "
+                f"{metrics['mean_reward']:.4f} / {metrics['max_reward']:.4f}")

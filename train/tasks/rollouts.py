@@ -24,7 +24,6 @@ import numpy as np
 
 from shardzoo.data.prompts import PromptIterator, split_prompts, tokenize_prompts
 from shardzoo.errors import UserError
-from shardzoo.train.config import GRPO_OPTIONS
 from shardzoo.train.jit import host_array
 from shardzoo.train.metrics import progress
 from shardzoo.train.tasks.component import RunTask, language_model_only
@@ -44,6 +43,7 @@ from shardzoo.train.tasks.reward_functions import (
     truncated,
     weighted_sum,
 )
+from shardzoo.train.tasks.settings import GRPO_OPTIONS
 from shardzoo.train.trainer import Trainer, is_main_process
 
 SAMPLER_STREAM = 0x5EED  # the sampler's key: fold_in(key(seed), SAMPLER_STREAM)
@@ -374,7 +374,7 @@ class RolloutRun(RunTask):
 
     def task(self, cfg, config):
         language_model_only(cfg, config)
-        options = {n: getattr(cfg, n) for n in GRPO_OPTIONS} if self.name == "grpo" else {}
+        options = {n: getattr(cfg, n) for n in GRPO_OPTIONS if n in self.settings.owns}  # GRPO's, not RLOO's
         task = grpo_task(cfg.loss, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.num_iterations,
                          completion_length(cfg), name=self.name, **options)
         if not task.beta:
