@@ -38,7 +38,7 @@ from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
-ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "xielu")
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
 
 

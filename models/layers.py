@@ -221,13 +221,14 @@ class Embed(nn.Module):
 
 
 # ------------------------------------------------------------------------------------- mlps
-# HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu, relu2 (squared).
+# HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh / gelu_fast (tanh), relu, relu2 (squared).
 ACTIVATIONS = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Arcee (Primer's squared ReLU)
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-NeoX-20B
 }
 
 

@@ -30,10 +30,7 @@ DEFAULT_ROTARY = 0.5  # PhiConfig's, where neither rope_parameters nor the top l
 
 def from_hf(hf: HFConfig) -> dict:
     hf.ignore(*INERT)
-    out = sizes(hf, "layer_norm_eps") | rope(hf)
-    given = dict(hf.get("rope_parameters") or {}) | hf.raw
-    if given.get("partial_rotary_factor") is None:
-        out["partial_rotary_factor"] = DEFAULT_ROTARY
+    out = sizes(hf, "layer_norm_eps") | rope(hf, rotary=DEFAULT_ROTARY)
     return out | dict(norm_type="layernorm", mlp_type="plain", parallel_residual=True, attention_bias=True,
                       attention_out_bias=True, mlp_bias=True, lm_head_bias=True,
                       qk_norm="head" if hf.get("qk_layernorm") else "none")
