@@ -26,17 +26,19 @@ import math
 
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.attention import CHUNKED, FULL, SLIDING
+from shardzoo.models.blocks import BLOCK_FORMS
 from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE, RECORDS
 from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' names, which the families import from here)
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe import MOE
+from shardzoo.models.norms import NORMS
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
-ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "xielu")
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "xielu")
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
 
 
@@ -97,8 +99,7 @@ class ArchCore:
     rope_layers: tuple[bool, ...] | None = feature(None, "nope_layers")  # per layer: rotates; None: all
     rope_interleaved: bool = feature(False, "rope_interleaved")  # turn pairs (2i, 2i+1), not halves
     # norms
-    norm_type: str = feature("rmsnorm", {"rmsnorm": "rmsnorm", "rmsnorm_plus_one": "rmsnorm_plus_one",
-                                         "layernorm": "layernorm", "layernorm_no_bias": "layernorm_no_bias"})
+    norm_type: str = feature("rmsnorm", {name: name for name in NORMS})  # a kind of models/norms.py NORMS
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
     # qk-norm, of norm_type: "head" each head's features (one weight for all heads), "heads"
     # each head's features with a weight per head (Cohere), "projection" all heads' features;
@@ -106,14 +107,17 @@ class ArchCore:
     # layers only (Llama 4's use_qk_norm; it commutes with the rotation, so no placement)
     qk_norm: str = feature("none", {"head": "qk_norm_head", "heads": "qk_norm_heads",
                                     "projection": "qk_norm_projection", "l2": "qk_norm_l2"})
-    # x + attn(norm(x)) + mlp(norm(x)): one norm, attention and MLP side by side (Phi, Cohere)
-    parallel_residual: bool = feature(False, "parallel_residual")
+    # how a layer joins attention and MLP to the residual (models/blocks.py BLOCK_FORMS): "sequential";
+    # "parallel" x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere); "parallel_two_norms" x + attn(norm1(x))
+    # + mlp(norm2(x)) (GPT-NeoX, Falcon-40B); older checkpoints' flag parallel_residual reads as one (nest)
+    block_form: str = feature("sequential", {"parallel": "parallel_residual", "parallel_two_norms": "parallel_two_norms"})
     qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
     # the qk-norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)
     qk_norm_no_bias: bool = feature(False, "qk_norm_no_bias")
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
+    clip_qkv: float | None = feature(None, "clip_qkv")  # q, k and v clipped to [-clip_qkv, clip_qkv] (OLMo 1)
     mlp_bias: bool = feature(False, "mlp_bias")
     mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
     # attention kinds and scales
@@ -238,7 +242,7 @@ class ArchCore:
 
     def _check(self) -> None:
         check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": ("rope", "learned"),
-                            "norm_type": ("rmsnorm", "rmsnorm_plus_one", "layernorm", "layernorm_no_bias"),
+                            "norm_type": tuple(NORMS), "block_form": tuple(BLOCK_FORMS),
                             "norm_position": ("pre", "post", "both"),
                             "qk_norm": ("none", "head", "heads", "projection", "l2"),
                             "mlp_type": ("gated", "plain"), "expert_type": ("gated", "plain")},
@@ -254,13 +258,10 @@ class ArchCore:
             if not positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_base_freq", "attention_multiplier", "swiglu_limit"):
+                     "rope_local_base_freq", "attention_multiplier", "swiglu_limit", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
-        if self.parallel_residual and self.norm_position != "pre":
-            raise ModelError(f"parallel_residual (x + attn(norm(x)) + mlp(norm(x))) has one norm before "
-                             f"attention and MLP; norm_position={self.norm_position!r} must be 'pre'")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -338,9 +339,8 @@ class ArchCore:
         if any(t == NONE and m == NONE for t, m in zip(types, mlps, strict=False)):
             raise ModelError("a layer with neither a mixer (layer_types 'none') nor an MLP (mlp_layer_types 'none') "
                              "does nothing; remove it")
-        if self.parallel_residual and (NONE in types or NONE in mlps):
-            raise ModelError("parallel_residual runs a mixer and an MLP side by side: every layer needs both "
-                             "(no 'none' in layer_types or mlp_layer_types)")
+        if BLOCK_FORMS[self.block_form].check is not None:
+            BLOCK_FORMS[self.block_form].check(self)
 
     def _check_router(self) -> None:
         if self.router_kind not in ROUTERS:
@@ -464,6 +464,8 @@ def nest(fields: dict, current=None) -> dict:
     ``--override``, the families' mappings) gathered into their records, onto ``current``'s
     (the architecture being replaced) where given; a record switched off (None, false) takes none."""
     out = dict(fields)
+    if "parallel_residual" in out:  # the flag before block forms
+        out.setdefault("block_form", "parallel" if out.pop("parallel_residual") else "sequential")
     for record in RECORDS.values():
         mine = {record.FLAT[k]: out.pop(k) for k in list(out) if k in record.FLAT}
         if not mine:

@@ -31,15 +31,14 @@ from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
     Linear,
-    RMSNorm,
     constrain,
     dtype_of,
     fused,
     linear_kw,
-    make_norm,
     positive,
     scaled,
 )
+from shardzoo.models.norms import RMSNorm, make_norm, norm_params
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.models.splash import padded_width, splash_attention
@@ -141,6 +140,8 @@ class Attention(nn.Module):
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
         k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
+        if a.clip_qkv:  # OLMo 1: the projections' outputs clipped
+            q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if spec.rope != "none":
@@ -335,13 +336,12 @@ def _latent_params(a) -> int:
 
 def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
-    d, hd, nh, per = a.hidden_size, a.head_size, a.num_attention_heads, 2 if a.norm_type == "layernorm" else 1
+    d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
     matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + 2 * a.kv_heads)
     matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
-        qk_per = 1 if a.qk_norm_no_bias else per
-        other += qk_per * hd * (2 if a.qk_norm == "head" else nh + a.kv_heads)
+        other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
     if a.attention_bias:
         other += hd * (nh * (1 + a.attn_output_gate) + 2 * a.kv_heads)
     if a.attention_out_bias:
@@ -434,8 +434,8 @@ def check(a) -> None:
     if a.kv_heads != a.num_attention_heads:
         raise ModelError(f"latent attention expands keys and values for every query head: num_key_value_heads="
                          f"{a.kv_heads} must be num_attention_heads={a.num_attention_heads}")
-    if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks:
-        raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks or partial_rotary_factor "
+    if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
+        raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
     if a.attn_output_gate:
         raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")

@@ -41,8 +41,8 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
     mlp_norm 3 D, float32        as attn_norm
     post_attn_norm, post_mlp_norm 3 D float32 each, with norm_position "both" (Gemma 2/3: four
                                  norms a block; "post" moves the two norms, it adds none)
-                                 With parallel_residual (Phi, Cohere) neither attn_residual nor
-                                 mlp_norm: the MLP reads the attention's normed input.
+                                 A parallel block form (models/blocks.py: Phi, Cohere) keeps no
+                                 attn_residual, and mlp_norm only with its second norm (GPT-NeoX).
     dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
       mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of
@@ -120,11 +120,12 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
+from shardzoo.models.norms import norm_params
 from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
 
-BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
 BL = (ax.BATCH, ax.LENGTH)
 
 # What each remat policy keeps of a layer ("none": every term below that is not 0 there).
@@ -204,14 +205,12 @@ def transformer_params(a, active: bool = False) -> int:
     total = a.vocab_size * d + head
     if a.position_embedding == "learned":
         total += a.max_position_embeddings * d
-    norm = d * (2 if a.norm_type == "layernorm" else 1)  # weight and bias
+    norm = norm_params(a, d)  # weight and bias, as the kind has them
     total += norm  # final norm
-    norms = 4 if a.norm_position == "both" else 1 if a.parallel_residual else 2
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():
-        half = spec.mixer == "none" or spec.mlp == "none"  # one half of the block: its norms only
-        total += sum(_layer_params(a, spec, active)) + (norms // 2 if half else norms) * norm
+        total += sum(_layer_params(a, spec, active)) + BLOCK_FORMS[a.block_form].norms(a, spec) * norm
     return total
 
 
@@ -230,26 +229,6 @@ def decode_flops(a, context: float) -> float:
     return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(a, s, context) for s in a.layer_specs())
 
 
-def _block_terms(a, spec, t) -> dict:
-    """The block's own arrays around its mixer and MLP: its input, norms, outputs and residual."""
-    mixes, mlp = spec.mixer != "none", spec.mlp != "none"
-    out = {"block_input": t(a.hidden_size, BLE)}
-    if mixes:
-        out.update(attn_norm=t(3 * a.hidden_size, BLE, 4), attn_out=t(a.hidden_size, BLE))
-    if mixes and mlp and not a.parallel_residual:  # the MLP reads the attention's norm: no sum, no second norm
-        out["attn_residual"] = t(a.hidden_size, BLE)
-    if mlp:
-        if not a.parallel_residual:
-            out["mlp_norm"] = t(3 * a.hidden_size, BLE, 4)
-        out["mlp_out"] = t(a.hidden_size, BLE)
-    if a.norm_position == "both":
-        if mixes:
-            out["post_attn_norm"] = t(3 * a.hidden_size, BLE, 4)
-        if mlp:
-            out["post_mlp_norm"] = t(3 * a.hidden_size, BLE, 4)
-    return out
-
-
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
     a, e = cfg.arch, cfg.execution
     nb = jnp.dtype(e.dtype).itemsize
@@ -265,7 +244,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     for spec in a.layer_specs():
         key = (spec.mixer, spec.mlp)
         if key not in kinds:
-            terms = {**_block_terms(a, spec, t), **MIXERS[spec.mixer].activations(cost, spec),
+            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(cost, spec),
                      **MLPS[spec.mlp].activations(cost)}
             kinds[key] = (terms, 0)
         kinds[key] = (kinds[key][0], kinds[key][1] + 1)

@@ -1,10 +1,10 @@
-"""Pieces the model families share: the activation constraint, norms, linears, embeddings, MLPs.
+"""Pieces the model families share: the activation constraint, linears, embeddings, MLPs.
 
 Modules take the model's config (``TransformerConfig``: ``config.arch`` what it is,
 ``config.execution`` how it runs) and, where they constrain activations, its ``placement``
 (``sharding.partition.Placement``, None on one device). Every parameter names every dimension
 with the logical vocabulary of ``sharding.axes``; the modules never name a mesh axis.
-Attention is in ``models/attention.py``.
+Attention is in ``models/attention.py``, the norms in ``models/norms.py``.
 """
 
 from __future__ import annotations
@@ -86,75 +86,6 @@ def constrain(x, axes, placement):
         if not apply or len(set(named)) < len(named):  # a name twice: reported, not applied
             return x
     return x if placement is None else placement.constrain(x, axes)
-
-
-# ---------------------------------------------------------------------------------------- norms
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama), computed in float32 like Hugging Face's.
-
-    Its weight is named ``axes`` (the last ``len(axes)`` dimensions of ``x``); it normalizes
-    over the last ``dims`` of them (all when None): the model width, one head's features
-    (Qwen3's qk-norm; Cohere's, with a weight per head) or all heads' (OLMo 2's).
-    """
-
-    eps: float = 1e-6
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    axes: tuple[str, ...] = (ax.EMBED,)
-    plus_one: bool = False  # scale by (1 + weight), weight zero-initialized (Gemma)
-    dims: int | None = None
-
-    @nn.compact
-    def __call__(self, x):
-        dims = tuple(range(x.ndim - (self.dims or len(self.axes)), x.ndim))
-        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-        scale = self.param(
-            "scale", nn.with_logical_partitioning(init, self.axes), x.shape[x.ndim - len(self.axes):],
-            dtype_of(self.param_dtype),
-        )
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=dims, keepdims=True) + self.eps)
-        scale32 = scale.astype(jnp.float32)
-        return (y * (1.0 + scale32 if self.plus_one else scale32)).astype(dtype_of(self.dtype))
-
-
-class LayerNorm(nn.Module):
-    """Layer norm with scale and (``use_bias``) bias (GPT-2; Cohere without bias), in float32;
-    ``axes`` and ``dims`` as ``RMSNorm``'s."""
-
-    eps: float = 1e-5
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    use_bias: bool = True
-    axes: tuple[str, ...] = (ax.EMBED,)
-    dims: int | None = None
-
-    @nn.compact
-    def __call__(self, x):
-        shape, pdt = x.shape[x.ndim - len(self.axes):], dtype_of(self.param_dtype)
-        dims = tuple(range(x.ndim - (self.dims or len(self.axes)), x.ndim))
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes), shape, pdt)
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=dims, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=dims, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32)
-        if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes), shape, pdt)
-            y = y + bias.astype(jnp.float32)
-        return y.astype(dtype_of(self.dtype))
-
-
-def make_norm(config, name: str, axes: tuple[str, ...] = (ax.EMBED,), dims: int | None = None,
-              bias: bool = True) -> nn.Module:
-    """The architecture's norm (``norm_type`` "rmsnorm", "rmsnorm_plus_one", "layernorm" or
-    "layernorm_no_bias") as a named submodule, its weight named ``axes``, normalizing over the
-    last ``dims`` of them (all when None); ``bias=False``: a "layernorm" without its bias."""
-    a, e = config.arch, config.execution
-    if a.norm_type in ("layernorm", "layernorm_no_bias"):
-        use_bias = a.norm_type == "layernorm" and bias
-        return LayerNorm(a.rms_norm_eps, e.dtype, e.param_dtype, use_bias, axes, dims, name=name)
-    return RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, axes, a.norm_type == "rmsnorm_plus_one", dims,
-                   name=name)
 
 
 def linear_kw(config) -> dict:
@@ -290,13 +221,14 @@ class Embed(nn.Module):
 
 
 # ------------------------------------------------------------------------------------- mlps
-# HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh (tanh), relu, relu2 (squared).
+# HF activation names: silu, gelu (exact), gelu_new / gelu_pytorch_tanh / gelu_fast (tanh), relu, relu2 (squared).
 ACTIVATIONS = {
     "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Arcee (Primer's squared ReLU)
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-NeoX-20B
 }
 
 

@@ -31,7 +31,8 @@ from shardzoo.models import ModelError, attention
 from shardzoo.models.attention import Attention
 from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.decode import _largest_key, _order_keys
-from shardzoo.models.layers import LayerNorm, Linear, constrain, linear_kw
+from shardzoo.models.layers import Linear, constrain, linear_kw
+from shardzoo.models.norms import LayerNorm
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.sharding import axes as ax
 

@@ -22,20 +22,21 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import MOE, LayerSpec, TransformerArch, nest
-from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, RECORDS
+from shardzoo.models.blocks import BLE, BLOCK_FORMS
+from shardzoo.models.components import RECORDS
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, write_cache
 from shardzoo.models.execution import REMAT_POLICIES, Execution
-from shardzoo.models.layers import Embed, Linear, constrain, dtype_of, make_norm
+from shardzoo.models.layers import Embed, Linear, constrain, dtype_of
 from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
+from shardzoo.models.norms import make_norm
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
 from shardzoo.sharding import axes as ax
 
-BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
 # the parameters whose rows are the vocabulary, and that axis: padded to ``padded_vocab``
 VOCAB_PARAMS = {("embed", "embedding"): 0, ("lm_head", "kernel"): 1, ("lm_head", "bias"): 0, ("lm_head_bias",): 0}
 
@@ -68,7 +69,7 @@ class TransformerConfig(ModelConfig):
     @classmethod
     def field_types(cls) -> dict[str, tuple[str, object]]:
         """The records' fields, and the sub-records' fields by their flat names (``SubRecord.FLAT``)."""
-        out = super().field_types()
+        out = super().field_types() | {"parallel_residual": ("arch", bool)}  # block_form's flag before it (arch.nest)
         for record in RECORDS.values():
             hints = typing.get_type_hints(record)
             out.update({flat: ("arch", hints[name]) for flat, name in record.FLAT.items()})
@@ -195,14 +196,10 @@ def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = Fa
 
 
 class Block(nn.Module):
-    """Residual block: x + mixer(norm(x)), then x + mlp(norm(x)), the mixer and the MLP the
-    layer's components (``models/components.py``: attention, a short convolution, Gated DeltaNet,
-    Mamba2, ...; a dense or MoE MLP); a layer whose mixer or MLP is "none" has only the
-    other half; with ``norm_position="post"``
-    the norms move onto the outputs: x + norm(attn(x)) (OLMo 2); with "both" there are both:
-    x + norm(attn(norm(x))) (Gemma 2/3); with ``parallel_residual`` attention and MLP read one
-    norm side by side: x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere). The residual adds
-    ``residual_multiplier`` times the block's output (Granite; 1 elsewhere)."""
+    """One layer: its token mixer and its MLP (``models/components.py``: attention, a short
+    convolution, Gated DeltaNet, Mamba2, ...; a dense or MoE MLP) joined to the residual stream by
+    the architecture's block form (``models/blocks.py``: sequential with pre, post or both norms;
+    parallel from one norm or two)."""
 
     config: TransformerConfig
     spec: LayerSpec
@@ -213,30 +210,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
-        a, placement = self.config.arch, self.placement
-        pre, post = a.norm_position in ("pre", "both"), a.norm_position in ("post", "both")
-        scale = a.residual_multiplier
-
-        def residual(x, h):
-            h = h if scale == 1.0 else h * jnp.asarray(scale, h.dtype)
-            return constrain(x + h, BLE, placement)
-
-        mixer, mlp = MIXERS[self.spec.mixer], MLPS[self.spec.mlp]
-        if mixer is NO_MIXER:  # an MLP layer (Nemotron-H's): x + mlp(norm(x))
-            h = mlp.apply(self, make_norm(self.config, "mlp_norm")(x) if pre else x, segment_ids)
-            x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
-            return (x, None) if self.scanned else x
-        h = make_norm(self.config, "attn_norm")(x) if pre else x
-        attn = mixer.apply(self, h, positions, segment_ids)  # components.MIXERS: the layer's token mixer
-        attn = make_norm(self.config, "post_attn_norm")(attn) if post else attn
-        if mlp is NO_MLP:  # a mixer-only layer (Mamba2's, Nemotron-H's): x + mixer(norm(x))
-            x = residual(x, attn)
-        elif a.parallel_residual:  # the MLP reads the attention's input norm (pre-norm only)
-            x = residual(x, attn + mlp.apply(self, h, segment_ids))
-        else:
-            x = residual(x, attn)
-            h = mlp.apply(self, make_norm(self.config, "mlp_norm")(x) if pre else x, segment_ids)
-            x = residual(x, make_norm(self.config, "post_mlp_norm")(h) if post else h)
+        x = BLOCK_FORMS[self.config.arch.block_form].apply(self, x, positions, segment_ids)
         return (x, None) if self.scanned else x  # [batch, length, embed]
 
 

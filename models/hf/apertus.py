@@ -12,7 +12,16 @@ always writes ``rope_parameters``.
 from __future__ import annotations
 
 from shardzoo.models.hf import llama
-from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, rope, sizes, sizes_to_hf
+from shardzoo.models.hf.base import (
+    INERT,
+    Family,
+    HFConfig,
+    Weight,
+    rope,
+    rope_parameters_to_hf,
+    sizes,
+    sizes_to_hf,
+)
 
 # ApertusConfig's fields and defaults (transformers 5)
 SCHEMA = dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -39,9 +48,7 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
-    scaling = {k: list(v) if isinstance(v, tuple) else v for k, v in a.rope_scaling_dict.items()}
-    rotary = {"rope_type": "default", **scaling, "rope_theta": a.rope_theta}
-    return sizes_to_hf(a) | dict(rope_parameters=rotary, attention_bias=a.attention_bias)
+    return sizes_to_hf(a) | dict(rope_parameters=rope_parameters_to_hf(a), attention_bias=a.attention_bias)
 
 
 def xielu_weights(a, prefix: str = "mlp.") -> list[Weight]:

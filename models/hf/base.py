@@ -191,17 +191,17 @@ def special_tokens(hf: HFConfig) -> dict:
             "eos_token_id": tuple(eos) if isinstance(eos, list) else eos}
 
 
-def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0) -> dict:
+def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0, rotary: float = 1.0) -> dict:
     """``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor`` from transformers 5's
     ``rope_parameters`` or the older top-level keys (``params``: a sub-dict of
-    ``rope_parameters`` to read instead, e.g. Gemma 3's per layer kind; ``theta``: the family's
-    default base)."""
+    ``rope_parameters`` to read instead, e.g. Gemma 3's per layer kind; ``theta`` and ``rotary``:
+    the family's default base and rotary fraction)."""
     if params is None:
         params = dict(hf.get("rope_parameters", None) or {})
     else:
         params = dict(params)
     theta = params.pop("rope_theta", None) or hf.get("rope_theta", None) or theta
-    factor = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", None) or 1.0
+    factor = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", None) or rotary
     scaling = dict(hf.get("rope_scaling", None) or params)
     for key in ("rope_theta", "partial_rotary_factor"):
         scaling.pop(key, None)
@@ -226,16 +226,24 @@ def rope_to_hf(arch) -> dict:
     return out
 
 
-def sizes(hf: HFConfig, eps: str = "rms_norm_eps") -> dict:
+def rope_parameters_to_hf(arch, partial: bool = False) -> dict:
+    """transformers 5's ``rope_parameters`` (for the families whose config reads no top-level
+    rotary key); ``partial``: with the rotated fraction."""
+    scaling = {k: list(v) if isinstance(v, tuple) else v for k, v in arch.rope_scaling_dict.items()}
+    out = {"rope_type": "default", **scaling, "rope_theta": arch.rope_theta}
+    return out | ({"partial_rotary_factor": arch.partial_rotary_factor} if partial else {})
+
+
+def sizes(hf: HFConfig, eps: str | float = "rms_norm_eps") -> dict:
     """The sizes every rotary decoder family spells alike (``eps``: the family's name of the
-    norms' epsilon)."""
+    norms' epsilon, or its value where config.json has none)."""
     hf.require("hidden_size", "num_hidden_layers", "num_attention_heads")
     heads = hf.get("num_attention_heads")
     return dict(vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"),
                 intermediate_size=hf.get("intermediate_size"), num_hidden_layers=hf.get("num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
                 head_dim=hf.get("head_dim", None), max_position_embeddings=hf.get("max_position_embeddings"),
-                rms_norm_eps=hf.get(eps), initializer_range=hf.get("initializer_range"),
+                rms_norm_eps=hf.get(eps) if isinstance(eps, str) else eps, initializer_range=hf.get("initializer_range"),
                 hidden_act=hf.get("hidden_act") if "hidden_act" in hf.family.schema else None,
                 tie_word_embeddings=hf.get("tie_word_embeddings"),
                 **special_tokens(hf))

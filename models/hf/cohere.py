@@ -31,7 +31,7 @@ def from_hf(hf: HFConfig) -> dict:
     hf.ignore(*INERT)
     bias = hf.get("attention_bias")  # q/k/v and o
     out = sizes(hf, "layer_norm_eps") | rope(hf) | dict(
-        norm_type="layernorm_no_bias", parallel_residual=True, rope_interleaved=True,
+        norm_type="layernorm_no_bias", block_form="parallel", rope_interleaved=True,
         attention_bias=bias, attention_out_bias=bias, logit_scale=hf.get("logit_scale"),
         qk_norm="heads" if hf.get("use_qk_norm") else "none")
     out.pop("partial_rotary_factor")  # Cohere rotates whole heads
@@ -62,7 +62,7 @@ def layer_weights(a, spec) -> list[Weight]:
     return out + llama.mlp_weights(a)
 
 
-BASE = dict(norm_type="layernorm_no_bias", parallel_residual=True, rope_interleaved=True, rms_norm_eps=1e-5,
+BASE = dict(norm_type="layernorm_no_bias", block_form="parallel", rope_interleaved=True, rms_norm_eps=1e-5,
             tie_word_embeddings=True, logit_scale=0.0625)
 # CohereForAI/c4ai-command-r-v01/config.json
 COMMAND_R = BASE | dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,

@@ -56,7 +56,7 @@ def from_hf(hf: HFConfig) -> dict:
     bias = hf.get("attention_bias")  # q/k/v and o
     out = sizes(hf, "layer_norm_eps") | rope(hf) | dict(
         head_dim=None,  # Cohere2Config sets hidden_size / heads, whatever config.json says
-        norm_type="layernorm_no_bias", parallel_residual=True, rope_interleaved=True,
+        norm_type="layernorm_no_bias", block_form="parallel", rope_interleaved=True,
         attention_bias=bias, attention_out_bias=bias, logit_scale=hf.get("logit_scale"),
         sliding_window=window, layer_types=types, rope_layers=tuple(t == SLIDING for t in types))
     out.pop("partial_rotary_factor")  # Cohere 2 rotates whole heads

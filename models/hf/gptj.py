@@ -28,7 +28,7 @@ def from_hf(hf: HFConfig) -> dict:
         vocab_size=hf.get("vocab_size"), hidden_size=d, intermediate_size=hf.get("n_inner") or 4 * d,
         num_hidden_layers=hf.get("n_layer"), num_attention_heads=heads, max_position_embeddings=hf.get("n_positions"),
         rms_norm_eps=hf.get("layer_norm_epsilon"), hidden_act=hf.get("activation_function"), mlp_type="plain",
-        norm_type="layernorm", parallel_residual=True, mlp_bias=True, lm_head_bias=True, rope_interleaved=True,
+        norm_type="layernorm", block_form="parallel", mlp_bias=True, lm_head_bias=True, rope_interleaved=True,
         rope_theta=10000.0, partial_rotary_factor=rotary / (d // heads),
         tie_word_embeddings=hf.get("tie_word_embeddings"), initializer_range=hf.get("initializer_range"),
         **special_tokens(hf))
@@ -60,7 +60,7 @@ def layer_weights(a, spec) -> list[Weight]:
     return out
 
 
-BASE = dict(norm_type="layernorm", mlp_type="plain", parallel_residual=True, hidden_act="gelu_new", rms_norm_eps=1e-5,
+BASE = dict(norm_type="layernorm", mlp_type="plain", block_form="parallel", hidden_act="gelu_new", rms_norm_eps=1e-5,
             mlp_bias=True, lm_head_bias=True, rope_interleaved=True)
 GPTJ = Family(
     "gptj", ("gptj",), "GPTJForCausalLM", SCHEMA, FEATURES, from_hf, to_hf, global_weights, layer_weights,

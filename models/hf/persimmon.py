@@ -20,7 +20,7 @@ LAYER = phi.LAYER
 
 
 def from_hf(hf: HFConfig) -> dict:
-    return phi.from_hf(hf) | dict(parallel_residual=False, lm_head_bias=False, num_key_value_heads=None)
+    return phi.from_hf(hf) | dict(block_form="sequential", lm_head_bias=False, num_key_value_heads=None)
 
 
 def to_hf(a) -> dict:
@@ -53,7 +53,7 @@ def layer_weights(a, spec) -> list[Weight]:
     return out
 
 
-BASE = phi.BASE | dict(parallel_residual=False, lm_head_bias=False, hidden_act="relu2", qk_norm="head")
+BASE = phi.BASE | dict(block_form="sequential", lm_head_bias=False, hidden_act="relu2", qk_norm="head")
 PERSIMMON = Family(
     "persimmon", ("persimmon",), "PersimmonForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     global_weights, layer_weights,

@@ -30,6 +30,7 @@ from shardzoo.models.hf import (
     ernie4_5,
     exaone,
     exaone4,
+    falcon,
     falcon_h1,
     flex_olmo,
     gemma,
@@ -38,6 +39,7 @@ from shardzoo.models.hf import (
     glm4_moe_lite,
     glm_moe_dsa,
     gpt2,
+    gpt_neox,
     gpt_oss,
     gptj,
     granite,
@@ -53,7 +55,9 @@ from shardzoo.models.hf import (
     mamba2,
     ministral,
     mixtral,
+    nemotron,
     nemotron_h,
+    olmo,
     olmo2,
     olmo3,
     olmoe,
@@ -113,6 +117,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
+    nemotron.NEMOTRON, olmo.OLMO, gpt_neox.GPT_NEOX, falcon.FALCON,  # LayerNorm1P, weightless norms, two-norm parallel blocks
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -41,7 +41,7 @@ def from_hf(hf: HFConfig) -> dict:
     return out | dict(
         num_key_value_heads=hf.get("num_key_value_heads"),  # 32 when absent, as StableLmConfig
         head_dim=None,  # StableLM's attention: hidden_size / heads, whatever config.json says
-        norm_type="layernorm", parallel_residual=hf.get("use_parallel_residual"),
+        norm_type="layernorm", block_form="parallel" if hf.get("use_parallel_residual") else "sequential",
         attention_bias=hf.get("use_qkv_bias"),
         qk_norm="heads" if hf.get("qk_layernorm") else "none", qk_norm_no_bias=True)
 
@@ -50,7 +50,7 @@ def to_hf(a) -> dict:
     out = sizes_to_hf(a) | rope_to_hf(a) | dict(
         layer_norm_eps=a.rms_norm_eps, partial_rotary_factor=a.partial_rotary_factor,
         use_qkv_bias=a.attention_bias, qk_layernorm=a.qk_norm == "heads",
-        use_parallel_residual=a.parallel_residual)
+        use_parallel_residual=a.block_form == "parallel")
     for key in ("rms_norm_eps", "head_dim"):
         del out[key]  # head_dim: StableLmConfig has none (hidden_size / heads)
     return out
@@ -71,7 +71,7 @@ def global_weights(a) -> list[Weight]:
 def layer_weights(a, spec) -> list[Weight]:
     h = llama.LAYER
     out = _both(("attn_norm",), h + "input_layernorm")
-    if not a.parallel_residual:
+    if a.block_form == "sequential":
         out += _both(("mlp_norm",), h + "post_attention_layernorm")
     for n in "qkvo":
         out.append(Weight(("attn", n, "kernel"), h + f"self_attn.{n}_proj.weight", "linear",

@@ -38,7 +38,7 @@ def built(tmp_path_factory):
 
 def test_config_reads_coheres_mechanisms(built):
     config = load_hf_config(built[0])
-    assert config.parallel_residual and config.rope_interleaved and config.qk_norm == "heads"
+    assert config.block_form == "parallel" and config.rope_interleaved and config.qk_norm == "heads"
     assert (config.norm_type, config.mlp_type, config.logit_scale) == ("layernorm_no_bias", "gated", 0.3)
     assert config.tie_word_embeddings and config.attention_bias and config.attention_out_bias
 

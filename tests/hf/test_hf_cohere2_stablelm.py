@@ -96,14 +96,14 @@ def test_config_reads_the_mechanisms(built):
         assert config.layer_types == (S, F, S, F) and config.sliding_window == 4
         assert config.rope_layers == (True, False, True, False)
         assert [s.rope for s in config.layer_specs()] == ["global", "none"] * 2
-        assert config.parallel_residual and config.rope_interleaved and config.logit_scale == 0.3
+        assert config.block_form == "parallel" and config.rope_interleaved and config.logit_scale == 0.3
         assert (config.norm_type, config.qk_norm, config.head_dim) == ("layernorm_no_bias", "none", None)
         assert config.attention_bias and config.attention_out_bias and config.tie_word_embeddings
     else:
         assert (config.norm_type, config.qk_norm, config.qk_norm_no_bias) == ("layernorm", "heads", True)
         assert config.partial_rotary_factor == 0.5 and config.rope_theta == 1000.0
         assert config.attention_bias and not config.attention_out_bias and not config.mlp_bias
-        assert config.parallel_residual == (name == "stablelm_parallel")
+        assert (config.block_form == "parallel") == (name == "stablelm_parallel")
 
 
 def test_each_mechanism_changes_transformers_logits(built):

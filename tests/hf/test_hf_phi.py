@@ -47,7 +47,7 @@ def built(tmp_path_factory):
 
 def test_config_reads_phis_mechanisms(built):
     config = load_hf_config(built[0])
-    assert config.parallel_residual and config.lm_head_bias and config.qk_norm == "head"
+    assert config.block_form == "parallel" and config.lm_head_bias and config.qk_norm == "head"
     assert (config.norm_type, config.mlp_type, config.partial_rotary_factor) == ("layernorm", "plain", 0.5)
 
 
@@ -99,7 +99,7 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
 
 def test_a_family_without_the_parallel_residual_refuses_to_export_it(built):
     config = load_hf_config(built[0])
-    with pytest.raises(HFError, match=r"gpt2 cannot express feature .*parallel_residual \(parallel_residual=True\)"):
+    with pytest.raises(HFError, match=r"gpt2 cannot express feature .*parallel_residual \(block_form='parallel'\)"):
         config_to_hf(config, family="gpt2")
 
 

@@ -1,0 +1,129 @@
+"""Block forms: how a layer joins its token mixer and its MLP to the residual stream, each form
+one line of ``BLOCK_FORMS`` (``arch.block_form``).
+
+``transformer.Block`` runs its layer through the form's ``apply``; ``models/costs.py`` counts its
+norms (``norms``) and the arrays it keeps for the backward pass (``terms``); ``arch`` runs its
+``check``. A new form is one function here and one table line (and its feature in
+``models/features.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from shardzoo.models import ModelError
+from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, NONE
+from shardzoo.models.layers import constrain
+from shardzoo.models.norms import make_norm
+from shardzoo.sharding import axes as ax
+
+BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+
+
+def _residual(block, x, h):
+    """``x + residual_multiplier * h`` (Granite's multiplier; 1 elsewhere)."""
+    scale = block.config.arch.residual_multiplier
+    h = h if scale == 1.0 else h * jnp.asarray(scale, h.dtype)
+    return constrain(x + h, BLE, block.placement)
+
+
+def _mixer(block, h, positions, segment_ids):
+    return MIXERS[block.spec.mixer].apply(block, h, positions, segment_ids)  # the layer's token mixer
+
+
+def _mlp(block, h, segment_ids):
+    return MLPS[block.spec.mlp].apply(block, h, segment_ids)
+
+
+def sequential(block, x, positions, segment_ids):
+    """x + mixer(norm(x)), then x + mlp(norm(x)); ``norm_position`` "post" moves the norms onto
+    the outputs: x + norm(mixer(x)) (OLMo 2); "both" has both: x + norm(mixer(norm(x))) (Gemma
+    2/3). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2)."""
+    cfg = block.config
+    pre, post = cfg.arch.norm_position in ("pre", "both"), cfg.arch.norm_position in ("post", "both")
+    if MIXERS[block.spec.mixer] is not NO_MIXER:
+        h = _mixer(block, make_norm(cfg, "attn_norm")(x) if pre else x, positions, segment_ids)
+        x = _residual(block, x, make_norm(cfg, "post_attn_norm")(h) if post else h)
+    if MLPS[block.spec.mlp] is not NO_MLP:
+        h = _mlp(block, make_norm(cfg, "mlp_norm")(x) if pre else x, segment_ids)
+        x = _residual(block, x, make_norm(cfg, "post_mlp_norm")(h) if post else h)
+    return x
+
+
+def parallel(block, x, positions, segment_ids):
+    """x + mixer(norm(x)) + mlp(norm(x)): one norm, mixer and MLP side by side (Phi, GPT-J, Cohere,
+    Falcon-7B)."""
+    h = make_norm(block.config, "attn_norm")(x)
+    return _residual(block, x, _mixer(block, h, positions, segment_ids) + _mlp(block, h, segment_ids))
+
+
+def parallel_two_norms(block, x, positions, segment_ids):
+    """x + mixer(norm1(x)) + mlp(norm2(x)): mixer and MLP side by side, each with its own norm
+    (GPT-NeoX, Falcon-40B's new decoder architecture)."""
+    attn = _mixer(block, make_norm(block.config, "attn_norm")(x), positions, segment_ids)
+    return _residual(block, x, attn + _mlp(block, make_norm(block.config, "mlp_norm")(x), segment_ids))
+
+
+def _sequential_norms(a, spec) -> int:
+    halves = (spec.mixer != NONE) + (spec.mlp != NONE)
+    return halves * (2 if a.norm_position == "both" else 1)
+
+
+def _sequential_terms(a, spec, t) -> dict:
+    """Its input; per half its norm's float32 intermediates and output; the residual between them."""
+    mixes, mlp, d = spec.mixer != NONE, spec.mlp != NONE, a.hidden_size
+    out = {"block_input": t(d, BLE)}
+    if mixes:
+        out.update(attn_norm=t(3 * d, BLE, 4), attn_out=t(d, BLE))
+    if mixes and mlp:
+        out["attn_residual"] = t(d, BLE)
+    if mlp:
+        out.update(mlp_norm=t(3 * d, BLE, 4), mlp_out=t(d, BLE))
+    if a.norm_position == "both":
+        if mixes:
+            out["post_attn_norm"] = t(3 * d, BLE, 4)
+        if mlp:
+            out["post_mlp_norm"] = t(3 * d, BLE, 4)
+    return out
+
+
+def _parallel_terms(norms: int):
+    """Its input, its ``norms`` norms' intermediates and both outputs; no residual between them."""
+    def terms(a, spec, t) -> dict:
+        d = a.hidden_size
+        out = {"block_input": t(d, BLE), "attn_norm": t(3 * d, BLE, 4), "attn_out": t(d, BLE), "mlp_out": t(d, BLE)}
+        return out | ({"mlp_norm": t(3 * d, BLE, 4)} if norms == 2 else {})
+    return terms
+
+
+def _check_parallel(a) -> None:
+    if a.norm_position != "pre":
+        raise ModelError(f"block_form={a.block_form!r} (x + attn(norm(x)) + mlp(norm(x))) has its norms before "
+                         f"attention and MLP; norm_position={a.norm_position!r} must be 'pre'")
+    types, mlps = a.layer_types or (), a.mlp_layer_types or ()
+    if NONE in types or NONE in mlps:
+        raise ModelError(f"block_form={a.block_form!r} runs a mixer and an MLP side by side: every layer needs both "
+                         "(no 'none' in layer_types or mlp_layer_types)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockForm:
+    """A block form: ``apply(block, x, positions, segment_ids)`` -> the layer's output; ``norms(a,
+    spec)`` the norms of a layer; ``terms(a, spec, t)`` its own activations (``models/costs.py``);
+    ``check(a)`` a ModelError for what it cannot be beside the rest of the record."""
+
+    name: str
+    apply: Callable
+    norms: Callable
+    terms: Callable
+    check: Callable | None = None
+
+
+BLOCK_FORMS = {f.name: f for f in (
+    BlockForm("sequential", sequential, _sequential_norms, _sequential_terms),
+    BlockForm("parallel", parallel, lambda a, spec: 1, _parallel_terms(1), _check_parallel),
+    BlockForm("parallel_two_norms", parallel_two_norms, lambda a, spec: 2, _parallel_terms(2), _check_parallel),
+)}
