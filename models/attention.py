@@ -2,7 +2,8 @@
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
-attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention),
+attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention), ALiBi
+biases (BLOOM, MPT: ``models/alibi.py``, in plain XLA attention too), MPT's clipped q/k/v,
 biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
 the explicit ``placement``), and decoding from a cache whose arrays carry logical axes. Training and
 scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; models/splash.py).
@@ -20,6 +21,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, check_fields, splash
+from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
@@ -143,20 +145,24 @@ def softcap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
-def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
+def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
     """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
-    (soft-capped logits, sinks): scores scaled, capped, masked, softmax in float32 (as HF's eager).
+    (soft-capped logits, sinks, ALiBi): scores scaled, biased, capped, masked, softmax in float32
+    (as HF's eager).
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
     mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
     ``sinks`` [heads]: each head's learned logit, one more column of the softmax that attends
-    no value (GPT-OSS): the weights of the keys sum to less than 1.
+    no value (GPT-OSS): the weights of the keys sum to less than 1. ``bias``: float32 [batch,
+    heads, q_len, k_len] added to the scaled scores (ALiBi: ``models/alibi.py``).
     """
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
     scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
     # [batch, kv_heads, group, q_len, k_len]
+    if bias is not None:
+        scores = scores.astype(jnp.float32) + bias.reshape(batch, kv_heads, heads // kv_heads, *bias.shape[2:])
     if logit_cap:
         scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
@@ -215,6 +221,8 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
+        if a.clip_qkv:  # MPT: the projections clamped to [-clip_qkv, clip_qkv]
+            q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
@@ -241,12 +249,17 @@ class Attention(nn.Module):
         if a.attention_sinks:  # [heads], in float32 where the softmax is
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
-        plain = cap or sinks is not None or chunk  # what jax.nn.dot_product_attention cannot compute
+        alibi = a.position_embedding == "alibi"
+        plain = cap or sinks is not None or chunk or alibi  # what jax.nn.dot_product_attention cannot compute
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
+        q_pos = k_pos = positions
         if decode:
+            start = self._cached("cache_index", (), (), jnp.int32).value
             k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            q_pos = jnp.broadcast_to(start + jnp.arange(length), (batch, length))  # cache slots
+            k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (batch, k.shape[1]))
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -255,7 +268,7 @@ class Attention(nn.Module):
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
-            ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
+            ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:
             ctx = one_query_attention(q, k, v, mask, scale)
         elif decode:

@@ -19,6 +19,12 @@ FEATURE = "shardzoo_feature"
 FEATURES = {
     "rope": "rotary position embeddings (rope_theta)",
     "learned_positions": "a learned position table (GPT-2)",
+    "sinusoidal_positions": "fixed sinusoidal position embeddings added to the token embeddings (XGLM)",
+    "position_offset": "the position table read at position + position_offset (OPT, XGLM: 2)",
+    "alibi": "ALiBi: no position embedding, each head's attention logits biased by slope x (key - query "
+             "position) (BLOOM, MPT)",
+    "embedding_norm": "a norm of the token embeddings before the first layer (BLOOM)",
+    "clip_qkv": "q, k and v clamped to [-clip_qkv, clip_qkv] (MPT)",
     "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",

@@ -21,6 +21,9 @@ from shardzoo.models.hf import (
     apertus,
     arcee,
     bamba,
+    biogpt,
+    bloom,
+    codegen,
     cohere,
     cohere2,
     deepseek_v2,
@@ -38,6 +41,8 @@ from shardzoo.models.hf import (
     glm4_moe_lite,
     glm_moe_dsa,
     gpt2,
+    gpt_bigcode,
+    gpt_neo,
     gpt_oss,
     gptj,
     granite,
@@ -53,10 +58,12 @@ from shardzoo.models.hf import (
     mamba2,
     ministral,
     mixtral,
+    mpt,
     nemotron_h,
     olmo2,
     olmo3,
     olmoe,
+    opt,
     persimmon,
     phi,
     phi3,
@@ -71,6 +78,7 @@ from shardzoo.models.hf import (
     stablelm,
     starcoder2,
     vaultgemma,
+    xglm,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -113,6 +121,9 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
+    bloom.BLOOM, mpt.MPT,  # ALiBi (models/alibi.py)
+    opt.OPT, gpt_neo.GPT_NEO, gpt_bigcode.GPT_BIGCODE, codegen.CODEGEN, xglm.XGLM,
+    biogpt.BIOGPT,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
