@@ -255,11 +255,8 @@ class Attention(nn.Module):
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
         q_pos = k_pos = positions
-        if decode:
-            start = self._cached("cache_index", (), (), jnp.int32).value
-            k, v, mask = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
-            q_pos = jnp.broadcast_to(start + jnp.arange(length), (batch, length))  # cache slots
-            k_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (batch, k.shape[1]))
+        if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
+            k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -378,7 +375,8 @@ class Attention(nn.Module):
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
-        """Write this chunk's keys/values at the cache index; mask over the whole cache."""
+        """Write this chunk's keys/values at the cache index; mask over the whole cache, and the
+        slots of the queries and of the cache's keys."""
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
         ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
@@ -396,7 +394,7 @@ class Attention(nn.Module):
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
-        return ck.value, cv.value, mask
+        return ck.value, cv.value, mask, (q_slots, k_slots)
 
 
 

@@ -20,7 +20,7 @@ SCHEMA = dict(d_model=2048, n_heads=16, n_layers=24, expansion_ratio=4, max_seq_
               init_device="cpu", logit_scale=None, no_bias=True, embedding_fraction=1.0,
               norm_type="low_precision_layernorm", use_cache=False, initializer_range=0.02, tie_word_embeddings=True,
               pad_token_id=None, bos_token_id=None, eos_token_id=None)
-ATTN = dict(attn_type="multihead_attention", attn_pdrop=0.0, attn_impl="torch", clip_qkv=None, softmax_scale=None,
+ATTN = dict(attn_type="multihead_attention", attn_pdrop=0, attn_impl="torch", clip_qkv=None, softmax_scale=None,
             prefix_lm=False, qk_ln=False, attn_uses_sequence_id=False, alibi=True, alibi_bias_max=8)
 ALIASES = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"}
 FEATURES = frozenset({"alibi", "clip_qkv", "layernorm_no_bias", "pre_norms", "plain_mlp", "multipliers"})
