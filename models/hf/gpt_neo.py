@@ -46,7 +46,8 @@ def to_hf(a) -> dict:
     kinds = [names[t] for t in layer_types(a)]
     period = next(p for p in range(1, len(kinds) + 1) if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
     return dict(hidden_size=a.hidden_size, num_layers=a.num_hidden_layers, num_heads=a.num_attention_heads,
-                intermediate_size=a.intermediate_size, max_position_embeddings=a.max_position_embeddings,
+                intermediate_size=None if a.intermediate_size == 4 * a.hidden_size else a.intermediate_size,
+                max_position_embeddings=a.max_position_embeddings,
                 layer_norm_epsilon=a.rms_norm_eps, activation_function=a.hidden_act,
                 attention_types=[[kinds[:period], len(kinds) // period]], window_size=a.sliding_window or 256)
 

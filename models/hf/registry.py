@@ -222,9 +222,10 @@ def _shared_to_hf(family: Family, a) -> dict:
                     tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
     if "text_config" in family.schema:  # a multimodal config: the family writes them in its text_config
         return dict(architectures=[name], model_type=family.model_types[0])
+    init = {"initializer_range": a.initializer_range} if "initializer_range" in family.schema else {}  # OPT: init_std
     return dict(architectures=[name], model_type=family.model_types[0],
                 vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
-                tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
+                tie_word_embeddings=a.tie_word_embeddings, **init)
 
 
 # keys of an imported config.json an export never carries over: bookkeeping transformers writes

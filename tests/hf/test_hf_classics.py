@@ -36,7 +36,7 @@ import shardzoo.models.attention as attn
 from shardzoo.models import ModelError, get_model
 from shardzoo.models.alibi import slopes
 from shardzoo.models.attention import attention_kernel
-from shardzoo.models.hf import HFError, config_to_hf, export_hf
+from shardzoo.models.hf import HFError, export_hf
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules
 from shardzoo.train.io.hf_io import load_hf
@@ -221,7 +221,8 @@ PUBLISHED = {  # the published config.json files (their fields that say somethin
                    num_hidden_layers=24, num_attention_heads=16, max_position_embeddings=1024, layer_norm_eps=1e-12,
                    pad_token_id=1, bos_token_id=0, eos_token_id=2, scale_embedding=True),
 }
-COUNTS = {"bloom-560m": 559_214_592, "opt-125m": 125_239_296, "gpt-neo-125m": 125_198_592}  # the model cards'
+COUNTS = {"bloom-560m": 559_214_592, "mpt-7b": 6_649_286_656, "opt-125m": 125_239_296, "opt-1.3b": 1_315_758_080,
+          "gpt-neo-125m": 125_198_592, "codegen-350m": 356_712_448, "xglm-564m": 564_463_616}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -234,16 +235,6 @@ def test_presets_read_as_published_and_count_as_transformers_on_the_meta_device(
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PUBLISHED[name]))
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     assert config.num_params() == COUNTS.get(name, config.num_params())
-
-
-@pytest.mark.parametrize("name", ["bloom-tiny", "mpt-tiny", "opt-tiny", "gpt-neo-tiny", "gpt-bigcode-tiny",
-                                  "codegen-tiny", "xglm-tiny", "biogpt-tiny"])
-def test_tiny_presets_count_as_transformers_on_the_meta_device(name):
-    config = PRESETS[name]
-    hf = config_to_hf(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
-    assert config.num_params() == sum(p.numel() for p in model.parameters())
 
 
 REFUSED = [  # (config.json, what the one-line refusal names)
