@@ -55,7 +55,8 @@ class TransformerConfig(ModelConfig):
         self.layout()  # an explicit scan layout must fit the layer pattern
         if (self.arch.attention_sinks or self.arch.position_embedding == "alibi") and \
                 self.execution.attention_impl == "cudnn":
-            what = "attention_sinks" if self.arch.attention_sinks else "position_embedding='alibi'"
+            what = ("attention_sinks (a learned logit per head in the softmax)" if self.arch.attention_sinks
+                    else "position_embedding='alibi' (a bias on the attention logits)")
             raise ModelError(f"{what} runs in plain XLA: attention_impl='cudnn' (jax.nn.dot_product_attention) "
                              "cannot add it; use 'auto' or 'xla'")
         if self.execution.attention_impl == "splash" and splash.serves(self.arch):
