@@ -6,7 +6,8 @@ in its plain XLA path (splash attention takes no bias: ``models/splash.py`` says
 transformers adds ``slope * key position`` (BLOOM) or ``slope * (key - last key)`` (MPT): the
 same softmax, each query's row shifted by a constant. Relative to the query, the bias is right
 for packed segments (positions restart) and for a decoding cache (slots: each row's offset is
-the same for its query and its keys).
+the same for its query and its keys). Under context parallelism it runs as attention sinks do:
+plain XLA attention over the sharded length, not the ring.
 """
 
 from __future__ import annotations

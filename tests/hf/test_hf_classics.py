@@ -15,6 +15,7 @@ config.json and count as transformers on the meta device. Tolerance: 1e-4 on flo
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,6 +172,20 @@ def test_alibi_under_fsdp_tp_and_in_a_left_padded_batch(tmp_path_factory):
     fsdp_tp_parity(path, ref)
     _, config, params = load_hf(path, mesh=one_device(), rules=get_rules("fsdp"))
     left_padded_generates_alone(Program(config, get_rules("fsdp"), one_device()), params)
+
+
+def test_alibi_in_a_packed_row_is_each_segment_alone(tmp_path_factory):
+    """Two texts of 8 packed in one row (segment ids 1, 2; positions restarting) give each text's
+    logits alone: the bias is relative to the query's own position."""
+    path, _, _ = tiny("bloom", tmp_path_factory)
+    module, _, params = load_hf(path, mesh=one_device())
+    fn = jax.jit(lambda p, t, pos, seg: module.apply({"params": p}, t, pos, seg))
+    texts = TOKENS[:2, :8]
+    alone = np.asarray(fn(params, texts, np.broadcast_to(np.arange(8), (2, 8)), None))
+    packed = texts.reshape(1, 16)
+    positions, segments = np.tile(np.arange(8), 2)[None], np.repeat([1, 2], 8)[None]
+    got = np.asarray(fn(params, packed, positions, segments)).reshape(2, 8, -1)
+    np.testing.assert_allclose(got, alone, atol=1e-5, rtol=0)
 
 
 def test_alibi_runs_in_xla_attention_and_splash_or_cudnn_are_refused(monkeypatch):
