@@ -34,6 +34,7 @@ from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe import MOE
 from shardzoo.models.norms import NORMS
+from shardzoo.models.positions import KINDS as POSITION_KINDS
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
@@ -91,7 +92,11 @@ class ArchCore:
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
     # positions
-    position_embedding: str = feature("rope", {"rope": "rope", "learned": "learned_positions"})
+    # rotary (models/rope.py), a learned table or sinusoids (models/positions.py), ALiBi (models/alibi.py)
+    position_embedding: str = feature("rope", {"rope": "rope", "learned": "learned_positions",
+                                               "sinusoidal": "sinusoidal_positions", "alibi": "alibi"})
+    # the learned or sinusoidal table's rows before position 0 (OPT, XGLM: 2)
+    position_offset: int = feature(0, "position_offset")
     rope_theta: float = 10000.0
     rope_scaling: tuple | None = feature(None, _scaling_feature)  # HF's dict, as sorted pairs
     partial_rotary_factor: float = feature(1.0, "partial_rotary")
@@ -117,7 +122,7 @@ class ArchCore:
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
-    clip_qkv: float | None = feature(None, "clip_qkv")  # q, k and v clipped to [-clip_qkv, clip_qkv] (OLMo 1)
+    clip_qkv: float | None = feature(None, "clip_qkv")  # q, k and v clipped to [-clip_qkv, clip_qkv] (OLMo 1, MPT)
     mlp_bias: bool = feature(False, "mlp_bias")
     mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
     # attention kinds and scales
@@ -132,6 +137,7 @@ class ArchCore:
     lm_head_bias: bool = feature(False, "lm_head_bias")  # the output head's bias (Phi)
     logit_scale: float = feature(1.0, "logit_scale")  # logits x logit_scale (Cohere)
     scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
+    embedding_norm: bool = feature(False, "embedding_norm")  # a norm of the embeddings (BLOOM)
     # Granite's multipliers
     embedding_multiplier: float = feature(1.0, "multipliers")
     residual_multiplier: float = feature(1.0, "multipliers")  # x + multiplier * block(x)
@@ -220,6 +226,8 @@ class ArchCore:
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
             set_("rope_interleaved", False)
+        if self.position_embedding not in ("learned", "sinusoidal"):
+            set_("position_offset", 0)  # no table
         if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
             for f in dataclasses.fields(self):
                 if f.name in _MOE_FIELDS and not (f.name == "mlp_layer_types" and NONE in (self.mlp_layer_types or ())):
@@ -241,7 +249,7 @@ class ArchCore:
             set_("mlp_layer_types", None)
 
     def _check(self) -> None:
-        check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": ("rope", "learned"),
+        check_fields(self, {"hidden_act": ACTIVATIONS, "position_embedding": POSITION_KINDS,
                             "norm_type": tuple(NORMS), "block_form": tuple(BLOCK_FORMS),
                             "norm_position": ("pre", "post", "both"),
                             "qk_norm": ("none", "head", "heads", "projection", "l2"),
@@ -253,6 +261,9 @@ class ArchCore:
         if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
             raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
                              "must be an integer >= 0 (0: no shared expert)")
+        if isinstance(self.position_offset, bool) or not isinstance(self.position_offset, int) or self.position_offset < 0:
+            raise ModelError(f"position_offset={self.position_offset!r} must be an integer >= 0 (the position "
+                             "table's rows before position 0)")
         for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
                      "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
             if not positive(getattr(self, name)):

@@ -3,7 +3,8 @@
 
 One ``Attention`` serves every family: MHA/GQA/MQA, rotary embeddings (per layer: the global
 base, Gemma 3's local one, or none), sliding windows, packed segments, soft-capped logits,
-attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention),
+attention sinks (GPT-OSS: a learned logit per head in the softmax, in plain XLA attention), ALiBi
+biases (BLOOM, MPT: ``models/alibi.py``, in plain XLA attention too), MPT's clipped q/k/v,
 biases, qk-norm (before or after rotary), Granite's and Gemma's scales, context parallelism (ring attention, through
 the explicit ``placement``), and decoding from a cache whose arrays carry logical axes. Training and
 scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; models/splash.py).
@@ -21,6 +22,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from shardzoo.models import ModelError, check_fields
+from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.attention_kernels import (
     attention_kernel,
     attention_mask,
@@ -139,9 +141,9 @@ class Attention(nn.Module):
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n in ("k", "v")]
         k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
-        k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
-        if a.clip_qkv:  # OLMo 1: the projections' outputs clipped
+        if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
             q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if spec.rope != "none":
@@ -167,13 +169,15 @@ class Attention(nn.Module):
         if a.attention_sinks:  # [heads], in float32 where the softmax is
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
-        plain = cap or sinks is not None or chunk  # what jax.nn.dot_product_attention cannot compute
+        alibi = a.position_embedding == "alibi"
+        plain = cap or sinks is not None or chunk or alibi  # what jax.nn.dot_product_attention cannot compute
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
-        if decode:
+        q_pos = k_pos = positions
+        if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             new_k, new_v = k, v
-            (k, v, mask), before = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            (k, v, mask, (q_pos, k_pos)), before = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -182,7 +186,7 @@ class Attention(nn.Module):
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
-            ctx = xla_attention(q, k, v, mask, scale, cap, sinks)
+            ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:
             ctx = one_query_attention(q, *before, scale, k_new=new_k, v_new=new_v)
         elif decode:
@@ -292,10 +296,10 @@ class Attention(nn.Module):
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
-        """Write this chunk's keys/values at the cache index. Returns (keys, values, mask) of the
-        whole cache after the write, and (keys, values, mask) of the cache before it (each slot
-        the chunk writes still empty, so hidden): a one-token step attends to those and to its
-        own key (``one_query_attention``), never reading the cache it wrote."""
+        """Write this chunk's keys/values at the cache index. Returns (keys, values, mask, (query
+        slots, key slots)) of the whole cache after the write, and (keys, values, mask) of the cache
+        before it (each slot the chunk writes still empty, so hidden): a one-token step attends to
+        those and to its own key (``one_query_attention``), never reading the cache it wrote."""
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
         ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
@@ -313,7 +317,8 @@ class Attention(nn.Module):
         cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
-        return (ck.value, cv.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)), before
+        mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
+        return (ck.value, cv.value, mask, (q_slots, k_slots)), before
 
 
 # ------------------------------------------------------------------------------ the component

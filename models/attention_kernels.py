@@ -49,20 +49,24 @@ def softcap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
-def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None):
+def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
     """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
-    (soft-capped logits, sinks): scores scaled, capped, masked, softmax in float32 (as HF's eager).
+    (soft-capped logits, sinks, ALiBi): scores scaled, biased, capped, masked, softmax in float32
+    (as HF's eager).
 
     q: [batch, q_len, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim];
     mask: bool [batch, 1, q_len, k_len]. Query heads are grouped over their kv head (GQA).
     ``sinks`` [heads]: each head's learned logit, one more column of the softmax that attends
-    no value (GPT-OSS): the weights of the keys sum to less than 1.
+    no value (GPT-OSS): the weights of the keys sum to less than 1. ``bias``: float32 [batch,
+    heads, q_len, k_len] added to the scaled scores (ALiBi: ``models/alibi.py``).
     """
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
     scores = jnp.einsum("blkgd,bmkd->bkglm", q, k) * jnp.asarray(scale, q.dtype)
     # [batch, kv_heads, group, q_len, k_len]
+    if bias is not None:
+        scores = scores.astype(jnp.float32) + bias.reshape(batch, kv_heads, heads // kv_heads, *bias.shape[2:])
     if logit_cap:
         scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)

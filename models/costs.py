@@ -204,9 +204,9 @@ def transformer_params(a, active: bool = False) -> int:
     head = d if a.score_head else 0 if a.tie_word_embeddings else a.vocab_size * d  # a reward model: [embed, 1]
     total = a.vocab_size * d + head
     if a.position_embedding == "learned":
-        total += a.max_position_embeddings * d
+        total += (a.max_position_embeddings + a.position_offset) * d
     norm = norm_params(a, d)  # weight and bias, as the kind has them
-    total += norm  # final norm
+    total += norm * (1 + a.embedding_norm)  # final norm (and the embeddings' norm)
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():

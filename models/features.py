@@ -19,6 +19,11 @@ FEATURE = "shardzoo_feature"
 FEATURES = {
     "rope": "rotary position embeddings (rope_theta)",
     "learned_positions": "a learned position table (GPT-2)",
+    "sinusoidal_positions": "fixed sinusoidal position embeddings added to the token embeddings (XGLM)",
+    "position_offset": "the position table read at position + position_offset (OPT, XGLM: 2)",
+    "alibi": "ALiBi: no position embedding, each head's attention logits biased by slope x (key - query "
+             "position) (BLOOM, MPT)",
+    "embedding_norm": "a norm of the token embeddings before the first layer (BLOOM)",
     "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",
@@ -35,7 +40,7 @@ FEATURES = {
                          "Phi, Cohere)",
     "parallel_two_norms": "attention and MLP side by side, each from its own norm: x + attn(n1) + mlp(n2) "
                           "(block_form parallel_two_norms: GPT-NeoX, Falcon-40B)",
-    "clip_qkv": "q, k and v clipped to [-clip_qkv, clip_qkv] after their projections (OLMo 1)",
+    "clip_qkv": "q, k and v clipped to [-clip_qkv, clip_qkv] after their projections (OLMo 1, MPT)",
     "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",

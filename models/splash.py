@@ -9,7 +9,7 @@ width other than 64 or a multiple of 128 is zero-padded to the next multiple of 
 unchanged; the value's padding is sliced off). Off a TPU it runs in Pallas' interpret mode
 (tests; slow).
 
-Where it serves (``serves``): not attention sinks (GPT-OSS) and not latent attention (value and
+Where it serves (``serves``): not attention sinks (GPT-OSS), not ALiBi (BLOOM, MPT) and not latent attention (value and
 key widths differ); those layers stay in XLA. A length that is not a multiple of 128, a decoding
 step and context parallelism (the XLA ring: merging per-step kernel calls needs their
 log-sum-exp residuals, not wired yet) also run in XLA.
@@ -44,6 +44,8 @@ def serves(arch) -> str | None:
         return "latent attention (values narrower than keys) runs in plain XLA"
     if arch.attention_sinks:
         return "attention_sinks (a learned logit per head in the softmax) runs in plain XLA"
+    if arch.position_embedding == "alibi":
+        return "position_embedding='alibi' (a bias on the attention logits, which the kernel has no input for) runs in plain XLA"
     return None
 
 

@@ -33,6 +33,7 @@ from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.norms import make_norm
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
+from shardzoo.models.positions import add_positions
 from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
 from shardzoo.sharding import axes as ax
@@ -53,9 +54,12 @@ class TransformerConfig(ModelConfig):
 
     def check(self) -> None:
         self.layout()  # an explicit scan layout must fit the layer pattern
-        if self.arch.attention_sinks and self.execution.attention_impl == "cudnn":
-            raise ModelError("attention_sinks (a learned logit per head in the softmax) runs in plain XLA: "
-                             "attention_impl='cudnn' (jax.nn.dot_product_attention) cannot add it; use 'auto' or 'xla'")
+        if (self.arch.attention_sinks or self.arch.position_embedding == "alibi") and \
+                self.execution.attention_impl == "cudnn":
+            what = ("attention_sinks (a learned logit per head in the softmax)" if self.arch.attention_sinks
+                    else "position_embedding='alibi' (a bias on the attention logits)")
+            raise ModelError(f"{what} runs in plain XLA: attention_impl='cudnn' (jax.nn.dot_product_attention) "
+                             "cannot add it; use 'auto' or 'xla'")
         if self.execution.attention_impl == "splash" and splash.serves(self.arch):
             raise ModelError(f"attention_impl='splash': {splash.serves(self.arch)}; use 'auto' or 'xla'")
         if self.execution.attention_impl == "cudnn" and self.arch.has_chunked_layers:
@@ -283,8 +287,9 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(a.hidden_size**0.5, x.dtype)
         if a.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(a.embedding_multiplier, x.dtype)
-        if a.position_embedding == "learned":
-            x = x + Embed(a.max_position_embeddings, a.hidden_size, ax.POSITION, name="pos_embed", **kw)(positions)
+        x = add_positions(x, positions, a, kw)  # a learned table or sinusoids (models/positions.py)
+        if a.embedding_norm:  # BLOOM
+            x = make_norm(cfg, "embed_norm")(x)
         x = constrain(x, BLE, placement)
 
         specs, layout = a.layer_specs(), cfg.layout()

@@ -111,6 +111,13 @@ class HFConfig:
         if missing:
             raise HFError(f"{self.where}: no {', '.join(missing)}")
 
+    def unalias(self, aliases: dict) -> None:
+        """Read each ``alias: name`` key under its schema name (published config.json files spell
+        some fields by transformers' ``attribute_map`` or older names), where the name is absent."""
+        for alias, name in aliases.items():
+            if alias in self.raw and name not in self.raw:
+                self.raw = {name if k == alias else k: v for k, v in self.raw.items()}
+
     def ignore(self, *keys: str) -> None:
         """Fields the family reads and that do not change the model's numbers."""
         self.read.update(keys)

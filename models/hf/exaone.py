@@ -24,9 +24,7 @@ _NAMES = (("model.embed_tokens.", "transformer.wte."), ("model.layers.", "transf
 
 
 def from_hf(hf: HFConfig) -> dict:
-    for alias, name in ALIASES.items():  # the published config.json spells these the old way
-        if alias in hf.raw and name not in hf.raw:
-            hf.raw = {name if k == alias else k: v for k, v in hf.raw.items()}
+    hf.unalias(ALIASES)  # the published config.json spells these the old way
     bias = hf.get("attention_bias")
     return llama.rotary_fields(hf, theta=500000.0) | dict(attention_bias=bias, attention_out_bias=bias,
                                                           mlp_bias=hf.get("mlp_bias"))

@@ -21,6 +21,9 @@ from shardzoo.models.hf import (
     apertus,
     arcee,
     bamba,
+    biogpt,
+    bloom,
+    codegen,
     cohere,
     cohere2,
     deepseek_v2,
@@ -39,6 +42,8 @@ from shardzoo.models.hf import (
     glm4_moe_lite,
     glm_moe_dsa,
     gpt2,
+    gpt_bigcode,
+    gpt_neo,
     gpt_neox,
     gpt_oss,
     gptj,
@@ -55,12 +60,14 @@ from shardzoo.models.hf import (
     mamba2,
     ministral,
     mixtral,
+    mpt,
     nemotron,
     nemotron_h,
     olmo,
     olmo2,
     olmo3,
     olmoe,
+    opt,
     persimmon,
     phi,
     phi3,
@@ -75,6 +82,7 @@ from shardzoo.models.hf import (
     stablelm,
     starcoder2,
     vaultgemma,
+    xglm,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -118,6 +126,9 @@ FAMILIES: tuple[Family, ...] = (
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
     nemotron.NEMOTRON, olmo.OLMO, gpt_neox.GPT_NEOX, falcon.FALCON,  # LayerNorm1P, weightless norms, two-norm parallel blocks
+    bloom.BLOOM, mpt.MPT,  # ALiBi (models/alibi.py)
+    opt.OPT, gpt_neo.GPT_NEO, gpt_bigcode.GPT_BIGCODE, codegen.CODEGEN, xglm.XGLM,
+    biogpt.BIOGPT,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -216,9 +227,10 @@ def _shared_to_hf(family: Family, a) -> dict:
                     tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
     if "text_config" in family.schema:  # a multimodal config: the family writes them in its text_config
         return dict(architectures=[name], model_type=family.model_types[0])
+    init = {"initializer_range": a.initializer_range} if "initializer_range" in family.schema else {}  # OPT: init_std
     return dict(architectures=[name], model_type=family.model_types[0],
                 vocab_size=a.vocab_size, bos_token_id=a.bos_token_id, eos_token_id=eos,
-                tie_word_embeddings=a.tie_word_embeddings, initializer_range=a.initializer_range)
+                tie_word_embeddings=a.tie_word_embeddings, **init)
 
 
 # keys of an imported config.json an export never carries over: bookkeeping transformers writes

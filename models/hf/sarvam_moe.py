@@ -28,9 +28,7 @@ _NAMES = (("model.embed_tokens.", "model.word_embeddings."), (".self_attn.o_proj
 
 
 def from_hf(hf: HFConfig) -> dict:
-    for alias, name in ALIASES.items():  # the published config.json's names
-        if alias in hf.raw and name not in hf.raw:
-            hf.raw = {name if k == alias else k: v for k, v in hf.raw.items()}
+    hf.unalias(ALIASES)  # the published config.json's names
     hf.ignore("num_mtp_layers")  # transformers builds no multi-token-prediction layer for the causal LM
     return glm4_moe.from_hf(hf) | rope(hf, theta=8e6)  # full rotary unless config.json says otherwise
 

@@ -18,6 +18,9 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     BambaConfig,
+    BioGptConfig,
+    BloomConfig,
+    CodeGenConfig,
     Cohere2Config,
     CohereConfig,
     DeepseekV2Config,
@@ -39,7 +42,9 @@ from transformers import (
     GlmConfig,
     GlmMoeDsaConfig,
     GPT2Config,
+    GPTBigCodeConfig,
     GPTJConfig,
+    GPTNeoConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -59,10 +64,12 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    MptConfig,
     NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
+    OPTConfig,
     PersimmonConfig,
     Phi3Config,
     PhiConfig,
@@ -78,6 +85,7 @@ from transformers import (
     StableLmConfig,
     Starcoder2Config,
     VaultGemmaConfig,
+    XGLMConfig,
 )
 
 from shardzoo import cli
@@ -107,7 +115,8 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "nemotron_h", "qwen3_next", "falcon_h1", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "helium", "vaultgemma",
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
                   "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
-                  "granite_swa")  # models/hf/<name>.py
+                  "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
+                  "biogpt")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -241,6 +250,19 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                           pad_token_id=1),  # GLM's export writes the eos id as pad
     "granite_swa": lambda: GraniteSWAConfig(**(DIMS | dict(num_hidden_layers=3)), sliding_window=4,
                                             layer_rope_theta=[10000.0, 0, 10000.0], bos_token_id=1, eos_token_id=2),
+    "bloom": lambda: BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4),
+    "mpt": lambda: MptConfig(vocab_size=128, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                             attn_config=dict(clip_qkv=6.0)),
+    "opt": lambda: OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                             max_position_embeddings=64),
+    "gpt_neo": lambda: GPTNeoConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64),
+    "gpt_bigcode": lambda: GPTBigCodeConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "codegen": lambda: CodeGenConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64),
+    "xglm": lambda: XGLMConfig(vocab_size=128, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4,
+                               max_position_embeddings=64),
+    "biogpt": lambda: BioGptConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=64),
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
@@ -284,7 +306,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     assert family_of_config(config).name == {"phi3": "mistral", "llama4": "llama4_text",
                                              "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
                                              "solar_open": "glm4_moe", "internlm3": "llama",
-                                             "sarvam_moe": "glm4_moe"}.get(model_type, model_type)
+                                             "sarvam_moe": "glm4_moe", "codegen": "gptj"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
