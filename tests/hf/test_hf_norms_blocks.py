@@ -52,12 +52,27 @@ DRAW = near_one(lambda name, p: ("layernorm" in name or "ln_" in name) and name.
 SEEDS = {"gpt_neox": 5, "falcon": 2, "falcon_new": 3}  # else 0; each with a varied greedy continuation
 
 
+_BUILT = {}
+
+
+def _build(name, tmp_path_factory):
+    """(name, HF dir, HF model, reference logits): every weight random, LayerNorm scales near 1;
+    made once per family in this file."""
+    if name not in _BUILT:
+        model = randomized(CONFIGS[name](), SEEDS.get(name, 0), DRAW)
+        _BUILT[name] = (name, *saved(model, tmp_path_factory.mktemp(name)))
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
-    """(HF dir, HF model, reference logits): every weight random, LayerNorm scales near 1."""
-    name = request.param
-    model = randomized(CONFIGS[name](), SEEDS.get(name, 0), DRAW)
-    return (name, *saved(model, tmp_path_factory.mktemp(name)))
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """``name -> _build(name)``: the one family a mechanism's test needs."""
+    return lambda name: _build(name, tmp_path_factory)
 
 
 def test_logits_match_on_one_device(built):
@@ -82,10 +97,8 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
 
 
 # ------------------------------------------------------------------------ the new mechanisms
-def _loaded(built, name):
-    """The family ``name``'s import on one device: (module, config, params, reference logits)."""
-    if built[0] != name:
-        pytest.skip(f"runs on {name}")
+def _loaded(built):
+    """A family's import on one device: (module, config, params, reference logits)."""
     module, config, params = load_hf(built[1], mesh=one_device())
     np.testing.assert_allclose(apply(module, params, one_device()), built[3], atol=TOL, rtol=0)
     return module, config, params, built[3]
@@ -97,16 +110,16 @@ def _moved(config, params, ref, **change) -> float:
     return np.abs(apply(Transformer(config.replace(**change)), params, one_device()) - ref).max()
 
 
-def test_layernorm_1p_scales_by_one_plus_its_weight(built):
+def test_layernorm_1p_scales_by_one_plus_its_weight(family):
     """Nemotron's norms read as plain LayerNorms (scale w, not 1 + w) give other logits."""
-    _, config, params, ref = _loaded(built, "nemotron")
+    _, config, params, ref = _loaded(family("nemotron"))
     assert _moved(config, params, ref, norm_type="layernorm") > 1e-2
 
 
-def test_weightless_layernorm_and_clip_qkv_matter(built):
+def test_weightless_layernorm_and_clip_qkv_matter(family):
     """OLMo's norms have no parameters; as RMSNorms (weights 1: the mean not subtracted), or with
     q/k/v unclipped, the logits move."""
-    _, config, params, ref = _loaded(built, "olmo")
+    _, config, params, ref = _loaded(family("olmo"))
     assert "final_norm" not in params and not {"attn_norm", "mlp_norm"} & set(params["layers"])
     ones = {"scale": np.ones((2, 32), np.float32)}  # the two scanned layers' weights
     rms = dict(params, layers=dict(params["layers"], attn_norm=ones, mlp_norm=ones),
@@ -115,22 +128,21 @@ def test_weightless_layernorm_and_clip_qkv_matter(built):
     assert _moved(config, params, ref, clip_qkv=None) > 1e-2
 
 
-def test_the_two_norm_parallel_block_matters(built):
+def test_the_two_norm_parallel_block_matters(family):
     """GPT-NeoX's two-norm parallel block run sequentially, or from its first norm alone, gives
     other logits."""
-    _, config, params, ref = _loaded(built, "gpt_neox")
+    _, config, params, ref = _loaded(family("gpt_neox"))
     assert config.block_form == "parallel_two_norms"
     assert _moved(config, params, ref, block_form="sequential") > 1e-2
     one_norm = dict(params, layers={k: v for k, v in params["layers"].items() if k != "mlp_norm"})
     assert _moved(config, one_norm, ref, block_form="parallel") > 1e-2
 
 
-def test_new_components_under_fsdp_tp(built):
+@pytest.mark.parametrize("name", ["nemotron", "olmo", "gpt_neox"])
+def test_new_components_under_fsdp_tp(family, name):
     """LayerNorm1P (Nemotron), the weightless LayerNorm and clip_qkv (OLMo), the two-norm parallel
     block (GPT-NeoX): logits equal transformers' on 8 devices under fsdp_tp."""
-    if built[0] not in ("nemotron", "olmo", "gpt_neox"):
-        pytest.skip("one family per new component")
-    _, path, _, ref = built
+    _, path, _, ref = family(name)
     fsdp_tp_parity(path, ref)
 
 
