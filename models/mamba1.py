@@ -99,8 +99,8 @@ def selective_scan(x, dt, A, B, C, chunk: int, seg=None, state=None, state_seg=N
         return states[:, -1], jnp.einsum("bqdn,bqn->bqd", states, cc)
 
     # (+ 0 x a chunk's input: inside a shard_map the carry varies over the devices as the inputs do)
-    s0 = state + 0.0 * x[:, :1, :, None] * B[:, :1, None, :]
-    final, y = jax.lax.scan(step, s0[:, 0], tuple(map(chunks, (x, dt, B, C, same))))
+    s0 = state + 0.0 * x[:, 0, :, None] * B[:, 0, None, :]
+    final, y = jax.lax.scan(step, s0, tuple(map(chunks, (x, dt, B, C, same))))
     return jnp.moveaxis(y, 0, 1).reshape(b, nc * chunk, d)[:, :length], final
 
 
