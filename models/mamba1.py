@@ -328,14 +328,18 @@ def decode_flops(a, spec, context: float) -> float:
 def activations(cost, spec=None) -> dict:
     """in_proj's outputs (x, z), the convolution's output and masks, x_proj's (dt, B, C), dt after
     softplus (float32), one state per chunk (float32), the scan's output and the gated output
-    (float32), the out projection's input."""
+    (float32), the out projection's input; and a chunk's rematerialised scan in the backward pass
+    (its decays, inputs, prefix products and states and their cotangents: about 6 floats per
+    channel, state entry and token of one chunk, as XLA's CPU step of mamba-tiny keeps)."""
     a, t, chunk = cost.config.arch, cost.t, cost.config.execution.linear_attention_chunk
     m = a.mamba1
     d, n = m.intermediate_size, m.state_size
     bl = (ax.BATCH, ax.LENGTH, ax.SSM_HEADS)
+    q = min(chunk, cost.seq_len)
     return {"mamba_in": t(2 * d, bl), "mamba_conv": t(d, bl), "conv_masks": t(m.conv_kernel, bl[:2], 4),
             "mamba_x_proj": t(m.dt_rank + 2 * n, bl[:2]), "mamba_dt": t(d, bl, 4),
-            "ssm_states": t(d * n / min(chunk, cost.seq_len), bl, 4), "ssm_out": t(2 * d, bl, 4),
+            "ssm_states": t(d * n / q, bl, 4),
+            "ssm_scan": t(6 * d * n * q / cost.seq_len, bl, 4), "ssm_out": t(2 * d, bl, 4),
             "attn_context": t(d, bl)}
 
 
