@@ -85,6 +85,8 @@ FEATURES = {
               "for training, a recurrence for decoding); y * silu(z); out_proj",
     "mamba1_bcdt_norm": "the Mamba1 mixers' dt, B and C RMS-normalised without weights (Falcon-Mamba's "
                         "mixer_rms_eps)",
+    "mamba1_bcdt_norm_weights": "those norms of dt, B and C with weights (Jamba's dt_layernorm, b_layernorm, "
+                                "c_layernorm)",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "

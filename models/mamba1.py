@@ -184,7 +184,8 @@ class Mamba1Mixer(nn.Module):
     """Mamba1's mixer (see the module doc). Parameters: ``in_x``, ``in_z`` [embed, inner]
     (transformers' in_proj in two), ``conv`` [conv_width, inner] (and ``conv_bias``), ``x_dt``
     [inner, dt_rank], ``x_b``, ``x_c`` [inner, state] (its x_proj in three), ``dt`` [dt_rank,
-    inner] with ``dt_bias`` (dt_proj), ``A_log`` [inner, state], ``D`` [inner], ``out``."""
+    inner] with ``dt_bias`` (dt_proj), ``A_log`` [inner, state], ``D`` [inner], ``out``; Jamba's
+    ``dt_norm``, ``b_norm``, ``c_norm``."""
 
     config: object
     placement: object = None
@@ -205,8 +206,12 @@ class Mamba1Mixer(nn.Module):
         dt = Linear((r,), (ax.SSM_HEADS, ax.SSM_RANK), name="x_dt", **kw)(x)  # [batch, length, dt_rank]
         B = Linear((n,), (ax.SSM_HEADS, ax.SSM_STATE), name="x_b", **kw)(x)  # [batch, length, state]
         C = Linear((n,), (ax.SSM_HEADS, ax.SSM_STATE), name="x_c", **kw)(x)
-        if m.bcdt_rms_eps is not None:  # Falcon-Mamba's weightless norms
+        if m.bcdt_rms_eps is not None:  # Falcon-Mamba's weightless norms (Jamba's with weights)
             dt, B, C = (weightless_rms_norm(t, m.bcdt_rms_eps) for t in (dt, B, C))
+            if m.bcdt_norm_weights:
+                dt, B, C = (t * self.param(f"{k}_norm", nn.with_logical_partitioning(nn.initializers.ones, (axis,)),
+                                           (t.shape[-1],), pdt).astype(t.dtype)
+                            for t, k, axis in ((dt, "dt", ax.SSM_RANK), (B, "b", ax.SSM_STATE), (C, "c", ax.SSM_STATE)))
         B, C = constrain(B, BLN, placement), constrain(C, BLN, placement)
         dt = Linear((d,), (ax.SSM_RANK, ax.SSM_HEADS), name="dt", **kw)(dt)  # [batch, length, inner]
         dt_bias = self.param("dt_bias", nn.with_logical_partitioning(_dt_bias_init, (ax.SSM_HEADS,)), (d,), pdt)
@@ -273,13 +278,15 @@ class Mamba1Arch(SubRecord):
     """The Mamba1 mixers' settings (the mamba1 layers): in_proj to x and z (intermediate_size
     channels each, biases: proj_bias), a causal depthwise conv of conv_kernel taps on x (with bias:
     conv_bias), x_proj to dt (dt_rank), B and C (state_size), dt_proj back to the channels; with
-    ``bcdt_rms_eps`` (Falcon-Mamba's mixer_rms_eps) dt, B and C RMS-normalised without weights."""
+    ``bcdt_rms_eps`` (Falcon-Mamba's mixer_rms_eps) dt, B and C RMS-normalised without weights
+    (``bcdt_norm_weights``: with, Jamba's dt_layernorm, b_layernorm, c_layernorm)."""
 
     NAME: ClassVar[str] = "mamba1"
     FEATURE: ClassVar[str] = "mamba1"
     OWNERS: ClassVar[tuple[str, ...]] = (MAMBA1,)
     FLAT: ClassVar[dict[str, str]] = {f"mamba1_{k}": k for k in (
-        "intermediate_size", "state_size", "conv_kernel", "dt_rank", "conv_bias", "proj_bias", "bcdt_rms_eps")}
+        "intermediate_size", "state_size", "conv_kernel", "dt_rank", "conv_bias", "proj_bias", "bcdt_rms_eps",
+        "bcdt_norm_weights")}
 
     intermediate_size: int = 0
     state_size: int = 16
@@ -288,6 +295,7 @@ class Mamba1Arch(SubRecord):
     conv_bias: bool = True
     proj_bias: bool = False
     bcdt_rms_eps: float | None = feature(None, "mamba1_bcdt_norm")
+    bcdt_norm_weights: bool = feature(False, "mamba1_bcdt_norm_weights")  # those norms with weights (Jamba)
 
     def check(self, arch) -> None:
         for name in ("intermediate_size", "state_size", "dt_rank"):
@@ -299,6 +307,8 @@ class Mamba1Arch(SubRecord):
         eps = self.bcdt_rms_eps
         if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0):
             raise ModelError(f"mamba1_bcdt_rms_eps={eps!r} must be a number > 0 (or null: no norms on B, C, dt)")
+        if self.bcdt_norm_weights and eps is None:
+            raise ModelError("mamba1_bcdt_norm_weights=true weighs the norms of dt, B and C: set mamba1_bcdt_rms_eps")
 
 
 def _apply(block, h, positions, segment_ids):
@@ -307,11 +317,12 @@ def _apply(block, h, positions, segment_ids):
 
 
 def params(a) -> tuple[int, int]:
-    """(in_proj, x_proj, dt_proj, out_proj and the convolution's taps; dt_bias, A_log, D, the biases)."""
+    """(in_proj, x_proj, dt_proj, out_proj and the convolution's taps; dt_bias, A_log, D, the
+    biases, the norms' weights)."""
     m, e = a.mamba1, a.hidden_size
     d, n, r = m.intermediate_size, m.state_size, m.dt_rank
     matmul = 2 * e * d + d * (r + 2 * n) + r * d + d * e + m.conv_kernel * d
-    return matmul, d + d * n + d + m.conv_bias * d + m.proj_bias * (2 * d + e)
+    return matmul, d + d * n + d + m.conv_bias * d + m.proj_bias * (2 * d + e) + m.bcdt_norm_weights * (r + 2 * n)
 
 
 def flops(a, spec, seq_len: int) -> float:

@@ -55,7 +55,7 @@ def mamba1_to_hf(a, names: dict) -> dict:
 
 def mamba1_weights(a, m: str) -> list[Weight]:
     """A mixer's tensors under prefix ``m`` (transformers' MambaMixer: in_proj rows x | z; x_proj
-    rows dt | B | C; dt_proj's bias as dt_bias)."""
+    rows dt | B | C; dt_proj's bias as dt_bias; Jamba's norms of dt, B, C)."""
     r, n = a.mamba1.dt_rank, a.mamba1.state_size
     out = [Weight(("mamba", f"in_{k}", "kernel"), m + "in_proj.weight", "linear", part=(j, 2))
            for j, k in enumerate("xz")]
@@ -72,6 +72,8 @@ def mamba1_weights(a, m: str) -> list[Weight]:
             Weight(("mamba", "out", "kernel"), m + "out_proj.weight", "linear")]
     if a.mamba1.proj_bias:
         out.append(Weight(("mamba", "out", "bias"), m + "out_proj.bias", "vec"))
+    if a.mamba1.bcdt_norm_weights:  # Jamba's
+        out += [Weight(("mamba", f"{k}_norm"), m + f"{k}_layernorm.weight") for k in ("dt", "b", "c")]
     return out
 
 
