@@ -3,7 +3,7 @@ C at ``rms_norm_eps``) and attention layers without positions (no rotary embeddi
 layers order the tokens), each followed by a dense MLP or Mixtral's MoE (softmax top-k, the
 chosen weights not renormalised). Layer ``i`` attends where ``i % attn_layer_period ==
 attn_layer_offset`` and has the MoE where ``i % expert_layer_period == expert_layer_offset``
-(and num_experts > 1); export writes the smallest period and offset that give the pattern.
+(and num_experts > 1); export writes the largest period and offset that give the pattern.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def _every(hf: HFConfig, period: str, offset: str, n: int) -> list[bool]:
 
 
 def _period(marked: list[bool]) -> tuple[int, int]:
-    """The smallest (period, offset) whose layers i % period == offset are ``marked`` (none:
-    a period past the last layer); (0, 0) if no period gives them."""
+    """The largest (period, offset) whose layers i % period == offset are ``marked`` (none: a
+    period past the last layer); (0, 0) if no period gives them."""
     n = len(marked)
     if not any(marked):
         return n + 1, n
-    for p in range(1, n + 1):
+    for p in range(n, 0, -1):
         for o in range(p):
             if [i % p == o for i in range(n)] == marked:
                 return p, o
