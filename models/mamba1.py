@@ -339,9 +339,7 @@ def decode_flops(a, spec, context: float) -> float:
 def activations(cost, spec=None) -> dict:
     """in_proj's outputs (x, z), the convolution's output and masks, x_proj's (dt, B, C), dt after
     softplus (float32), one state per chunk (float32), the scan's output and the gated output
-    (float32), the out projection's input; and a chunk's rematerialised scan in the backward pass
-    (its decays, inputs, prefix products and states and their cotangents: about 6 floats per
-    channel, state entry and token of one chunk, as XLA's CPU step of mamba-tiny keeps)."""
+    (float32), the out projection's input."""
     a, t, chunk = cost.config.arch, cost.t, cost.config.execution.linear_attention_chunk
     m = a.mamba1
     d, n = m.intermediate_size, m.state_size
@@ -350,8 +348,18 @@ def activations(cost, spec=None) -> dict:
     return {"mamba_in": t(2 * d, bl), "mamba_conv": t(d, bl), "conv_masks": t(m.conv_kernel, bl[:2], 4),
             "mamba_x_proj": t(m.dt_rank + 2 * n, bl[:2]), "mamba_dt": t(d, bl, 4),
             "ssm_states": t(d * n / q, bl, 4),
-            "ssm_scan": t(6 * d * n * q / cost.seq_len, bl, 4), "ssm_out": t(2 * d, bl, 4),
+ "ssm_out": t(2 * d, bl, 4),
             "attn_context": t(d, bl)}
+
+
+def model_terms(cost) -> dict:
+    """A chunk's scan rematerialised in the backward pass, one layer at a time (its decays,
+    inputs, prefix products and states, the associative scan's levels, and their cotangents:
+    about 18 floats per channel, state entry and token of one chunk, as XLA's CPU step of
+    mamba-tiny keeps)."""
+    m, q = cost.config.arch.mamba1, min(cost.config.execution.linear_attention_chunk, cost.seq_len)
+    return {"ssm_scan": cost.t(18 * m.intermediate_size * m.state_size * q / cost.seq_len,
+                               (ax.BATCH, ax.LENGTH, ax.SSM_HEADS), 4)}
 
 
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
@@ -364,5 +372,5 @@ def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
 CONTEXT_PARALLEL = ("the scan affine in its initial state: each device scans its chunks from zero, the states passed "
                     "along the ring's chunks by ppermute, each chunk scanned again from its entering state "
                     "(ring_selective_scan); the convolution's taps as the short convolution's")
-MIXER = Mixer(MAMBA1, (MAMBA1,), _apply, params, flops, decode_flops, activations, cache_bytes=cache_bytes,
+MIXER = Mixer(MAMBA1, (MAMBA1,), _apply, params, flops, decode_flops, activations, model_terms, cache_bytes,
               context_parallel=CONTEXT_PARALLEL, records=(Mamba1Arch,))

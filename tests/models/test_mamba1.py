@@ -114,7 +114,8 @@ def test_mamba1_under_context_parallelism_equals_one_device(reference):
 
 
 def test_plan_counts_the_mamba1_layers_within_15_percent_of_the_compiled_step():
-    """16 x 64 under fsdp=8: the plan's total and temporaries against XLA's. Its FLOPs per token
+    """16 x 64 under fsdp=8: the plan's total and temporaries against XLA's (measured 0.95; 0.92
+    with four mamba1 layers and dense MLPs, 0.97 alternating with attention). Its FLOPs per token
     do not grow with the sequence."""
     from shardzoo.models import get_config
     from shardzoo.train.config import TrainConfig
@@ -123,11 +124,10 @@ def test_plan_counts_the_mamba1_layers_within_15_percent_of_the_compiled_step():
     config = get_config("mamba-tiny")
     program = run_program(TrainConfig(batch_size=16, seq_len=64), config, get_rules("fsdp"), make_mesh("fsdp=8"))
     totals, memory = program.plan().totals, program.compile_report()["memory"]
-    print(totals, memory)
     assert 0.85 < totals["total"] / memory["total"] < 1.15, (totals, memory)
     temp = totals["activations"] + totals["gradients"]
     assert 0.85 < temp / memory["temp"] < 1.15, (temp, memory)
-    assert config.activation_estimate(16, 64, lambda names: 1).terms["ssm_states"] > 0
+    assert config.activation_estimate(16, 64, lambda names: 1).terms["ssm_scan"] > 0
     assert config.flops_per_token(8192) == config.flops_per_token(512)
 
 
