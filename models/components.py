@@ -29,6 +29,7 @@ from shardzoo.models import (
     kimi_delta,
     layers,
     linear_attention,
+    mamba1,
     moe,
     sparse_attention,
     ssm,
@@ -47,6 +48,7 @@ MIXERS = {m.name: m for m in (
     linear_attention.MIXER,  # Qwen3-Next's Gated DeltaNet
     ssm.MIXER,  # Mamba2's selective state-space mixer
     ssm.ATTENTION_MAMBA_MIXER,  # attention and a Mamba2 mixer side by side (Falcon-H1)
+    mamba1.MIXER,  # Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba)
     kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
     sparse_attention.MIXER,  # DeepSeek Sparse Attention: latent attention over its lightning indexer's top-k keys
     NO_MIXER,

@@ -91,6 +91,13 @@ FEATURES = {
     "mamba_no_norm": "the mamba mixers' output gated without a norm: y * silu(z) (Falcon-H1's mamba_rms_norm false)",
     "mup_multipliers": "muP multipliers (Falcon-H1): on the attention's input, keys and output, the mamba mixer's "
                        "input, in_proj outputs (z, x, B, C, dt) and output, the MLP's gate and output",
+    "mamba1": "Mamba1 state-space mixers (the mamba1 layers of layer_types): in_proj to x, z; a causal conv of x; "
+              "x_proj to dt, B, C; dt_proj; the selective scan with a decay per channel and state entry (chunked "
+              "for training, a recurrence for decoding); y * silu(z); out_proj",
+    "mamba1_bcdt_norm": "the Mamba1 mixers' dt, B and C RMS-normalised without weights (Falcon-Mamba's "
+                        "mixer_rms_eps)",
+    "mamba1_bcdt_norm_weights": "those norms of dt, B and C with weights (Jamba's dt_layernorm, b_layernorm, "
+                                "c_layernorm)",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "

@@ -27,6 +27,7 @@ SSM_HEADS = "ssm_heads"  # heads of a state-space (mamba) layer; tensor-parallel
 SSM_HEAD_DIM = "ssm_head_dim"  # features within one state-space head (replicated)
 SSM_GROUPS = "ssm_groups"  # groups of heads sharing a mamba layer's B and C (n_groups; replicated)
 SSM_STATE = "ssm_state"  # a state-space layer's state size (ssm_state_size; replicated)
+SSM_RANK = "ssm_rank"  # the low rank of a Mamba1 layer's dt projection (dt_rank; replicated)
 LINEAR_HEADS = "linear_heads"  # value heads of a linear-attention layer, each with its recurrent state (tensor)
 LINEAR_KEY_HEADS = "linear_key_heads"  # query/key heads of a linear-attention layer (tensor)
 LINEAR_KEY_DIM = "linear_key_dim"  # features of a linear-attention key head: the state's rows (replicated)
@@ -56,6 +57,7 @@ ALL = (
     SSM_HEAD_DIM,
     SSM_GROUPS,
     SSM_STATE,
+    SSM_RANK,
     LINEAR_HEADS,
     LINEAR_KEY_HEADS,
     LINEAR_KEY_DIM,
@@ -86,6 +88,7 @@ MEANINGS = {
     SSM_HEAD_DIM: "features within one state-space head (mamba_head_dim)",
     SSM_GROUPS: "groups of state-space heads sharing B and C (mamba_n_groups)",
     SSM_STATE: "a state-space layer's state size (ssm_state_size)",
+    SSM_RANK: "the low rank of a Mamba1 layer's dt projection (time_step_rank)",
     LINEAR_HEADS: "value heads of a linear-attention layer (Gated DeltaNet), one recurrent state each",
     LINEAR_KEY_HEADS: "query/key heads of a linear-attention layer (Gated DeltaNet)",
     LINEAR_KEY_DIM: "features of a linear-attention key head (the recurrent state's rows)",

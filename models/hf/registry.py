@@ -53,10 +53,12 @@ from shardzoo.models.hf import (
     helium,
     hunyuan,
     internlm3,
+    jamba,
     kimi_linear,
     lfm2,
     llama,
     llama4,
+    mamba,
     mamba2,
     ministral,
     mixtral,
@@ -118,6 +120,7 @@ FAMILIES: tuple[Family, ...] = (
     apertus.APERTUS,
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
+    mamba.MAMBA, mamba.FALCON_MAMBA, jamba.JAMBA,  # Mamba1's selective scan (models/mamba1.py)
     qwen3_next.QWEN3_NEXT,
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)

@@ -32,6 +32,7 @@ from transformers import (
     Exaone4Config,
     ExaoneConfig,
     FalconH1Config,
+    FalconMambaConfig,
     FlexOlmoConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -55,12 +56,14 @@ from transformers import (
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
     InternLM3Config,
+    JambaConfig,
     KimiLinearConfig,
     Lfm2Config,
     Llama4Config,
     Llama4TextConfig,
     LlamaConfig,
     Mamba2Config,
+    MambaConfig,
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
@@ -116,7 +119,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
                   "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
-                  "biogpt")  # models/hf/<name>.py
+                  "biogpt", "mamba", "jamba")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -202,6 +205,12 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                block_auto_adjust_ff_dim=False),  # conv layers beside attention
     "mamba2": lambda: Mamba2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
                                    n_groups=2, state_size=8, chunk_size=4),  # mamba layers, no MLP
+    "mamba": lambda: MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8,
+                                 time_step_rank=4),  # mamba1 layers, no MLP
+    "falcon_mamba": lambda: FalconMambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8,
+                                              time_step_rank=4),  # and the norms of dt, B, C
+    "jamba": lambda: JambaConfig(**(DIMS | dict(num_hidden_layers=4)), num_experts=4, attn_layer_period=4,
+                                 attn_layer_offset=2, mamba_d_state=8, mamba_dt_rank=4),  # mamba1, attention, MoE
     "bamba": lambda: BambaConfig(**(DIMS | dict(num_hidden_layers=3)), attn_layer_indices=[1], mamba_n_heads=8,
                                  mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=4),
     "nemotron_h": lambda: NemotronHConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
