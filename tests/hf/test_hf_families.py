@@ -31,6 +31,7 @@ from transformers import (
     Ernie4_5Config,
     Exaone4Config,
     ExaoneConfig,
+    FalconConfig,
     FalconH1Config,
     FalconMambaConfig,
     FlexOlmoConfig,
@@ -68,9 +69,11 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     MptConfig,
+    NemotronConfig,
     NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoConfig,
     OlmoeConfig,
     OPTConfig,
     PersimmonConfig,
@@ -119,7 +122,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granitemoeshared", "dots1", "glm4_moe_lite", "gptj", "persimmon", "exaone",
                   "solar_open", "internlm3", "flex_olmo", "sarvam_moe",
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
-                  "biogpt", "mamba", "jamba")  # models/hf/<name>.py
+                  "biogpt", "mamba", "jamba", "nemotron", "olmo", "gpt_neox", "falcon")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -272,6 +275,12 @@ TINY = {  # model_type -> a tiny HF config of that family, with its distinguishi
                                max_position_embeddings=64),
     "biogpt": lambda: BioGptConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=64),
+    "nemotron": lambda: NemotronConfig(**DIMS, partial_rotary_factor=0.5),
+    "olmo": lambda: OlmoConfig(**DIMS, clip_qkv=8.0),
+    "gpt_neox": lambda: GPTNeoXConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4),
+    "falcon": lambda: FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_kv_heads=1),  # multi-query, as Falcon-7B writes it
 }
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
