@@ -63,7 +63,7 @@ def preset_rows(batch: int, seq_len: int, quick: bool) -> list[str]:
     for name in MODELS:
         module, config = get_model(name)
         for rules_name, spec in MESHES.items():
-            if rules_name == "ep" and not config.num_local_experts:
+            if rules_name == "ep" and not config.arch.moe:
                 continue
             if quick and (name, rules_name) not in QUICK:
                 continue

@@ -11,11 +11,10 @@ names), ``mlp_layer_types`` each layer's MLP kind, ``rope_layers`` which layers 
 others have no positions: NoPE); ``layer_specs()`` turns them into one ``LayerSpec`` per layer,
 from which the model builds its blocks and ``models/layout.py`` its scan.
 A mechanism's settings are a sub-record owned by its component (``models/components.py``
-``RECORDS``: ``latent``, ``mamba``, ``conv``, ``linear_attention``, ``multipliers``,
-``attn_temperature_tuning``), a
-field that is None where no layer uses it; ``arch_of`` and ``nest`` read their flat names.
-A record is canonical: equal math, equal record (``kv heads == heads`` is spelled None, a
-uniform pattern None, MoE settings of a dense model their defaults), so two families that read
+``RECORDS``: ``latent``, ``moe``, ``mamba``, ``conv``, ``linear_attention``, ``multipliers``,
+``attn_temperature_tuning``...), a field that is None where no layer uses it; ``arch_of`` and
+``nest`` read their flat names. A record is canonical: equal math, equal record (``kv heads ==
+heads`` is spelled None, a uniform pattern None, a dense model's ``moe`` None), so two families that read
 the same model agree, and export can compare.
 """
 
@@ -32,7 +31,7 @@ from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' nam
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
-from shardzoo.models.moe import MOE
+from shardzoo.models.moe_arch import MOE
 from shardzoo.models.norms import NORMS
 from shardzoo.models.positions import KINDS as POSITION_KINDS
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
@@ -40,7 +39,6 @@ from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
 ACTIVATIONS = ("silu", "swish", "relu", "relu2", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "xielu")
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")  # models/moe.py's router kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,41 +141,7 @@ class ArchCore:
     residual_multiplier: float = feature(1.0, "multipliers")  # x + multiplier * block(x)
     attention_multiplier: float | None = feature(None, "multipliers")  # the attention scale
     logits_scaling: float = feature(1.0, "multipliers")  # logits / logits_scaling
-    # Mixture of Experts
-    num_local_experts: int = feature(0, "moe")  # 0: dense MLPs
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int | None = feature(None, "expert_width")  # None: intermediate_size
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
-    norm_topk_prob: bool = True  # renormalise the chosen experts' probabilities
-    router_aux_loss_coef: float = 0.01
-    router_jitter_noise: float = feature(0.0, "router_jitter")
-    # a dense gated MLP beside the routed experts of every MoE layer, its output added to theirs
-    # (Qwen2-MoE's shared_expert; DeepSeek's n_shared_experts x moe_intermediate_size wide)
-    shared_expert_intermediate_size: int = feature(0, "shared_experts")  # 0: none
-    shared_expert_gate: bool = feature(False, "shared_expert_gate")  # x sigmoid(x . w) (Qwen2-MoE)
-    # how the router picks experts (models/moe.py ROUTERS): "softmax" top-k of the softmax;
-    # "softmax_groups" top-k within the topk_group of n_group expert groups with the highest
-    # probability (DeepSeek-V2's group_limited_greedy); "sigmoid_groups": sigmoid scores, chosen
-    # with a correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
-    # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
-    # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
-    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
-    router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
-                                           "sigmoid_groups": "sigmoid_router",
-                                           "sigmoid_input": "input_scaled_router",
-                                           "softmax_bias": "biased_softmax_router"})
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
-    router_bias: bool = feature(False, "router_bias")  # the router's logits have a bias (GPT-OSS)
-    expert_bias: bool = feature(False, "expert_bias")  # the experts' gate, up and down have biases (GPT-OSS)
-    # the experts' clamped SwiGLU (GPT-OSS): gate <= limit, |up| <= limit,
-    # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up
-    swiglu_limit: float | None = feature(None, "clamped_swiglu")
-    swiglu_alpha: float = 1.702
-    # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
-    # without a gate (Nemotron-H's up, relu2, down); either way then wo
-    expert_type: str = feature("gated", {"plain": "plain_experts"})
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
 
@@ -228,23 +192,10 @@ class ArchCore:
             set_("rope_interleaved", False)
         if self.position_embedding not in ("learned", "sinusoidal"):
             set_("position_offset", 0)  # no table
-        if self.num_local_experts == 0:  # a dense model's MoE settings mean nothing
-            for f in dataclasses.fields(self):
-                if f.name in _MOE_FIELDS and not (f.name == "mlp_layer_types" and NONE in (self.mlp_layer_types or ())):
-                    set_(f.name, f.default)
-        if not self.shared_expert_intermediate_size:
-            set_("shared_expert_gate", False)  # no shared expert, nothing to gate
-        if self.router_kind == "softmax_groups" and self.n_group == 1:
-            set_("router_kind", "softmax")  # one group: the plain top-k
-        if self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):  # no groups
-            set_("n_group", 1)
-            set_("topk_group", 1)
-        if self.n_group == 1:
-            set_("topk_group", 1)
-        if self.swiglu_limit is None:
-            set_("swiglu_alpha", 1.702)  # no clamped SwiGLU, no gain
-        if self.moe_intermediate_size == self.intermediate_size:
-            set_("moe_intermediate_size", None)
+        if self.moe is None and NONE not in (self.mlp_layer_types or ()):
+            set_("mlp_layer_types", None)  # dense layers only
+        if self.moe is not None and self.moe.moe_intermediate_size == self.intermediate_size:
+            set_("moe", dataclasses.replace(self.moe, moe_intermediate_size=None))
         if self.mlp_layer_types is not None and set(self.mlp_layer_types) == {MOE}:
             set_("mlp_layer_types", None)
 
@@ -253,23 +204,19 @@ class ArchCore:
                             "norm_type": tuple(NORMS), "block_form": tuple(BLOCK_FORMS),
                             "norm_position": ("pre", "post", "both"),
                             "qk_norm": ("none", "head", "heads", "projection", "l2"),
-                            "mlp_type": ("gated", "plain"), "expert_type": ("gated", "plain")},
+                            "mlp_type": ("gated", "plain")},
                      ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "max_position_embeddings", "sliding_window", "moe_intermediate_size",
-                      "attention_chunk_size"))
-        if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
-            raise ModelError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size!r} "
-                             "must be an integer >= 0 (0: no shared expert)")
+                      "max_position_embeddings", "sliding_window", "attention_chunk_size"))
         if isinstance(self.position_offset, bool) or not isinstance(self.position_offset, int) or self.position_offset < 0:
             raise ModelError(f"position_offset={self.position_offset!r} must be an integer >= 0 (the position "
                              "table's rows before position 0)")
-        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier", "swiglu_alpha",
+        for name in ("rms_norm_eps", "initializer_range", "rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "partial_rotary_factor", "logit_scale"):
             if not positive(getattr(self, name)):
                 raise ModelError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                     "rope_local_base_freq", "attention_multiplier", "swiglu_limit", "clip_qkv"):
+                     "rope_local_base_freq", "attention_multiplier", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
@@ -313,24 +260,6 @@ class ArchCore:
         if self.layer_types is None and self.sliding_window and self.attention_chunk_size:
             raise ModelError(f"sliding_window={self.sliding_window} and attention_chunk_size="
                              f"{self.attention_chunk_size} without layer_types: say which layers are which")
-        if self.mlp_layer_types is not None and MOE in self.mlp_layer_types and not self.num_local_experts:
-            raise ModelError("mlp_layer_types has moe layers but num_local_experts is 0")
-        if self.hidden_act == "xielu" and self.num_local_experts:
-            raise ModelError(f"hidden_act='xielu' (learned per-layer scalars) runs in dense MLPs only; "
-                             f"num_local_experts={self.num_local_experts}")
-        if self.num_local_experts < 0:
-            raise ModelError(f"num_local_experts={self.num_local_experts} must be >= 0 (0: dense MLPs)")
-        if self.expert_type == "plain" and (self.expert_bias or self.swiglu_limit is not None):
-            raise ModelError(f"expert_type='plain' (experts without a gate) takes neither expert_bias nor swiglu_limit "
-                             f"(expert_bias={self.expert_bias}, swiglu_limit={self.swiglu_limit})")
-        if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1.."
-                             f"num_local_experts={self.num_local_experts}")
-        if not 0 <= self.router_jitter_noise < 1:
-            raise ModelError(f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1)")
-        self._check_router()
-        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
-            raise ModelError(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a finite number >= 0")
 
     def _place_records(self) -> None:
         """Each sub-record where a layer uses it (``SubRecord``): an owned one exactly where a layer
@@ -352,28 +281,6 @@ class ArchCore:
                              "does nothing; remove it")
         if BLOCK_FORMS[self.block_form].check is not None:
             BLOCK_FORMS[self.block_form].check(self)
-
-    def _check_router(self) -> None:
-        if self.router_kind not in ROUTERS:
-            raise ModelError(f"router_kind={self.router_kind!r} is not one of {', '.join(ROUTERS)}")
-        for name in ("n_group", "topk_group"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelError(f"{name}={value!r} must be an integer >= 1")
-        if not positive(self.routed_scaling_factor):
-            raise ModelError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a finite number > 0")
-        e, g = self.num_local_experts, self.n_group
-        if not e or self.router_kind in ("softmax", "sigmoid_input", "softmax_bias"):
-            return
-        if e % g or self.topk_group > g:
-            raise ModelError(f"n_group={g} must divide num_local_experts={e} and topk_group="
-                             f"{self.topk_group} must be at most n_group")
-        if self.num_experts_per_tok > self.topk_group * (e // g):
-            raise ModelError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
-                             f"topk_group={self.topk_group} groups of {e // g}")
-        if self.router_kind == "sigmoid_groups" and e // g < 2:
-            raise ModelError(f"router_kind sigmoid_groups ranks groups by their two best experts: "
-                             f"num_local_experts={e} / n_group={g} must be >= 2")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -404,7 +311,8 @@ class ArchCore:
 
     @property
     def expert_size(self) -> int:
-        return self.moe_intermediate_size or self.intermediate_size
+        """The routed experts' width."""
+        return (self.moe and self.moe.moe_intermediate_size) or self.intermediate_size
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -440,7 +348,7 @@ class ArchCore:
         """Each layer's block, from the per-layer patterns."""
         n = self.num_hidden_layers
         types = self.layer_types or (self.default_layer_type,) * n
-        mlps = self.mlp_layer_types or ((MOE if self.num_local_experts else DENSE),) * n
+        mlps = self.mlp_layer_types or ((MOE if self.moe else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
         out = []
         for kind, mlp, rotary in zip(types, mlps, rotates, strict=True):
@@ -496,10 +404,6 @@ def arch_of(**fields):
     return TransformerArch(**nest(fields))
 
 
-_MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "mlp_layer_types", "norm_topk_prob",
-               "router_aux_loss_coef", "router_jitter_noise", "shared_expert_intermediate_size",
-               "shared_expert_gate", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
-               "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha", "expert_type")
 
 
 

@@ -181,7 +181,7 @@ def buffers(a) -> tuple[tuple[str, str], ...]:
     parameters: not counted by ``transformer_params``. Ernie 4.5 MoE's correction bias is a
     parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
     out = (("xielu", "beta"), ("xielu", "eps"))
-    return out + ((("moe", "router_bias"),) if a.router_kind == "sigmoid_groups" else ())
+    return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind == "sigmoid_groups" else ())
 
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:

@@ -318,9 +318,9 @@ class Multipliers(SubRecord):
     def check(self, arch) -> None:
         if arch.mlp_type == "plain" and self.mlp[0] != 1.0:
             raise ModelError(f"mlp_multipliers={list(self.mlp)}: a plain MLP has no gate to scale")
-        if arch.num_local_experts and self.mlp != (1.0, 1.0):
+        if arch.moe and self.mlp != (1.0, 1.0):
             raise ModelError(f"mlp_multipliers={list(self.mlp)} scale dense MLPs only; "
-                             f"num_local_experts={arch.num_local_experts}")
+                             f"num_local_experts={arch.moe.num_local_experts}")
 
 
 NO_MULTIPLIERS = Multipliers()

@@ -65,10 +65,11 @@ class TransformerConfig(ModelConfig):
         if self.execution.attention_impl == "cudnn" and self.arch.has_chunked_layers:
             raise ModelError(f"attention_impl='cudnn' cannot mask chunks (attention_chunk_size="
                              f"{self.arch.attention_chunk_size}); use attention_impl 'xla' or 'auto'")
-        if self.execution.router_bias_update_rate and self.arch.router_kind != "sigmoid_groups":
+        router = self.arch.moe.router_kind if self.arch.moe else None
+        if self.execution.router_bias_update_rate and router != "sigmoid_groups":
             raise ModelError(f"router_bias_update_rate={self.execution.router_bias_update_rate} balances a router "
-                             "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); this model's router "
-                             f"is {self.arch.router_kind!r}{'' if self.arch.num_local_experts else ' (no MoE layers)'}")
+                             "with a correction bias (router_kind sigmoid_groups: DeepSeek-V3's); "
+                             + (f"this model's router is {router!r}" if router else "this model has no MoE layers"))
 
     @classmethod
     def field_types(cls) -> dict[str, tuple[str, object]]:
@@ -103,18 +104,7 @@ class TransformerConfig(ModelConfig):
     def moe_config(self):
         from shardzoo.models.moe import MoeConfig
 
-        a, e = self.arch, self.execution
-        return MoeConfig(
-            num_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-            intermediate_size=a.expert_size, hidden_act=a.hidden_act, dispatch=e.moe_dispatch,
-            capacity_factor=e.capacity_factor, router_jitter_noise=a.router_jitter_noise,
-            norm_topk_prob=a.norm_topk_prob, router_kind=a.router_kind, n_group=a.n_group,
-            topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor, aux_loss_coef=a.router_aux_loss_coef,
-            router_bias=a.router_bias, expert_bias=a.expert_bias, swiglu_limit=a.swiglu_limit,
-            swiglu_alpha=a.swiglu_alpha, expert_type=a.expert_type,
-            z_loss_coef=e.router_z_loss_coef, dtype=e.dtype, param_dtype=e.param_dtype,
-            initializer_range=a.initializer_range,
-        )
+        return MoeConfig.of(self.arch, self.execution)
 
     # ------------------------------------------------------------------ the model interface
     def build(self, placement=None) -> Transformer:
@@ -253,9 +243,9 @@ def pipeline_schedule(config: TransformerConfig, placement, layout: Layout, batc
         raise PipelineError("pipeline parallelism (rules put layers on a mesh axis) needs one stack of "
                             f"alike layers; this model scans {layout.repeats} periods of {layout.period} "
                             f"and unrolls layers {list(layout.unrolled)}")
-    if config.arch.num_local_experts:
+    if config.arch.moe:
         raise PipelineError("pipeline parallelism (rules put layers on a mesh axis) runs dense layers only;"
-                            f" num_local_experts={config.arch.num_local_experts}")
+                            f" num_local_experts={config.arch.moe.num_local_experts}")
     return sched
 
 

@@ -37,6 +37,7 @@ from shardzoo.models.hf.base import (
     rope_to_hf,
     special_tokens,
 )
+from shardzoo.models.moe_arch import NO_MOE
 
 # DeepseekV2Config's fields and defaults (transformers 5)
 SCHEMA = dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -100,12 +101,13 @@ def moe_fields(hf: HFConfig) -> dict:
 
 
 def moe_to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = [s.mlp for s in a.layer_specs()]
     first = kinds.index(MOE) if MOE in kinds else len(kinds)
-    return dict(n_routed_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-                moe_intermediate_size=a.expert_size, routed_scaling_factor=a.routed_scaling_factor,
-                n_shared_experts=a.shared_expert_intermediate_size // a.expert_size, first_k_dense_replace=first,
-                n_group=a.n_group, topk_group=a.topk_group)
+    return dict(n_routed_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+                moe_intermediate_size=a.expert_size, routed_scaling_factor=m.routed_scaling_factor,
+                n_shared_experts=m.shared_expert_intermediate_size // a.expert_size, first_k_dense_replace=first,
+                n_group=m.n_group, topk_group=m.topk_group)
 
 
 def from_hf(hf: HFConfig) -> dict:
@@ -119,12 +121,13 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
-    method = {v: k for k, v in METHODS.items()}.get(a.router_kind, a.router_kind)
-    out = latent_to_hf(a) | moe_to_hf(a) | dict(topk_method=method, norm_topk_prob=a.norm_topk_prob)
-    if a.router_kind == "softmax":  # greedy: transformers' defaults, None
+    m = a.moe or NO_MOE
+    method = {v: k for k, v in METHODS.items()}.get(m.router_kind, m.router_kind)
+    out = latent_to_hf(a) | moe_to_hf(a) | dict(topk_method=method, norm_topk_prob=m.norm_topk_prob)
+    if m.router_kind == "softmax":  # greedy: transformers' defaults, None
         out.update(n_group=None, topk_group=None)
-    if a.router_aux_loss_coef != 0.001:  # the original code's field; absent means 0.001
-        out["aux_loss_alpha"] = a.router_aux_loss_coef
+    if m.router_aux_loss_coef != 0.001:  # the original code's field; absent means 0.001
+        out["aux_loss_alpha"] = m.router_aux_loss_coef
     return out
 
 
@@ -155,10 +158,10 @@ def layer_weights(a, spec) -> list[Weight]:
     if spec.mlp != MOE:
         return latent_attention_weights(a) + llama.mlp_weights(a)
     out = latent_attention_weights(a) + mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj"))
-    if a.shared_expert_intermediate_size:
+    if a.moe.shared_expert_intermediate_size:
         out += [Weight(("shared_expert", n, "kernel"), llama.LAYER + f"mlp.shared_experts.{n}_proj.weight", "linear")
                 for n in ("gate", "up", "down")]
-    if a.router_kind == "sigmoid_groups":
+    if a.moe.router_kind == "sigmoid_groups":
         out.append(Weight(("moe", "router_bias"), llama.LAYER + "mlp.gate.e_score_correction_bias"))
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from shardzoo.models.hf import deepseek_v2, llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig
+from shardzoo.models.moe_arch import NO_MOE
 
 # DeepseekV3Config's fields and defaults (transformers 5; num_mtp_layers as config.json spells it)
 SCHEMA = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -40,8 +41,9 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     return deepseek_v2.latent_to_hf(a) | deepseek_v2.moe_to_hf(a) | dict(
-        rope_interleave=a.rope_interleaved, norm_topk_prob=a.norm_topk_prob)
+        rope_interleave=a.rope_interleaved, norm_topk_prob=m.norm_topk_prob)
 
 
 # deepseek-ai/DeepSeek-V3/config.json: 61 layers,

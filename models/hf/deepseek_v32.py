@@ -15,6 +15,7 @@ from __future__ import annotations
 from shardzoo.models.arch import DENSE, MOE
 from shardzoo.models.hf import deepseek_v2, deepseek_v3, llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, HFError, Weight
+from shardzoo.models.moe_arch import NO_MOE
 from shardzoo.models.sparse_attention import INDEXED
 
 # DeepseekV32Config's fields and defaults (transformers 5.25)
@@ -59,8 +60,9 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     return deepseek_v2.latent_to_hf(a) | deepseek_v2.moe_to_hf(a) | indexer_to_hf(a) | dict(
-        norm_topk_prob=a.norm_topk_prob)
+        norm_topk_prob=m.norm_topk_prob)
 
 
 def layer_weights(a, spec) -> list[Weight]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.hf import deepseek_v2, glm4_moe, llama, mixtral, qwen3
 from shardzoo.models.hf.base import Family, HFConfig, layer_types
+from shardzoo.models.moe_arch import NO_MOE
 
 # Dots1Config's fields and defaults (transformers 5.25)
 SCHEMA = dict(vocab_size=152064, hidden_size=4608, intermediate_size=10944, moe_intermediate_size=1408,
@@ -40,9 +41,10 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     types = layer_types(a)
     return llama.rotary_to_hf(a) | deepseek_v2.moe_to_hf(a) | dict(
-        attention_bias=a.attention_bias, norm_topk_prob=a.norm_topk_prob, sliding_window=a.sliding_window,
+        attention_bias=a.attention_bias, norm_topk_prob=m.norm_topk_prob, sliding_window=a.sliding_window,
         layer_types=types, max_window_layers=types.index(SLIDING) if SLIDING in types else a.num_hidden_layers)
 
 

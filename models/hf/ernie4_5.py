@@ -23,6 +23,7 @@ from __future__ import annotations
 from shardzoo.models.arch import DENSE, MOE
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, rope, sizes
+from shardzoo.models.moe_arch import NO_MOE
 
 # Ernie4_5Config's fields and defaults (transformers 5)
 SCHEMA = dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
@@ -87,15 +88,16 @@ def moe_from_hf(hf: HFConfig) -> dict:
 
 
 def moe_to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = tuple(s.mlp for s in a.layer_specs())
     moe = [i for i, k in enumerate(kinds) if k == MOE] or [0]
     start, end, n = moe[0], moe[-1], a.num_hidden_layers
     interval = next((k for k in range(1, n + 1) if _moe_layers(n, start, end, k) == kinds), 1)
     return llama.rotary_to_hf(a) | dict(
-        use_bias=a.attention_bias, moe_num_experts=a.num_local_experts, moe_k=a.num_experts_per_tok,
-        moe_intermediate_size=a.expert_size, moe_num_shared_experts=a.shared_expert_intermediate_size // a.expert_size,
+        use_bias=a.attention_bias, moe_num_experts=m.num_local_experts, moe_k=m.num_experts_per_tok,
+        moe_intermediate_size=a.expert_size, moe_num_shared_experts=m.shared_expert_intermediate_size // a.expert_size,
         moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=interval,
-        router_aux_loss_coef=a.router_aux_loss_coef)
+        router_aux_loss_coef=m.router_aux_loss_coef)
 
 
 def moe_global_weights(a) -> list[Weight]:
@@ -114,7 +116,7 @@ def moe_layer_weights(a, spec) -> list[Weight]:
     x = llama.LAYER + "mlp."
     # [1, expert] in HF: a "linear" of one output reads it as [expert]
     out = [Weight(("moe", "router_bias"), x + "moe_statics.e_score_correction_bias", "linear")]
-    if a.shared_expert_intermediate_size:
+    if a.moe.shared_expert_intermediate_size:
         for n in ("gate", "up", "down"):
             out.append(Weight(("shared_expert", n, "kernel"), x + f"shared_experts.{n}_proj.weight", "linear"))
             if a.mlp_bias:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from shardzoo.models.arch import MOE
 from shardzoo.models.hf import deepseek_v2, glm, llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.moe_arch import NO_MOE
 
 # Glm4MoeConfig's fields and transformers' defaults (num_mtp_layers as config.json spells it)
 SCHEMA = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
@@ -43,8 +44,9 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     return glm.glm_sizes_to_hf(a) | deepseek_v2.moe_to_hf(a) | dict(
-        attention_bias=a.attention_bias, use_qk_norm=a.qk_norm == "head", norm_topk_prob=a.norm_topk_prob)
+        attention_bias=a.attention_bias, use_qk_norm=a.qk_norm == "head", norm_topk_prob=m.norm_topk_prob)
 
 
 def layer_weights(a, spec) -> list[Weight]:
@@ -54,7 +56,7 @@ def layer_weights(a, spec) -> list[Weight]:
         return llama.layer_weights(a, spec)
     h = llama.LAYER + "mlp."
     out = llama.attention_weights(a) + mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj"))
-    if a.shared_expert_intermediate_size:
+    if a.moe.shared_expert_intermediate_size:
         out += [Weight(("shared_expert", n, "kernel"), h + f"shared_experts.{n}_proj.weight", "linear")
                 for n in ("gate", "up", "down")]
     return out + [Weight(("moe", "router_bias"), h + "gate.e_score_correction_bias")]

@@ -26,6 +26,7 @@ from shardzoo.models.hf.base import (
     rope_to_hf,
     sizes,
 )
+from shardzoo.models.moe_arch import NO_MOE
 
 # GptOssConfig's fields and defaults (transformers 5)
 SCHEMA = dict(num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880,
@@ -72,8 +73,9 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
-    if not (a.attention_sinks and a.router_bias and a.expert_bias and a.swiglu_limit and a.norm_topk_prob
-            and a.num_local_experts and a.attention_bias == a.attention_out_bias):
+    m = a.moe or NO_MOE
+    if not (a.attention_sinks and m.router_bias and m.expert_bias and m.swiglu_limit and m.norm_topk_prob
+            and m.num_local_experts and a.attention_bias == a.attention_out_bias):
         raise HFError("GPT-OSS has attention sinks, one bias flag for q/k/v/o, a router with a bias, "
                       "renormalised top-k, experts with biases and a clamped SwiGLU in every layer")
     out = llama.sizes_to_hf(a) | rope_to_hf(a)
@@ -82,8 +84,8 @@ def to_hf(a) -> dict:
     out["rope_parameters"] = dict(scaling or {"rope_type": "default"}, rope_theta=out.pop("rope_theta"))
     return out | dict(
         attention_bias=a.attention_bias, sliding_window=a.sliding_window, layer_types=layer_types(a),
-        num_local_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-        router_aux_loss_coef=a.router_aux_loss_coef, swiglu_limit=a.swiglu_limit, swiglu_alpha=a.swiglu_alpha)
+        num_local_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+        router_aux_loss_coef=m.router_aux_loss_coef, swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
 
 
 def layer_weights(a, spec) -> list[Weight]:
@@ -92,7 +94,7 @@ def layer_weights(a, spec) -> list[Weight]:
     out = llama.attention_weights(a) + [Weight(("attn", "sinks"), h + "self_attn.sinks")]
     if spec.mlp != MOE:  # a dense layer only from an override: Llama's MLP names
         return out + llama.mlp_weights(a)
-    e, x = a.num_local_experts, h + "mlp."
+    e, x = a.moe.num_local_experts, h + "mlp."
     stacked = dict(experts=e, stacked_experts=True)
     gate_up = dict(stacked, interleaved=True)
     return out + [

@@ -13,6 +13,7 @@ from __future__ import annotations
 from shardzoo.models.arch import MOE
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.moe_arch import NO_MOE
 
 MULTIPLIERS = dict(embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=1.0,
                    logits_scaling=1.0)
@@ -41,8 +42,9 @@ def moe_from_hf(hf: HFConfig) -> dict:
 
 
 def moe_to_hf(a) -> dict:
-    out = to_hf(a) | dict(num_local_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-                          router_aux_loss_coef=a.router_aux_loss_coef)
+    m = a.moe or NO_MOE
+    out = to_hf(a) | dict(num_local_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+                          router_aux_loss_coef=m.router_aux_loss_coef)
     del out["mlp_bias"]
     return out
 
@@ -51,7 +53,7 @@ def moe_layer_weights(a, spec) -> list[Weight]:
     """Every layer MoE: the experts stacked ``[expert, out, in]`` in two tensors."""
     if spec.mlp != MOE:
         return llama.layer_weights(a, spec)
-    e, x = a.num_local_experts, llama.LAYER + "block_sparse_moe."
+    e, x = a.moe.num_local_experts, llama.LAYER + "block_sparse_moe."
     experts = dict(op="linear", experts=e, stacked_experts=True)
     return llama.attention_weights(a) + [
         Weight(("moe", "router", "kernel"), x + "router.layer.weight", "linear"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from shardzoo.models.hf import granite, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.moe_arch import NO_MOE
 
 # GraniteMoeSharedConfig's fields and defaults (transformers 5.25)
 SCHEMA = granite.MOE_SCHEMA | dict(shared_intermediate_size=0)
@@ -18,13 +19,14 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
-    return granite.moe_to_hf(a) | dict(shared_intermediate_size=a.shared_expert_intermediate_size)
+    m = a.moe or NO_MOE
+    return granite.moe_to_hf(a) | dict(shared_intermediate_size=m.shared_expert_intermediate_size)
 
 
 def layer_weights(a, spec) -> list[Weight]:
     """Granite-MoE's, and the shared expert's fused ``input_linear`` (gate | up) and ``output_linear``."""
     out = granite.moe_layer_weights(a, spec)
-    if a.shared_expert_intermediate_size:
+    if a.moe.shared_expert_intermediate_size:
         x = granite.llama.LAYER + "shared_mlp."
         out += [Weight(("shared_expert", "gate", "kernel"), x + "input_linear.weight", "linear", part=(0, 2)),
                 Weight(("shared_expert", "up", "kernel"), x + "input_linear.weight", "linear", part=(1, 2)),

@@ -19,6 +19,7 @@ import dataclasses
 from shardzoo.models.arch import MOE
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.moe_arch import NO_MOE
 
 # HunYuanDenseV1Config's fields and defaults (transformers 5)
 SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k != "mlp_bias"}
@@ -78,7 +79,8 @@ def moe_from_hf(hf: HFConfig) -> dict:
 
 
 def moe_to_hf(a) -> dict:
-    return to_hf(a) | dict(num_experts=a.num_local_experts, moe_topk=a.num_experts_per_tok)
+    m = a.moe or NO_MOE
+    return to_hf(a) | dict(num_experts=m.num_local_experts, moe_topk=m.num_experts_per_tok)
 
 
 def moe_layer_weights(a, spec) -> list[Weight]:

@@ -13,6 +13,7 @@ from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, renamed, special_tokens
 from shardzoo.models.hf.mamba import mamba1_fields, mamba1_to_hf, mamba1_weights
 from shardzoo.models.mamba1 import MAMBA1
+from shardzoo.models.moe_arch import NO_MOE
 
 # JambaConfig's fields and transformers' defaults (ai21labs/Jamba-v0.1's)
 SCHEMA = dict(vocab_size=65536, tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
@@ -72,13 +73,14 @@ def to_hf(a) -> dict:
     specs = a.layer_specs()
     attn = _period([s.mixer != MAMBA1 for s in specs])
     experts = _period([s.mlp == MOE for s in specs])
+    m = a.moe or NO_MOE
     return mamba1_to_hf(a, NAMES) | dict(
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.kv_heads,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
         attn_layer_period=attn[0], attn_layer_offset=attn[1], expert_layer_period=experts[0],
-        expert_layer_offset=experts[1], num_experts=a.num_local_experts or 1,
-        num_experts_per_tok=a.num_experts_per_tok, router_aux_loss_coef=a.router_aux_loss_coef,
+        expert_layer_offset=experts[1], num_experts=m.num_local_experts or 1,
+        num_experts_per_tok=m.num_experts_per_tok, router_aux_loss_coef=m.router_aux_loss_coef,
         **({"head_dim": a.head_dim} if a.head_dim else {}))
 
 

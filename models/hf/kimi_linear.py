@@ -22,6 +22,7 @@ from shardzoo.models.arch import DENSE, FULL, MOE
 from shardzoo.models.hf import deepseek_v2, llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, special_tokens
 from shardzoo.models.kimi_delta import KIMI, KimiDelta
+from shardzoo.models.moe_arch import NO_MOE
 
 HF_LINEAR = "linear_attention"  # transformers' name of a KDA layer
 # KimiLinearConfig's fields and transformers' defaults (Kimi-Linear-48B-A3B's), as save_pretrained writes them
@@ -103,6 +104,7 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     specs = a.layer_specs()
     kda = a.kimi_delta or KimiDelta()
     linear = [i + 1 for i, s in enumerate(specs) if s.mixer == KIMI]
@@ -116,12 +118,12 @@ def to_hf(a) -> dict:
         linear_attn_config=dict(num_heads=kda.num_heads, head_dim=kda.head_dim, short_conv_kernel_size=kda.conv_kernel,
                                 kda_layers=linear, full_attn_layers=[i for i in range(1, len(specs) + 1)
                                                                      if i not in linear]),
-        mlp_layer_types=["sparse" if m == MOE else "dense" for m in kinds],
+        mlp_layer_types=["sparse" if kind == MOE else "dense" for kind in kinds],
         first_k_dense_replace=kinds.index(MOE) if MOE in kinds else len(kinds),
-        num_experts=a.num_local_experts, num_experts_per_token=a.num_experts_per_tok,
-        moe_intermediate_size=a.expert_size, num_shared_experts=a.shared_expert_intermediate_size // a.expert_size,
-        num_expert_group=a.n_group, topk_group=a.topk_group, moe_renormalize=a.norm_topk_prob,
-        routed_scaling_factor=a.routed_scaling_factor,
+        num_experts=m.num_local_experts, num_experts_per_token=m.num_experts_per_tok,
+        moe_intermediate_size=a.expert_size, num_shared_experts=m.shared_expert_intermediate_size // a.expert_size,
+        num_expert_group=m.n_group, topk_group=m.topk_group, moe_renormalize=m.norm_topk_prob,
+        routed_scaling_factor=m.routed_scaling_factor,
         # transformers' default padding id (163839) is past a smaller vocabulary, which its embedding refuses
         pad_token_id=SCHEMA["pad_token_id"] if a.vocab_size > SCHEMA["pad_token_id"] else None)
 

@@ -23,6 +23,7 @@ from shardzoo.models.arch import CHUNKED, DENSE, FULL, MOE
 from shardzoo.models.attention import TemperatureTuning
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, layer_types
+from shardzoo.models.moe_arch import NO_MOE
 
 THETA = 500000.0  # Llama4TextConfig's default_theta
 # Llama4TextConfig's fields and defaults (transformers 5.25)
@@ -99,6 +100,7 @@ def _interval(fits, n: int, default: int):
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     specs, n = a.layer_specs(), a.num_hidden_layers
     moe = [i for i, s in enumerate(specs) if s.mlp == MOE]
     rotates = [int(s.rope != "none") for s in specs]
@@ -108,8 +110,8 @@ def to_hf(a) -> dict:
     t = tuning or TemperatureTuning()
     out = llama.rotary_to_hf(a) | dict(
         intermediate_size_mlp=a.intermediate_size, intermediate_size=a.expert_size,
-        num_local_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-        moe_layers=moe, router_aux_loss_coef=a.router_aux_loss_coef,
+        num_local_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_layers=moe, router_aux_loss_coef=m.router_aux_loss_coef,
         attention_bias=a.attention_bias, no_rope_layers=rotates,
         layer_types=layer_types(a), attention_chunk_size=a.attention_chunk_size,
         use_qk_norm=a.qk_norm == "l2", attn_temperature_tuning=bool(tuning),
@@ -139,7 +141,7 @@ def layer_weights(a, spec, prefix: str = "") -> list[Weight]:
     ws = llama.attention_weights(a)
     if spec.mlp != MOE:
         return _named(ws + llama.mlp_weights(a, "feed_forward."), prefix)
-    e = a.num_local_experts
+    e = a.moe.num_local_experts
     stacked = dict(op="conv1d", experts=e, stacked_experts=True)
     ws += [Weight(("moe", "router", "kernel"), x + "router.weight", "linear"),
            Weight(("moe", "wi_gate"), x + "experts.gate_up_proj", part=(0, 2), **stacked),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from shardzoo.models.arch import MOE
 from shardzoo.models.hf import llama
 from shardzoo.models.hf.base import Family, HFConfig, Weight
+from shardzoo.models.moe_arch import NO_MOE
 
 SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
           | dict(intermediate_size=14336, max_position_embeddings=131072, num_key_value_heads=8,
@@ -28,15 +29,16 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     return llama.rotary_to_hf(a) | dict(
-        sliding_window=a.sliding_window, num_local_experts=a.num_local_experts,
-        num_experts_per_tok=a.num_experts_per_tok, router_jitter_noise=a.router_jitter_noise,
-        router_aux_loss_coef=a.router_aux_loss_coef)
+        sliding_window=a.sliding_window, num_local_experts=m.num_local_experts,
+        num_experts_per_tok=m.num_experts_per_tok, router_jitter_noise=m.router_jitter_noise,
+        router_aux_loss_coef=m.router_aux_loss_coef)
 
 
 def moe_weights(a, prefix: str, names=("w1", "w3", "w2"), router: str = "gate") -> list[Weight]:
     """A MoE MLP's router and per-expert tensors ``{prefix}experts.E.{gate,up,down names}``."""
-    e, x = a.num_local_experts, llama.LAYER + prefix
+    e, x = a.moe.num_local_experts, llama.LAYER + prefix
     gate, up, down = names
     return [Weight(("moe", "router", "kernel"), x + f"{router}.weight", "linear"),
             Weight(("moe", "wi_gate"), x + f"experts.{{e}}.{gate}.weight", "linear", experts=e),

@@ -22,6 +22,7 @@ import math
 from shardzoo.models.arch import DENSE, FULL, MAMBA, MOE, NONE
 from shardzoo.models.hf import llama, mamba2, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, special_tokens
+from shardzoo.models.moe_arch import NO_MOE
 
 # NemotronHConfig's fields and transformers' defaults
 SCHEMA = dict(vocab_size=131072, hidden_size=4096, layers_block_type=None, tie_word_embeddings=False, use_cache=True,
@@ -111,19 +112,20 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = {v: k for k, v in KINDS.items()}
     specs = a.layer_specs()
     types = [kinds[(s.mixer if s.mixer != "attention" else FULL, s.mlp)] for s in specs]
     moe = {}
-    if a.num_local_experts and (a.expert_type, a.router_kind) != ("plain", "sigmoid_groups"):
+    if m.num_local_experts and (m.expert_type, m.router_kind) != ("plain", "sigmoid_groups"):
         raise HFError(f"Nemotron-H's MoE layers have plain experts and the sigmoid_groups router; this model has "
-                      f"expert_type={a.expert_type!r}, router_kind={a.router_kind!r}")
-    if a.num_local_experts:
-        moe = dict(n_routed_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
+                      f"expert_type={m.expert_type!r}, router_kind={m.router_kind!r}")
+    if m.num_local_experts:
+        moe = dict(n_routed_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
                    moe_intermediate_size=a.expert_size,
-                   moe_shared_expert_intermediate_size=a.shared_expert_intermediate_size, n_group=a.n_group,
-                   topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
-                   routed_scaling_factor=a.routed_scaling_factor)
+                   moe_shared_expert_intermediate_size=m.shared_expert_intermediate_size, n_group=m.n_group,
+                   topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob,
+                   routed_scaling_factor=m.routed_scaling_factor)
     return mamba2.mamba_to_hf(a, NAMES) | moe | dict(
         hidden_size=a.hidden_size, layers_block_type=types, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=a.kv_heads, head_dim=a.head_size, max_position_embeddings=a.max_position_embeddings,
@@ -149,7 +151,7 @@ def layer_weights(a, spec) -> list[Weight]:
             if a.mlp_bias:
                 out.append(Weight((mlp, n, "bias"), x + f"{n}_proj.bias", "vec"))
         if spec.mlp == MOE:
-            e = a.num_local_experts
+            e = a.moe.num_local_experts
             out += [Weight(("moe", "router", "kernel"), h + "mixer.gate.weight", "linear"),
                     Weight(("moe", "router_bias"), h + "mixer.gate.e_score_correction_bias"),
                     Weight(("moe", "wi_up"), h + "mixer.experts.{e}.up_proj.weight", "linear", experts=e),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from shardzoo.models.arch import MOE
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig
+from shardzoo.models.moe_arch import NO_MOE
 
 # OlmoeConfig's fields and defaults (transformers 5)
 SCHEMA = ({k: v for k, v in llama.SCHEMA.items() if k not in ("mlp_bias", "pretraining_tp", "head_dim")}
@@ -33,10 +34,11 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     out = llama.rotary_to_hf(a) | dict(
-        attention_bias=a.attention_bias, num_experts=a.num_local_experts,
-        num_experts_per_tok=a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob,
-        router_aux_loss_coef=a.router_aux_loss_coef)
+        attention_bias=a.attention_bias, num_experts=m.num_local_experts,
+        num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+        router_aux_loss_coef=m.router_aux_loss_coef)
     del out["head_dim"]  # OlmoeConfig has none: hidden_size // num_attention_heads
     return out
 

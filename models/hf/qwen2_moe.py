@@ -18,6 +18,7 @@ from __future__ import annotations
 from shardzoo.models.arch import DENSE, FULL, MOE, SLIDING
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig, Weight, layer_types
+from shardzoo.models.moe_arch import NO_MOE
 
 # Qwen2MoeConfig's fields and defaults (transformers 5)
 SCHEMA = (llama.QWEN2_SCHEMA
@@ -58,12 +59,13 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = a.layer_specs()
     out = llama.rotary_to_hf(a) | llama.qwen2_window_to_hf(a) | dict(
-        qkv_bias=a.attention_bias, num_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-        moe_intermediate_size=a.expert_size, shared_expert_intermediate_size=a.shared_expert_intermediate_size,
+        qkv_bias=a.attention_bias, num_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=a.expert_size, shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(kinds) if s.mlp == DENSE],
-        norm_topk_prob=a.norm_topk_prob, router_aux_loss_coef=a.router_aux_loss_coef)
+        norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.router_aux_loss_coef)
     del out["head_dim"]  # Qwen2MoeConfig has none: hidden_size // num_attention_heads
     sliding = [i for i, t in enumerate(layer_types(a)) if t == SLIDING]
     if sliding:  # layer_types says which; this bound derives the same from every other layer

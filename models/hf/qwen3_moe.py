@@ -18,6 +18,7 @@ from __future__ import annotations
 from shardzoo.models.arch import DENSE, MOE
 from shardzoo.models.hf import llama, mixtral, qwen3
 from shardzoo.models.hf.base import Family, HFConfig
+from shardzoo.models.moe_arch import NO_MOE
 
 SCHEMA = ({k: v for k, v in qwen3.SCHEMA.items() if k not in ("max_window_layers", "layer_types", "head_dim")}
           | dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_key_value_heads=4,
@@ -43,13 +44,14 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = a.layer_specs()
     return llama.rotary_to_hf(a) | dict(
         attention_bias=a.attention_bias, use_sliding_window=a.sliding_window is not None,
-        sliding_window=a.sliding_window, num_experts=a.num_local_experts,
-        num_experts_per_tok=a.num_experts_per_tok, moe_intermediate_size=a.expert_size,
+        sliding_window=a.sliding_window, num_experts=m.num_local_experts,
+        num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=a.expert_size,
         decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(kinds) if s.mlp == DENSE],
-        norm_topk_prob=a.norm_topk_prob, router_aux_loss_coef=a.router_aux_loss_coef)
+        norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.router_aux_loss_coef)
 
 
 def layer_weights(a, spec):

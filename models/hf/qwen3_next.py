@@ -30,6 +30,7 @@ from shardzoo.models.hf.base import (
     sizes,
     sizes_to_hf,
 )
+from shardzoo.models.moe_arch import NO_MOE
 
 # Qwen3NextConfig's fields and transformers' defaults (the defaults are Qwen3-Next-80B-A3B's)
 SCHEMA = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
@@ -85,14 +86,15 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     kinds = a.layer_specs()
     linear = a.linear_attention.flat() if a.linear_attention else {name: SCHEMA[name] for name in _LINEAR}
     return sizes_to_hf(a) | rope_to_hf(a) | linear | dict(
         partial_rotary_factor=a.partial_rotary_factor, attention_bias=a.attention_bias, layer_types=layer_types(a),
-        num_experts=a.num_local_experts, num_experts_per_tok=a.num_experts_per_tok,
-        moe_intermediate_size=a.expert_size, shared_expert_intermediate_size=a.shared_expert_intermediate_size,
+        num_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=a.expert_size, shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(kinds) if s.mlp == DENSE],
-        norm_topk_prob=a.norm_topk_prob, router_aux_loss_coef=a.router_aux_loss_coef)
+        norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.router_aux_loss_coef)
 
 
 # --------------------------------------------------------------------------------- weights

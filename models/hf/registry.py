@@ -16,6 +16,7 @@ import os
 
 from shardzoo.models import apply_overrides, register
 from shardzoo.models.arch import arch_of
+from shardzoo.models.component import SubRecord
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
     apertus,
@@ -197,8 +198,20 @@ def obstacles(family: Family, arch) -> list[str]:
         back = arch_from_hf(family, _shared_to_hf(family, arch) | family.to_hf(arch))
     except HFError as e:
         return [str(e)]
-    return [f"{f.name}={getattr(arch, f.name)!r} (reads back as {getattr(back, f.name)!r})"
-            for f in dataclasses.fields(arch) if getattr(arch, f.name) != getattr(back, f.name)]
+    return [f"{name}={mine!r} (reads back as {theirs!r})" for name, mine, theirs in _differences(arch, back)]
+
+
+def _differences(arch, back) -> list[tuple]:
+    """(name, value, value read back) of the fields that differ, a sub-record's by their flat names."""
+    out = []
+    for f in dataclasses.fields(arch):
+        mine, theirs = getattr(arch, f.name), getattr(back, f.name)
+        if mine != theirs and isinstance(mine, SubRecord) and isinstance(theirs, SubRecord):
+            out += [(flat, getattr(mine, name), getattr(theirs, name)) for flat, name in mine.FLAT.items()
+                    if getattr(mine, name) != getattr(theirs, name)]
+        elif mine != theirs:
+            out.append((f.name, mine, theirs))
+    return out
 
 
 def family_of_config(config, name: str | None = None) -> Family:

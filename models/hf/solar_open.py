@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shardzoo.models.hf import glm4_moe, llama, mixtral
 from shardzoo.models.hf.base import Family, HFConfig
+from shardzoo.models.moe_arch import NO_MOE
 
 # SolarOpenConfig's fields and defaults (transformers 5.25)
 SCHEMA = dict(vocab_size=196608, hidden_size=4096, num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=8,
@@ -34,11 +35,12 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    m = a.moe or NO_MOE
     out = llama.rotary_to_hf(a) | dict(
-        moe_intermediate_size=a.expert_size, n_routed_experts=a.num_local_experts,
-        num_experts_per_tok=a.num_experts_per_tok, routed_scaling_factor=a.routed_scaling_factor,
-        n_shared_experts=a.shared_expert_intermediate_size // a.expert_size, n_group=a.n_group,
-        topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob, attention_bias=a.attention_bias)
+        moe_intermediate_size=a.expert_size, n_routed_experts=m.num_local_experts,
+        num_experts_per_tok=m.num_experts_per_tok, routed_scaling_factor=m.routed_scaling_factor,
+        n_shared_experts=m.shared_expert_intermediate_size // a.expert_size, n_group=m.n_group,
+        topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob, attention_bias=a.attention_bias)
     del out["intermediate_size"]
     return out
 

@@ -64,8 +64,8 @@ def test_the_config_reads_as_latent_attention_with_a_dense_prefix(built):
     version, path, model, _ = built
     config = load_hf_config(path)
     assert (config.latent.kv_lora_rank, config.latent.q_lora_rank) == (16, None if version == "v2" else 24)
-    assert config.router_kind == ("softmax_groups" if version == "v2" else "sigmoid_groups")
-    assert config.shared_expert_intermediate_size == (32 if version == "v2" else 16)
+    assert config.moe.router_kind == ("softmax_groups" if version == "v2" else "sigmoid_groups")
+    assert config.moe.shared_expert_intermediate_size == (32 if version == "v2" else 16)
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe"]
     assert config.layout().as_tuple() == (1, 1, 2)  # the dense layer unrolled, the MoE layers scanned
     assert config.num_params() == sum(p.numel() for p in model.parameters())
@@ -185,4 +185,4 @@ def test_v3_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transform
     transformers and computes what the run computes (1e-4)."""
     model = randomized(CONFIGS["v3"](), seed=7)
     config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
-    assert config.latent.kv_lora_rank == 16 and config.router_kind == "sigmoid_groups"
+    assert config.latent.kv_lora_rank == 16 and config.moe.router_kind == "sigmoid_groups"

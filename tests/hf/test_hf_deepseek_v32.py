@@ -84,7 +84,7 @@ def test_the_config_reads_the_indexer(built):
     indexer = config.indexer  # the mixer's sub-record
     assert (indexer.topk, indexer.n_heads, indexer.head_dim) == (TOPK, 16, 16)
     assert indexer.rope_interleaved == (family == "glm_moe_dsa")
-    assert config.rope_interleaved and config.router_kind == "sigmoid_groups"
+    assert config.rope_interleaved and config.moe.router_kind == "sigmoid_groups"
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe"]
     assert config.num_params() == sum(p.numel() for p in model.parameters())
 

@@ -106,8 +106,8 @@ def test_the_configs_read_as_their_mechanisms(ernie, ernie_moe, apertus):
     assert a.attention_bias and a.attention_out_bias and not a.mlp_bias and not a.tie_word_embeddings
     assert a.rope_theta == 12000000.0 and a.rope_scaling_dict["rope_type"] == "llama3"
     m = load_hf_config(ernie_moe[0])
-    assert m.mlp_layer_types == ("dense", "moe", "moe") and m.router_kind == "softmax_bias" and m.norm_topk_prob
-    assert (m.num_local_experts, m.num_experts_per_tok, m.expert_size, m.shared_expert_intermediate_size) == (4, 2, 16, 16)
+    assert m.mlp_layer_types == ("dense", "moe", "moe") and m.moe.router_kind == "softmax_bias" and m.moe.norm_topk_prob
+    assert (m.moe.num_local_experts, m.moe.num_experts_per_tok, m.expert_size, m.moe.shared_expert_intermediate_size) == (4, 2, 16, 16)
     assert m.lm_head_bias and m.mlp_bias and m.rope_interleaved and m.moe_dispatch == "dropless"
     for config, model in ((e, ernie[1]), (m, ernie_moe[1]), (a, apertus[1])):
         assert config.num_params() == sum(p.numel() for p in model.parameters())

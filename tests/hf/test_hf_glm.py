@@ -86,8 +86,8 @@ def test_the_config_reads_as_partial_rotary_with_the_familys_mechanisms(built):
     assert config.attention_bias and not config.attention_out_bias
     assert config.norm_position == ("both" if family == "glm4" else "pre")
     if family == "glm4_moe":
-        assert (config.router_kind, config.n_group, config.topk_group) == ("sigmoid_groups", 4, 2)
-        assert (config.routed_scaling_factor, config.shared_expert_intermediate_size, config.qk_norm) == (2.5, 16, "head")
+        assert (config.moe.router_kind, config.moe.n_group, config.moe.topk_group) == ("sigmoid_groups", 4, 2)
+        assert (config.moe.routed_scaling_factor, config.moe.shared_expert_intermediate_size, config.qk_norm) == (2.5, 16, "head")
         assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe"]
         assert config.layout().as_tuple() == (1, 1, 2)  # the dense layer unrolled, the MoE layers scanned
     assert config.num_params() == sum(p.numel() for p in model.parameters())

@@ -64,8 +64,8 @@ def built(tmp_path_factory):
 def test_the_config_reads_as_sinks_alternating_windows_and_biased_experts(built):
     path, model, _ = built
     config = load_hf_config(path)
-    assert config.attention_sinks and config.router_bias and config.expert_bias
-    assert (config.swiglu_limit, config.swiglu_alpha, config.norm_topk_prob) == (1.5, 1.702, True)
+    assert config.attention_sinks and config.moe.router_bias and config.moe.expert_bias
+    assert (config.moe.swiglu_limit, config.moe.swiglu_alpha, config.moe.norm_topk_prob) == (1.5, 1.702, True)
     assert config.layer_types == ("sliding_attention", "full_attention") * 2 and config.sliding_window == 4
     assert dict(config.rope_scaling)["truncate"] is False and config.rope_theta == 1000.0
     assert config.moe_dispatch == "dropless" and config.router_z_loss_coef == 0

@@ -38,7 +38,7 @@ def built(tmp_path_factory):
 def test_config_reads_the_layer_pattern(built):
     config = load_hf_config(built[0])
     assert config.layer_types == ("mamba1", "mamba1", "full_attention", "mamba1")
-    assert config.mlp_layer_types == ("dense", "moe", "dense", "moe") and not config.norm_topk_prob
+    assert config.mlp_layer_types == ("dense", "moe", "dense", "moe") and not config.moe.norm_topk_prob
     assert config.mamba1.bcdt_norm_weights and config.mamba1.bcdt_rms_eps == 1e-6
     assert config.rope_layers == (False,) * 4  # no positions in Jamba's attention
 

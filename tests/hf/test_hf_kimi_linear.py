@@ -78,7 +78,7 @@ def test_config_reads_the_layer_pattern(built):
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe", "moe"]
     assert all(s.rope == "none" for s in config.layer_specs())  # latent attention without positions
     assert config.kimi_delta == kd.KimiDelta(num_heads=2, head_dim=8, conv_kernel=4)
-    assert (config.router_kind, config.n_group, config.routed_scaling_factor) == ("sigmoid_groups", 2, 2.446)
+    assert (config.moe.router_kind, config.moe.n_group, config.moe.routed_scaling_factor) == ("sigmoid_groups", 2, 2.446)
     assert type(config).from_dict(config.to_dict()) == config  # the sub-record through a checkpoint's JSON
 
 

@@ -73,9 +73,9 @@ def test_the_config_reads_every_mechanism_and_each_matters(built):
     assert [s.rope for s in specs] == ["global", "global", "global", "none"]
     assert [s.mlp for s in specs] == ["dense", "moe", "dense", "moe"]
     a = config.arch
-    assert (a.qk_norm, a.router_kind, a.rope_interleaved, a.attn_temperature_tuning.floor_scale) == (
+    assert (a.qk_norm, a.moe.router_kind, a.rope_interleaved, a.attn_temperature_tuning.floor_scale) == (
         "l2", "sigmoid_input", True, 4.0)
-    assert (a.intermediate_size, a.expert_size, a.shared_expert_intermediate_size) == (48, 16, 16)
+    assert (a.intermediate_size, a.expert_size, a.moe.shared_expert_intermediate_size) == (48, 16, 16)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     for change in (dict(attention_chunk_size=None), dict(attn_temperature_tuning=False), dict(use_qk_norm=False)):
         other = AutoModelForCausalLM.from_config(Llama4TextConfig(**(HF_CONFIG | change)),

@@ -73,10 +73,10 @@ def test_config_reads_moe_layers_with_plain_experts(built):
     assert [(s.mixer, s.mlp) for s in config.layer_specs()] == [
         ("mamba", "none"), ("none", "moe"), ("attention", "none"), ("mamba", "none"), ("none", "moe")]
     a = config.arch
-    assert (a.expert_type, a.router_kind, a.num_local_experts, a.num_experts_per_tok, a.n_group, a.topk_group) == (
+    assert (a.moe.expert_type, a.moe.router_kind, a.moe.num_local_experts, a.moe.num_experts_per_tok, a.moe.n_group, a.moe.topk_group) == (
         "plain", "sigmoid_groups", E, K, 2, 1)
-    assert (a.expert_size, a.shared_expert_intermediate_size, a.routed_scaling_factor) == (16, 24, 2.5)
-    assert a.mlp_type == "plain" and a.hidden_act == "relu2" and a.router_aux_loss_coef == 0.0
+    assert (a.expert_size, a.moe.shared_expert_intermediate_size, a.moe.routed_scaling_factor) == (16, 24, 2.5)
+    assert a.mlp_type == "plain" and a.hidden_act == "relu2" and a.moe.router_aux_loss_coef == 0.0
     assert config.execution.moe_dispatch == "dropless"
 
 

@@ -37,7 +37,7 @@ def built(tmp_path_factory):
 def test_the_config_reads_as_qk_norm_over_the_projection_and_moe(built):
     path, model, _ = built
     config = load_hf_config(path)
-    assert (config.qk_norm, config.norm_position, config.num_local_experts, config.norm_topk_prob) == (
+    assert (config.qk_norm, config.norm_position, config.moe.num_local_experts, config.moe.norm_topk_prob) == (
         "projection", "pre", E, False)
     assert config.expert_size == 16 and config.moe_dispatch == "dropless" and config.router_z_loss_coef == 0
     assert config.num_params() == sum(p.numel() for p in model.parameters())

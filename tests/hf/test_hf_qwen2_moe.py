@@ -58,7 +58,7 @@ def test_the_shared_expert_and_its_gate_matter(built):
         other.load_state_dict(state)
         assert np.abs(hf_logits(other, TOKENS) - ref).max() > 1e-2, name
     config = load_hf_config(path)
-    assert (config.shared_expert_intermediate_size, config.shared_expert_gate) == (24, True)
+    assert (config.moe.shared_expert_intermediate_size, config.moe.shared_expert_gate) == (24, True)
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "dense", "moe"]
     assert config.layout().as_tuple() == (0, 2, 2)  # scanned: two periods of (dense, MoE)
     hf_count = sum(p.numel() for p in model.parameters())
@@ -116,8 +116,8 @@ def test_a_shared_expert_without_its_gate_is_no_qwen2_moe():
 
     with pytest.raises(HFError, match="shared_expert_gate=False"):
         config_to_hf(ungated, family="qwen2_moe")
-    dense = config.replace(num_local_experts=0, mlp_layer_types=None)  # the MoE settings of a dense model mean nothing
-    assert (dense.shared_expert_intermediate_size, dense.shared_expert_gate) == (0, False)
+    dense = config.replace(num_local_experts=0, mlp_layer_types=None)  # a dense model has no MoE settings
+    assert dense.moe is None
 
 
 def test_a_sliding_window_on_the_layers_transformers_derives_equals_it(tmp_path):

@@ -141,7 +141,7 @@ def test_load_balancing_loss_is_hfs(built):
     with torch.no_grad():
         want = model(torch.tensor(TOKENS, dtype=torch.long), output_router_logits=True).aux_loss.item()
     module, config, params = load_hf(path, scan_layers=False)
-    assert (config.router_aux_loss_coef, config.router_z_loss_coef) == (0.02, 0.0)
+    assert (config.moe.router_aux_loss_coef, config.router_z_loss_coef) == (0.02, 0.0)
     _, state = apply_mutable(module, params, collections=["losses", "metrics"])
     got = float(state["metrics"]["layers_1"]["moe"]["load_balance_loss"][0])
     assert got == pytest.approx(want, rel=1e-5) and got > K  # K: perfectly balanced

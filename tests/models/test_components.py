@@ -91,7 +91,7 @@ def test_a_new_mixer_is_its_record_and_one_table_line(toy):
 
 
 @pytest.mark.parametrize("name", ["falcon-h1-tiny", "lfm2-tiny", "qwen3-next-tiny", "llama4-tiny", "deepseek-v3-tiny",
-                                  "mamba2-tiny", "jamba-tiny"])
+                                  "mamba2-tiny", "jamba-tiny", "qwen2-moe-tiny"])
 def test_sub_records_are_stored_nested_and_older_flat_configs_load_into_them(name):
     """A checkpoint stores each sub-record as its own mapping; a two-record config written before
     the sub-records (their fields flat among the others, a switch for the temperature) reads back

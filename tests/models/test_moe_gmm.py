@@ -16,7 +16,8 @@ import pytest
 
 from shardzoo.models import get_model
 from shardzoo.models.execution import Execution
-from shardzoo.models.moe import GmmTiling, MoeConfig, MoeError, MoeMLP, gmm_matmul, resolve_dispatch
+from shardzoo.models.moe import MoeConfig, MoeMLP
+from shardzoo.models.moe_dispatch import GmmTiling, MoeError, gmm_matmul, resolve_dispatch
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate
 from shardzoo.train.config import TrainConfig

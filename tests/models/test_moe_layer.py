@@ -10,7 +10,8 @@ import pytest
 from flax import linen as nn
 
 from shardzoo.errors import UserError
-from shardzoo.models.moe import ExpertAxisError, MoeConfig, MoeError, MoeMLP
+from shardzoo.models.moe import MoeConfig, MoeMLP
+from shardzoo.models.moe_dispatch import ExpertAxisError, MoeError
 from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import Placement, activate
