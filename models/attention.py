@@ -13,7 +13,6 @@ scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; m
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 import jax
@@ -37,10 +36,10 @@ from shardzoo.models.layers import (
     dtype_of,
     fused,
     linear_kw,
-    positive,
     scaled,
 )
 from shardzoo.models.norms import RMSNorm, make_norm, norm_params
+from shardzoo.models.query_scaling import TemperatureTuning, l2_norm, temperature_tuned
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.models.splash import padded_width, splash_attention
@@ -53,36 +52,6 @@ BHL = (ax.BATCH, ax.HEADS, ax.LENGTH, None)  # attention scores: [batch, heads, 
 
 
 # -------------------------------------------------------------------------------- attention
-def l2_norm(x, eps: float):
-    """Each head's features over their root mean square, no weight, in float32 (Llama 4's
-    ``Llama4TextL2Norm``). x: [batch, length, heads, head_dim]."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class TemperatureTuning(SubRecord):
-    """Llama 4's attention temperature on the NoPE layers (``attn_temperature_tuning``): queries at
-    position p times 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)); dropped where every
-    layer rotates."""
-
-    NAME: ClassVar[str] = "attn_temperature_tuning"
-    FEATURE: ClassVar[str] = "attention_temperature"
-    FLAT: ClassVar[dict[str, str]] = {"floor_scale": "floor_scale", "attn_scale": "attn_scale"}
-
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
-
-    def __post_init__(self):
-        if not positive(self.floor_scale) or not (isinstance(self.attn_scale, (int, float))
-                                                  and math.isfinite(self.attn_scale) and self.attn_scale >= 0):
-            raise ModelError(f"floor_scale={self.floor_scale!r} must be a finite number > 0 and attn_scale="
-                             f"{self.attn_scale!r} one >= 0 (attn_temperature_tuning)")
-
-    def used(self, arch) -> bool:
-        return any(s.rope == "none" for s in arch.layer_specs())
-
-
 @dataclasses.dataclass(frozen=True)
 class LatentAttentionArch(SubRecord):
     """Multi-head latent attention (DeepSeek-V2/V3): q from x (or from a q_lora_rank latent,
@@ -103,15 +72,6 @@ class LatentAttentionArch(SubRecord):
 
     def used(self, arch) -> bool:
         return self.kv_lora_rank is not None
-
-
-def temperature_tuned(q, positions, floor_scale: float, attn_scale: float):
-    """Queries at position p times ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``:
-    Llama 4's attention temperature on its NoPE layers (transformers takes p from the cache
-    index, the same for unpacked rows). q: [batch, length, heads, head_dim]."""
-    p = positions.astype(jnp.float32)
-    scale = jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0  # [batch, length]
-    return (q * scale[:, :, None, None]).astype(q.dtype)
 
 
 class Attention(nn.Module):

@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from shardzoo.models.arch import CHUNKED, DENSE, FULL, MOE
-from shardzoo.models.attention import TemperatureTuning
 from shardzoo.models.hf import llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, layer_types
 from shardzoo.models.moe_arch import NO_MOE
+from shardzoo.models.query_scaling import TemperatureTuning
 
 THETA = 500000.0  # Llama4TextConfig's default_theta
 # Llama4TextConfig's fields and defaults (transformers 5.25)
