@@ -63,6 +63,7 @@ from shardzoo.models.hf import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_5,
     qwen3_next,
     sarvam_moe,
     seed_oss,
@@ -113,6 +114,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
+    qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
