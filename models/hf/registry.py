@@ -30,6 +30,7 @@ from shardzoo.models.hf import (
     ernie4_5,
     exaone,
     exaone4,
+    exaone_moe,
     falcon_h1,
     flex_olmo,
     gemma,
@@ -48,9 +49,11 @@ from shardzoo.models.hf import (
     internlm3,
     kimi_linear,
     lfm2,
+    lfm2_moe,
     llama,
     llama4,
     mamba2,
+    minimax_m2,
     ministral,
     mixtral,
     nemotron_h,
@@ -114,7 +117,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
-    qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE,
+    qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

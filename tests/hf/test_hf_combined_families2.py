@@ -12,7 +12,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from transformers import (
+    ExaoneMoeConfig,
+    Lfm2MoeConfig,
+    MiniMaxM2Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
@@ -40,10 +46,33 @@ CONFIGS = {
     "qwen3_5_moe_text": lambda: Qwen3_5MoeTextConfig(
         **{k: v for k, v in DIMS.items() if k != "intermediate_size"}, **GDN, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    # conv, attention, conv layers; a dense layer then MoE (4 experts top-2, sigmoid scores with
+    # their correction bias, scaled weights)
+    "lfm2_moe": lambda: Lfm2MoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5),
+    # the whole q and k projections normed, rotary on half of each head, 4 experts top-2 by sigmoid
+    # scores with their correction bias
+    "minimax_m2": lambda: MiniMaxM2Config(**DIMS, head_dim=16, rotary_dim=8, num_local_experts=4,
+                                          num_experts_per_tok=2),
+    # sliding, full (NoPE), sliding layers (a window of 4), qk-norm; a dense layer then MoE (4 groups
+    # of 2 experts, 2 kept; a shared expert, scaled weights)
+    "exaone_moe": lambda: ExaoneMoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw}
-BUFFERS = {}
+
+
+def router_bias(name, b):
+    """A draw for ``randomize``'s buffers: a sigmoid router's correction bias, large enough to
+    move the experts chosen."""
+    return 0.3 * torch.randn_like(b) if name.endswith(("expert_bias", "e_score_correction_bias")) else None
+
+
+BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe"), router_bias)
 FORWARD = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), dict(use_cache=False))
 
 
