@@ -43,6 +43,7 @@ from shardzoo.models.hf import (
     gptj,
     granite,
     granite_swa,
+    granitemoehybrid,
     granitemoeshared,
     helium,
     hunyuan,
@@ -118,6 +119,7 @@ FAMILIES: tuple[Family, ...] = (
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
     qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
+    granitemoehybrid.GRANITEMOEHYBRID,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

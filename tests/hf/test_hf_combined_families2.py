@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import (
     ExaoneMoeConfig,
+    GraniteMoeHybridConfig,
     Lfm2MoeConfig,
     MiniMaxM2Config,
     Qwen3_5MoeTextConfig,
@@ -24,13 +25,17 @@ from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, near_one, one_device, randomized, saved  # noqa: E402
+from harness import TOKENS, TOL, apply, mamba_draw, near_one, one_device, randomized, saved  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 # a Gated DeltaNet layer (two key heads, each serving two value heads) then an output-gated attention one
 GDN = dict(head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+GRANITE4 = dict(layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                mamba_d_state=8, mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+                shared_intermediate_size=16, embedding_multiplier=4.0, residual_multiplier=0.5,
+                attention_multiplier=0.3, logits_scaling=2.5)
 
 
 def gdn_draw(name, p):
@@ -61,9 +66,17 @@ CONFIGS = {
         **(DIMS | dict(num_hidden_layers=3)), sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    # mamba, attention (NoPE), mamba layers (chunks of 8 in a text of 16), each with 4 experts top-2
+    # beside the shared MLP; Granite's multipliers
+    "granitemoehybrid": lambda: GraniteMoeHybridConfig(**(DIMS | dict(num_hidden_layers=3)), **GRANITE4),
+    # attention (rotary), mamba layers, no experts: the shared MLP is the dense one
+    "granitemoehybrid_dense": lambda: GraniteMoeHybridConfig(
+        **DIMS, **(GRANITE4 | dict(layer_types=["attention", "mamba"], num_local_experts=0,
+                                   shared_intermediate_size=48, position_embedding_type="rope"))),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
-DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw}
+DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
+         "granitemoehybrid_dense": mamba_draw}
 
 
 def router_bias(name, b):
