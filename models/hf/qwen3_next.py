@@ -69,7 +69,7 @@ def hybrid_fields(hf: HFConfig) -> dict:
         every = hf.raw.get("full_attention_interval", 4)
         types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
     if any(t not in (FULL, LINEAR) for t in types):
-        raise hf.refuse("layer_types", f"{hf.family.name}'s layers are {FULL!r} or {LINEAR!r}")
+        raise hf.refuse("layer_types", f"Qwen3-Next's layers are {FULL!r} or {LINEAR!r}")
     bias = hf.get("attention_bias")
     return out | {name: hf.get(name) for name in _LINEAR} | dict(
         norm_type="rmsnorm_plus_one", qk_norm="head", attention_bias=bias, attention_out_bias=bias,
