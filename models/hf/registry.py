@@ -23,6 +23,7 @@ from shardzoo.models.hf import (
     bamba,
     cohere,
     cohere2,
+    cohere2_moe,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -119,7 +120,7 @@ FAMILIES: tuple[Family, ...] = (
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
     qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
-    granitemoehybrid.GRANITEMOEHYBRID,
+    granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

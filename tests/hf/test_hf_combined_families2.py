@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    Cohere2MoeConfig,
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
     Lfm2MoeConfig,
@@ -73,6 +74,13 @@ CONFIGS = {
     "granitemoehybrid_dense": lambda: GraniteMoeHybridConfig(
         **DIMS, **(GRANITE4 | dict(layer_types=["attention", "mamba"], num_local_experts=0,
                                    shared_intermediate_size=48, position_embedding_type="rope"))),
+    # Cohere 2's parallel layers with RMSNorms: a dense full layer (rotating), then MoE layers (4
+    # experts top-2 and a shared one added): sliding (rotary), full (NoPE)
+    "cohere2_moe": lambda: Cohere2MoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, sliding_window=4, rms_norm_eps=1e-5, logit_scale=0.5,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, num_shared_experts=1, shared_expert_combination_strategy="sum"),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
