@@ -55,6 +55,7 @@ from shardzoo.models.hf import (
     llama,
     llama4,
     mamba2,
+    minicpm3,
     minimax_m2,
     ministral,
     mixtral,
@@ -121,6 +122,7 @@ FAMILIES: tuple[Family, ...] = (
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
     qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
+    minicpm3.MINICPM3,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

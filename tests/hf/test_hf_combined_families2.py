@@ -17,6 +17,7 @@ from transformers import (
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
     Lfm2MoeConfig,
+    MiniCPM3Config,
     MiniMaxM2Config,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -81,6 +82,12 @@ CONFIGS = {
         layer_types=["full_attention", "sliding_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
         num_experts_per_tok=2, num_shared_experts=1, shared_expert_combination_strategy="sum"),
+    # latent attention (q through its low rank), rotate-half rotary; MiniCPM's scales of the
+    # embeddings, residual branches and logits
+    "minicpm3": lambda: MiniCPM3Config(
+        **(DIMS | dict(num_key_value_heads=4)), kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, scale_emb=4.0, scale_depth=0.8, dim_model_base=8,
+        tie_word_embeddings=False),  # (tied, each token predicts itself)
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
