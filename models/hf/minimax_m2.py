@@ -46,9 +46,17 @@ def layer_weights(a, spec) -> list[Weight]:
         Weight(("moe", "router_bias"), llama.LAYER + "block_sparse_moe.e_score_correction_bias")]
 
 
+# MiniMaxAI/MiniMax-M2/config.json: 62 layers, 48 heads of 128 (rotary on 64: rotary_dim), 256
+# experts top-8, 1536 wide, chosen by sigmoid scores with their correction bias
+MINIMAX_M2_230B = dict(
+    vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,
+    num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, max_position_embeddings=196608,
+    rms_norm_eps=1e-6, rope_theta=5e6, qk_norm="projection", num_local_experts=256, num_experts_per_tok=8,
+    router_kind="sigmoid_groups", router_aux_loss_coef=0.001, router_z_loss_coef=0.0, bos_token_id=200034,
+    eos_token_id=200020)
 MINIMAX_M2 = Family(
     "minimax_m2", ("minimax_m2",), "MiniMaxM2ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
-    presets={"minimax-m2-tiny": mixtral.MIXTRAL.presets["mixtral-tiny"] | dict(
+    presets={"minimax-m2": MINIMAX_M2_230B, "minimax-m2-tiny": mixtral.MIXTRAL.presets["mixtral-tiny"] | dict(
         head_dim=32, partial_rotary_factor=0.5, qk_norm="projection", router_kind="sigmoid_groups",
         rope_theta=5e6, rms_norm_eps=1e-6)})

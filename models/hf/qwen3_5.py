@@ -10,7 +10,7 @@ A multimodal ``qwen3_5``/``qwen3_5_moe`` checkpoint reads as its text model (mod
 
 from __future__ import annotations
 
-from shardzoo.models.arch import LINEAR
+from shardzoo.models.arch import FULL, LINEAR
 from shardzoo.models.hf import mixtral, qwen3_next
 from shardzoo.models.hf.base import Family, HFConfig, Weight
 
@@ -72,6 +72,13 @@ def layer_weights(a, spec) -> list[Weight]:
     return out + [Weight(("linear_attn", n, "kernel"), x + f"in_proj_{n}.weight", "linear") for n in "zba"]
 
 
+# Qwen/Qwen3.5-35B-A3B/config.json's text_config (Qwen3_5MoeTextConfig's defaults are this model's):
+# 40 layers, 3 Gated DeltaNet to 1 attention, 256 experts top-8 and a shared one, 512 wide
+QWEN3_5_35B = qwen3_next.BASE | qwen3_next._GDN | dict(
+    vocab_size=248320, hidden_size=2048, intermediate_size=512, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, rms_norm_eps=1e-6, rope_theta=10000000.0,
+    layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 10, num_local_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, bos_token_id=None, eos_token_id=248044)
 _TINY = {k: v for k, v in qwen3_next.QWEN3_NEXT.presets["qwen3-next-tiny"].items() if k != "mlp_layer_types"}
 QWEN3_5 = Family(
     "qwen3_5_text", ("qwen3_5_text",), "Qwen3_5ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
@@ -81,4 +88,4 @@ QWEN3_5 = Family(
 QWEN3_5_MOE = Family(
     "qwen3_5_moe_text", ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM", MOE_SCHEMA, MOE_FEATURES, moe_from_hf, moe_to_hf,
     qwen3_next.llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
-    presets={"qwen3.5-moe-tiny": _TINY | dict(intermediate_size=32)})
+    presets={"qwen3.5-35b-a3b": QWEN3_5_35B, "qwen3.5-moe-tiny": _TINY | dict(intermediate_size=32)})

@@ -318,3 +318,35 @@ PRESETS = {name: TransformerConfig.from_fields(**fields) for family in FAMILIES
            for name, fields in family.presets.items()}
 for _name, _config in PRESETS.items():
     register(_name, _config)
+
+
+# ------------------------------------------------------------------ the README's list of families
+KINDS = ("dense", "MoE", "hybrid", "state-space")
+_MIXERS = {"mamba2", "short_conv", "gated_deltanet", "kimi_delta"}  # token mixers other than attention
+
+
+def kind_of(family: Family) -> str:
+    """The family's kind, read off its features and presets: "state-space" (no attention layer in
+    any preset), "hybrid" (another token mixer beside attention), "MoE", else "dense"."""
+    if family.features & _MIXERS:
+        specs = [s for fields in family.presets.values()
+                 for s in TransformerConfig.from_fields(**fields).arch.layer_specs()]
+        return "hybrid" if any("attention" in s.mixer for s in specs) else "state-space"
+    return "MoE" if "moe" in family.features else "dense"
+
+
+def families_markdown() -> str:
+    """The README's list of the ``model_type``s shardzoo reads, grouped by kind, and the multimodal
+    checkpoints whose text model it reads (``python -m shardzoo.models.hf --markdown``)."""
+    from shardzoo.models.hf import multimodal
+
+    groups = {kind: [] for kind in KINDS}
+    for family in FAMILIES:
+        groups[kind_of(family)] += family.model_types
+    lines = [f"- {kind} ({len(types)}): {', '.join(f'`{t}`' for t in sorted(types))}"
+             for kind, types in groups.items()]
+    texts = sorted(t for t, text in multimodal.TEXT_MODEL.items() if text in BY_MODEL_TYPE)
+    lines.append(f"- multimodal checkpoints, their text model ({len(texts)}): "
+                 f"{', '.join(f'`{t}` ({multimodal.TEXT_MODEL[t]})' for t in texts)}")
+    return f"{len(SUPPORTED)} `model_type`s:\n\n" + "\n".join(lines) + "\n"
+

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from shardzoo.models.hf import export_hf
+from shardzoo.models.hf.registry import families_markdown
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -131,3 +132,11 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     kind = model.config.model_type
     assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+def test_the_readme_lists_the_registry_families():
+    """README's list of families is the registry's (``python -m shardzoo.models.hf --markdown``)."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    listed = readme.split("<!-- families: begin -->\n", 1)[1].split("<!-- families: end -->", 1)[0]
+    assert listed == families_markdown()
+    assert "- hybrid (" in listed and "`qwen3_5_text`" in listed and "`granitemoehybrid`" in listed
