@@ -113,6 +113,7 @@ FAMILIES: tuple[Family, ...] = (
     apertus.APERTUS,
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
+    qwen3_5.QWEN3_5,  # a dense Gated DeltaNet model: Qwen3.5's (Qwen3-Next's without experts)
     qwen3_next.QWEN3_NEXT,
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
@@ -120,7 +121,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe_lite.GLM4_MOE_LITE, gptj.GPTJ, persimmon.PERSIMMON, exaone.EXAONE,
     solar_open.SOLAR_OPEN, internlm3.INTERNLM3, flex_olmo.FLEX_OLMO,
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
-    qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
+    qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3,
 )

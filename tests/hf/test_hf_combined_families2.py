@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     Cohere2MoeConfig,
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
@@ -28,7 +29,17 @@ from shardzoo.models.hf.registry import families_markdown
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, mamba_draw, near_one, one_device, randomized, saved  # noqa: E402
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    mamba_draw,
+    near_one,
+    one_device,
+    randomize,
+    randomized,
+    saved,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -140,3 +151,31 @@ def test_the_readme_lists_the_registry_families():
     listed = readme.split("<!-- families: begin -->\n", 1)[1].split("<!-- families: end -->", 1)[0]
     assert listed == families_markdown()
     assert "- hybrid (" in listed and "`qwen3_5_text`" in listed and "`granitemoehybrid`" in listed
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_the_text_model_of_a_multimodal_qwen3_5_checkpoint(kind, tmp_path, capfd):
+    """A tiny ``qwen3_5`` / ``qwen3_5_moe`` checkpoint (a one-block vision tower around the text
+    model) imports as its text model, saying the vision tower is left out: its logits on text
+    within 1e-4 of the conditional-generation model's (text positions: its multimodal rotary is
+    plain rotary), and it exports as the text-only model_type, which transformers loads with
+    those logits."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = CONFIGS[f"{kind}_text"]().to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, out_hidden_size=32,
+                  num_position_embeddings=16)
+    config = (Qwen3_5Config if kind == "qwen3_5" else Qwen3_5MoeConfig)(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    from transformers import AutoModelForImageTextToText
+
+    model = randomize(AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval(), gdn_draw)
+    assert type(model).__name__.endswith("ForConditionalGeneration")
+    path, _, ref = saved(model, tmp_path / kind, use_cache=False)
+    module, loaded, params = load_hf(path, mesh=one_device())
+    assert "left out" in capfd.readouterr().err
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    # the family the import records (a checkpoint of this model exports as it)
+    assert export_hf(loaded, params, str(tmp_path / "text"), family=f"{kind}_text")["model_type"] == f"{kind}_text"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "text", attn_implementation="eager").eval()
+    np.testing.assert_allclose(hf_logits(back, use_cache=False), ref, atol=TOL, rtol=0)
