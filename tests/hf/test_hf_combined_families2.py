@@ -33,6 +33,7 @@ from harness import (  # noqa: E402
     TOKENS,
     TOL,
     apply,
+    hf_logits,
     mamba_draw,
     near_one,
     one_device,
