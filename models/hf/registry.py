@@ -49,6 +49,7 @@ from shardzoo.models.hf import (
     helium,
     hunyuan,
     internlm3,
+    iquestcoder,
     kimi_linear,
     lfm2,
     lfm2_moe,
@@ -63,6 +64,7 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    param2moe,
     persimmon,
     phi,
     phi3,
@@ -71,6 +73,7 @@ from shardzoo.models.hf import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    sarvam_mla,
     sarvam_moe,
     seed_oss,
     smollm3,
@@ -123,7 +126,7 @@ FAMILIES: tuple[Family, ...] = (
     sarvam_moe.SARVAM_MOE, granite_swa.GRANITE_SWA,
     qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
-    minicpm3.MINICPM3,
+    minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

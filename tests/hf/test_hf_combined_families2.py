@@ -17,11 +17,14 @@ from transformers import (
     Cohere2MoeConfig,
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
+    IQuestCoderConfig,
     Lfm2MoeConfig,
     MiniCPM3Config,
     MiniMaxM2Config,
+    Param2MoeConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    SarvamMLAConfig,
 )
 
 from shardzoo.models.hf import export_hf
@@ -101,6 +104,20 @@ CONFIGS = {
         **(DIMS | dict(num_key_value_heads=4)), kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=12, scale_emb=4.0, scale_depth=0.8, dim_model_base=8,
         tie_word_embeddings=False),  # (tied, each token predicts itself)
+    # Llama under its own model_type: q/k/v/o and MLP biases, head_dim apart from the width
+    "iquestcoder": lambda: IQuestCoderConfig(**DIMS, head_dim=16, attention_bias=True, mlp_bias=True),
+    # DeepSeek-V3 under its own model_type: latent attention (no query latent), a dense layer then
+    # MoE (4 groups of 2 experts, 2 kept; a shared expert, scaled weights)
+    "sarvam_mla": lambda: SarvamMLAConfig(
+        **(DIMS | dict(num_hidden_layers=3, num_key_value_heads=4)), kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_group=4, topk_group=2),
+    # GLM-4.5's MoE under its own model_type: full rotary, qk-norm, q/k/v biases; a dense layer then
+    # MoE (4 groups of 2 experts, 2 kept; two shared experts, scaled weights)
+    "param2moe": lambda: Param2MoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, attention_bias=True, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+        tie_word_embeddings=False),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
@@ -113,7 +130,7 @@ def router_bias(name, b):
     return 0.3 * torch.randn_like(b) if name.endswith(("expert_bias", "e_score_correction_bias")) else None
 
 
-BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe"), router_bias)
+BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe"), router_bias)
 FORWARD = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), dict(use_cache=False))
 
 
