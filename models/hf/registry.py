@@ -24,6 +24,7 @@ from shardzoo.models.hf import (
     cohere,
     cohere2,
     cohere2_moe,
+    cwm,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -48,8 +49,10 @@ from shardzoo.models.hf import (
     granitemoeshared,
     helium,
     hunyuan,
+    hyperclovax,
     internlm3,
     iquestcoder,
+    jais2,
     kimi_linear,
     lfm2,
     lfm2_moe,
@@ -81,6 +84,7 @@ from shardzoo.models.hf import (
     stablelm,
     starcoder2,
     vaultgemma,
+    youtu,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -127,6 +131,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
+    youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -15,9 +15,12 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Cohere2MoeConfig,
+    CwmConfig,
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
+    HyperCLOVAXConfig,
     IQuestCoderConfig,
+    Jais2Config,
     Lfm2MoeConfig,
     MiniCPM3Config,
     MiniMaxM2Config,
@@ -25,6 +28,7 @@ from transformers import (
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     SarvamMLAConfig,
+    YoutuConfig,
 )
 
 from shardzoo.models.hf import export_hf
@@ -118,10 +122,24 @@ CONFIGS = {
         **(DIMS | dict(num_hidden_layers=3)), head_dim=8, attention_bias=True, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1,
         tie_word_embeddings=False),
+    # DeepSeek-V3's latent attention (q through its low rank, interleaved rotary) in dense layers
+    "youtu": lambda: YoutuConfig(
+        **(DIMS | dict(num_key_value_heads=4)), kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, tie_word_embeddings=False),
+    # full then sliding layers (a window of 4), llama3-scaled rotary
+    "cwm": lambda: CwmConfig(**(DIMS | dict(num_hidden_layers=3, bos_token_id=1)), head_dim=8, sliding_window=4,
+                             layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    # Granite's multipliers with norms after attention and MLP too, logits multiplied
+    "hyperclovax": lambda: HyperCLOVAXConfig(**DIMS, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                             attention_multiplier=0.3, logits_scaling=0.5, attention_bias=True),
+    # LayerNorms with bias, q/k/v/o biases, a plain relu2 MLP with biases
+    "jais2": lambda: Jais2Config(**DIMS, head_dim=8),
 }
-SEEDS = {}  # else 0; each with a varied greedy continuation
+SEEDS = {"jais2": 5}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
-         "granitemoehybrid_dense": mamba_draw}
+         "granitemoehybrid_dense": mamba_draw,
+         # LayerNorms with bias: their scales near 1, their biases small as every other weight
+         "jais2": near_one(lambda name, p: "norm" in name and name.endswith("weight"))}
 
 
 def router_bias(name, b):
