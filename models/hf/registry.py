@@ -45,6 +45,7 @@ from shardzoo.models.hf import (
     gptj,
     granite,
     granite_swa,
+    granitemoe_swa,
     granitemoehybrid,
     granitemoeshared,
     helium,
@@ -132,6 +133,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
+    granitemoe_swa.GRANITEMOE_SWA,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

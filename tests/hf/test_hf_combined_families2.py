@@ -18,6 +18,7 @@ from transformers import (
     CwmConfig,
     ExaoneMoeConfig,
     GraniteMoeHybridConfig,
+    GraniteMoeSWAConfig,
     HyperCLOVAXConfig,
     IQuestCoderConfig,
     Jais2Config,
@@ -134,6 +135,12 @@ CONFIGS = {
                                              attention_multiplier=0.3, logits_scaling=0.5, attention_bias=True),
     # LayerNorms with bias, q/k/v/o biases, a plain relu2 MLP with biases
     "jais2": lambda: Jais2Config(**DIMS, head_dim=8),
+    # Granite-MoE-Shared's MLP (4 experts top-2, a shared one) under Granite-SWA's attention: sinks,
+    # full then sliding layers (a window of 4), the middle layer NoPE
+    "granitemoe_swa": lambda: GraniteMoeSWAConfig(
+        **(DIMS | dict(num_hidden_layers=3)), num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16,
+        embedding_multiplier=4.0, residual_multiplier=0.5, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], layer_rope_theta=[10000.0, 0, 10000.0]),
 }
 SEEDS = {"jais2": 5}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
