@@ -18,6 +18,7 @@ from shardzoo.models import apply_overrides, register
 from shardzoo.models.arch import arch_of
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
+    afmoe,
     apertus,
     arcee,
     bamba,
@@ -133,7 +134,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
-    granitemoe_swa.GRANITEMOE_SWA,
+    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    AfmoeConfig,
     AutoModelForCausalLM,
     Cohere2MoeConfig,
     CwmConfig,
@@ -141,6 +142,13 @@ CONFIGS = {
         **(DIMS | dict(num_hidden_layers=3)), num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16,
         embedding_multiplier=4.0, residual_multiplier=0.5, sliding_window=4,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], layer_rope_theta=[10000.0, 0, 10000.0]),
+    # sandwich norms, qk-norm, gated attention output; sliding (rotary), full (NoPE), sliding layers;
+    # embeddings scaled; a dense layer then MoE (4 experts top-2 by sigmoid scores with their
+    # correction bias, scaled weights, a shared expert)
+    "afmoe": lambda: AfmoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], mup_enabled=True, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, route_scale=2.5),
 }
 SEEDS = {"jais2": 5}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
@@ -155,7 +163,7 @@ def router_bias(name, b):
     return 0.3 * torch.randn_like(b) if name.endswith(("expert_bias", "e_score_correction_bias")) else None
 
 
-BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe"), router_bias)
+BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe", "afmoe"), router_bias)
 FORWARD = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), dict(use_cache=False))
 
 
