@@ -51,6 +51,7 @@ from shardzoo.models.hf import (
     granitemoeshared,
     helium,
     hunyuan,
+    hy_v3,
     hyperclovax,
     internlm3,
     iquestcoder,
@@ -134,7 +135,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
-    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE,
+    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -21,6 +21,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSWAConfig,
     HyperCLOVAXConfig,
+    HYV3Config,
     IQuestCoderConfig,
     Jais2Config,
     Lfm2MoeConfig,
@@ -149,6 +150,10 @@ CONFIGS = {
         **(DIMS | dict(num_hidden_layers=3)), head_dim=8, sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], mup_enabled=True, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1, num_dense_layers=1, route_scale=2.5),
+    # q/k/v/o biases, qk-norm; a dense layer then MoE (4 experts top-2 by sigmoid scores with their
+    # correction bias, scaled weights, a shared expert)
+    "hy_v3": lambda: HYV3Config(**DIMS, head_dim=8, attention_bias=True, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16, router_scaling_factor=2.5),
 }
 SEEDS = {"jais2": 5}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
@@ -163,7 +168,8 @@ def router_bias(name, b):
     return 0.3 * torch.randn_like(b) if name.endswith(("expert_bias", "e_score_correction_bias")) else None
 
 
-BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe", "afmoe"), router_bias)
+BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe", "afmoe", "hy_v3"),
+                         router_bias)
 FORWARD = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), dict(use_cache=False))
 
 
