@@ -63,6 +63,7 @@ from shardzoo.models.hf import (
     llama4,
     mamba2,
     minicpm3,
+    minicpm5_moe,
     minimax_m2,
     ministral,
     mixtral,
@@ -135,7 +136,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
-    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3,
+    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -26,6 +26,7 @@ from transformers import (
     Jais2Config,
     Lfm2MoeConfig,
     MiniCPM3Config,
+    MiniCPM5MoeConfig,
     MiniMaxM2Config,
     Param2MoeConfig,
     Qwen3_5MoeTextConfig,
@@ -154,6 +155,11 @@ CONFIGS = {
     # correction bias, scaled weights, a shared expert)
     "hy_v3": lambda: HYV3Config(**DIMS, head_dim=8, attention_bias=True, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=16, router_scaling_factor=2.5),
+    # gated attention (q and gate per head in one projection) with q/k/v/o biases; a dense layer then
+    # MoE (4 groups of 2 experts, 2 kept; a shared expert, scaled weights)
+    "minicpm5_moe": lambda: MiniCPM5MoeConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, attention_bias=True, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2, routed_scaling_factor=2.5),
 }
 SEEDS = {"jais2": 5}  # else 0; each with a varied greedy continuation
 DRAWS = {"qwen3_5_text": gdn_draw, "qwen3_5_moe_text": gdn_draw, "granitemoehybrid": mamba_draw,
@@ -168,7 +174,7 @@ def router_bias(name, b):
     return 0.3 * torch.randn_like(b) if name.endswith(("expert_bias", "e_score_correction_bias")) else None
 
 
-BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe", "afmoe", "hy_v3"),
+BUFFERS = dict.fromkeys(("lfm2_moe", "minimax_m2", "exaone_moe", "sarvam_mla", "param2moe", "afmoe", "hy_v3", "minicpm5_moe"),
                          router_bias)
 FORWARD = dict.fromkeys(("qwen3_5_text", "qwen3_5_moe_text"), dict(use_cache=False))
 
