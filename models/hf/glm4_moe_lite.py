@@ -21,19 +21,29 @@ SCHEMA = (deepseek_v3.SCHEMA
 _KINDS = {"dense": DENSE, "sparse": MOE}
 
 
-def from_hf(hf: HFConfig) -> dict:
+def mlp_kinds(hf: HFConfig, first_dense: int = 1) -> tuple[str, ...]:
+    """``mlp_layer_types`` ("dense" | "sparse") as layer kinds; by default the first ``first_dense``
+    layers dense, the rest MoE (EXAONE-MoE reads them alike)."""
     n, kinds = hf.get("num_hidden_layers"), hf.get("mlp_layer_types")
     if kinds is None:
-        kinds = ["dense"] + ["sparse"] * (n - 1)
+        kinds = ["dense" if i < first_dense else "sparse" for i in range(n)]
     if not isinstance(kinds, list) or len(kinds) != n or any(k not in _KINDS for k in kinds):
         raise hf.refuse("mlp_layer_types", f"must list 'dense' or 'sparse' for each of the {n} layers")
-    return deepseek_v3.from_hf(hf) | dict(mlp_layer_types=tuple(_KINDS[k] for k in kinds))
+    return tuple(_KINDS[k] for k in kinds)
+
+
+def mlp_kinds_to_hf(a) -> list[str]:
+    return ["sparse" if s.mlp == MOE else "dense" for s in a.layer_specs()]
+
+
+def from_hf(hf: HFConfig) -> dict:
+    return deepseek_v3.from_hf(hf) | dict(mlp_layer_types=mlp_kinds(hf))
 
 
 def to_hf(a) -> dict:
     out = deepseek_v3.to_hf(a)
     del out["first_k_dense_replace"]
-    return out | dict(mlp_layer_types=["sparse" if s.mlp == MOE else "dense" for s in a.layer_specs()])
+    return out | dict(mlp_layer_types=mlp_kinds_to_hf(a))
 
 
 GLM4_MOE_LITE = Family(

@@ -20,8 +20,10 @@ SCHEMA = granite.SCHEMA | dict(
 FEATURES = granite.GRANITE.features | {"sliding_window", "layer_pattern", "attention_sinks", "nope_layers"}
 
 
-def from_hf(hf: HFConfig) -> dict:
-    fields, n = granite.from_hf(hf), hf.get("num_hidden_layers")
+def swa_fields(hf: HFConfig, fields: dict) -> dict:
+    """``fields`` (the Granite model's) with the sliding layers, sinks and per-layer rotary bases
+    (Granite-MoE-SWA reads them alike)."""
+    n = hf.get("num_hidden_layers")
     types = hf.get("layer_types") or [FULL if i % 4 == 0 else SLIDING for i in range(n)]
     window = hf.get("sliding_window")
     thetas = hf.get("layer_rope_theta")
@@ -39,14 +41,24 @@ def from_hf(hf: HFConfig) -> dict:
     return fields | dict(sliding_window=window, layer_types=tuple(types), attention_sinks=True)
 
 
+def from_hf(hf: HFConfig) -> dict:
+    return swa_fields(hf, granite.from_hf(hf))
+
+
+def swa_to_hf(a) -> dict:
+    return dict(sliding_window=a.sliding_window, layer_types=layer_types(a),
+                layer_rope_theta=[a.rope_theta if s.rope != "none" else 0 for s in a.layer_specs()])
+
+
 def to_hf(a) -> dict:
-    return granite.to_hf(a) | dict(
-        sliding_window=a.sliding_window, layer_types=layer_types(a),
-        layer_rope_theta=[a.rope_theta if s.rope != "none" else 0 for s in a.layer_specs()])
+    return granite.to_hf(a) | swa_to_hf(a)
+
+
+SINKS = Weight(("attn", "sinks"), llama.LAYER + "self_attn.sinks")
 
 
 def layer_weights(a, spec) -> list[Weight]:
-    return llama.layer_weights(a, spec) + [Weight(("attn", "sinks"), llama.LAYER + "self_attn.sinks")]
+    return llama.layer_weights(a, spec) + [SINKS]
 
 
 GRANITE_SWA = Family(

@@ -23,15 +23,18 @@ def to_hf(a) -> dict:
     return granite.moe_to_hf(a) | dict(shared_intermediate_size=m.shared_expert_intermediate_size)
 
 
+def shared_mlp_weights(slot: str = "shared_expert") -> list[Weight]:
+    """The ``shared_mlp``'s fused ``input_linear`` (gate | up) and ``output_linear`` as leaves of
+    ``slot`` (Granite 4's dense layers: "mlp")."""
+    x = granite.llama.LAYER + "shared_mlp."
+    return [Weight((slot, "gate", "kernel"), x + "input_linear.weight", "linear", part=(0, 2)),
+            Weight((slot, "up", "kernel"), x + "input_linear.weight", "linear", part=(1, 2)),
+            Weight((slot, "down", "kernel"), x + "output_linear.weight", "linear")]
+
+
 def layer_weights(a, spec) -> list[Weight]:
-    """Granite-MoE's, and the shared expert's fused ``input_linear`` (gate | up) and ``output_linear``."""
-    out = granite.moe_layer_weights(a, spec)
-    if a.moe.shared_expert_intermediate_size:
-        x = granite.llama.LAYER + "shared_mlp."
-        out += [Weight(("shared_expert", "gate", "kernel"), x + "input_linear.weight", "linear", part=(0, 2)),
-                Weight(("shared_expert", "up", "kernel"), x + "input_linear.weight", "linear", part=(1, 2)),
-                Weight(("shared_expert", "down", "kernel"), x + "output_linear.weight", "linear")]
-    return out
+    """Granite-MoE's, and the shared expert's."""
+    return granite.moe_layer_weights(a, spec) + (shared_mlp_weights() if a.moe.shared_expert_intermediate_size else [])
 
 
 GRANITEMOESHARED = Family(

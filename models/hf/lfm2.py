@@ -50,7 +50,9 @@ def mlp_width(hf: HFConfig) -> int:
     return width
 
 
-def from_hf(hf: HFConfig) -> dict:
+def layer_fields(hf: HFConfig) -> dict:
+    """Everything but the MLP's width: sizes, rotary, the conv and attention layers (LFM2-MoE
+    reads them alike)."""
     hf.ignore(*INERT)
     out = sizes(hf, "norm_eps") | rope(hf, theta=1000000.0)
     out.pop("partial_rotary_factor")  # LFM2 rotates whole heads
@@ -66,8 +68,12 @@ def from_hf(hf: HFConfig) -> dict:
         raise hf.refuse("layer_types", f"LFM2's layers are {FULL!r} or {CONV!r}")
     if "tie_embedding" in hf.raw:  # the older name, which transformers still reads
         out["tie_word_embeddings"] = hf.raw["tie_embedding"]
-    return out | dict(intermediate_size=mlp_width(hf), qk_norm="head", layer_types=tuple(types),
-                      conv_kernel=hf.get("conv_L_cache"), conv_bias=hf.get("conv_bias"))
+    return out | dict(qk_norm="head", layer_types=tuple(types), conv_kernel=hf.get("conv_L_cache"),
+                      conv_bias=hf.get("conv_bias"))
+
+
+def from_hf(hf: HFConfig) -> dict:
+    return layer_fields(hf) | dict(intermediate_size=mlp_width(hf))
 
 
 def to_hf(a) -> dict:

@@ -56,7 +56,9 @@ def _partial_rotary(hf: HFConfig) -> float:
     return 0.25 if given is None else float(given)
 
 
-def from_hf(hf: HFConfig) -> dict:
+def hybrid_fields(hf: HFConfig) -> dict:
+    """Everything but the MLPs: sizes, rotary, the Gated DeltaNet and output-gated attention
+    layers (Qwen3.5 reads them alike)."""
     hf.ignore(*INERT)
     out = sizes(hf) | rope(hf, theta=10000.0)
     out["partial_rotary_factor"] = _partial_rotary(hf)
@@ -69,28 +71,40 @@ def from_hf(hf: HFConfig) -> dict:
         types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
     if any(t not in (FULL, LINEAR) for t in types):
         raise hf.refuse("layer_types", f"Qwen3-Next's layers are {FULL!r} or {LINEAR!r}")
+    bias = hf.get("attention_bias")
+    return out | {name: hf.get(name) for name in _LINEAR} | dict(
+        norm_type="rmsnorm_plus_one", qk_norm="head", attention_bias=bias, attention_out_bias=bias,
+        attn_output_gate=True, layer_types=tuple(types))
+
+
+def from_hf(hf: HFConfig) -> dict:
+    out = hybrid_fields(hf)
+    n = out["num_hidden_layers"]
     experts, step = hf.get("num_experts"), hf.get("decoder_sparse_step")
     dense = set(hf.get("mlp_only_layers") or ())
     if experts and not hf.get("shared_expert_intermediate_size"):
         raise hf.refuse("shared_expert_intermediate_size", "a Qwen3-Next MoE layer without a shared expert still "
                                                            "has its gate; shardzoo reads only shared experts > 0")
-    bias = hf.get("attention_bias")
-    return out | {name: hf.get(name) for name in _LINEAR} | dict(
-        norm_type="rmsnorm_plus_one", qk_norm="head", attention_bias=bias, attention_out_bias=bias,
-        attn_output_gate=True, layer_types=tuple(types), num_local_experts=experts,
-        num_experts_per_tok=hf.get("num_experts_per_tok"), moe_intermediate_size=hf.get("moe_intermediate_size"),
-        norm_topk_prob=hf.get("norm_topk_prob"), router_aux_loss_coef=hf.get("router_aux_loss_coef"),
+    return out | dict(
+        num_local_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok"),
+        moe_intermediate_size=hf.get("moe_intermediate_size"), norm_topk_prob=hf.get("norm_topk_prob"),
+        router_aux_loss_coef=hf.get("router_aux_loss_coef"),
         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size"), shared_expert_gate=True,
         mlp_layer_types=tuple(MOE if experts and (i + 1) % step == 0 and i not in dense else DENSE
                               for i in range(n)))
 
 
+def hybrid_to_hf(a) -> dict:
+    """``hybrid_fields``' keys of ``a``."""
+    linear = a.linear_attention.flat() if a.linear_attention else {name: SCHEMA[name] for name in _LINEAR}
+    return sizes_to_hf(a) | rope_to_hf(a) | linear | dict(
+        partial_rotary_factor=a.partial_rotary_factor, attention_bias=a.attention_bias, layer_types=layer_types(a))
+
+
 def to_hf(a) -> dict:
     m = a.moe or NO_MOE
     kinds = a.layer_specs()
-    linear = a.linear_attention.flat() if a.linear_attention else {name: SCHEMA[name] for name in _LINEAR}
-    return sizes_to_hf(a) | rope_to_hf(a) | linear | dict(
-        partial_rotary_factor=a.partial_rotary_factor, attention_bias=a.attention_bias, layer_types=layer_types(a),
+    return hybrid_to_hf(a) | dict(
         num_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
         moe_intermediate_size=a.expert_size, shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         decoder_sparse_step=1, mlp_only_layers=[i for i, s in enumerate(kinds) if s.mlp == DENSE],
@@ -137,13 +151,16 @@ def layer_weights(a, spec) -> list[Weight]:
     out = [Weight(("attn_norm", "scale"), h + "input_layernorm.weight"),
            Weight(("mlp_norm", "scale"), h + "post_attention_layernorm.weight")]
     out += linear_attention_weights(a) if spec.mixer == LINEAR else attention_weights(a)
-    if spec.mlp != MOE:
-        return out + llama.mlp_weights(a)
-    x = h + "mlp."
+    return out + (moe_weights(a) if spec.mlp == MOE else llama.mlp_weights(a))
+
+
+def moe_weights(a) -> list[Weight]:
+    """The MoE MLP: router, experts, the shared expert and its gate."""
+    x = llama.LAYER + "mlp."
     shared = [Weight(("shared_expert", n, "kernel"), x + f"shared_expert.{n}_proj.weight", "linear")
               for n in ("gate", "up", "down")]
     shared.append(Weight(("shared_expert_gate", "kernel"), x + "shared_expert_gate.weight", "linear"))
-    return out + mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj")) + shared
+    return mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj")) + shared
 
 
 # --------------------------------------------------------------------------------- presets

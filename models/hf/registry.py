@@ -19,6 +19,7 @@ from shardzoo.models.arch import arch_of
 from shardzoo.models.component import SubRecord
 from shardzoo.models.features import FEATURES, used_features
 from shardzoo.models.hf import (
+    afmoe,
     apertus,
     arcee,
     bamba,
@@ -27,6 +28,8 @@ from shardzoo.models.hf import (
     codegen,
     cohere,
     cohere2,
+    cohere2_moe,
+    cwm,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -34,6 +37,7 @@ from shardzoo.models.hf import (
     ernie4_5,
     exaone,
     exaone4,
+    exaone_moe,
     falcon,
     falcon_h1,
     flex_olmo,
@@ -50,17 +54,27 @@ from shardzoo.models.hf import (
     gptj,
     granite,
     granite_swa,
+    granitemoe_swa,
+    granitemoehybrid,
     granitemoeshared,
     helium,
     hunyuan,
+    hy_v3,
+    hyperclovax,
     internlm3,
+    iquestcoder,
+    jais2,
     jamba,
     kimi_linear,
     lfm2,
+    lfm2_moe,
     llama,
     llama4,
     mamba,
     mamba2,
+    minicpm3,
+    minicpm5_moe,
+    minimax_m2,
     ministral,
     mixtral,
     mpt,
@@ -71,13 +85,16 @@ from shardzoo.models.hf import (
     olmo3,
     olmoe,
     opt,
+    param2moe,
     persimmon,
     phi,
     phi3,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     qwen3_next,
+    sarvam_mla,
     sarvam_moe,
     seed_oss,
     smollm3,
@@ -86,6 +103,7 @@ from shardzoo.models.hf import (
     starcoder2,
     vaultgemma,
     xglm,
+    youtu,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -122,6 +140,7 @@ FAMILIES: tuple[Family, ...] = (
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
     mamba.MAMBA, mamba.FALCON_MAMBA, jamba.JAMBA,  # Mamba1's selective scan (models/mamba1.py)
+    qwen3_5.QWEN3_5,  # a dense Gated DeltaNet model: Qwen3.5's (Qwen3-Next's without experts)
     qwen3_next.QWEN3_NEXT,
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
@@ -133,6 +152,11 @@ FAMILIES: tuple[Family, ...] = (
     bloom.BLOOM, mpt.MPT,  # ALiBi (models/alibi.py)
     opt.OPT, gpt_neo.GPT_NEO, gpt_bigcode.GPT_BIGCODE, codegen.CODEGEN, xglm.XGLM,
     biogpt.BIOGPT,
+    qwen3_5.QWEN3_5_MOE, lfm2_moe.LFM2_MOE, minimax_m2.MINIMAX_M2, exaone_moe.EXAONE_MOE,
+    granitemoehybrid.GRANITEMOEHYBRID, cohere2_moe.COHERE2_MOE,
+    minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
+    youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
+    granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -341,3 +365,35 @@ PRESETS = {name: TransformerConfig.from_fields(**fields) for family in FAMILIES
            for name, fields in family.presets.items()}
 for _name, _config in PRESETS.items():
     register(_name, _config)
+
+
+# ------------------------------------------------------------------ the README's list of families
+KINDS = ("dense", "MoE", "hybrid", "state-space")
+_MIXERS = {"mamba1", "mamba2", "short_conv", "gated_deltanet", "kimi_delta"}  # token mixers other than attention
+
+
+def kind_of(family: Family) -> str:
+    """The family's kind, read off its features and presets: "state-space" (no attention layer in
+    any preset), "hybrid" (another token mixer beside attention), "MoE", else "dense"."""
+    if family.features & _MIXERS:
+        specs = [s for fields in family.presets.values()
+                 for s in TransformerConfig.from_fields(**fields).arch.layer_specs()]
+        return "hybrid" if any("attention" in s.mixer for s in specs) else "state-space"
+    return "MoE" if "moe" in family.features else "dense"
+
+
+def families_markdown() -> str:
+    """The README's list of the ``model_type``s shardzoo reads, grouped by kind, and the multimodal
+    checkpoints whose text model it reads (``python -m shardzoo.models.hf --markdown``)."""
+    from shardzoo.models.hf import multimodal
+
+    groups = {kind: [] for kind in KINDS}
+    for family in FAMILIES:
+        groups[kind_of(family)] += family.model_types
+    lines = [f"- {kind} ({len(types)}): {', '.join(f'`{t}`' for t in sorted(types))}"
+             for kind, types in groups.items()]
+    texts = sorted(t for t, text in multimodal.TEXT_MODEL.items() if text in BY_MODEL_TYPE)
+    lines.append(f"- multimodal checkpoints, their text model ({len(texts)}): "
+                 f"{', '.join(f'`{t}` ({multimodal.TEXT_MODEL[t]})' for t in texts)}")
+    return f"{len(SUPPORTED)} `model_type`s:\n\n" + "\n".join(lines) + "\n"
+

@@ -27,10 +27,11 @@ _NAMES = (("model.embed_tokens.", "model.word_embeddings."), (".self_attn.o_proj
           (".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias"))
 
 
-def from_hf(hf: HFConfig) -> dict:
+def from_hf(hf: HFConfig, theta: float = 8e6) -> dict:
+    """(``theta``: the family's default rotary base; Param-2 MoE's 5e5.)"""
     hf.unalias(ALIASES)  # the published config.json's names
     hf.ignore("num_mtp_layers")  # transformers builds no multi-token-prediction layer for the causal LM
-    return glm4_moe.from_hf(hf) | rope(hf, theta=8e6)  # full rotary unless config.json says otherwise
+    return glm4_moe.from_hf(hf) | rope(hf, theta=theta)  # full rotary unless config.json says otherwise
 
 
 def _renamed(ws: list[Weight]) -> list[Weight]:

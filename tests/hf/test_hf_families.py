@@ -448,7 +448,10 @@ def test_each_preset_has_the_parameter_count_of_its_transformers_model(name):
     with torch.device("meta"):  # shapes only, no weights
         model = AutoModelForCausalLM.from_config(hf_config)
     assert type(model).__name__ == config_to_hf(config, family=family)["architectures"][0]
-    assert config.num_params() == sum(p.numel() for p in model.parameters())  # tied counted once
+    # tied counted once; AFMoE keeps its router's correction bias (no gradient) as a parameter where
+    # DeepSeek-V3 and the families after it keep a buffer, which shardzoo does not count
+    bias = "mlp.expert_bias" if type(model).__name__ == "AfmoeForCausalLM" else None
+    assert config.num_params() == sum(p.numel() for n, p in model.named_parameters() if not bias or bias not in n)
 
 
 def test_phi3_longrope_imports_and_computes_as_transformers(tmp_path):
