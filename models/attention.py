@@ -136,8 +136,7 @@ class Attention(nn.Module):
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
         q_pos = k_pos = positions
         if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
-            new_k, new_v = k, v
-            (k, v, mask, (q_pos, k_pos)), before = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -148,7 +147,7 @@ class Attention(nn.Module):
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:
-            ctx = one_query_attention(q, *before, scale, k_new=new_k, v_new=new_v)
+            ctx = one_query_attention(q, k, v, mask, scale)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism
@@ -256,10 +255,8 @@ class Attention(nn.Module):
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
-        """Write this chunk's keys/values at the cache index. Returns (keys, values, mask, (query
-        slots, key slots)) of the whole cache after the write, and (keys, values, mask) of the cache
-        before it (each slot the chunk writes still empty, so hidden): a one-token step attends to
-        those and to its own key (``one_query_attention``), never reading the cache it wrote."""
+        """Write this chunk's keys/values at the cache index; mask over the whole cache, and the
+        slots of the queries and of the cache's keys."""
         cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
         # The cache is created by an init call whose length is the cache length.
         ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
@@ -272,13 +269,12 @@ class Attention(nn.Module):
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        before = (ck.value, cv.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk))
         ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
         cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
-        return (ck.value, cv.value, mask, (q_slots, k_slots)), before
+        return ck.value, cv.value, mask, (q_slots, k_slots)
 
 
 # ------------------------------------------------------------------------------ the component

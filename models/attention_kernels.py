@@ -80,29 +80,19 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
     return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
 
-def one_query_attention(q, k, v, mask, scale, k_new=None, v_new=None):
+def one_query_attention(q, k, v, mask, scale):
     """Attention of one new token per row over the cache (a decoding step) as multiply-and-sum
     over the cache's own layout: a dot_general would transpose the whole cache to put its
     batch and head axes first, every layer and every step. Softmax in float32.
 
     q: [batch, 1, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim]; mask: bool
-    [batch, 1, 1, k_len]. ``k_new``, ``v_new`` [batch, 1, kv_heads, head_dim]: the token's own
-    key and value, seen beside the cache as it was before them (so a decoding step reads the
-    cache and never a copy with the token written in). Returns [batch, 1, heads, head_dim].
+    [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
     """
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, 1, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
     scores = jnp.sum(q * k[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, k_len, kv_heads, group]
     scores = jnp.where(mask[:, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    if k_new is None:
-        probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
-        ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
-        return ctx.reshape(batch, 1, heads, v.shape[-1])
-    own = jnp.sum(q * k_new[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, 1, kv_heads, group]
-    top = jnp.maximum(jnp.max(scores, axis=1, keepdims=True), own)
-    weights, weight = jnp.exp(scores - top), jnp.exp(own - top)
-    total = jnp.sum(weights, axis=1) + weight[:, 0]  # [batch, kv_heads, group]
-    ctx = jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, :, None, :], axis=1, dtype=jnp.float32)
-    ctx = (ctx + weight[:, 0, ..., None] * v_new[:, 0, :, None, :].astype(jnp.float32)) / total[..., None]
-    return ctx.astype(v.dtype).reshape(batch, 1, heads, v.shape[-1])
+    probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+    ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
+    return ctx.reshape(batch, 1, heads, v.shape[-1])
