@@ -85,6 +85,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    RwkvConfig,
     SarvamMoEConfig,
     SeedOssConfig,
     SmolLM3Config,
@@ -392,9 +393,9 @@ def test_a_field_transformers_ignores_for_the_family_is_no_reason_to_refuse(tmp_
 
 
 def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path, capsys):
-    neox = GPTNeoXConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4)
-    hf_dir = save_tiny(neox, tmp_path / "neox")
+    rwkv = RwkvConfig(vocab_size=320, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2)  # RWKV: a recurrence shardzoo has no mixer for
+    hf_dir = save_tiny(rwkv, tmp_path / "rwkv")
     capsys.readouterr()
     errors = []
     for argv in (["import-hf", hf_dir, str(tmp_path / "imported")],
@@ -402,7 +403,7 @@ def test_an_unsupported_family_is_one_line_exit_2_from_import_and_train(tmp_path
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1, err
-        assert "unsupported model_type 'gpt_neox'; supported: " + ", ".join(SUPPORTED) in err
+        assert "unsupported model_type 'rwkv'; supported: " + ", ".join(SUPPORTED) in err
         errors.append(err.split(": error: ", 1)[1])
     assert errors[0] == errors[1]
     assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "imported")
@@ -441,8 +442,8 @@ def test_old_meta_preset_plus_config_still_loads_and_unknown_family_is_refused()
     assert config_from_meta(old) == config.resolved()
     flat = {**old["config"]["arch"], **old["config"]["execution"]}  # before the records split
     assert config_from_meta({"model": "llama2-7b", "config": flat}) == config.resolved()
-    with pytest.raises(CheckpointError, match="family 'gpt_neox'"):
-        config_from_meta({"family": "gpt_neox", "config": old["config"]})
+    with pytest.raises(CheckpointError, match="family 'rwkv'"):
+        config_from_meta({"family": "rwkv", "config": old["config"]})
     with pytest.raises(CheckpointError, match="unknown field"):
         config_from_meta({"family": "llama", "config": {**flat, "rope_kind": 1}})
 
