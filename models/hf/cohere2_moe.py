@@ -77,6 +77,8 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    """Cohere 2's and the MoE's; no pad id unless the imported config.json had one (the architecture records none,
+    and transformers' default, 0, is a token of the vocabulary)."""
     m = a.moe or NO_MOE
     specs, rms = a.layer_specs(), a.norm_type == "rmsnorm"
     dense_full = [s.rope != "none" for s in specs if s.mlp == DENSE and s.window is None]
@@ -87,7 +89,7 @@ def to_hf(a) -> dict:
         prefix_dense_sliding_window_pattern=1 if all(dense_full) else 2, intermediate_size=a.expert_size,
         prefix_dense_intermediate_size=a.intermediate_size, num_experts=m.num_local_experts,
         num_experts_per_tok=m.num_experts_per_tok, num_shared_experts=m.shared_expert_intermediate_size // a.expert_size,
-        shared_expert_combination_strategy="sum")
+        shared_expert_combination_strategy="sum", pad_token_id=None)
     out.pop("partial_rotary_factor", None)
     return out
 

@@ -46,9 +46,10 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def _pattern(types: list[str]) -> int:
-    """A ``sliding_window_pattern`` that gives ``types`` (4, transformers' default, if none does)."""
+    """A ``sliding_window_pattern`` that gives ``types`` in whole periods (4, transformers' default,
+    if none does; beside ``layer_types`` it is inert, so a part period is not guessed at)."""
     for p in range(1, len(types) + 1):
-        if types == [SLIDING if (i + 1) % p else FULL for i in range(len(types))]:
+        if not len(types) % p and types == [SLIDING if (i + 1) % p else FULL for i in range(len(types))]:
             return p
     return 4
 

@@ -33,6 +33,8 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    """EXAONE 4's and the MoE's; no pad id unless the imported config.json had one (the architecture records none,
+    and transformers' default, 0, is a token of the vocabulary)."""
     m = a.moe or NO_MOE
     kinds = glm4_moe_lite.mlp_kinds_to_hf(a)
     return exaone4.to_hf(a) | dict(
@@ -40,7 +42,7 @@ def to_hf(a) -> dict:
         num_experts=m.num_local_experts, num_experts_per_tok=m.num_experts_per_tok,
         moe_intermediate_size=a.expert_size, num_shared_experts=m.shared_expert_intermediate_size // a.expert_size,
         routed_scaling_factor=m.routed_scaling_factor, n_group=m.n_group, topk_group=m.topk_group,
-        norm_topk_prob=m.norm_topk_prob)
+        norm_topk_prob=m.norm_topk_prob, pad_token_id=None)
 
 
 def layer_weights(a, spec):

@@ -51,7 +51,7 @@ def to_hf(a) -> dict:
     m = a.moe or NO_MOE
     out = granitemoeshared.to_hf(a) | mamba2.mamba_to_hf(a, bamba.NAMES) | dict(
         layer_types=["mamba" if s.mixer == MAMBA else "attention" for s in a.layer_specs()],
-        position_embedding_type="nope" if a.rope_layers else "rope")
+        position_embedding_type=None if a.rope_layers else "rope")  # NoPE: as transformers' default spells it
     if not m.num_local_experts:
         out["shared_intermediate_size"] = a.intermediate_size
     return out

@@ -36,12 +36,15 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    """LFM2's and the MoE's; no pad id unless the imported config.json had one (the architecture records none,
+    and transformers' default, 0, is a token of the vocabulary)."""
     m = a.moe or NO_MOE
     kinds = [s.mlp for s in a.layer_specs()]
     out = lfm2.to_hf(a) | dict(
         num_dense_layers=kinds.index(MOE) if MOE in kinds else len(kinds), num_experts=m.num_local_experts,
         num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=a.expert_size,
-        routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob, use_expert_bias=True)
+        routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob, use_expert_bias=True,
+        pad_token_id=None)
     del out["block_auto_adjust_ff_dim"]
     return out
 

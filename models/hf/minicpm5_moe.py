@@ -32,10 +32,12 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    """Llama's attention and DeepSeek-V3's MoE; no pad id unless the imported config.json had one (the architecture records none,
+    and transformers' default, 1, is a token of the vocabulary)."""
     m = a.moe or NO_MOE
     return llama.rotary_to_hf(a) | deepseek_v2.moe_to_hf(a) | dict(
         mlp_layer_types=glm4_moe_lite.mlp_kinds_to_hf(a), attention_bias=a.attention_bias,
-        norm_topk_prob=m.norm_topk_prob)
+        norm_topk_prob=m.norm_topk_prob, pad_token_id=None)
 
 
 def layer_weights(a, spec) -> list[Weight]:

@@ -35,9 +35,11 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
+    """The rotated width as ``rotary_dim`` too, as the released checkpoints spell it."""
     m = a.moe or NO_MOE
     return sizes_to_hf(a) | rope_to_hf(a) | dict(
-        partial_rotary_factor=a.partial_rotary_factor, num_local_experts=m.num_local_experts,
+        partial_rotary_factor=a.partial_rotary_factor, rotary_dim=round(a.partial_rotary_factor * a.head_size),
+        num_local_experts=m.num_local_experts,
         num_experts_per_tok=m.num_experts_per_tok, router_jitter_noise=m.router_jitter_noise,
         router_aux_loss_coef=m.router_aux_loss_coef)
 
