@@ -111,12 +111,12 @@ def test_unknown_model_type_exits_2_naming_it(llama, tmp_path, capsys):
         with open(os.path.join(d, "config.json")) as f:
             config = json.load(f)
         with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({**config, "model_type": "falcon"}, f)
+            json.dump({**config, "model_type": "rwkv"}, f)
 
-    bad = _broken_copy(llama[1], tmp_path / "falcon", set_type)
+    bad = _broken_copy(llama[1], tmp_path / "rwkv", set_type)
     assert cli.main(["import-hf", bad, str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "unsupported model_type 'falcon'" in err and len(err.strip().splitlines()) == 1
+    assert "unsupported model_type 'rwkv'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_tensor_exits_2_naming_it(llama, tmp_path, capsys):

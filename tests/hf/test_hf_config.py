@@ -44,8 +44,8 @@ def test_qwen2_disabled_window_and_unsupported_inputs():
     assert fields["sliding_window"] is None and fields["attention_bias"] and not fields["attention_out_bias"]
     with pytest.raises(HFError, match="rope_scaling type 'su' is not supported"):
         config_from_hf({**LLAMA31, "rope_scaling": {"type": "su", "factor": 4.0}})
-    with pytest.raises(HFError, match="unsupported model_type 'gpt_neox'"):
-        config_from_hf({**LLAMA31, "model_type": "gpt_neox"})
+    with pytest.raises(HFError, match="unsupported model_type 'rwkv'"):
+        config_from_hf({**LLAMA31, "model_type": "rwkv"})
     with pytest.raises(HFError, match="no hidden_size"):
         config_from_hf({k: v for k, v in LLAMA31.items() if k != "hidden_size"})
 

@@ -314,7 +314,7 @@ def test_config_errors_and_moe_layer_pattern():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("hidden_act", "foo"), ("mlp_type", "swiglu"), ("position_embedding", "alibi"), ("norm_type", "batch"),
+    ("hidden_act", "foo"), ("mlp_type", "swiglu"), ("position_embedding", "xpos"), ("norm_type", "batch"),
     ("remat_policy", "sometimes"), ("attention_impl", "flash"), ("dtype", "float8"),
     ("param_dtype", "int8"), ("moe_dispatch", "sorted"), ("decode_layers", "scanned"), ("hidden_size", 0),
     ("num_hidden_layers", 0), ("num_attention_heads", 0), ("intermediate_size", -1), ("vocab_size", 0),
