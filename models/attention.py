@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardzoo.models import ModelError, check_fields
 from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.attention_kernels import (
+    KV_CACHE_AXES,
     attention_kernel,
     attention_mask,
     one_query_attention,
@@ -137,6 +138,8 @@ class Attention(nn.Module):
         q_pos = k_pos = positions
         if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            if plain or length > 1:  # the cache's [batch, kv_heads, length, head_dim] as the kernels read it
+                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         elif plain and not use_splash:
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -146,7 +149,7 @@ class Attention(nn.Module):
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
-        elif decode and length == 1:
+        elif decode and length == 1:  # over the cache in its own layout
             ctx = one_query_attention(q, k, v, mask, scale)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
@@ -255,22 +258,23 @@ class Attention(nn.Module):
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
-        """Write this chunk's keys/values at the cache index; mask over the whole cache, and the
-        slots of the queries and of the cache's keys."""
-        cache_axes = (ax.BATCH, ax.CACHE_LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
+        """Write this chunk's keys/values at the cache index; the whole cache's keys and values
+        ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``), its mask, and the slots of
+        the queries and of the cache's keys."""
         # The cache is created by an init call whose length is the cache length.
-        ck = self._cached("cached_key", k.shape, cache_axes, k.dtype)
-        cv = self._cached("cached_value", v.shape, cache_axes, v.dtype)
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        ck = self._cached("cached_key", k.shape, KV_CACHE_AXES, k.dtype)
+        cv = self._cached("cached_value", v.shape, KV_CACHE_AXES, v.dtype)
         cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
         index = self._cached("cache_index", (), (), jnp.int32)  # a scalar (a layers axis when scanned)
         seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
         i = index.value
-        cache_len = ck.value.shape[1]
+        cache_len = ck.value.shape[2]
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, i, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)

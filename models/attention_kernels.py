@@ -10,6 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from shardzoo.models import splash
+from shardzoo.sharding import axes as ax
+
+# The decoding cache of keys and values, as a step reads it: per row and kv head, the positions
+# then the features (``one_query_attention`` contracts head_dim, then cache_length, in place).
+KV_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.CACHE_LENGTH, ax.HEAD_DIM)
 
 
 def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window, chunk=None):
@@ -81,18 +86,18 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
 
 
 def one_query_attention(q, k, v, mask, scale):
-    """Attention of one new token per row over the cache (a decoding step) as multiply-and-sum
-    over the cache's own layout: a dot_general would transpose the whole cache to put its
-    batch and head axes first, every layer and every step. Softmax in float32.
+    """Attention of one new token per row over the cache (a decoding step), the cache read in its
+    own layout (``KV_CACHE_AXES``): batch and kv heads lead, so both products are batched matmuls
+    with no transpose of the cache. Scores and softmax in float32.
 
-    q: [batch, 1, heads, head_dim]; k, v: [batch, k_len, kv_heads, head_dim]; mask: bool
+    q: [batch, 1, heads, head_dim]; k, v: [batch, kv_heads, k_len, head_dim]; mask: bool
     [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
     """
     batch, _, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(batch, 1, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
-    scores = jnp.sum(q * k[:, :, :, None, :], axis=-1, dtype=jnp.float32)  # [batch, k_len, kv_heads, group]
-    scores = jnp.where(mask[:, 0, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
-    ctx = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [batch, kv_heads, group, head_dim]
+    kv_heads = k.shape[1]
+    q = q.reshape(batch, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
+    scores = jnp.einsum("bkgd,bkmd->bkgm", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, :, 0, None, :], scores, jnp.finfo(jnp.float32).min)  # [batch, kv_heads, group, k_len]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkgm,bkmd->bkgd", probs, v)
     return ctx.reshape(batch, 1, heads, v.shape[-1])

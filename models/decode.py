@@ -1,7 +1,8 @@
 """Autoregressive decoding with a KV cache: the pieces, pure; ``train.Program`` compiles them.
 
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
-keeps ``cached_key`` / ``cached_value`` [batch, cache_length, kv_heads, head_dim],
+keeps ``cached_key`` / ``cached_value`` [batch, kv_heads, cache_length, head_dim] (the layout a
+decoding step reads, ``attention_kernels.KV_CACHE_AXES``),
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
 leaf has a leading layers axis. ``Program.generate`` runs scanned layers as
 ``execution.decode_layers`` says. "unroll" (the default): the same model with every layer
@@ -30,6 +31,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from shardzoo.models.attention_kernels import KV_CACHE_AXES
+from shardzoo.sharding import axes as ax
 
 
 def cache_init_fn(module, batch_size: int, max_length: int):
@@ -71,7 +75,7 @@ def cache_writes(old, new, length: int):
     if "cache_index" not in new:
         return {k: cache_writes(old[k], v, length) for k, v in new.items()}
     i = old["cache_index"]
-    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=1)
+    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=_length_axis(k))
             for k, v in new.items()}
 
 
@@ -84,8 +88,14 @@ def write_cache(cache, writes):
     if "cache_index" not in writes:
         return {k: write_cache(cache[k], v) for k, v in writes.items()}
     i = cache["cache_index"][0]
-    return {k: v if k == "cache_index" else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=2)
+    return {k: v if k == "cache_index" else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=1 + _length_axis(k))
             for k, v in writes.items()}
+
+
+def _length_axis(name: str) -> int:
+    """The positions' axis of an attention cache's array: keys and values are
+    [batch, kv_heads, cache_length, head_dim] (``KV_CACHE_AXES``), the rest [batch, cache_length, ...]."""
+    return KV_CACHE_AXES.index(ax.CACHE_LENGTH) if name in ("cached_key", "cached_value") else 1
 
 
 def decode_step(module, params, cache, tokens, positions, segment_ids=None):

@@ -126,7 +126,7 @@ def test_cache_is_sharded_by_its_logical_axes(built):
     assert shardings["layers_0"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
     # decoding runs the layers unrolled: every layer's cache its own array (no leading layers axis)
     assert shardings["layers_3"]["conv"]["conv_state"].spec == P(("data", "fsdp"), None, "tensor")
-    assert shardings["layers_1"]["attn"]["cached_key"].spec == P(("data", "fsdp"), None, "tensor", None)
+    assert shardings["layers_1"]["attn"]["cached_key"].spec == P(("data", "fsdp"), "tensor", None, None)
 
 
 def test_greedy_generate_matches_transformers(built, parity):

@@ -150,21 +150,21 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     boxed = jax.eval_shape(dec.cache_init_fn(one.module, 4, 16), one.params_target())
     specs = nn.get_partition_spec(boxed)["layers"]["attn"]
-    assert specs["cached_key"] == P("layers", "batch", "cache_length", "kv_heads", "head_dim")
+    assert specs["cached_key"] == P("layers", "batch", "kv_heads", "cache_length", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
     mesh = make_mesh("data=4,tensor=2")
     program = Program(config, get_rules("tp"), mesh)
     cache = program.decoding.new_cache(4, 16)  # decoding's: one per layer (decode_layers="unroll")
     assert sorted(cache) == ["layers_0", "layers_1"]
     key = cache["layers_1"]["attn"]["cached_key"]
-    assert key.shape == (4, 16, 2, 8)
-    assert key.addressable_shards[0].data.shape == (1, 16, 1, 8)  # batch/4, kv_heads/2
+    assert key.shape == (4, 2, 16, 8)
+    assert key.addressable_shards[0].data.shape == (1, 1, 16, 8)  # batch/4, kv_heads/2
     scan = Program(config.replace(decode_layers="scan"), get_rules("tp"), mesh)
     cache = scan.decoding.new_cache(4, 16)  # the scanned layers' stacked
     assert sorted(cache) == ["layers"]
     key = cache["layers"]["attn"]["cached_key"]
-    assert key.shape == (2, 4, 16, 2, 8)
-    assert key.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)
+    assert key.shape == (2, 4, 2, 16, 8)
+    assert key.addressable_shards[0].data.shape == (2, 1, 1, 16, 8)
 
 
 @pytest.mark.parametrize("decode_layers,layer,lead", [("unroll", "layers_0", ()), ("scan", "layers", (None,))])
@@ -184,12 +184,12 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_la
         np.testing.assert_array_equal(got, want)
     _, shardings = program.decoding.cache_shardings(4, 12)
     attn = shardings[layer]["attn"]
-    assert attn["cached_key"].spec == P(*lead, ("data", "fsdp"), None, "tensor", None)
+    assert attn["cached_key"].spec == P(*lead, ("data", "fsdp"), "tensor", None, None)
     assert attn["cached_segment_ids"].spec == P(*lead, ("data", "fsdp"), None)
     cache = program.decoding.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
         assert cache[layer]["attn"][name].sharding == attn[name], name
-    assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 12, 1, 8)
+    assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 1, 12, 8)
 
 
 def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
