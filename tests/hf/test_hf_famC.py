@@ -138,6 +138,24 @@ def test_dbrx_reads_attn_config_rope_theta_without_a_top_level_base(dbrx, tmp_pa
     assert config_of(raw | dict(rope_parameters=dict(rope_type="default", rope_theta=1e4))).arch.rope_theta == 1e4
 
 
+@pytest.mark.parametrize("ffn, message", [
+    (dict(ffn_act_fn={"name": "gelu"}), "ffn_act_fn name 'gelu'"),
+    (dict(moe_normalize_expert_weights=2.0), "moe_normalize_expert_weights=2.0"),
+    (dict(uniform_expert_assignment=True), "uniform_expert_assignment=true"),
+])
+def test_dbrx_refuses_ffn_settings_it_does_not_compute(dbrx, ffn, message):
+    """One line naming ffn_config and the setting; the published files' other PretrainedConfig
+    keys in ffn_config (top_k, temperature...) are no reason to refuse."""
+    from harness import config_of  # noqa: PLC0415
+
+    from shardzoo.models.hf import HFError
+
+    raw = dbrx[1].config.to_dict()
+    with pytest.raises(HFError, match=f"ffn_config=.*{message}"):
+        config_of(raw | dict(ffn_config=raw["ffn_config"] | ffn))
+    assert config_of(raw | dict(ffn_config=raw["ffn_config"] | dict(top_k=50, temperature=1.0))) == config_of(raw)
+
+
 # ---------------------------------------------------------------------------------- Phi-MoE
 @pytest.mark.parametrize("eps", [0.01, 0.4])
 def test_sparsemixer_equals_transformers_at_eval(eps):
