@@ -8,7 +8,8 @@ are), gated SiLU experts stored merged, ``ffn.experts.mlp.w1`` / ``v1`` / ``w2``
 The rotary base: transformers 5 reads the top-level ``rope_parameters`` (10000 when absent) and
 ignores ``attn_config.rope_theta``, which the published checkpoints set (500000) and
 transformers 4 read; shardzoo takes the top-level base where config.json has one, else that one.
-HF drops no token and has no router z-loss (the family's ``execution``).
+HF drops no token and has no router z-loss (the family's ``execution``). ``clip_qkv`` null reads
+and writes as no clip, though transformers 5.25's DBRX cannot run it (its clamp takes no null).
 """
 
 from __future__ import annotations
