@@ -76,6 +76,8 @@ FEATURES = {
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
     "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
                              "(Ernie 4.5 MoE)",
+    "sparsemixer_router": "SparseMixer's top-2 (Phi-MoE): the best expert, then the best of the rest, each weighted "
+                          "by a softmax over the logits within a relative 2 x sparsemixer_eps of its own",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "

@@ -70,6 +70,7 @@ class MoeConfig:
     expert_bias: bool = False  # biases on each expert's gate, up and down (GPT-OSS)
     swiglu_limit: float | None = None  # the clamped SwiGLU of ``gated_activation`` (GPT-OSS); None: act(g) * u
     swiglu_alpha: float = 1.702
+    sparsemixer_eps: float = 0.01  # router_kind sparsemixer's mask threshold
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     dtype: str = "float32"  # compute dtype of the experts; the router is always float32
@@ -105,7 +106,7 @@ class MoeConfig:
             router_jitter_noise=m.router_jitter_noise, norm_topk_prob=m.norm_topk_prob, router_kind=m.router_kind,
             n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
             aux_loss_coef=m.router_aux_loss_coef, router_bias=m.router_bias, expert_bias=m.expert_bias,
-            swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, expert_type=m.expert_type,
+            swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, expert_type=m.expert_type, sparsemixer_eps=m.sparsemixer_eps,
             z_loss_coef=execution.router_z_loss_coef, dtype=execution.dtype, param_dtype=execution.param_dtype,
             initializer_range=arch.initializer_range)
 

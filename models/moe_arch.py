@@ -17,8 +17,8 @@ from shardzoo.models.layers import positive
 MOE = "moe"  # its name in mlp_layer_types
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias")  # the routers without expert groups
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class MoeArch(SubRecord):
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
         "topk_group", "routed_scaling_factor", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-        "expert_type")}
+        "expert_type", "sparsemixer_eps")}
 
     num_local_experts: int = 0  # 0: none (the record of a dense model is None)
     num_experts_per_tok: int = 2
@@ -52,11 +52,14 @@ class MoeArch(SubRecord):
     # correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
     # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
     # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
-    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
+    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE); "sparsemixer": the
+    # best expert, then the best of the rest, each weighted by a softmax over the logits within
+    # 2 x sparsemixer_eps (relative) of its own (Phi-MoE, top-2 only)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
-                                           "softmax_bias": "biased_softmax_router"})
+                                           "softmax_bias": "biased_softmax_router",
+                                           "sparsemixer": "sparsemixer_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -69,6 +72,7 @@ class MoeArch(SubRecord):
     # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
+    sparsemixer_eps: float = 0.01  # the sparsemixer's mask threshold (Phi-MoE's router_jitter_noise)
 
     def __post_init__(self):
         self._check_own()
@@ -83,6 +87,8 @@ class MoeArch(SubRecord):
             set_("topk_group", 1)
         if self.swiglu_limit is None:
             set_("swiglu_alpha", 1.702)  # no clamped SwiGLU, no gain
+        if self.router_kind != "sparsemixer":
+            set_("sparsemixer_eps", 0.01)
 
     @classmethod
     def of(cls, value):
@@ -115,6 +121,10 @@ class MoeArch(SubRecord):
                              f"(expert_bias={self.expert_bias}, swiglu_limit={self.swiglu_limit})")
         if e and k > e:
             raise ModelError(f"num_experts_per_tok={k} must be in 1..num_local_experts={e}")
+        if self.router_kind == "sparsemixer" and (k != 2 or not math.isfinite(self.sparsemixer_eps)
+                                                  or self.sparsemixer_eps < 0):
+            raise ModelError(f"router_kind sparsemixer picks 2 experts (num_experts_per_tok={k}) with a threshold "
+                             f"sparsemixer_eps >= 0 (got {self.sparsemixer_eps!r})")
         if not e or self.router_kind in UNGROUPED:
             return
         if e % g or self.topk_group > g:

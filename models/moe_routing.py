@@ -32,6 +32,25 @@ def _group_mask(scores, n_group: int, topk_group: int, group_score):
     return jnp.repeat(chosen, num_experts // n_group, axis=-1)
 
 
+def _sparsemixer(logits, eps: float):
+    """(weights, experts) [..., 2] of SparseMixer's routing as transformers' ``sparsemixer`` at
+    eval: the best expert, weighted by its share of a softmax over the logits s with
+    (max - s) / max(|s|, max) <= 2 eps; then the best of the others, weighted likewise among the
+    others. Training takes the same choice (transformers samples it, with Heun's gradient
+    estimate); the gradient reaches the logits through the two softmaxes."""
+    num_experts, rest = logits.shape[-1], logits
+    weights, idx = [], []
+    for _ in range(2):
+        best = jnp.argmax(rest, axis=-1)[..., None]  # [..., 1]
+        top = jnp.take_along_axis(rest, best, axis=-1)
+        far = jax.lax.stop_gradient((top - logits) / jnp.maximum(jnp.abs(logits), top) > 2 * eps)
+        gates = jax.nn.softmax(jnp.where(far, -jnp.inf, rest), axis=-1)
+        weights.append(jnp.take_along_axis(gates, best, axis=-1))
+        idx.append(best)
+        rest = jnp.where(jax.nn.one_hot(best[..., 0], num_experts, dtype=bool), -jnp.inf, rest)
+    return jnp.concatenate(weights, axis=-1), jnp.concatenate(idx, axis=-1)
+
+
 def choose_experts(logits, cfg, bias=None):
     """(probs, top_p, top_idx) of router ``logits`` [..., expert] by ``cfg.router_kind``:
 
@@ -46,6 +65,7 @@ def choose_experts(logits, cfg, bias=None):
     - ``softmax_bias``: the k experts whose softmax probability plus the correction ``bias``
       [expert] is highest; the weights are their unbiased probabilities (Ernie 4.5 MoE's
       moe_statics.e_score_correction_bias).
+    - ``sparsemixer``: Phi-MoE's top-2 (``_sparsemixer``), as transformers computes it at eval.
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -65,6 +85,10 @@ def choose_experts(logits, cfg, bias=None):
         top_p = jnp.take_along_axis(scores, top_idx, axis=-1)
         probs = scores / scores.sum(-1, keepdims=True)
         eps = 1e-20  # transformers' denominator guard
+    elif kind == "sparsemixer":
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_p, top_idx = _sparsemixer(logits, cfg.sparsemixer_eps)
+        eps = 0.0
     elif kind == "softmax_bias":
         probs = jax.nn.softmax(logits, axis=-1)
         _, top_idx = top_k(probs + bias, k)

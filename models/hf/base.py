@@ -35,7 +35,8 @@ class Weight:
     differ (Phi-3's q|k|v under GQA: heads, kv_heads, kv_heads), else equal.
     With ``interleaved`` the parts alternate column by column instead (equal widths).
     ``experts``: ``{e}`` in the name runs over experts, stacked on the leaf's first axis; with
-    ``stacked_experts`` the HF tensor already holds every expert (``[expert, ...]``, no ``{e}``).
+    ``stacked_experts`` the HF tensor already holds every expert (``[expert, ...]``, no ``{e}``);
+    with ``merged_experts`` too, merged into its first axis (``[expert * rows, cols]``: DBRX).
     Names hold ``{i}`` for the layer.
     """
 
@@ -47,6 +48,7 @@ class Weight:
     widths: tuple[int, ...] = ()
     experts: int = 0
     stacked_experts: bool = False
+    merged_experts: bool = False
     interleaved: bool = False  # the j-th of n parts is the columns j, j + n, ... (GPT-OSS's gate_up_proj)
     # the fused tensor's columns are ``groups`` equal blocks, each holding all n parts in turn
     # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block

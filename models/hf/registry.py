@@ -30,6 +30,7 @@ from shardzoo.models.hf import (
     cohere2,
     cohere2_moe,
     cwm,
+    dbrx,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -89,6 +90,7 @@ from shardzoo.models.hf import (
     persimmon,
     phi,
     phi3,
+    phimoe,
     qwen2_moe,
     qwen3,
     qwen3_5,
@@ -157,6 +159,7 @@ FAMILIES: tuple[Family, ...] = (
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
+    dbrx.DBRX, phimoe.PHIMOE,  # SparseMixer's router (models/moe_routing.py)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -8,6 +8,7 @@ larger than one device imports. Export writes what ``from_pretrained`` loads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -57,6 +58,9 @@ def _hf_shape(w: Weight, leaf_shape) -> tuple[int, ...]:
     """The HF tensor's shape for a per-layer leaf shape (per expert, or with the experts in
     front when HF stacks them)."""
     shape = tuple(leaf_shape[1:] if w.experts else leaf_shape)
+    if w.merged_experts:  # [expert * rows, cols]
+        rows, *cols = _hf_shape(dataclasses.replace(w, merged_experts=False), leaf_shape)[1:]
+        return (w.experts * rows, *cols)
     lead = (w.experts,) if w.stacked_experts else ()
     widths = _widths(w)
     if w.op == "copy" and w.part[1] == 1:  # whole (a scalar too: xIELU's beta and eps)
@@ -76,6 +80,7 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
     """HF tensor(s) -> one per-layer shardzoo leaf (transposed, split, stacked, reshaped)."""
     out = []
     for t in tensors:
+        t = t.reshape(w.experts, -1, t.shape[-1]) if w.merged_experts else t
         t = np.swapaxes(t, -1, -2) if w.op == "linear" else t  # per expert when HF stacks them
         t = t[:, 0, :].T if w.op == "depthwise" else t
         if w.part[1] > 1 and w.groups > 1:  # the part of every group
@@ -384,6 +389,8 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
                 arr = np.concatenate(ordered, axis=-1)
             arr = np.asarray((np.swapaxes(arr, -1, -2) if w.op == "linear" else arr).astype(out_dtype),
                              order="C")  # (ascontiguousarray would make a scalar 1-d)
+            if w.merged_experts:
+                arr = arr.reshape(-1, arr.shape[-1])
             del pending[name]
             if current and sum(a.nbytes for a in current.values()) + arr.nbytes > max_shard_bytes:
                 flush()
