@@ -76,6 +76,9 @@ FEATURES = {
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
     "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
                              "(Ernie 4.5 MoE)",
+    "sigmoid_topk_router": "top-k of the sigmoid router scores, no correction bias, no groups (Flint)",
+    "moe_output_norm": "a norm of each MoE layer's output (routed and shared experts summed) before the residual "
+                       "(A.X-K1's post_mlp_layernorm)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "

@@ -17,8 +17,8 @@ from shardzoo.models.layers import positive
 MOE = "moe"  # its name in mlp_layer_types
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias")  # the routers without expert groups
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sigmoid")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sigmoid")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class MoeArch(SubRecord):
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
         "topk_group", "routed_scaling_factor", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-        "expert_type")}
+        "expert_type", "post_moe_norm")}
 
     num_local_experts: int = 0  # 0: none (the record of a dense model is None)
     num_experts_per_tok: int = 2
@@ -52,11 +52,13 @@ class MoeArch(SubRecord):
     # correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
     # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
     # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
-    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
+    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE); "sigmoid": top-k of
+    # the sigmoid scores, no correction bias, no groups (Flint)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
-                                           "softmax_bias": "biased_softmax_router"})
+                                           "softmax_bias": "biased_softmax_router",
+                                           "sigmoid": "sigmoid_topk_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -69,6 +71,9 @@ class MoeArch(SubRecord):
     # the routed experts' MLP: "gated" act(x @ wi_gate) * (x @ wi_up), or "plain" act(x @ wi_up)
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
+    # a norm (the model's norm_type) of the MoE layer's output, routed and shared experts summed,
+    # before the residual (A.X-K1's post_mlp_layernorm); dense layers have none
+    post_moe_norm: bool = feature(False, "moe_output_norm")
 
     def __post_init__(self):
         self._check_own()

@@ -46,6 +46,7 @@ def choose_experts(logits, cfg, bias=None):
     - ``softmax_bias``: the k experts whose softmax probability plus the correction ``bias``
       [expert] is highest; the weights are their unbiased probabilities (Ernie 4.5 MoE's
       moe_statics.e_score_correction_bias).
+    - ``sigmoid``: the k best sigmoid scores, weighted by them (Flint).
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -65,6 +66,11 @@ def choose_experts(logits, cfg, bias=None):
         top_p = jnp.take_along_axis(scores, top_idx, axis=-1)
         probs = scores / scores.sum(-1, keepdims=True)
         eps = 1e-20  # transformers' denominator guard
+    elif kind == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        top_p, top_idx = top_k(scores, k)
+        probs = scores / scores.sum(-1, keepdims=True)
+        eps = 0.0
     elif kind == "softmax_bias":
         probs = jax.nn.softmax(logits, axis=-1)
         _, top_idx = top_k(probs + bias, k)

@@ -22,6 +22,7 @@ from shardzoo.models.hf import (
     afmoe,
     apertus,
     arcee,
+    axk1,
     bamba,
     biogpt,
     bloom,
@@ -41,6 +42,7 @@ from shardzoo.models.hf import (
     falcon,
     falcon_h1,
     flex_olmo,
+    flint,
     gemma,
     glm,
     glm4_moe,
@@ -157,6 +159,7 @@ FAMILIES: tuple[Family, ...] = (
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
+    axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
