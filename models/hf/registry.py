@@ -79,6 +79,7 @@ from shardzoo.models.hf import (
     minimax_m2,
     ministral,
     mixtral,
+    modernbert_decoder,
     mpt,
     nemotron,
     nemotron_h,
@@ -160,6 +161,7 @@ FAMILIES: tuple[Family, ...] = (
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
+    modernbert_decoder.MODERNBERT_DECODER,  # no first pre-norm, the prediction head
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

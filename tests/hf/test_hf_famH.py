@@ -1,12 +1,13 @@
-"""A.X-K1 (DeepSeek-V3 with a norm of each MoE layer's output: the MoE record's ``post_moe_norm``)
-and Flint (Qwen3-MoE with sinks, NoPE full layers, an ungated shared expert and the ``sigmoid``
-top-k router).
+"""A.X-K1 (DeepSeek-V3 with a norm of each MoE layer's output: the MoE record's ``post_moe_norm``),
+Flint (Qwen3-MoE with sinks, NoPE full layers, an ungated shared expert and the ``sigmoid`` top-k
+router) and ModernBERT's decoder (no pre-norm on the first layer: ``first_attn_norm``; the
+prediction head: ``head_transform``).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
-tokens equal over 16, export then ``from_pretrained`` equal. The two new MoE options each move
-the logits, and their sharded checks: the output norm under fsdp_tp and ep (A.X-K1), the
-sigmoid router under ep (Flint). Tolerance: 1e-4 on float32 logits against transformers, 1e-5
-between shardzoo's own runs.
+tokens equal over 16, export then ``from_pretrained`` equal. Each new mechanism moves the logits,
+and its sharded check: the MoE output norm under fsdp_tp and ep (A.X-K1), the sigmoid router
+under ep (Flint), the first layer and the head under fsdp_tp (ModernBERT). Tolerance: 1e-4 on
+float32 logits against transformers.
 """
 
 import os
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import AXK1Config, FlintConfig
+from transformers import AXK1Config, FlintConfig, ModernBertDecoderConfig
 
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
@@ -51,7 +52,16 @@ CONFIGS = {
         **DIMS, num_key_value_heads=2, head_dim=8, attention_bias=True, sliding_window=4,
         layer_types=["full_attention", "sliding_attention", "full_attention"], mlp_only_layers=[0],
         num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    # LayerNorms with bias; the first layer without its own pre-norm; full, sliding (a window of 4),
+    # full layers, each kind with its base; q/k/v/o and GeGLU biases; the prediction head, a
+    # decoder bias
+    "modernbert-decoder": lambda: ModernBertDecoderConfig(
+        **(DIMS | dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)), cls_token_id=1, sep_token_id=2,
+        local_attention=8, layer_types=["full_attention", "sliding_attention", "full_attention"], norm_bias=True,
+        attention_bias=True, mlp_bias=True),
 }
+# LayerNorms with bias: their scales near 1, their biases small as every other weight
+DRAWS = {"modernbert-decoder": near_one(lambda name, p: "norm" in name and name.endswith("weight"))}
 
 
 def buffers(name, b):
@@ -62,7 +72,7 @@ def buffers(name, b):
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
-    model = randomized(CONFIGS[request.param](), 0, near_one(), buffers)
+    model = randomized(CONFIGS[request.param](), 0, DRAWS.get(request.param, near_one()), buffers)
     return saved(model, tmp_path_factory.mktemp(request.param))
 
 
@@ -88,21 +98,29 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
-# the new MoE options, each off with the same weights
-SWITCHED_OFF = {"axk1": dict(post_moe_norm=False), "flint": dict(router_kind="softmax")}
+# each family's new mechanisms, switched off (or, for ModernBERT's first pre-norm, on: a LayerNorm
+# of scale 1 and bias 0 added) with the same weights
+SWITCHED = {"axk1": [dict(post_moe_norm=False)], "flint": [dict(router_kind="softmax")],
+            "modernbert-decoder": [dict(head_transform=None), dict(first_attn_norm=True)]}
 
 
-def test_each_new_moe_option_moves_the_logits(built):
-    """With the option off the logits move by more than 1e-2, where with it on they are
-    transformers' (test_logits_match_on_one_device)."""
+def test_each_new_mechanism_moves_the_logits(built):
+    """With each mechanism switched the logits move by more than 1e-2, where as imported they
+    are transformers' (test_logits_match_on_one_device)."""
     path, model, ref = built
     _, config, params = load_hf(path, mesh=one_device())
-    fields = SWITCHED_OFF[model.config.model_type]
-    assert all(getattr(config.moe, k) != v for k, v in fields.items())
-    got = apply(config.replace(**fields).build(), params, one_device())
-    assert np.abs(got - ref).max() > 1e-2, fields
+    for fields in SWITCHED[model.config.model_type]:
+        other = config.replace(**fields)
+        assert other.arch != config.arch, fields
+        weights = params
+        if fields.get("first_attn_norm"):
+            norm = {"scale": np.ones(32, np.float32), "bias": np.zeros(32, np.float32)}
+            weights = params | {"layers_0": params["layers_0"] | {"attn_norm": norm}}
+        got = apply(other.build(), weights, one_device())
+        assert np.abs(got - ref).max() > 1e-2, fields
 
 
+@pytest.mark.parametrize("built", ["axk1", "flint"], indirect=True)
 def test_the_moe_options_under_fsdp_tp_and_ep(built):
     """The options' sharded checks, within 1e-4 of transformers' logits: A.X-K1's output norm (its
     scale over embed, fsdp-split) under fsdp_tp on (data 2, fsdp 2, tensor 2); both under ep
@@ -129,3 +147,15 @@ def test_flint_reads_its_layers_as_transformers_builds_them(built):
     assert config.rope_layers == (False, True, False) and config.attention_sinks
     assert [s.mlp for s in config.layer_specs()] == ["dense", "moe", "moe"]
     assert (config.moe.router_kind, config.moe.shared_expert_gate) == ("sigmoid", False)
+
+
+@pytest.mark.parametrize("built", ["modernbert-decoder"], indirect=True)
+def test_modernberts_head_and_first_layer_under_fsdp_tp(built):
+    """The prediction head (its dense mlp-split over tensor, as an MLP's up) and the first layer
+    without a pre-norm under fsdp_tp on (data 2, fsdp 2, tensor 2): within 1e-4 of transformers'."""
+    path, _, ref = built
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, config, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    assert [s.attn_norm for s in config.layer_specs()] == [False, True, True] and "attn_norm" not in params["layers_0"]
+    assert params["head_dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
