@@ -20,6 +20,7 @@ import torch
 from transformers import AXK1Config, FlintConfig, ModernBertDecoderConfig
 
 from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.models.hf.base import HFError
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
 
@@ -29,6 +30,7 @@ from harness import (  # noqa: E402
     TOL,
     apply,
     apply_mutable,
+    config_of,
     load_ep,
     near_one,
     one_device,
@@ -159,3 +161,19 @@ def test_modernberts_head_and_first_layer_under_fsdp_tp(built):
     assert [s.attn_norm for s in config.layer_specs()] == [False, True, True] and "attn_norm" not in params["layers_0"]
     assert params["head_dense"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind, changes, field", [
+    ("modernbert-decoder", dict(classifier_bias=True), "classifier_bias"),  # the head's dense has no bias here
+    ("modernbert-decoder", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e5},
+                                                 "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e4}}), "rope_parameters"),
+    ("axk1", dict(q_lora_rank=None), "q_lora_rank"),
+    ("flint", dict(num_experts=0), "num_experts"),
+])
+def test_what_the_families_cannot_express_is_refused_naming_the_field(kind, changes, field):
+    """One HFError naming the config.json field (the command line prints it as one line, exit 2)."""
+    hf = CONFIGS[kind]().to_dict() | changes
+    with pytest.raises(HFError, match=field) as refused:
+        config_of(hf)
+    assert len(str(refused.value).splitlines()) == 1
