@@ -228,6 +228,9 @@ class ArchCore:
         if self.head_transform is not None and self.head_transform not in ACTIVATIONS:
             raise ModelError(f"head_transform={self.head_transform!r} is not one of {', '.join(ACTIVATIONS)} "
                              "(or null: none)")
+        if self.head_transform is not None and self.score_head:
+            raise ModelError(f"head_transform={self.head_transform!r} (ModernBERT's prediction head) feeds the "
+                             "language-model head only: a score head (reward model) is not read on top of it")
         if not self.first_attn_norm and (self.block_form != "sequential" or self.norm_position != "pre"):
             raise ModelError(f"first_attn_norm=false drops the first layer's pre-norm: block_form="
                              f"{self.block_form!r} must be 'sequential' and norm_position={self.norm_position!r} 'pre'")

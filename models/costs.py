@@ -207,7 +207,7 @@ def transformer_params(a, active: bool = False) -> int:
         total += (a.max_position_embeddings + a.position_offset) * d
     norm = norm_params(a, d)  # weight and bias, as the kind has them
     total += norm * (1 + a.embedding_norm)  # final norm (and the embeddings' norm)
-    if a.head_transform is not None and not a.score_head:  # the prediction head's dense and norm
+    if a.head_transform is not None:  # the prediction head's dense and norm
         total += d * d + norm
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
@@ -220,7 +220,7 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + each layer's mixing beyond
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
-    matmul += a.hidden_size**2 if a.head_transform is not None and not a.score_head else 0  # the prediction head's
+    matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
     return 6 * matmul + sum(MIXERS[s.mixer].flops(a, s, seq_len) for s in a.layer_specs())
 
 

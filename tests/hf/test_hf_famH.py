@@ -19,8 +19,10 @@ import pytest
 import torch
 from transformers import AXK1Config, FlintConfig, ModernBertDecoderConfig
 
+from shardzoo.models import ModelError
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.models.hf.base import HFError
+from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
 
@@ -177,3 +179,10 @@ def test_what_the_families_cannot_express_is_refused_naming_the_field(kind, chan
     with pytest.raises(HFError, match=field) as refused:
         config_of(hf)
     assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_reward_model_on_modernberts_prediction_head_is_refused():
+    """transformers' ModernBERT classifier (``head``, ``classifier``) is not the score head shardzoo
+    reads: the combination is one ModelError naming head_transform, not a silent other model."""
+    with pytest.raises(ModelError, match="head_transform='gelu'"):
+        PRESETS["modernbert-decoder-tiny"].replace(score_head=True)
