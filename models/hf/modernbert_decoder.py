@@ -23,8 +23,11 @@ from shardzoo.models.hf.base import (
     special_tokens,
 )
 
+THETA_FULL, THETA_SLIDING = 160000.0, 10000.0  # transformers' default bases
+
 # ModernBertDecoderConfig's fields and defaults (transformers 5.25); global_attn_every_n_layers,
-# which it reads from config.json when layer_types is absent
+# which it reads from config.json when layer_types is absent, and the bases older config.json files
+# give without rope_parameters (global_rope_theta, local_rope_theta)
 SCHEMA = dict(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
               hidden_activation="gelu", max_position_embeddings=8192, initializer_range=0.02,
               initializer_cutoff_factor=2.0, norm_eps=1e-5, norm_bias=False, pad_token_id=50283,
@@ -32,20 +35,19 @@ SCHEMA = dict(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hid
               attention_dropout=0.0, embedding_dropout=0.0, mlp_bias=False, mlp_dropout=0.0, decoder_bias=True,
               classifier_dropout=0.0, classifier_bias=False, classifier_activation="gelu", use_cache=True,
               local_attention=128, layer_types=None, tie_word_embeddings=True, rope_parameters=None,
-              global_attn_every_n_layers=3)
+              global_attn_every_n_layers=3, global_rope_theta=THETA_FULL, local_rope_theta=THETA_SLIDING)
 FEATURES = frozenset({"rope", "rope_scaling:linear", "rope_scaling:llama3", "rope_scaling:yarn",
                       "rope_scaling:longrope", "rope_scaling:dynamic", "layernorm", "layernorm_no_bias", "pre_norms",
                       "gated_mlp", "attention_bias", "attention_out_bias", "mlp_bias", "sliding_window",
                       "layer_pattern", "local_rope", "embedding_norm", "no_first_attn_norm", "head_transform",
                       "lm_head_bias"})
-THETA = {FULL: 160000.0, SLIDING: 10000.0}  # transformers' default bases
 
 
 def _types(hf: HFConfig) -> tuple[str, ...]:
     n, types, every = hf.get("num_hidden_layers"), hf.get("layer_types"), hf.get("global_attn_every_n_layers")
     if types is None:
         types = [SLIDING if i % every else FULL for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in THETA for t in types):
+    if not isinstance(types, list) or len(types) != n or any(t not in (FULL, SLIDING) for t in types):
         raise hf.refuse("layer_types", f"must list {FULL!r} or {SLIDING!r} for each of the {n} layers")
     return tuple(types)
 
@@ -56,8 +58,8 @@ def from_hf(hf: HFConfig) -> dict:
               "classifier_dropout")
     types, local = _types(hf), hf.get("local_attention")
     params = hf.get("rope_parameters") or {}
-    full = rope(hf, dict(params.get(FULL) or {}), theta=THETA[FULL])
-    sliding = rope(hf, dict(params.get(SLIDING) or {}), theta=THETA[SLIDING])
+    full = rope(hf, dict(params.get(FULL) or {}), theta=hf.get("global_rope_theta"))
+    sliding = rope(hf, dict(params.get(SLIDING) or {}), theta=hf.get("local_rope_theta"))
     if sliding["rope_scaling"] is not None:
         raise hf.refuse("rope_parameters", "the sliding layers' rotary base is unscaled (rope_type default only)")
     if SLIDING in types and not local:

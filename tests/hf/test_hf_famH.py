@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import AXK1Config, FlintConfig, ModernBertDecoderConfig
+from transformers import AutoConfig, AXK1Config, FlintConfig, ModernBertDecoderConfig
 
 from shardzoo.models import ModelError
 from shardzoo.models.hf import export_hf, load_hf_config
@@ -186,3 +186,14 @@ def test_a_reward_model_on_modernberts_prediction_head_is_refused():
     reads: the combination is one ModelError naming head_transform, not a silent other model."""
     with pytest.raises(ModelError, match="head_transform='gelu'"):
         PRESETS["modernbert-decoder-tiny"].replace(score_head=True)
+
+
+def test_modernberts_older_config_json_gives_its_bases_without_rope_parameters():
+    """global_rope_theta and local_rope_theta (config.json files of transformers 4) are the two
+    kinds' bases, as transformers reads them."""
+    hf = {k: v for k, v in CONFIGS["modernbert-decoder"]().to_dict().items() if k != "rope_parameters"}
+    hf |= dict(global_rope_theta=80000.0, local_rope_theta=160000.0)
+    config = config_of(hf)
+    assert (config.rope_theta, config.rope_local_base_freq) == (80000.0, 160000.0)
+    want = AutoConfig.for_model(**hf).rope_parameters
+    assert (want["full_attention"]["rope_theta"], want["sliding_attention"]["rope_theta"]) == (80000.0, 160000.0)
