@@ -24,6 +24,9 @@ FEATURES = {
     "alibi": "ALiBi: no position embedding, each head's attention logits biased by slope x (key - query "
              "position) (BLOOM, MPT)",
     "embedding_norm": "a norm of the token embeddings before the first layer (BLOOM)",
+    "no_first_attn_norm": "the first layer's attention reads its input without a pre-norm of its own (ModernBERT's "
+                          "decoder: the embeddings' norm serves)",
+    "head_transform": "the output head reads norm(act(x @ dense)) (ModernBERT's prediction head)",
     "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",
