@@ -53,6 +53,7 @@ class LayerSpec:
     # "attention", "conv" (a gated short convolution: LFM2), "linear_attention" (Gated DeltaNet),
     # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
+    attn_norm: bool = True  # a norm before the mixer (false: ModernBERT's first layer reads the embeddings' norm)
 
 
 def _mlp_pattern_feature(value):
@@ -136,6 +137,10 @@ class ArchCore:
     logit_scale: float = feature(1.0, "logit_scale")  # logits x logit_scale (Cohere)
     scale_embeddings: bool = feature(False, "scale_embeddings")  # x sqrt(hidden_size)
     embedding_norm: bool = feature(False, "embedding_norm")  # a norm of the embeddings (BLOOM)
+    # the first layer's mixer reads its input unnormed (ModernBERT's decoder: the embeddings' norm serves)
+    first_attn_norm: bool = feature(True, {False: "no_first_attn_norm"})
+    # the output head reads norm(act(x @ dense)), act this activation (ModernBERT's prediction head); None: x
+    head_transform: str | None = feature(None, "head_transform")
     # Granite's multipliers
     embedding_multiplier: float = feature(1.0, "multipliers")
     residual_multiplier: float = feature(1.0, "multipliers")  # x + multiplier * block(x)
@@ -220,6 +225,15 @@ class ArchCore:
             value = getattr(self, name)
             if value is not None and not positive(value):
                 raise ModelError(f"{name}={value!r} must be a finite number > 0 (or null: off)")
+        if self.head_transform is not None and self.head_transform not in ACTIVATIONS:
+            raise ModelError(f"head_transform={self.head_transform!r} is not one of {', '.join(ACTIVATIONS)} "
+                             "(or null: none)")
+        if self.head_transform is not None and self.score_head:
+            raise ModelError(f"head_transform={self.head_transform!r} (ModernBERT's prediction head) feeds the "
+                             "language-model head only: a score head (reward model) is not read on top of it")
+        if not self.first_attn_norm and (self.block_form != "sequential" or self.norm_position != "pre"):
+            raise ModelError(f"first_attn_norm=false drops the first layer's pre-norm: block_form="
+                             f"{self.block_form!r} must be 'sequential' and norm_position={self.norm_position!r} 'pre'")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ModelError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -351,7 +365,7 @@ class ArchCore:
         mlps = self.mlp_layer_types or ((MOE if self.moe else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
         out = []
-        for kind, mlp, rotary in zip(types, mlps, rotates, strict=True):
+        for i, (kind, mlp, rotary) in enumerate(zip(types, mlps, rotates, strict=True)):
             sliding = kind == SLIDING
             rope = "global"
             if self.position_embedding != "rope" or not rotary:
@@ -361,7 +375,7 @@ class ArchCore:
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=mixer))
+                                 mixer=mixer, attn_norm=bool(i or self.first_attn_norm)))
         return tuple(out)
 
 

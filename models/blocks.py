@@ -41,11 +41,13 @@ def _mlp(block, h, segment_ids):
 def sequential(block, x, positions, segment_ids):
     """x + mixer(norm(x)), then x + mlp(norm(x)); ``norm_position`` "post" moves the norms onto
     the outputs: x + norm(mixer(x)) (OLMo 2); "both" has both: x + norm(mixer(norm(x))) (Gemma
-    2/3). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2)."""
+    2/3). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2); one
+    without ``attn_norm`` (its spec) no norm before the mixer (ModernBERT's first layer)."""
     cfg = block.config
     pre, post = cfg.arch.norm_position in ("pre", "both"), cfg.arch.norm_position in ("post", "both")
     if MIXERS[block.spec.mixer] is not NO_MIXER:
-        h = _mixer(block, make_norm(cfg, "attn_norm")(x) if pre else x, positions, segment_ids)
+        h = _mixer(block, make_norm(cfg, "attn_norm")(x) if pre and block.spec.attn_norm else x, positions,
+                   segment_ids)
         x = _residual(block, x, make_norm(cfg, "post_attn_norm")(h) if post else h)
     if MLPS[block.spec.mlp] is not NO_MLP:
         h = _mlp(block, make_norm(cfg, "mlp_norm")(x) if pre else x, segment_ids)
@@ -69,7 +71,7 @@ def parallel_two_norms(block, x, positions, segment_ids):
 
 def _sequential_norms(a, spec) -> int:
     halves = (spec.mixer != NONE) + (spec.mlp != NONE)
-    return halves * (2 if a.norm_position == "both" else 1)
+    return halves * (2 if a.norm_position == "both" else 1) - (spec.mixer != NONE and not spec.attn_norm)
 
 
 def _sequential_terms(a, spec, t) -> dict:
@@ -77,7 +79,7 @@ def _sequential_terms(a, spec, t) -> dict:
     mixes, mlp, d = spec.mixer != NONE, spec.mlp != NONE, a.hidden_size
     out = {"block_input": t(d, BLE)}
     if mixes:
-        out.update(attn_norm=t(3 * d, BLE, 4), attn_out=t(d, BLE))
+        out.update(attn_norm=t(3 * d, BLE, 4) if spec.attn_norm else 0, attn_out=t(d, BLE))
     if mixes and mlp:
         out["attn_residual"] = t(d, BLE)
     if mlp:

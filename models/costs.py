@@ -207,6 +207,8 @@ def transformer_params(a, active: bool = False) -> int:
         total += (a.max_position_embeddings + a.position_offset) * d
     norm = norm_params(a, d)  # weight and bias, as the kind has them
     total += norm * (1 + a.embedding_norm)  # final norm (and the embeddings' norm)
+    if a.head_transform is not None:  # the prediction head's dense and norm
+        total += d * d + norm
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():
@@ -218,6 +220,7 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + each layer's mixing beyond
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
+    matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
     return 6 * matmul + sum(MIXERS[s.mixer].flops(a, s, seq_len) for s in a.layer_specs())
 
 
@@ -226,6 +229,7 @@ def decode_flops(a, context: float) -> float:
     included) + each layer's mixing beyond them (q.k and probs.v over the ``context`` keys the
     token attends, each layer's window or chunk capping it; a mamba layer's state update)."""
     matmul = _matmul_params(a) + a.vocab_size * a.hidden_size
+    matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
     return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(a, s, context) for s in a.layer_specs())
 
 
@@ -263,7 +267,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "batch": t(5, BL, 4),
         "mask": 0,
         "backward": max(largest, logits),
-        "head": t(3 * a.hidden_size, BLE, 4) + logits
+        "head": t(3 * a.hidden_size, BLE, 4) * (1 + (a.head_transform is not None)) + logits
         + (int(t(2 * vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB)) * length_share) if a.final_logit_softcapping else 0),
     }
     for mixer in sorted({m for m, _ in kinds}):  # what a mixer keeps once per model (attention's mask)

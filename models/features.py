@@ -24,6 +24,9 @@ FEATURES = {
     "alibi": "ALiBi: no position embedding, each head's attention logits biased by slope x (key - query "
              "position) (BLOOM, MPT)",
     "embedding_norm": "a norm of the token embeddings before the first layer (BLOOM)",
+    "no_first_attn_norm": "the first layer's attention reads its input without a pre-norm of its own (ModernBERT's "
+                          "decoder: the embeddings' norm serves)",
+    "head_transform": "the output head reads norm(act(x @ dense)) (ModernBERT's prediction head)",
     "partial_rotary": "rotary embeddings on a fraction of each head (partial_rotary_factor)",
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",
@@ -78,6 +81,9 @@ FEATURES = {
                              "(Ernie 4.5 MoE)",
     "sparsemixer_router": "SparseMixer's top-2 (Phi-MoE): the best expert, then the best of the rest, each weighted "
                           "by a softmax over the logits within a relative 2 x sparsemixer_eps of its own",
+    "sigmoid_topk_router": "top-k of the sigmoid router scores, no correction bias, no groups (Flint)",
+    "moe_output_norm": "a norm of each MoE layer's output (routed and shared experts summed) before the residual "
+                       "(A.X-K1's post_mlp_layernorm)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "

@@ -46,6 +46,7 @@ from shardzoo.models.moe_dispatch import (
     sorted_dispatch,
 )
 from shardzoo.models.moe_routing import choose_experts, router_losses
+from shardzoo.models.norms import make_norm, norm_params
 from shardzoo.sharding import axes as ax
 
 
@@ -220,29 +221,31 @@ ECF = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP)
 
 def _apply(block, h, segment_ids):
     """The routed experts, plus the shared expert: a dense MLP (``mlp_type``'s) every token goes
-    through, scaled by ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE)."""
+    through, scaled by ``sigmoid(h . w)`` per token with ``shared_expert_gate`` (Qwen2-MoE); the
+    sum normed with ``post_moe_norm`` (A.X-K1)."""
     config, m = block.config, block.config.arch.moe
     token_mask = None if segment_ids is None else segment_ids > 0  # 0: padding
     out = MoeMLP(config.moe_config(), block.placement, name="moe")(h, block.deterministic, token_mask)
-    if not m.shared_expert_intermediate_size:
-        return out
-    shared = MLP(config, block.placement, m.shared_expert_intermediate_size, name="shared_expert")(h)
-    if m.shared_expert_gate:
-        gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(config))(h)  # [batch, length]
-        shared = shared * jax.nn.sigmoid(gate)[..., None].astype(shared.dtype)
-    return out + shared  # [batch, length, embed]
+    if m.shared_expert_intermediate_size:
+        shared = MLP(config, block.placement, m.shared_expert_intermediate_size, name="shared_expert")(h)
+        if m.shared_expert_gate:
+            gate = Linear((), (ax.EMBED,), name="shared_expert_gate", **linear_kw(config))(h)  # [batch, length]
+            shared = shared * jax.nn.sigmoid(gate)[..., None].astype(shared.dtype)
+        out = out + shared  # [batch, length, embed]
+    return make_norm(config, "post_moe_norm")(out) if m.post_moe_norm else out
 
 
 def _params(a, active: bool) -> tuple[int, int]:
     """(the router, the experts (``active``: the top-k) and the shared expert; the router's and
     experts' biases, the correction bias of softmax_bias (a parameter in transformers; sigmoid_groups':
-    a buffer), the shared expert's biases)."""
+    a buffer), the shared expert's biases, the output's norm)."""
     m, d = a.moe, a.hidden_size
     e, fe = m.num_local_experts, a.expert_size
     shared, shared_bias = mlp_params(a, m.shared_expert_intermediate_size)
     per_expert = (3 if m.expert_type == "gated" else 2) * d * fe  # gate (gated), up, down
     matmul = d * e + (m.num_experts_per_tok if active else e) * per_expert + shared + d * m.shared_expert_gate
     other = e * (m.router_bias + m.expert_bias * (2 * fe + d) + (m.router_kind == "softmax_bias"))
+    other += norm_params(a, d) if m.post_moe_norm else 0
     return matmul, other + (shared_bias if m.shared_expert_intermediate_size else 0)
 
 
@@ -251,7 +254,7 @@ def _activations(cost) -> dict:
     einsum dispatches (the indexed one keeps a few int32 slot indices per token: not counted);
     the expert buffers in and out; the experts' projections and hidden arrays (gated: gate and up,
     silu's residuals and their product; plain: up and the activation's output); the clamped
-    SwiGLU's three more; the shared expert's (models/costs.py's doc)."""
+    SwiGLU's three more; the shared expert's; the output norm's float32 intermediates (models/costs.py's doc)."""
     config, t, length = cost.config, cost.t, cost.seq_len
     a, m, e = config.arch, config.arch.moe, config.execution
     experts, d, fe, gated = m.num_local_experts, a.hidden_size, a.expert_size, m.expert_type == "gated"
@@ -263,6 +266,8 @@ def _activations(cost) -> dict:
            "expert_hidden": t((4 if gated else 1) * slots * fe / length, ECF)}
     if m.swiglu_limit:  # the clamped SwiGLU's min and clip outputs and sigmoid(alpha g)
         out["expert_clamp"] = t(3 * slots * fe / length, ECF)
+    if m.post_moe_norm:
+        out["post_moe_norm"] = t(3 * d, (ax.BATCH, ax.LENGTH, ax.EMBED), 4)
     fs = m.shared_expert_intermediate_size
     if fs:  # a dense MLP's terms at its width (its gate: 1 per token)
         out.update(shared_up=t(fs, BLF), shared_hidden=t(fs, BLF))

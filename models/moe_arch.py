@@ -17,8 +17,8 @@ from shardzoo.models.layers import positive
 MOE = "moe"  # its name in mlp_layer_types
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer")  # the routers without expert groups
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class MoeArch(SubRecord):
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
         "topk_group", "routed_scaling_factor", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-        "expert_type", "sparsemixer_eps")}
+        "expert_type", "sparsemixer_eps", "post_moe_norm")}
 
     num_local_experts: int = 0  # 0: none (the record of a dense model is None)
     num_experts_per_tok: int = 2
@@ -54,12 +54,14 @@ class MoeArch(SubRecord):
     # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
     # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE); "sparsemixer": the
     # best expert, then the best of the rest, each weighted by a softmax over the logits within
-    # 2 x sparsemixer_eps (relative) of its own (Phi-MoE, top-2 only)
+    # 2 x sparsemixer_eps (relative) of its own (Phi-MoE, top-2 only); "sigmoid": top-k of
+    # the sigmoid scores, no correction bias, no groups (Flint)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
                                            "softmax_bias": "biased_softmax_router",
-                                           "sparsemixer": "sparsemixer_router"})
+                                           "sparsemixer": "sparsemixer_router",
+                                           "sigmoid": "sigmoid_topk_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled
@@ -73,6 +75,9 @@ class MoeArch(SubRecord):
     # without a gate (Nemotron-H's up, relu2, down); either way then wo
     expert_type: str = feature("gated", {"plain": "plain_experts"})
     sparsemixer_eps: float = 0.01  # the sparsemixer's mask threshold (Phi-MoE's router_jitter_noise)
+    # a norm (the model's norm_type) of the MoE layer's output, routed and shared experts summed,
+    # before the residual (A.X-K1's post_mlp_layernorm); dense layers have none
+    post_moe_norm: bool = feature(False, "moe_output_norm")
 
     def __post_init__(self):
         self._check_own()

@@ -66,6 +66,7 @@ def choose_experts(logits, cfg, bias=None):
       [expert] is highest; the weights are their unbiased probabilities (Ernie 4.5 MoE's
       moe_statics.e_score_correction_bias).
     - ``sparsemixer``: Phi-MoE's top-2 (``_sparsemixer``), as transformers computes it at eval.
+    - ``sigmoid``: the k best sigmoid scores, weighted by them (Flint).
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -88,6 +89,10 @@ def choose_experts(logits, cfg, bias=None):
     elif kind == "sparsemixer":
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, top_idx = _sparsemixer(logits, cfg.sparsemixer_eps)
+    elif kind == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        top_p, top_idx = top_k(scores, k)
+        probs = scores / scores.sum(-1, keepdims=True)
         eps = 0.0
     elif kind == "softmax_bias":
         probs = jax.nn.softmax(logits, axis=-1)

@@ -28,7 +28,7 @@ from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, write_cache
 from shardzoo.models.execution import REMAT_POLICIES, Execution
-from shardzoo.models.layers import Embed, Linear, constrain, dtype_of
+from shardzoo.models.layers import ACTIVATIONS, Embed, Linear, constrain, dtype_of
 from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.norms import make_norm
@@ -298,6 +298,9 @@ class Transformer(nn.Module):
         dt = dtype_of(e.dtype)
         if a.score_head:  # a reward model: one score per token, read at a sequence's last token
             return Linear((1,), (ax.EMBED, ax.SCORE), False, name="score", **kw)(x).astype(jnp.float32)  # [b, l, 1]
+        if a.head_transform is not None:  # ModernBERT's prediction head: dense, activation, norm
+            h = Linear((a.hidden_size,), (ax.EMBED, ax.MLP), name="head_dense", **kw)(x)  # mlp-sharded, as an MLP's
+            x = make_norm(cfg, "head_norm")(constrain(ACTIVATIONS[a.head_transform](h), BLE, placement))
         if a.tie_word_embeddings:
             kernel, bias = embed.embedding.astype(dt).T, None  # [embed, vocab]
             if a.lm_head_bias:  # a tied head's own bias

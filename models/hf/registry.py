@@ -22,6 +22,7 @@ from shardzoo.models.hf import (
     afmoe,
     apertus,
     arcee,
+    axk1,
     bamba,
     biogpt,
     bloom,
@@ -42,6 +43,7 @@ from shardzoo.models.hf import (
     falcon,
     falcon_h1,
     flex_olmo,
+    flint,
     gemma,
     glm,
     glm4_moe,
@@ -78,6 +80,7 @@ from shardzoo.models.hf import (
     minimax_m2,
     ministral,
     mixtral,
+    modernbert_decoder,
     mpt,
     nemotron,
     nemotron_h,
@@ -160,6 +163,8 @@ FAMILIES: tuple[Family, ...] = (
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     dbrx.DBRX, phimoe.PHIMOE,  # SparseMixer's router (models/moe_routing.py)
+    axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
+    modernbert_decoder.MODERNBERT_DECODER,  # no first pre-norm, the prediction head
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -84,7 +84,7 @@ def test_moe_layers_without_experts_and_dense_only_settings_are_refused():
 
 
 def test_a_bad_router_override_is_one_line_with_status_2(capsys):
-    status = main(["plan", "--model", "mixtral-tiny", "--mesh", "data=1", "--override", "router_kind=sigmoid"])
+    status = main(["plan", "--model", "mixtral-tiny", "--mesh", "data=1", "--override", "router_kind=sigmoid_topk"])
     out, err = capsys.readouterr()
     assert status == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "router_kind='sigmoid' is not one of softmax, softmax_groups, sigmoid_groups" in err
+    assert "router_kind='sigmoid_topk' is not one of softmax, softmax_groups, sigmoid_groups" in err
