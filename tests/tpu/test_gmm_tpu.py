@@ -22,8 +22,6 @@ import pytest
 
 from shardzoo.models.moe import MoeConfig, MoeMLP
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
-
 
 def step(cfg, params, x, proj):
     """(output, dropped fraction, grads of <output, proj> + aux by (params, x)), float32 out."""

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
-
 from shardzoo.models import get_model  # noqa: E402
 from shardzoo.models.attention_kernels import attention_kernel, attention_mask, xla_attention  # noqa: E402
 from shardzoo.models.splash import splash_attention  # noqa: E402

@@ -15,11 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from shardzoo.models.tiled_loss import HeadInputs, head_logits, token_stats
-
-pytestmark = pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU")
 
 ROWS, LENGTH, EMBED, VOCAB = 4, 2048, 2048, 128256
 

@@ -5,37 +5,22 @@ default backend) and without ``-n`` (one process at a time may hold the chip):
 
     JAX_PLATFORMS=tpu python3 -m pytest -q -p no:cacheprovider tests/tpu
 
-The backend is asked in a child process, and every run is one, so this process never holds the chip.
+The backend is asked in a child process, and every run is one; conftest.py runs these first, before
+the in-process kernel tests make this process hold the chip.
 """
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 
-import pytest
+sys.path.insert(0, os.path.dirname(__file__))
+from tpu_env import child_env  # noqa: E402
 
 
 def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    env["JAX_PLATFORMS"] = "tpu"
-    # without the fake CPU devices and the CPU-only compile shortcut tests/conftest.py adds
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+|--xla_backend_optimization_level=\S+", "",
-                              os.environ.get("XLA_FLAGS", "")).strip()
-    return env
-
-
-def _backend() -> str:
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           env=_env(), capture_output=True, text=True, timeout=300)
-    return probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else "none"
-
-
-# no libtpu (CI, a laptop): skipped without starting jax
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None or _backend() != "tpu",
-                                reason="needs a TPU (JAX_PLATFORMS=tpu)")
+    return child_env()
 
 
 def _train(*flags, timeout=600):
@@ -74,11 +59,12 @@ def test_tiny_bf16_run_chooses_its_remat_and_records_it(tmp_path):
 
 
 def test_a_step_larger_than_the_chip_is_one_line_and_writes_nothing(tmp_path):
-    """qwen2.5-0.5b at 8 x 1024 without remat needs ~37 GiB (TPU.md): XLA refuses it while
+    """qwen2.5-0.5b at 16 x 2048 without remat needs ~40 GB of activations (8 x 1024 needed ~37 GiB
+    before splash and the tiled loss, TPU.md, and fits the chip since): XLA refuses it while
     compiling; the user sees one line, not a RESOURCE_EXHAUSTED traceback, and no --out."""
     out = tmp_path / "too-big"
     run = _train("--out", str(out), "--model", "qwen2.5-0.5b", "--override", "dtype=bfloat16", "--remat", "none",
-                 "--batch-size", "8", "--seq-len", "1024", "--steps", "2")
+                 "--batch-size", "16", "--seq-len", "2048", "--steps", "2")
     errors = [line for line in run.stderr.splitlines() if line.startswith("shardzoo train: error: ")]
     assert run.returncode == 2, run.stderr[-4000:]
     assert len(errors) == 1 and errors[0].startswith("shardzoo train: error: the train step does not fit one "
