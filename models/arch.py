@@ -144,6 +144,14 @@ class ArchCore:
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
+    # the values RMS-normalised per head without a weight (rms_norm_eps) (Gemma 4)
+    v_norm: bool = feature(False, "v_norm")
+    # the key projection's output serves as the values too: no v projection (Gemma 4's full layers,
+    # through the global_attention record)
+    attention_k_eq_v: bool = feature(False, "attention_k_eq_v")
+    # each layer's output (the residual stream) times a scalar of its own, which transformers keeps
+    # as a buffer: read and written, not trained (Gemma 4)
+    layer_scalar: bool = feature(False, "layer_scalar")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 from shardzoo.models import ModelError
 from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, NONE
-from shardzoo.models.layers import constrain
+from shardzoo.models.layers import constrain, dtype_of
 from shardzoo.models.norms import make_norm
 from shardzoo.sharding import axes as ax
 
@@ -107,6 +109,18 @@ def _check_parallel(a) -> None:
     if NONE in types or NONE in mlps:
         raise ModelError(f"block_form={a.block_form!r} runs a mixer and an MLP side by side: every layer needs both "
                          "(no 'none' in layer_types or mlp_layer_types)")
+
+
+class LayerScalar(nn.Module):
+    """A layer's output times its scalar (Gemma 4's ``layer_scalar``): a buffer to transformers,
+    read and written with the checkpoint and, like it, not trained."""
+
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ()), (), dtype_of(self.param_dtype))
+        return x * jax.lax.stop_gradient(scale).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,6 +120,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
 from shardzoo.models.norms import norm_params
@@ -178,15 +179,15 @@ def _saved(terms: dict, policy: str) -> int:
 
 def buffers(a) -> tuple[tuple[str, str], ...]:
     """The leaves (their last two path keys) that transformers holds as buffers, not
-    parameters: not counted by ``transformer_params``. Ernie 4.5 MoE's correction bias is a
+    parameters: not counted by ``transformer_params`` (Gemma 4's layer scalars too). Ernie 4.5 MoE's correction bias is a
     parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
-    out = (("xielu", "beta"), ("xielu", "eps"))
+    out = (("xielu", "beta"), ("xielu", "eps")) + ((("layer_scalar", "scale"),) if a.layer_scalar else ())
     return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind == "sigmoid_groups" else ())
 
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:
     """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records."""
-    mixer, mlp = MIXERS[spec.mixer].params(a), MLPS[spec.mlp].params(a, active)
+    mixer, mlp = MIXERS[spec.mixer].params(layer_arch(a, spec)), MLPS[spec.mlp].params(a, active)
     return mixer[0] + mlp[0], mixer[1] + mlp[1]
 
 
@@ -218,7 +219,7 @@ def transformer_flops(a, seq_len: int) -> float:
     """Training FLOPs per token (MaxText): 6 x matmul params (active) + each layer's mixing beyond
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
-    return 6 * matmul + sum(MIXERS[s.mixer].flops(a, s, seq_len) for s in a.layer_specs())
+    return 6 * matmul + sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
 
 
 def decode_flops(a, context: float) -> float:
@@ -226,7 +227,7 @@ def decode_flops(a, context: float) -> float:
     included) + each layer's mixing beyond them (q.k and probs.v over the ``context`` keys the
     token attends, each layer's window or chunk capping it; a mamba layer's state update)."""
     matmul = _matmul_params(a) + a.vocab_size * a.hidden_size
-    return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(a, s, context) for s in a.layer_specs())
+    return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(layer_arch(a, s), s, context) for s in a.layer_specs())
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
@@ -304,7 +305,7 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
     for s in a.layer_specs():
         size = MIXERS[s.mixer].cache_bytes
         if size is not None:
-            out[s.mixer] = out.get(s.mixer, 0) + size(a, batch_size, length, nbytes)
+            out[s.mixer] = out.get(s.mixer, 0) + size(layer_arch(a, s), batch_size, length, nbytes)
     return out
 
 

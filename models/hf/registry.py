@@ -42,6 +42,7 @@ from shardzoo.models.hf import (
     falcon_h1,
     flex_olmo,
     gemma,
+    gemma4,
     glm,
     glm4_moe,
     glm4_moe_lite,
@@ -157,6 +158,7 @@ FAMILIES: tuple[Family, ...] = (
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
+    gemma4.GEMMA4,  # Gemma 3's layers, the global ones shaped apart (models/attention.py GlobalAttention)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
