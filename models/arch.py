@@ -31,7 +31,7 @@ from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' nam
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
-from shardzoo.models.moe_arch import MOE
+from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import NORMS
 from shardzoo.models.positions import KINDS as POSITION_KINDS
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
@@ -60,6 +60,8 @@ def _mlp_pattern_feature(value):
     model's pattern of dense and MoE layers."""
     if value is None:
         return None
+    if DENSE_AND_MOE in value:
+        return "moe_beside_dense"
     return "mlp_free_layers" if NONE in value and MOE not in value else "moe_pattern"
 
 

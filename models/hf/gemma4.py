@@ -8,18 +8,20 @@ head size and key/value heads of their own (``per_layer_config``, or ``global_he
 ``num_global_key_value_heads``) whose keys serve as values with ``attention_k_eq_v``
 (models/attention.py ``GlobalAttention``), rotating by proportional RoPE (models/rope.py).
 
-Not implemented, refused naming the field: per-layer input embeddings
-(``hidden_size_per_layer_input``), layers reusing earlier layers' keys and values
-(``num_kv_shared_layers``), the MoE block beside the MLP (``enable_moe_block``) and bidirectional
-attention (``use_bidirectional_attention: all``).
+The MoE block (``enable_moe_block``) runs beside every layer's MLP (models/moe.py
+``DENSE_AND_MOE_KIND``, its ``scaled_softmax`` router). Not implemented, refused naming the field:
+per-layer input embeddings (``hidden_size_per_layer_input``), layers reusing earlier layers' keys
+and values (``num_kv_shared_layers``) and bidirectional attention (``use_bidirectional_attention:
+all``).
 """
 
 from __future__ import annotations
 
 from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.attention import is_global
-from shardzoo.models.hf import gemma, llama
+from shardzoo.models.hf import gemma, llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, layer_types, sizes
+from shardzoo.models.moe_arch import DENSE_AND_MOE
 
 SCHEMA = dict(
     vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
@@ -34,7 +36,7 @@ SCHEMA = dict(
 FEATURES = frozenset({"rope", "rope_scaling:proportional", "local_rope", "rmsnorm", "sandwich_norms", "gated_mlp",
                       "qk_norm_head", "v_norm", "scale_embeddings", "attention_bias", "attention_out_bias",
                       "sliding_window", "layer_pattern", "final_softcap", "multipliers", "layer_scalar",
-                      "global_attention"})
+                      "global_attention", "moe", "expert_width", "scaled_router", "moe_beside_dense"})
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
 
@@ -47,13 +49,10 @@ def _refuse_missing(hf: HFConfig) -> None:
                         "none; transformers' default is 256)")
     if hf.get("num_kv_shared_layers"):
         raise hf.refuse("num_kv_shared_layers", "layers reusing earlier layers' keys and values are not implemented")
-    if hf.get("enable_moe_block"):
-        raise hf.refuse("enable_moe_block", "the MoE block beside the MLP is not implemented")
     if hf.get("use_bidirectional_attention") == "all":
         raise hf.refuse("use_bidirectional_attention", "bidirectional attention is not implemented")
     # inert without the mechanisms above (a text model: "vision" changes only image tokens' masks)
-    hf.ignore("vocab_size_per_layer_input", "use_double_wide_mlp", "num_experts", "top_k_experts",
-              "moe_intermediate_size", "use_bidirectional_attention")
+    hf.ignore("vocab_size_per_layer_input", "use_double_wide_mlp", "use_bidirectional_attention")
 
 
 def _rope(hf: HFConfig) -> dict:
@@ -92,6 +91,16 @@ def _global_shape(hf: HFConfig, types: list[str]) -> dict:
                 global_attention_k_eq_v=k_eq_v)
 
 
+def _moe(hf: HFConfig, n: int) -> dict:
+    """The MoE block beside every layer's MLP (``enable_moe_block``): its experts and their router."""
+    if not hf.get("enable_moe_block"):
+        hf.ignore("num_experts", "top_k_experts", "moe_intermediate_size")
+        return {}
+    return dict(mlp_layer_types=(DENSE_AND_MOE,) * n, num_local_experts=hf.get("num_experts"),
+                num_experts_per_tok=hf.get("top_k_experts"), moe_intermediate_size=hf.get("moe_intermediate_size"),
+                router_kind="scaled_softmax", norm_topk_prob=True)
+
+
 def gemma4_from_hf(hf: HFConfig) -> dict:
     _refuse_missing(hf)
     hf.ignore(*INERT)
@@ -109,7 +118,7 @@ def gemma4_from_hf(hf: HFConfig) -> dict:
         dict(sliding_window=None, layer_types=None)
     if FULL not in types:
         raise HFError(f"{hf.where}: layer_types has no {FULL} layer")
-    return fields | pattern | _rope(hf) | _global_shape(hf, types)
+    return fields | pattern | _rope(hf) | _global_shape(hf, types) | _moe(hf, n)
 
 
 def gemma4_to_hf(a) -> dict:
@@ -129,7 +138,15 @@ def gemma4_to_hf(a) -> dict:
         layer_types=types, final_logit_softcapping=a.final_logit_softcapping,
         rope_parameters={FULL: glob, SLIDING: local}, attention_k_eq_v=bool(g and g.k_eq_v),
         per_layer_config={str(i): shape for i, t in enumerate(types) if t == FULL},
-        hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=False, pad_token_id=None)
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, pad_token_id=None, **_moe_to_hf(a))
+
+
+def _moe_to_hf(a) -> dict:
+    m = a.moe
+    if m is None:
+        return dict(enable_moe_block=False)
+    return dict(enable_moe_block=True, num_experts=m.num_local_experts, top_k_experts=m.num_experts_per_tok,
+                moe_intermediate_size=a.expert_size)
 
 
 # --------------------------------------------------------------------------------- weights
@@ -139,7 +156,19 @@ def layer_weights(a, spec) -> list[Weight]:
     g = a.global_attention
     if g and g.k_eq_v and is_global(spec):
         out = [w for w in out if w.path[:2] != ("attn", "v")]
-    return out
+    if spec.mlp != DENSE_AND_MOE:
+        return out
+    h, stacked = llama.LAYER, dict(experts=a.moe.num_local_experts, stacked_experts=True)
+    return out + [
+        Weight(("post_mlp_norm_1", "scale"), h + "post_feedforward_layernorm_1.weight"),
+        Weight(("moe_norm", "scale"), h + "pre_feedforward_layernorm_2.weight"),
+        Weight(("post_moe_norm", "scale"), h + "post_feedforward_layernorm_2.weight"),
+        Weight(("moe", "router", "kernel"), h + "router.proj.weight", "linear"),
+        Weight(("moe", "router_scale"), h + "router.scale", "vec"),
+        Weight(("moe", "per_expert_scale"), h + "router.per_expert_scale", "vec"),
+        Weight(("moe", "wi_gate"), h + "experts.gate_up_proj", "linear", part=(0, 2), **stacked),
+        Weight(("moe", "wi_up"), h + "experts.gate_up_proj", "linear", part=(1, 2), **stacked),
+        Weight(("moe", "wo"), h + "experts.down_proj", "linear", **stacked)]
 
 
 # --------------------------------------------------------------------------------- presets
@@ -158,7 +187,7 @@ def _gemma4(n: int, **kw) -> dict:
 
 GEMMA4 = Family(
     "gemma4_text", ("gemma4_text",), "Gemma4ForCausalLM", SCHEMA, FEATURES, gemma4_from_hf, gemma4_to_hf,
-    llama.global_weights, layer_weights,
+    llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
     presets={
         # google/gemma-4-31B's text model: keys as values on the global layers, no per-layer inputs
         "gemma-4-31b": _gemma4(60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,

@@ -33,6 +33,7 @@ from harness import (  # noqa: E402
     apply,
     fsdp_tp_parity,
     hf_logits,
+    load_ep,
     near_one,
     one_device,
     randomize,
@@ -48,12 +49,20 @@ SWA, FULL = "sliding_attention", "full_attention"
 GEMMA4 = dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=2, attention_k_eq_v=True,
               hidden_size_per_layer_input=0, sliding_window=4, layer_types=[SWA, FULL, SWA, FULL],
               final_logit_softcapping=3.0)
-CONFIGS = {"gemma4_text": lambda: Gemma4TextConfig(**DIMS, **GEMMA4)}
+# the MoE block beside every layer's MLP: 4 experts top-2 by the scaled router
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+CONFIGS = {"gemma4_text": lambda: Gemma4TextConfig(**DIMS, **GEMMA4),
+           "gemma4_text_moe": lambda: Gemma4TextConfig(**DIMS, **(GEMMA4 | MOE))}
 
 
 def layer_scalars(name, b):
     """A draw for ``randomize``'s buffers: each layer's scalar away from 1."""
     return 1 + 0.3 * torch.randn_like(b) if name.endswith("layer_scalar") else None
+
+
+def moe_draw(name, p):
+    """``near_one``, and the router's input scale and per-expert scales near 1 too."""
+    return 1 + 0.3 * torch.randn_like(p) if name.endswith(("router.scale", "per_expert_scale")) else near_one()(name, p)
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +126,53 @@ def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     parity.export_matches(str(tmp_path), model, TOKENS, ref, TOL)
 
 
+@pytest.fixture(scope="module")
+def built_moe(tmp_path_factory):
+    model = randomized(CONFIGS["gemma4_text_moe"](), 1, moe_draw, layer_scalars)
+    return saved(model, tmp_path_factory.mktemp("gemma4_text_moe"))
+
+
+def test_the_moe_block_reads_and_its_router_scales_matter(built_moe):
+    """Every layer a dense MLP and 4 experts side by side (models/moe.py DENSE_AND_MOE_KIND), the
+    scaled_softmax router; its input scale and per-expert scales each move transformers' logits."""
+    path, model, ref = built_moe
+    config = load_hf_config(path)
+    a = config.arch
+    assert (a.mlp_layer_types, a.moe.router_kind, a.moe.num_local_experts, a.expert_size) == (
+        ("dense_and_moe",) * 4, "scaled_softmax", 4, 16)
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    for scale in ("scale", "per_expert_scale"):
+        other = copy.deepcopy(model)
+        for layer in other.model.layers:
+            getattr(layer.router, scale).data.fill_(1.0)
+        assert np.abs(hf_logits(other) - ref).max() > 1e-3, scale
+
+
+def test_the_moe_block_matches_on_one_device_and_under_ep(built_moe):
+    """One device, then expert-parallel on 8 devices (expert=4, data=2): an expert a device."""
+    path, _, ref = built_moe
+    module, _, params = load_hf(path, mesh=one_device())
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    module, _, params, mesh = load_ep(path)
+    assert params["layers"]["sub_0"]["moe"]["wi_gate"].addressable_shards[0].data.shape[:2] == (2, 1)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+def test_the_moe_block_generates_and_exports(built_moe, tmp_path, parity):
+    path, model, ref = built_moe
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+    _, config, params = load_hf(path)
+    assert export_hf(config, params, str(tmp_path))["enable_moe_block"] is True
+    parity.export_matches(str(tmp_path), model, TOKENS, ref, TOL)
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(hidden_size_per_layer_input=4), "hidden_size_per_layer_input"),
     (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8), "enable_moe_block"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
 ])
 def test_what_gemma4_adds_beyond_this_is_refused_naming_the_field(change, field, tmp_path):
-    """Per-layer input embeddings, shared keys and values, the MoE block, bidirectional attention."""
+    """Per-layer input embeddings, shared keys and values, bidirectional attention."""
     path = rewritten(Gemma4TextConfig(**DIMS, **(GEMMA4 | change)), tmp_path)
     with pytest.raises(HFError, match=field) as e:
         load_hf_config(path)
