@@ -193,6 +193,12 @@ GEMMA4 = Family(
         "gemma-4-31b": _gemma4(60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
                                num_key_value_heads=16, sliding_window=1024, max_position_embeddings=262144,
                                global_head_dim=512, num_global_key_value_heads=4, global_attention_k_eq_v=True),
+        # google/gemma-4-26B-A4B's text model: the MoE block (128 experts 704 wide, top-8) beside every MLP
+        "gemma-4-26b-a4b": _gemma4(30, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
+                                   num_key_value_heads=8, sliding_window=1024, max_position_embeddings=262144,
+                                   global_head_dim=512, num_global_key_value_heads=2, global_attention_k_eq_v=True,
+                                   mlp_layer_types=(DENSE_AND_MOE,) * 30, num_local_experts=128,
+                                   num_experts_per_tok=8, moe_intermediate_size=704, router_kind="scaled_softmax"),
         # a window shorter than a test's text; the global layers' own heads, keys as values
         "gemma4-tiny": _gemma4(6, **(llama.TINY | dict(num_hidden_layers=6, head_dim=16, sliding_window=8,
                                                        global_head_dim=32, num_global_key_value_heads=1,
