@@ -123,6 +123,7 @@ import jax.numpy as jnp
 from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
+from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import norm_params
 from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
@@ -243,15 +244,17 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     # each kind of layer (mixer, MLP), its terms and how many the model has
     kinds = {}
     for spec in a.layer_specs():
-        key = (spec.mixer, spec.mlp)
+        mine = layer_arch(a, spec)  # Gemma 4's global layers: their own head size
+        key = (spec.mixer, spec.mlp, mine is not a)
         if key not in kinds:
-            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(cost, spec),
+            own = cost if mine is a else dataclasses.replace(cost, config=type(cfg)(mine, e))
+            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(own, spec),
                      **MLPS[spec.mlp].activations(cost)}
             kinds[key] = (terms, 0)
         kinds[key] = (kinds[key][0], kinds[key][1] + 1)
-    n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
+    n_moe = sum(n for (_, mlp, _), (_, n) in kinds.items() if mlp in (MOE, DENSE_AND_MOE))
     n_dense = a.num_hidden_layers - n_moe
-    n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
+    n_conv = sum(n for (mixer, _, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
@@ -267,7 +270,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "head": t(3 * a.hidden_size, BLE, 4) + logits
         + (int(t(2 * vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB)) * length_share) if a.final_logit_softcapping else 0),
     }
-    for mixer in sorted({m for m, _ in kinds}):  # what a mixer keeps once per model (attention's mask)
+    for mixer in sorted({m for m, _, _ in kinds}):  # what a mixer keeps once per model (attention's mask)
         if MIXERS[mixer].model_terms is not None:
             others.update(MIXERS[mixer].model_terms(cost))
     if pipeline is not None:  # one stage's layers on one microbatch at a time (models/pipeline.py)
