@@ -79,6 +79,9 @@ def _global_shape(hf: HFConfig, types: list[str]) -> dict:
     k_eq_v = bool(hf.get("attention_k_eq_v"))
     per_layer, head_dim, kv = hf.get("per_layer_config"), hf.get("global_head_dim"), hf.get("num_global_key_value_heads")
     if per_layer is not None:
+        if not isinstance(per_layer, dict) or not all(str(i).isdigit() and isinstance(o, dict)
+                                                      for i, o in per_layer.items()):
+            raise hf.refuse("per_layer_config", "shardzoo reads a mapping of layer indices to their settings")
         overrides = {int(i): dict(o) for i, o in per_layer.items()}
         shapes = {tuple(sorted(o.items())) for o in overrides.values()}
         if set(overrides) != {i for i, t in enumerate(types) if t == FULL} or len(shapes) != 1 \

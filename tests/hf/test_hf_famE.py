@@ -1,13 +1,14 @@
 """Gemma 4 (text): Gemma 3's layers with the full-attention layers shaped apart (their own head size and
 key/value heads, keys serving as values: models/attention.py ``GlobalAttention``), proportional rotary on
 them (models/rope.py), values RMS-normalised without a weight (``v_norm``), every layer's output times its
-scalar (``layer_scalar``), plain RMSNorms and an attention scale of 1; and the text model of a multimodal
+scalar (``layer_scalar``), plain RMSNorms and an attention scale of 1; the MoE block beside every MLP
+(models/moe.py ``DENSE_AND_MOE_KIND``, the ``scaled_softmax`` router); and the text model of a multimodal
 ``gemma4`` checkpoint.
 
 A tiny random HF model (sliding, full, sliding, full: two scanned periods; a window of 4 in 16 tokens):
 logits equal transformers' on one device and under fsdp_tp on 8 devices, greedy tokens equal over 16,
-export then ``from_pretrained`` equal; each new mechanism moves the logits. Tolerance: 1e-4 on float32
-logits, as for every family.
+export then ``from_pretrained`` equal; each new mechanism moves the logits; the MoE block the same, under
+ep (expert=4, data=2) for its sharded check. Tolerance: 1e-4 on float32 logits, as for every family.
 """
 
 import copy
@@ -199,6 +200,15 @@ def test_the_published_layout_reads_global_head_dim_and_kv_heads(tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(published | dict(attention_k_eq_v=False)))
     g = load_hf_config(str(tmp_path / "b")).arch.global_attention
     assert (g.head_dim, g.num_key_value_heads, g.k_eq_v) == (16, None, False)
+
+
+@pytest.mark.parametrize("per_layer", [{"1": {"head_dim": 16}}, {"full_attention": {"head_dim": 16}},
+                                       {"1": {"head_dim": 16, "sliding_window": 2}, "3": {"head_dim": 16}}])
+def test_a_per_layer_config_other_than_one_shape_of_the_full_layers_is_refused(per_layer, tmp_path):
+    """Only the full layers, all alike, by index, with head_dim and num_key_value_heads."""
+    path = rewritten(Gemma4TextConfig(**DIMS, **GEMMA4), tmp_path, per_layer_config=per_layer)
+    with pytest.raises(HFError, match="per_layer_config"):
+        load_hf_config(path)
 
 
 def test_global_attention_settings_are_checked_by_name():
