@@ -112,7 +112,8 @@ def gemma4_from_hf(hf: HFConfig) -> dict:
     if types and types[-1] != FULL:
         types[-1] = FULL  # as transformers forces it
     bias = hf.get("attention_bias")
-    fields = sizes(hf) | dict(hidden_act=hf.get("hidden_activation"), norm_type="rmsnorm", norm_position="both",
+    fields = sizes(hf) | dict(num_key_value_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+                              hidden_act=hf.get("hidden_activation"), norm_type="rmsnorm", norm_position="both",
                               qk_norm="head", v_norm=True, layer_scalar=True, scale_embeddings=True,
                               attention_multiplier=1.0, attention_bias=bias, attention_out_bias=bias,
                               final_logit_softcapping=hf.get("final_logit_softcapping"))
