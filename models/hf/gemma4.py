@@ -101,7 +101,7 @@ def _moe(hf: HFConfig, n: int) -> dict:
         return {}
     return dict(mlp_layer_types=(DENSE_AND_MOE,) * n, num_local_experts=hf.get("num_experts"),
                 num_experts_per_tok=hf.get("top_k_experts"), moe_intermediate_size=hf.get("moe_intermediate_size"),
-                router_kind="scaled_softmax", norm_topk_prob=True)
+                router_kind="scaled_softmax", norm_topk_prob=True, router_aux_loss_coef=0.0)  # transformers adds none
 
 
 def gemma4_from_hf(hf: HFConfig) -> dict:
@@ -202,7 +202,8 @@ GEMMA4 = Family(
                                    num_key_value_heads=8, sliding_window=1024, max_position_embeddings=262144,
                                    global_head_dim=512, num_global_key_value_heads=2, global_attention_k_eq_v=True,
                                    mlp_layer_types=(DENSE_AND_MOE,) * 30, num_local_experts=128,
-                                   num_experts_per_tok=8, moe_intermediate_size=704, router_kind="scaled_softmax"),
+                                   num_experts_per_tok=8, moe_intermediate_size=704, router_kind="scaled_softmax",
+                                   router_aux_loss_coef=0.0),
         # a window shorter than a test's text; the global layers' own heads, keys as values
         "gemma4-tiny": _gemma4(6, **(llama.TINY | dict(num_hidden_layers=6, head_dim=16, sliding_window=8,
                                                        global_head_dim=32, num_global_key_value_heads=1,
