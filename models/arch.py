@@ -31,7 +31,7 @@ from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' nam
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
-from shardzoo.models.moe_arch import MOE
+from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import NORMS
 from shardzoo.models.positions import KINDS as POSITION_KINDS
 from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
@@ -61,6 +61,8 @@ def _mlp_pattern_feature(value):
     model's pattern of dense and MoE layers."""
     if value is None:
         return None
+    if DENSE_AND_MOE in value:
+        return "moe_beside_dense"
     return "mlp_free_layers" if NONE in value and MOE not in value else "moe_pattern"
 
 
@@ -149,6 +151,14 @@ class ArchCore:
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
+    # the values RMS-normalised per head without a weight (rms_norm_eps) (Gemma 4)
+    v_norm: bool = feature(False, "v_norm")
+    # the key projection's output serves as the values too: no v projection (Gemma 4's full layers,
+    # through the global_attention record)
+    attention_k_eq_v: bool = feature(False, "attention_k_eq_v")
+    # each layer's output (the residual stream) times a scalar of its own, which transformers keeps
+    # as a buffer: read and written, not trained (Gemma 4)
+    layer_scalar: bool = feature(False, "layer_scalar")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -13,6 +13,7 @@ scoring calls run XLA, cuDNN or Pallas splash attention (``attention_kernel``; m
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -75,6 +76,49 @@ class LatentAttentionArch(SubRecord):
         return self.kv_lora_rank is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class GlobalAttention(SubRecord):
+    """The full-attention layers' own shape beside sliding ones (Gemma 4): their head size,
+    key/value heads and keys serving as values; None: the model's. ``layer_arch`` gives such a
+    layer the architecture it computes with."""
+
+    NAME: ClassVar[str] = "global_attention"
+    FEATURE: ClassVar[str] = "global_attention"
+    FLAT: ClassVar[dict[str, str]] = {"global_head_dim": "head_dim", "num_global_key_value_heads": "num_key_value_heads",
+                                      "global_attention_k_eq_v": "k_eq_v"}
+
+    head_dim: int | None = None
+    num_key_value_heads: int | None = None
+    k_eq_v: bool = False
+
+    def check(self, arch) -> None:
+        check_fields(self, {}, ("head_dim", "num_key_value_heads"))
+        if arch.latent:
+            raise ModelError("global_head_dim, num_global_key_value_heads and global_attention_k_eq_v shape "
+                             "ordinary attention; latent attention (kv_lora_rank) has its own")
+        kv = self.num_key_value_heads or arch.kv_heads
+        if arch.num_attention_heads % kv:
+            raise ModelError(f"num_attention_heads={arch.num_attention_heads} is not a multiple of "
+                             f"num_global_key_value_heads={kv}")
+
+
+def is_global(spec) -> bool:
+    """Whether a layer is a full-attention one (no window, no chunk)."""
+    return spec.mixer == "attention" and not spec.window and not spec.chunk
+
+
+@functools.lru_cache(maxsize=256)
+def layer_arch(a, spec):
+    """The architecture a layer's attention computes with: ``a``, or for a full-attention layer
+    of a model with a ``global_attention`` record, ``a`` with that record's head size, key/value
+    heads and ``attention_k_eq_v`` (Gemma 4's global layers)."""
+    g = a.global_attention
+    if g is None or not is_global(spec):
+        return a
+    return dataclasses.replace(a, head_dim=g.head_dim or a.head_size, num_key_value_heads=g.num_key_value_heads or
+                               a.kv_heads, attention_k_eq_v=g.k_eq_v or a.attention_k_eq_v, global_attention=None)
+
+
 class Attention(nn.Module):
     """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
 
@@ -92,7 +136,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, segment_ids=None, decode: bool = False):
-        a, e, spec, placement = self.config.arch, self.config.execution, self.spec, self.placement
+        e, spec, placement = self.config.execution, self.spec, self.placement
+        a = layer_arch(self.config.arch, spec)  # Gemma 4's full layers: their own head size
         if a.latent:
             return self._latent(x, positions, segment_ids, decode)
         dt = dtype_of(e.dtype)
@@ -100,13 +145,18 @@ class Attention(nn.Module):
         kw = linear_kw(self.config)
         q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="q", **kw)(x)
         kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
-              for n in ("k", "v")]
-        k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
+              for n in ("k", "v")[:2 - a.attention_k_eq_v]]
+        if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
+            k = v = kv[0](x)
+        else:
+            k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
         if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
             q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
+        if a.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
+            v = RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, (ax.HEAD_DIM,), use_scale=False, name="v_norm")(v)
         if spec.rope != "none":
             inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
             turn = a.rope_interleaved
@@ -302,13 +352,13 @@ def _latent_params(a) -> int:
 def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
     d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
-    matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + 2 * a.kv_heads)
+    matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + (2 - a.attention_k_eq_v) * a.kv_heads)
     matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
     if a.attention_bias:
-        other += hd * (nh * (1 + a.attn_output_gate) + 2 * a.kv_heads)
+        other += hd * (nh * (1 + a.attn_output_gate) + (2 - a.attention_k_eq_v) * a.kv_heads)
     if a.attention_out_bias:
         other += d
     if a.attention_sinks:
@@ -404,6 +454,8 @@ def check(a) -> None:
                          "(it rotates qk_rope_head_dim features of each head)")
     if a.attn_output_gate:
         raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
+    if a.v_norm or a.attention_k_eq_v:
+        raise ModelError("latent attention has no v_norm or attention_k_eq_v (its values come from the latent)")
 
 
 CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-zag order, key/value blocks passed "
@@ -411,4 +463,4 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
                     "the ring's shards as its own (models/splash.py)")
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
-    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning))
+    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning, GlobalAttention))

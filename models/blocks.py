@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 from shardzoo.models import ModelError
 from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, NONE
-from shardzoo.models.layers import constrain
+from shardzoo.models.layers import constrain, dtype_of
 from shardzoo.models.norms import make_norm
 from shardzoo.sharding import axes as ax
 
@@ -50,7 +52,8 @@ def sequential(block, x, positions, segment_ids):
                    segment_ids)
         x = _residual(block, x, make_norm(cfg, "post_attn_norm")(h) if post else h)
     if MLPS[block.spec.mlp] is not NO_MLP:
-        h = _mlp(block, make_norm(cfg, "mlp_norm")(x) if pre else x, segment_ids)
+        own = MLPS[block.spec.mlp].reads_residual  # it norms its input itself
+        h = _mlp(block, make_norm(cfg, "mlp_norm")(x) if pre and not own else x, segment_ids)
         x = _residual(block, x, make_norm(cfg, "post_mlp_norm")(h) if post else h)
     return x
 
@@ -106,9 +109,24 @@ def _check_parallel(a) -> None:
         raise ModelError(f"block_form={a.block_form!r} (x + attn(norm(x)) + mlp(norm(x))) has its norms before "
                          f"attention and MLP; norm_position={a.norm_position!r} must be 'pre'")
     types, mlps = a.layer_types or (), a.mlp_layer_types or ()
+    if any(MLPS[m].reads_residual for m in mlps):
+        raise ModelError(f"block_form={a.block_form!r}: mlp_layer_types {sorted(set(mlps))} has a kind that norms the "
+                         "residual stream itself; it runs in sequential blocks only")
     if NONE in types or NONE in mlps:
         raise ModelError(f"block_form={a.block_form!r} runs a mixer and an MLP side by side: every layer needs both "
                          "(no 'none' in layer_types or mlp_layer_types)")
+
+
+class LayerScalar(nn.Module):
+    """A layer's output times its scalar (Gemma 4's ``layer_scalar``): a buffer to transformers,
+    read and written with the checkpoint and, like it, not trained."""
+
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ()), (), dtype_of(self.param_dtype))
+        return x * jax.lax.stop_gradient(scale).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

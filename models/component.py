@@ -68,6 +68,9 @@ class Mlp:
     activations: Callable = _no_terms
     check: Callable | None = None
     records: tuple[type, ...] = ()
+    # it takes the residual stream as it is and norms what it reads itself (Gemma 4's MoE block):
+    # the block form gives it no norm before, its norm after as any MLP's
+    reads_residual: bool = False
 
 
 class SubRecord:

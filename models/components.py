@@ -56,6 +56,7 @@ MIXERS = {m.name: m for m in (
 MLPS = {m.name: m for m in (
     layers.MLP_KIND,  # a dense MLP, gated (SwiGLU, GeGLU) or plain
     moe.MLP_KIND,  # a Mixture of Experts with its router and shared expert
+    moe.DENSE_AND_MOE_KIND,  # a dense MLP and a Mixture of Experts side by side (Gemma 4's MoE block)
     NO_MLP,
 )}
 # each name of arch.layer_types, and its mixer

@@ -120,8 +120,10 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
+from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import norm_params
 from shardzoo.models.tiled_loss import tiles
 from shardzoo.sharding import axes as ax
@@ -178,15 +180,15 @@ def _saved(terms: dict, policy: str) -> int:
 
 def buffers(a) -> tuple[tuple[str, str], ...]:
     """The leaves (their last two path keys) that transformers holds as buffers, not
-    parameters: not counted by ``transformer_params``. Ernie 4.5 MoE's correction bias is a
+    parameters: not counted by ``transformer_params`` (Gemma 4's layer scalars too). Ernie 4.5 MoE's correction bias is a
     parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
-    out = (("xielu", "beta"), ("xielu", "eps"))
+    out = (("xielu", "beta"), ("xielu", "eps")) + ((("layer_scalar", "scale"),) if a.layer_scalar else ())
     return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind == "sigmoid_groups" else ())
 
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:
     """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records."""
-    mixer, mlp = MIXERS[spec.mixer].params(a), MLPS[spec.mlp].params(a, active)
+    mixer, mlp = MIXERS[spec.mixer].params(layer_arch(a, spec)), MLPS[spec.mlp].params(a, active)
     return mixer[0] + mlp[0], mixer[1] + mlp[1]
 
 
@@ -221,7 +223,7 @@ def transformer_flops(a, seq_len: int) -> float:
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
     matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
-    return 6 * matmul + sum(MIXERS[s.mixer].flops(a, s, seq_len) for s in a.layer_specs())
+    return 6 * matmul + sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
 
 
 def decode_flops(a, context: float) -> float:
@@ -230,7 +232,7 @@ def decode_flops(a, context: float) -> float:
     token attends, each layer's window or chunk capping it; a mamba layer's state update)."""
     matmul = _matmul_params(a) + a.vocab_size * a.hidden_size
     matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
-    return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(a, s, context) for s in a.layer_specs())
+    return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(layer_arch(a, s), s, context) for s in a.layer_specs())
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
@@ -246,15 +248,17 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     # each kind of layer (mixer, MLP), its terms and how many the model has
     kinds = {}
     for spec in a.layer_specs():
-        key = (spec.mixer, spec.mlp)
+        mine = layer_arch(a, spec)  # Gemma 4's global layers: their own head size
+        key = (spec.mixer, spec.mlp, mine is not a)
         if key not in kinds:
-            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(cost, spec),
+            own = cost if mine is a else dataclasses.replace(cost, config=type(cfg)(mine, e))
+            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(own, spec),
                      **MLPS[spec.mlp].activations(cost)}
             kinds[key] = (terms, 0)
         kinds[key] = (kinds[key][0], kinds[key][1] + 1)
-    n_moe = sum(n for (_, mlp), (_, n) in kinds.items() if mlp == "moe")
+    n_moe = sum(n for (_, mlp, _), (_, n) in kinds.items() if mlp in (MOE, DENSE_AND_MOE))
     n_dense = a.num_hidden_layers - n_moe
-    n_conv = sum(n for (mixer, _), (_, n) in kinds.items() if mixer == "conv")
+    n_conv = sum(n for (mixer, _, _), (_, n) in kinds.items() if mixer == "conv")
     policy = e.remat_policy
     largest = max(_saved(terms_, "none") for terms_, _ in kinds.values())
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
@@ -270,7 +274,7 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "head": t(3 * a.hidden_size, BLE, 4) * (1 + (a.head_transform is not None)) + logits
         + (int(t(2 * vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB)) * length_share) if a.final_logit_softcapping else 0),
     }
-    for mixer in sorted({m for m, _ in kinds}):  # what a mixer keeps once per model (attention's mask)
+    for mixer in sorted({m for m, _, _ in kinds}):  # what a mixer keeps once per model (attention's mask)
         if MIXERS[mixer].model_terms is not None:
             others.update(MIXERS[mixer].model_terms(cost))
     if pipeline is not None:  # one stage's layers on one microbatch at a time (models/pipeline.py)
@@ -308,7 +312,7 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
     for s in a.layer_specs():
         size = MIXERS[s.mixer].cache_bytes
         if size is not None:
-            out[s.mixer] = out.get(s.mixer, 0) + size(a, batch_size, length, nbytes)
+            out[s.mixer] = out.get(s.mixer, 0) + size(layer_arch(a, s), batch_size, length, nbytes)
     return out
 
 

@@ -114,6 +114,17 @@ FEATURES = {
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
                              "(Qwen3-Next)",
+    "scaled_router": "the router's input RMS-normalised without a weight, times a learned vector and "
+                     "1/sqrt(hidden_size); each chosen expert's weight times its learned scale (Gemma 4)",
+    "moe_beside_dense": "a dense MLP and the routed experts side by side, each between norms of its own, the "
+                        "router reading the residual stream (mlp_layer_types dense_and_moe: Gemma 4's MoE block)",
+    "v_norm": "the values RMS-normalised per head without a weight (Gemma 4)",
+    "attention_k_eq_v": "keys serve as values: one projection for both (attention_k_eq_v)",
+    "global_attention": "the full-attention layers with a head size, key/value heads and keys-as-values of their "
+                        "own (Gemma 4's global_head_dim, num_global_key_value_heads, attention_k_eq_v)",
+    "layer_scalar": "each layer's output times a fixed scalar of its own (Gemma 4's layer_scalar)",
+    "rope_scaling:proportional": "Gemma 4's proportional rotary: the first partial_rotary_factor of the pairs turn "
+                                 "at the whole head's frequencies, the rest not at all",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "

@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models import DTYPES, check_fields
+from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.component import Mlp
 from shardzoo.models.layers import ACTIVATIONS, BLF, MLP, Linear, constrain, linear_kw, mlp_params
-from shardzoo.models.moe_arch import EXPERT_TYPES, MOE, ROUTERS, MoeArch
+from shardzoo.models.layers import MLP_KIND as DENSE_MLP_KIND
+from shardzoo.models.moe_arch import DENSE_AND_MOE, EXPERT_TYPES, MOE, ROUTERS, MoeArch
 from shardzoo.models.moe_dispatch import (
     DISPATCHES,
     GMM_DTYPES,
@@ -46,7 +47,7 @@ from shardzoo.models.moe_dispatch import (
     sorted_dispatch,
 )
 from shardzoo.models.moe_routing import choose_experts, router_losses
-from shardzoo.models.norms import make_norm, norm_params
+from shardzoo.models.norms import RMSNorm, make_norm, norm_params
 from shardzoo.sharding import axes as ax
 
 
@@ -74,6 +75,7 @@ class MoeConfig:
     sparsemixer_eps: float = 0.01  # router_kind sparsemixer's mask threshold
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    router_norm_eps: float = 1e-6  # the scaled_softmax router's RMS norm
     dtype: str = "float32"  # compute dtype of the experts; the router is always float32
     param_dtype: str = "float32"
     initializer_range: float = 0.02
@@ -109,7 +111,7 @@ class MoeConfig:
             aux_loss_coef=m.router_aux_loss_coef, router_bias=m.router_bias, expert_bias=m.expert_bias,
             swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, expert_type=m.expert_type, sparsemixer_eps=m.sparsemixer_eps,
             z_loss_coef=execution.router_z_loss_coef, dtype=execution.dtype, param_dtype=execution.param_dtype,
-            initializer_range=arch.initializer_range)
+            initializer_range=arch.initializer_range, router_norm_eps=arch.rms_norm_eps)
 
     def capacity(self, group_size: int) -> int:
         """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
@@ -125,8 +127,9 @@ class MoeMLP(nn.Module):
     placement: object = None  # sharding.partition.Placement (None: one device)
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True, token_mask=None):
-        """``token_mask`` [batch, length]: the real tokens (padding takes no slot, no loss)."""
+    def __call__(self, x, deterministic: bool = True, token_mask=None, router_x=None):
+        """``token_mask`` [batch, length]: the real tokens (padding takes no slot, no loss);
+        ``router_x``: what the router reads where it is not ``x`` (Gemma 4: the residual stream)."""
         cfg = self.config
         _, length, embed = x.shape
         num_experts, mlp = cfg.num_experts, cfg.intermediate_size
@@ -136,7 +139,14 @@ class MoeMLP(nn.Module):
         act = gated_activation(ACTIVATIONS[cfg.hidden_act], cfg.swiglu_limit, cfg.swiglu_alpha, gated)
 
         # Router, in float32.
-        router_in = x.astype(jnp.float32)
+        router_in = (x if router_x is None else router_x).astype(jnp.float32)
+        scaled = cfg.router_kind == "scaled_softmax"
+        if scaled:  # Gemma 4: RMS-normalised, times a learned vector and 1/sqrt(embed)
+            router_in = RMSNorm(cfg.router_norm_eps, "float32", cfg.param_dtype, use_scale=False,
+                                name="router_norm")(router_in)
+            scale = self.param("router_scale", nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
+                               (embed,), param_dtype)
+            router_in = router_in * scale.astype(jnp.float32) * embed**-0.5
         if not deterministic and cfg.router_jitter_noise > 0:
             eps = cfg.router_jitter_noise
             noise = jax.random.uniform(self.make_rng("dropout"), x.shape, jnp.float32, 1 - eps, 1 + eps)
@@ -155,6 +165,10 @@ class MoeMLP(nn.Module):
             bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
                               (num_experts,), jnp.float32)
         probs, top_p, top_idx = choose_experts(logits, cfg, bias)  # top_*: [batch, length, k]
+        if scaled:  # each chosen expert's weight times its own scale
+            per_expert = self.param("per_expert_scale", nn.with_logical_partitioning(
+                nn.initializers.ones, (ax.EXPERT,)), (num_experts,), param_dtype).astype(jnp.float32)
+            top_p = top_p * per_expert[top_idx]
         load_balance, z_loss = router_losses(logits, probs, top_idx, token_mask)
 
         def expert_param(name, shape, names):
@@ -235,6 +249,17 @@ def _apply(block, h, segment_ids):
     return make_norm(config, "post_moe_norm")(out) if m.post_moe_norm else out
 
 
+def _apply_beside(block, x, segment_ids):
+    """Gemma 4's MoE block, of the residual stream ``x``: post_mlp_norm_1(mlp(mlp_norm(x))) +
+    post_moe_norm(experts(moe_norm(x)), routed by x itself); the block form norms the sum."""
+    config = block.config
+    token_mask = None if segment_ids is None else segment_ids > 0
+    dense = MLP(config, block.placement, name="mlp")(make_norm(config, "mlp_norm")(x))
+    routed = MoeMLP(config.moe_config(), block.placement, name="moe")(
+        make_norm(config, "moe_norm")(x), block.deterministic, token_mask, router_x=x)
+    return make_norm(config, "post_mlp_norm_1")(dense) + make_norm(config, "post_moe_norm")(routed)
+
+
 def _params(a, active: bool) -> tuple[int, int]:
     """(the router, the experts (``active``: the top-k) and the shared expert; the router's and
     experts' biases, the correction bias of softmax_bias (a parameter in transformers; sigmoid_groups':
@@ -246,7 +271,14 @@ def _params(a, active: bool) -> tuple[int, int]:
     matmul = d * e + (m.num_experts_per_tok if active else e) * per_expert + shared + d * m.shared_expert_gate
     other = e * (m.router_bias + m.expert_bias * (2 * fe + d) + (m.router_kind == "softmax_bias"))
     other += norm_params(a, d) if m.post_moe_norm else 0
+    other += (d + e) * (m.router_kind == "scaled_softmax")  # its input's scale, each expert's scale
     return matmul, other + (shared_bias if m.shared_expert_intermediate_size else 0)
+
+
+def _params_beside(a, active: bool) -> tuple[int, int]:
+    """The dense MLP, the experts and their three norms of their own (post_mlp_norm_1, moe_norm, post_moe_norm)."""
+    dense, moe = mlp_params(a, a.intermediate_size), _params(a, active)
+    return dense[0] + moe[0], dense[1] + moe[1] + 3 * norm_params(a, a.hidden_size)
 
 
 def _activations(cost) -> dict:
@@ -276,4 +308,20 @@ def _activations(cost) -> dict:
     return out
 
 
+def _activations_beside(cost) -> dict:
+    """The dense MLP's terms and the experts' (their norms' as the block's: 3 D float32 each)."""
+    t, d = cost.t, cost.config.arch.hidden_size
+    return DENSE_MLP_KIND.activations(cost) | _activations(cost) | {
+        "moe_norms": t(9 * d, (ax.BATCH, ax.LENGTH, ax.EMBED), 4)}
+
+
+def _check_beside(a) -> None:
+    if a.block_form != "sequential" or a.norm_position != "both":
+        raise ModelError(f"mlp_layer_types {DENSE_AND_MOE} (Gemma 4's MoE block) sits between the norms of "
+                         f"norm_position 'both' in sequential blocks; got block_form={a.block_form!r}, "
+                         f"norm_position={a.norm_position!r}")
+
+
 MLP_KIND = Mlp(MOE, _apply, _params, _activations, records=(MoeArch,))
+DENSE_AND_MOE_KIND = Mlp(DENSE_AND_MOE, _apply_beside, _params_beside, _activations_beside, _check_beside,
+                         (MoeArch,), reads_residual=True)

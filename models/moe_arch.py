@@ -15,10 +15,12 @@ from shardzoo.models.features import feature
 from shardzoo.models.layers import positive
 
 MOE = "moe"  # its name in mlp_layer_types
+DENSE_AND_MOE = "dense_and_moe"  # a dense MLP and the routed experts side by side (Gemma 4's MoE block)
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid")  # the routers without expert groups
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid",
+           "scaled_softmax")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid", "scaled_softmax")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class MoeArch(SubRecord):
 
     NAME: ClassVar[str] = "moe"
     FEATURE: ClassVar[str] = "moe"
-    OWNERS: ClassVar[tuple[str, ...]] = (MOE,)
+    OWNERS: ClassVar[tuple[str, ...]] = (MOE, DENSE_AND_MOE)
     FLAT: ClassVar[dict[str, str]] = {n: n for n in (
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
@@ -55,13 +57,16 @@ class MoeArch(SubRecord):
     # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE); "sparsemixer": the
     # best expert, then the best of the rest, each weighted by a softmax over the logits within
     # 2 x sparsemixer_eps (relative) of its own (Phi-MoE, top-2 only); "sigmoid": top-k of
-    # the sigmoid scores, no correction bias, no groups (Flint)
+    # the sigmoid scores, no correction bias, no groups (Flint); "scaled_softmax":
+    # the router reads its input RMS-normalised without a weight, times a learned vector and
+    # 1/sqrt(hidden_size), and each chosen expert's weight is times its learned scale (Gemma 4)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
                                            "softmax_bias": "biased_softmax_router",
                                            "sparsemixer": "sparsemixer_router",
-                                           "sigmoid": "sigmoid_topk_router"})
+                                           "sigmoid": "sigmoid_topk_router",
+                                           "scaled_softmax": "scaled_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled

@@ -20,10 +20,12 @@ ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "dynamic": ("factor",),
+    "proportional": (),
 }
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
     "longrope": ("factor", "attention_factor"),
+    "proportional": ("partial_rotary_factor", "factor"),
 }
 
 
@@ -37,8 +39,10 @@ def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray
 
     Handles ``partial_rotary_factor`` (latent attention: ``qk_rope_head_dim``) and every ``rope_scaling`` type of ``arch.ROPE_SCALING``,
     each as ``transformers.modeling_rope_utils`` computes it at initialisation: linear, llama3,
-    yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``) and dynamic (plain
-    within ``max_position_embeddings``; beyond, ``rope_frequencies`` rescales per call).
+    yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``), dynamic (plain
+    within ``max_position_embeddings``; beyond, ``rope_frequencies`` rescales per call) and
+    proportional (Gemma 4's global layers: the first ``partial_rotary_factor`` of the head's pairs
+    turn at the frequencies of the whole head's width, the others not at all; ``/ factor``).
     A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
     ``config`` is the architecture record.
     """
@@ -52,6 +56,10 @@ def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray
     kind = scaling.get("rope_type", "default")
     if kind in ("default", "dynamic"):
         return inv_freq
+    if kind == "proportional":  # every pair (i, i + dim/2) listed, the unrotated ones at frequency 0
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv_freq = np.concatenate([inv_freq[:angles], np.zeros(dim // 2 - angles, np.float32)])
+        return (inv_freq / np.float32(scaling.get("factor", 1.0))).astype(np.float32)
     if kind == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     if kind == "longrope":

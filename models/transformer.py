@@ -22,7 +22,7 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import MOE, LayerSpec, TransformerArch, nest
-from shardzoo.models.blocks import BLE, BLOCK_FORMS
+from shardzoo.models.blocks import BLE, BLOCK_FORMS, LayerScalar
 from shardzoo.models.components import RECORDS
 from shardzoo.models.config import ModelConfig
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
@@ -205,6 +205,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         x = BLOCK_FORMS[self.config.arch.block_form].apply(self, x, positions, segment_ids)
+        if self.config.arch.layer_scalar:
+            x = LayerScalar(self.config.execution.param_dtype, name="layer_scalar")(x)
         return (x, None) if self.scanned else x  # [batch, length, embed]
 
 

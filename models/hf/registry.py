@@ -45,6 +45,7 @@ from shardzoo.models.hf import (
     flex_olmo,
     flint,
     gemma,
+    gemma4,
     glm,
     glm4_moe,
     glm4_moe_lite,
@@ -165,6 +166,7 @@ FAMILIES: tuple[Family, ...] = (
     dbrx.DBRX, phimoe.PHIMOE,  # SparseMixer's router (models/moe_routing.py)
     axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
     modernbert_decoder.MODERNBERT_DECODER,  # no first pre-norm, the prediction head
+    gemma4.GEMMA4,  # Gemma 3's layers, the global ones shaped apart (models/attention.py GlobalAttention)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -56,7 +56,7 @@ def test_every_layer_type_and_mlp_kind_is_on_a_table():
                                                    "linear_attention", "mamba", "attention+mamba", "mamba1", "kimi_delta",
                                                    "indexed_attention",
                                                    "none"}
-    assert set(components.MLPS) == {"dense", "moe", "none"}
+    assert set(components.MLPS) == {"dense", "moe", "dense_and_moe", "none"}
     for mixer in components.MIXERS.values():  # each says how it runs on a sharded sequence (or why not)
         assert mixer.name == "none" or mixer.context_parallel, mixer.name
     with pytest.raises(ModelError, match="layer_types must name 2 layers.*each one of full_attention"):

@@ -1,0 +1,29 @@
+"""Gemma 4 on the chip (gemma4-tiny: global layers with heads of 32 beside sliding ones of 16, keys as
+values, value norms, windows of 8 in rows of 256): ``attention_impl=auto`` runs splash on both kinds of
+layer and gives XLA attention's logits (within 2e-2 of their largest magnitude, as the splash tests).
+Run: ``JAX_PLATFORMS=tpu python3 -m pytest -q tests/tpu/test_gemma4_tpu.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from shardzoo.models import get_model
+from shardzoo.models.attention import attention_kernel
+
+TOL = 2e-2  # of the reference's largest magnitude
+
+
+def test_auto_runs_splash_on_the_global_and_sliding_layers_and_gives_xlas_logits():
+    _, config = get_model("gemma4-tiny")
+    assert attention_kernel(config, jnp.dtype("float32"), 256) == "splash"
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 512, (2, 256)), jnp.int32)
+    xla, _ = get_model("gemma4-tiny", attention_impl="xla")
+    auto, _ = get_model("gemma4-tiny")
+    params = nn.unbox(jax.jit(xla.init)(jax.random.key(0), tokens)["params"])
+    want = np.asarray(jax.jit(lambda p: xla.apply({"params": p}, tokens))(params), np.float32)
+    fn = jax.jit(lambda p: auto.apply({"params": p}, tokens))
+    got = np.asarray(fn(params), np.float32)
+    assert np.abs(got - want).max() / np.abs(want).max() <= TOL
+    assert "tpu_custom_call" in fn.lower(params).compile().as_text()  # the Pallas kernel, not XLA's attention
