@@ -39,7 +39,12 @@ from shardzoo.models.layers import (
     scaled,
 )
 from shardzoo.models.norms import RMSNorm, make_norm, norm_params
-from shardzoo.models.query_scaling import TemperatureTuning, l2_norm, temperature_tuned
+from shardzoo.models.query_scaling import (
+    Llama4Scaling,
+    TemperatureTuning,
+    l2_norm,
+    temperature_tuned,
+)
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.models.splash import padded_width, splash_attention
@@ -117,6 +122,9 @@ class Attention(nn.Module):
         if a.attn_temperature_tuning and spec.rope == "none":
             q = temperature_tuned(q, positions, a.attn_temperature_tuning.floor_scale,
                                   a.attn_temperature_tuning.attn_scale)
+        if a.llama_4_scaling:  # Ministral 3: every layer, positions from 0
+            q = temperature_tuned(q, positions, a.llama_4_scaling.original_max_position_embeddings,
+                                  a.llama_4_scaling.beta, offset=0.0)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
@@ -407,4 +415,4 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
                     "the ring's shards as its own (models/splash.py)")
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
-    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning))
+    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning, Llama4Scaling))

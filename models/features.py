@@ -73,6 +73,8 @@ FEATURES = {
                          "Llama 4)",
     "attention_temperature": "queries of the NoPE layers scaled by 1 + attn_scale * log(1 + floor((p + 1) / "
                              "floor_scale)) (Llama 4's attn_temperature_tuning)",
+    "llama_4_scaling": "queries of every layer scaled by 1 + beta * log(1 + floor(p / "
+                       "original_max_position_embeddings)) (Ministral 3's llama_4_scaling_beta)",
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
     "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
                              "(Ernie 4.5 MoE)",

@@ -76,6 +76,7 @@ from shardzoo.models.hf import (
     minicpm5_moe,
     minimax_m2,
     ministral,
+    ministral3,
     mixtral,
     mpt,
     nemotron,
@@ -157,6 +158,7 @@ FAMILIES: tuple[Family, ...] = (
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
+    ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -1,0 +1,107 @@
+"""Families of helper famF: Ministral 3 (a new attention option: Llama 4's query temperature on
+every layer, models/query_scaling.py ``Llama4Scaling``) and the families that only combine
+existing components.
+
+Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
+tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
+as for every family; 1e-5 between shardzoo's own sharded and one-device logits. The new
+component's own checks (it moves the logits; fsdp_tp on 8 devices equals one device) are here too.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from transformers import Ministral3Config
+
+from shardzoo.models.hf import export_hf
+from shardzoo.train.io.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    fsdp_tp_parity,
+    one_device,
+    randomized,
+    saved,
+)
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# YaRN x2 over 8 positions; queries from position 8 on scaled by 1 + 0.3 log 2
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=8,
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.3,
+                       max_position_embeddings=16)
+
+CONFIGS = {
+    "ministral3": lambda: Ministral3Config(**DIMS, head_dim=8, max_position_embeddings=16,
+                                           rope_parameters=MINISTRAL3_ROPE),
+}
+SEEDS = {}  # else 0; each with a varied greedy continuation
+DRAWS = {}
+BUFFERS = {}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    """(HF dir, HF model, reference logits): every weight random, norm scales near 1."""
+    kind = request.param
+    kw = {k: v for k, v in (("draw", DRAWS.get(kind)), ("buffers", BUFFERS.get(kind))) if v is not None}
+    model = randomized(CONFIGS[kind](), SEEDS.get(kind, 0), **kw)
+    return saved(model, tmp_path_factory.mktemp(kind))
+
+
+def test_logits_match_on_one_device(built):
+    path, model, ref = built
+    module, _, params = load_hf(path, mesh=one_device())
+    got = apply(module, params, one_device())
+    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built, parity):
+    path, model, _ = built
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    kind = model.config.model_type
+    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+# ------------------------------------------------------------ Ministral 3's query temperature
+@pytest.fixture(scope="module")
+def ministral3(tmp_path_factory):
+    return saved(randomized(CONFIGS["ministral3"](), 0), tmp_path_factory.mktemp("ministral3_q"))
+
+
+def test_ministral3_query_temperature_moves_the_logits_from_its_length_on(ministral3):
+    """Without the temperature (beta 0) the logits of positions 0-7 stay (their scale is 1 either
+    way) and those from position 8 on move; under fsdp_tp on 8 devices the logits equal one
+    device's within 1e-5 and transformers' within 1e-4."""
+    path, _, ref = ministral3
+    one, sharded = fsdp_tp_parity(path, ref)
+    np.testing.assert_allclose(sharded, one, atol=1e-5, rtol=0)
+    module, config, params = load_hf(path, mesh=one_device(), overrides={"llama_4_scaling_beta": 0.0})
+    assert config.arch.llama_4_scaling is None
+    off = apply(module, params, one_device())
+    np.testing.assert_allclose(off[:, :8], ref[:, :8], atol=TOL, rtol=0)
+    assert np.abs(off[:, 8:] - ref[:, 8:]).max() > 1e-2
+
+
+def test_ministral3_needs_the_scaling_beta(tmp_path):
+    """A rope_parameters without llama_4_scaling_beta is refused naming it (transformers fails on it)."""
+    from harness import rewritten
+
+    from shardzoo.models.hf.base import HFError
+
+    rope = {k: v for k, v in MINISTRAL3_ROPE.items() if k != "llama_4_scaling_beta"}
+    path = rewritten(CONFIGS["ministral3"](), tmp_path / "m", rope_parameters=rope)
+    with pytest.raises(HFError, match="llama_4_scaling_beta"):
+        load_hf(path)
