@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import Ministral3Config
+from transformers import MellumConfig, Ministral3Config
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
@@ -39,6 +39,15 @@ MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, origina
 CONFIGS = {
     "ministral3": lambda: Ministral3Config(**DIMS, head_dim=8, max_position_embeddings=16,
                                            rope_parameters=MINISTRAL3_ROPE),
+    # sliding (a window of 4, its own rotary base) with a dense MLP, then full (YaRN x2) and sliding
+    # layers of 4 experts top-2 (renormalised); qk-norm, q/k/v/o biases
+    "mellum": lambda: MellumConfig(
+        **(DIMS | dict(num_hidden_layers=3)), head_dim=8, max_position_embeddings=16, sliding_window=4,
+        attention_bias=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, rope_parameters={
+            "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=8),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {}
