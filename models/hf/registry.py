@@ -160,7 +160,7 @@ FAMILIES: tuple[Family, ...] = (
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
-    mellum.MELLUM,
+    mellum.MELLUM, apertus.APERTUS1P5_TEXT,
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import MellumConfig, Ministral3Config
+from transformers import Apertus1p5TextConfig, MellumConfig, Ministral3Config
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
@@ -48,6 +48,10 @@ CONFIGS = {
         moe_intermediate_size=16, rope_parameters={
             "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=8),
             "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
+    # Apertus under its own model_type: qk-norm, xIELU's learned scalars, llama3-scaled rotary
+    "apertus1p5_text": lambda: Apertus1p5TextConfig(**DIMS, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8)),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {}
@@ -114,3 +118,16 @@ def test_ministral3_needs_the_scaling_beta(tmp_path):
     path = rewritten(CONFIGS["ministral3"](), tmp_path / "m", rope_parameters=rope)
     with pytest.raises(HFError, match="llama_4_scaling_beta"):
         load_hf(path)
+
+
+def test_apertus1p5_text_with_a_pruned_head_is_refused_naming_the_field(tmp_path):
+    """An LM head narrower than the embeddings (output_vocab_size < vocab_size) is refused naming
+    output_vocab_size; one as wide (transformers' canonical None) reads as Apertus."""
+    from harness import config_of
+
+    from shardzoo.models.hf.base import HFError
+
+    hf = CONFIGS["apertus1p5_text"]().to_dict()
+    with pytest.raises(HFError, match="output_vocab_size=100"):
+        config_of(hf | dict(output_vocab_size=100))
+    assert config_of(hf | dict(output_vocab_size=128)).arch == config_of(hf).arch
