@@ -333,14 +333,14 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
     # prefix and Sarvam-MLA as DeepSeek-V3, EXAONE 3, InternLM3 and IQuest-Coder as Llama, Solar Open
     # (no dense layer, full rotary), Sarvam-MoE and Param2-MoE as GLM-4.5, Qwen3.5-MoE as Qwen3-Next,
-    # CWM as Ministral, Jais 2 as StarCoder2, Hunyuan V3 as dots1: the same architecture under
+    # CWM as Ministral, Jais 2 as StarCoder2, Hunyuan V3 as dots1, Apertus 1.5 as Apertus: the same architecture under
     # another model_type, the earlier family in the registry's order of preference.
     assert family_of_config(config).name == {
         "phi3": "mistral", "llama4": "llama4_text", "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
         "solar_open": "glm4_moe", "internlm3": "llama", "sarvam_moe": "glm4_moe", "codegen": "gptj",
         "iquestcoder": "llama", "sarvam_mla": "deepseek_v3", "param2moe": "glm4_moe",
         "qwen3_5_moe_text": "qwen3_next", "cwm": "ministral", "jais2": "starcoder2",
-        "hy_v3": "dots1"}.get(model_type, model_type)
+        "hy_v3": "dots1", "apertus1p5_text": "apertus"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
