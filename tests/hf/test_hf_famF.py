@@ -49,7 +49,7 @@ CONFIGS = {
             "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=2.0, original_max_position_embeddings=8),
             "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
     # Apertus under its own model_type: qk-norm, xIELU's learned scalars, llama3-scaled rotary
-    "apertus1p5_text": lambda: Apertus1p5TextConfig(**DIMS, rope_parameters=dict(
+    "apertus1p5_text": lambda: Apertus1p5TextConfig(**(DIMS | dict(pad_token_id=3)), rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=8)),
 }
