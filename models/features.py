@@ -28,6 +28,7 @@ FEATURES = {
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",
     "rmsnorm": "RMSNorm", "rmsnorm_plus_one": "RMSNorm scaled by (1 + weight) (Gemma)",
+    "rmsnorm_no_weight": "RMSNorm without weight (nanochat)",
     "layernorm": "LayerNorm with bias", "layernorm_no_bias": "LayerNorm without bias (Cohere)",
     "layernorm_plus_one": "LayerNorm with bias scaled by (1 + weight) (Nemotron's LayerNorm1P)",
     "layernorm_no_weight": "LayerNorm without weight or bias (OLMo 1)",

@@ -52,6 +52,10 @@ class Weight:
     # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block
     groups: int = 1
     hf_shape: tuple[int, ...] = ()  # a whole "vec": the HF tensor's shape where it is not flat (Kimi's A_log)
+    # the leaf's last axis (one head's features) holds HF's two halves swapped: nanochat's q and k,
+    # whose rotary turns the other way (R(-t) = S R(t) S for the swap S, which a weightless qk-norm
+    # and q.k do not see), so shardzoo's rotary computes its model
+    halves_swapped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,7 @@ from shardzoo.models.hf import (
     ministral3,
     mixtral,
     mpt,
+    nanochat,
     nemotron,
     nemotron_h,
     olmo,
@@ -161,6 +162,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
     mellum.MELLUM, apertus.APERTUS1P5_TEXT,
+    nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import Apertus1p5TextConfig, MellumConfig, Ministral3Config
+from transformers import Apertus1p5TextConfig, MellumConfig, Ministral3Config, NanoChatConfig
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
@@ -23,6 +23,7 @@ from harness import (  # noqa: E402
     TOKENS,
     TOL,
     apply,
+    edit,
     fsdp_tp_parity,
     one_device,
     randomized,
@@ -52,6 +53,9 @@ CONFIGS = {
     "apertus1p5_text": lambda: Apertus1p5TextConfig(**(DIMS | dict(pad_token_id=3)), rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=8)),
+    # weightless norms (the embeddings' too), the reversed rotary, the weightless qk-norm after it,
+    # relu2 MLP, soft-capped logits; q/k/v/o biases
+    "nanochat": lambda: NanoChatConfig(**DIMS, attention_bias=True, final_logit_softcapping=3.0),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {}
@@ -131,3 +135,23 @@ def test_apertus1p5_text_with_a_pruned_head_is_refused_naming_the_field(tmp_path
     with pytest.raises(HFError, match="output_vocab_size=100"):
         config_of(hf | dict(output_vocab_size=100))
     assert config_of(hf | dict(output_vocab_size=128)).arch == config_of(hf).arch
+
+
+# --------------------------------------------- nanochat's weightless norms and reversed rotary
+@pytest.fixture(scope="module")
+def nanochat(tmp_path_factory):
+    return saved(randomized(CONFIGS["nanochat"](), 0), tmp_path_factory.mktemp("nanochat_rope"))
+
+
+def test_nanochat_reversed_rotary_is_its_heads_halves_swapped(nanochat):
+    """Under fsdp_tp on 8 devices the logits (weightless norms, q/k halves swapped) equal one
+    device's within 1e-5 and transformers' within 1e-4; q and k read without the swap (shardzoo's
+    rotary turning nanochat's way round the other way) move them."""
+    path, _, ref = nanochat
+    one, sharded = fsdp_tp_parity(path, ref)
+    np.testing.assert_allclose(sharded, one, atol=1e-5, rtol=0)
+    module, _, params = load_hf(path, mesh=one_device())
+    swap = lambda x: np.roll(np.asarray(x), x.shape[-1] // 2, axis=-1)  # noqa: E731
+    for leaf in ("['q']['kernel']", "['k']['kernel']", "['q']['bias']", "['k']['bias']"):
+        params = edit(params, leaf, swap)
+    assert np.abs(apply(module, params, one_device()) - ref).max() > 1e-2
