@@ -13,7 +13,16 @@ not see; so the q and k projections are read with each head's halves swapped
 from __future__ import annotations
 
 from shardzoo.models.hf import llama
-from shardzoo.models.hf.base import INERT, Family, HFConfig, Weight, rope, rope_parameters_to_hf, sizes, sizes_to_hf
+from shardzoo.models.hf.base import (
+    INERT,
+    Family,
+    HFConfig,
+    Weight,
+    rope,
+    rope_parameters_to_hf,
+    sizes,
+    sizes_to_hf,
+)
 
 # NanoChatConfig's fields and defaults (transformers 5.25)
 SCHEMA = dict(vocab_size=50304, hidden_size=768, intermediate_size=8192, num_hidden_layers=12,
