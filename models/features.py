@@ -79,6 +79,8 @@ FEATURES = {
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
     "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
                              "(Ernie 4.5 MoE)",
+    "biased_logit_router": "top-k of the router logits plus a correction bias, weighted by the sigmoid of the chosen "
+                           "logits (Kolibri)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "

@@ -17,8 +17,8 @@ from shardzoo.models.layers import positive
 MOE = "moe"  # its name in mlp_layer_types
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
-ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias")  # the routers without expert groups
+ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "logit_bias")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "logit_bias")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +52,13 @@ class MoeArch(SubRecord):
     # correction bias added, groups ranked by the sum of their two best (DeepSeek-V3);
     # "sigmoid_input": top-k of the logits, each chosen expert's INPUT scaled by the sigmoid of
     # its logit and the outputs summed (Llama 4); "softmax_bias": top-k of the softmax plus a
-    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE)
+    # correction bias, weighted by the unbiased probabilities (Ernie 4.5 MoE); "logit_bias": top-k of
+    # the logits plus a correction bias, weighted by the sigmoid of the chosen logits (Kolibri)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
-                                           "softmax_bias": "biased_softmax_router"})
+                                           "softmax_bias": "biased_softmax_router",
+                                           "logit_bias": "biased_logit_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled

@@ -46,6 +46,8 @@ def choose_experts(logits, cfg, bias=None):
     - ``softmax_bias``: the k experts whose softmax probability plus the correction ``bias``
       [expert] is highest; the weights are their unbiased probabilities (Ernie 4.5 MoE's
       moe_statics.e_score_correction_bias).
+    - ``logit_bias``: the k experts whose logit plus the correction ``bias`` [expert] is highest;
+      the weights are the sigmoid of their logits (Kolibri's expert_bias).
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -65,6 +67,12 @@ def choose_experts(logits, cfg, bias=None):
         top_p = jnp.take_along_axis(scores, top_idx, axis=-1)
         probs = scores / scores.sum(-1, keepdims=True)
         eps = 1e-20  # transformers' denominator guard
+    elif kind == "logit_bias":
+        _, top_idx = top_k(logits + bias, k)
+        top_p = jax.nn.sigmoid(jnp.take_along_axis(logits, top_idx, axis=-1))
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdims=True)
+        eps = 0.0  # transformers divides by the bare sum
     elif kind == "softmax_bias":
         probs = jax.nn.softmax(logits, axis=-1)
         _, top_idx = top_k(probs + bias, k)

@@ -66,6 +66,7 @@ from shardzoo.models.hf import (
     jais2,
     jamba,
     kimi_linear,
+    kolibri1,
     lfm2,
     lfm2_moe,
     llama,
@@ -162,6 +163,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
     mellum.MELLUM, apertus.APERTUS1P5_TEXT,
+    kolibri1.KOLIBRI1,  # the router's top-k of logits plus a correction bias (router_kind logit_bias)
     nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
 )
 

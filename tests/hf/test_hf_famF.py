@@ -11,9 +11,17 @@ component's own checks (it moves the logits; fsdp_tp on 8 devices equals one dev
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
-from transformers import Apertus1p5TextConfig, MellumConfig, Ministral3Config, NanoChatConfig
+import torch
+from transformers import (
+    Apertus1p5TextConfig,
+    Kolibri1Config,
+    MellumConfig,
+    Ministral3Config,
+    NanoChatConfig,
+)
 
 from shardzoo.models.hf import export_hf
 from shardzoo.train.io.hf_io import load_hf
@@ -25,6 +33,7 @@ from harness import (  # noqa: E402
     apply,
     edit,
     fsdp_tp_parity,
+    load_ep,
     one_device,
     randomized,
     saved,
@@ -56,10 +65,24 @@ CONFIGS = {
     # weightless norms (the embeddings' too), the reversed rotary, the weightless qk-norm after it,
     # relu2 MLP, soft-capped logits; q/k/v/o biases
     "nanochat": lambda: NanoChatConfig(**DIMS, attention_bias=True, final_logit_softcapping=3.0),
+    # EXAONE 4's attention (qk-norm; sliding, full (NoPE), sliding layers, a window of 4) in sandwich
+    # norms; 4 experts top-2 by logits plus the correction bias, sigmoid weights renormalised, a shared expert
+    "kolibri1": lambda: Kolibri1Config(
+        **{k: v for k, v in (DIMS | dict(num_hidden_layers=3)).items() if k != "intermediate_size"}, head_dim=8,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=True),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {}
-BUFFERS = {}
+
+
+def router_bias(name, b):
+    """A draw for ``randomize``'s buffers: the router's correction bias, large enough to move the
+    experts chosen."""
+    return 0.3 * torch.randn_like(b) if name.endswith("e_score_correction_bias") else None
+
+
+BUFFERS = {"kolibri1": router_bias}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -155,3 +178,31 @@ def test_nanochat_reversed_rotary_is_its_heads_halves_swapped(nanochat):
     for leaf in ("['q']['kernel']", "['k']['kernel']", "['q']['bias']", "['k']['bias']"):
         params = edit(params, leaf, swap)
     assert np.abs(apply(module, params, one_device()) - ref).max() > 1e-2
+
+
+# ------------------------------------------------------------- Kolibri's router (logit_bias)
+@pytest.fixture(scope="module")
+def kolibri1(tmp_path_factory):
+    model = randomized(CONFIGS["kolibri1"](), 0, buffers=router_bias)
+    return saved(model, tmp_path_factory.mktemp("kolibri1_router"))
+
+
+def test_kolibri1_router_chooses_by_logits_plus_its_bias_and_runs_under_ep(kolibri1):
+    """Experts, router and correction bias split 4 ways (the indexed dispatch with a slot for every
+    token): the logits equal one device's within 1e-5 and transformers' within 1e-4. Choosing by
+    the sigmoid scores plus the bias (DeepSeek-V3's sigmoid_groups, the same weights) moves them."""
+    path, _, ref = kolibri1
+    module, _, params = load_hf(path, mesh=one_device())
+    one = apply(module, params, one_device())
+    np.testing.assert_allclose(one, ref, atol=TOL, rtol=0)
+    module, config, params, mesh = load_ep(path, moe_dispatch="indexed", capacity_factor=4 / 2)
+    assert config.arch.moe.router_kind == "logit_bias"
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for suffix, axis in (("['wi_up']", -3), ("['router_bias']", -1)):  # [.., expert, embed, mlp], [.., expert]
+        leaf = next(x for p, x in leaves if jax.tree_util.keystr(p).endswith(suffix))
+        assert leaf.shape[axis] == 4 and leaf.addressable_shards[0].data.shape[axis] == 1, suffix
+    sharded = apply(module, params, mesh)
+    np.testing.assert_allclose(sharded, one, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    module, _, params = load_hf(path, mesh=one_device(), overrides={"router_kind": "sigmoid_groups"})
+    assert np.abs(apply(module, params, one_device()) - ref).max() > 1e-3
