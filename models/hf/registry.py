@@ -67,6 +67,7 @@ from shardzoo.models.hf import (
     jamba,
     kimi_linear,
     kolibri1,
+    lara_mini,
     lfm2,
     lfm2_moe,
     llama,
@@ -164,6 +165,7 @@ FAMILIES: tuple[Family, ...] = (
     ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
     mellum.MELLUM, apertus.APERTUS1P5_TEXT,
     kolibri1.KOLIBRI1,  # the router's top-k of logits plus a correction bias (router_kind logit_bias)
+    lara_mini.LARA_MINI,
     nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
 )
 

@@ -18,6 +18,7 @@ import torch
 from transformers import (
     Apertus1p5TextConfig,
     Kolibri1Config,
+    LaraMiniConfig,
     MellumConfig,
     Ministral3Config,
     NanoChatConfig,
@@ -34,6 +35,7 @@ from harness import (  # noqa: E402
     edit,
     fsdp_tp_parity,
     load_ep,
+    mamba_draw,
     one_device,
     randomized,
     saved,
@@ -71,9 +73,17 @@ CONFIGS = {
         **{k: v for k, v in (DIMS | dict(num_hidden_layers=3)).items() if k != "intermediate_size"}, head_dim=8,
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24, norm_topk_prob=True),
+    # a Gated DeltaNet (two key heads, each serving two value heads), sliding (rotary, a window of 4)
+    # and full (NoPE) layers with qk-norm; 4 experts top-2 and an ungated shared expert; plain norms
+    "lara_mini": lambda: LaraMiniConfig(
+        **{k: v for k, v in (DIMS | dict(num_hidden_layers=3)).items() if k != "intermediate_size"}, head_dim=8,
+        sliding_window=4, layer_types=["linear_attention", "sliding_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
-DRAWS = {}
+DRAWS = {"lara_mini": mamba_draw}  # A = -exp(A_log) in [-2.5, -0.5], dt_bias near 0, norm scales near 1
+FORWARD = {"lara_mini": dict(use_cache=False)}
 
 
 def router_bias(name, b):
@@ -91,7 +101,7 @@ def built(request, tmp_path_factory):
     kind = request.param
     kw = {k: v for k, v in (("draw", DRAWS.get(kind)), ("buffers", BUFFERS.get(kind))) if v is not None}
     model = randomized(CONFIGS[kind](), SEEDS.get(kind, 0), **kw)
-    return saved(model, tmp_path_factory.mktemp(kind))
+    return saved(model, tmp_path_factory.mktemp(kind), **FORWARD.get(kind, {}))
 
 
 def test_logits_match_on_one_device(built):
