@@ -37,6 +37,7 @@ from harness import (  # noqa: E402
     load_ep,
     mamba_draw,
     one_device,
+    randomize,
     randomized,
     saved,
 )
@@ -216,3 +217,21 @@ def test_kolibri1_router_chooses_by_logits_plus_its_bias_and_runs_under_ep(kolib
     np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
     module, _, params = load_hf(path, mesh=one_device(), overrides={"router_kind": "sigmoid_groups"})
     assert np.abs(apply(module, params, one_device()) - ref).max() > 1e-3
+
+
+def test_the_text_model_of_a_multimodal_mistral3_checkpoint_is_ministral3(tmp_path, capfd):
+    """Mistral's published Ministral 3 checkpoints are ``mistral3`` (a vision tower around a
+    ``ministral3`` text model): the import reads the text model, saying the vision tower is left
+    out, with the conditional-generation model's logits on text within 1e-4."""
+    from transformers import AutoModelForImageTextToText, Mistral3Config
+
+    text = CONFIGS["ministral3"]().to_dict()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  image_size=16, head_dim=8)
+    config = Mistral3Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = randomize(AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval())
+    path, _, ref = saved(model, tmp_path / "mistral3")
+    module, loaded, params = load_hf(path, mesh=one_device())
+    assert "left out" in capfd.readouterr().err and loaded.arch.llama_4_scaling.beta == 0.3
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
