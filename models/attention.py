@@ -173,6 +173,9 @@ class Attention(nn.Module):
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
+        if a.attn_head_gate:  # LFM3: each head's output times the sigmoid of its own gate
+            gate = Linear((nh,), (ax.EMBED, ax.HEADS), False, name="head_gate", **kw)(x)  # [batch, length, heads]
+            ctx = ctx * jax.nn.sigmoid(gate)[..., None].astype(ctx.dtype)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
                      **kw)(ctx)
@@ -307,7 +310,7 @@ def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
     d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
     matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + 2 * a.kv_heads)
-    matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
+    matmul += d * hd * nh * a.attn_output_gate + d * nh * a.attn_head_gate  # the output gates' projections
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
@@ -406,8 +409,9 @@ def check(a) -> None:
     if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
         raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
-    if a.attn_output_gate:
-        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
+    if a.attn_output_gate or a.attn_head_gate:
+        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention; "
+                         "attn_head_gate: LFM3's)")
 
 
 CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-zag order, key/value blocks passed "

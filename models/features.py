@@ -111,6 +111,8 @@ FEATURES = {
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
                              "(Qwen3-Next)",
+    "attention_head_gate": "each attention head's output times the sigmoid of a gate projected from the layer's "
+                           "input, one per head (LFM3)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "

@@ -20,10 +20,14 @@ ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "dynamic": ("factor",),
+    # the first partial_rotary_factor of each head's angles turn, over the whole head's width; the
+    # rest do not (frequency 0): Gemma 4's and LFM3's full layers
+    "proportional": ("partial_rotary_factor",),
 }
 ROPE_SCALING_OPTIONAL = {
     "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
     "longrope": ("factor", "attention_factor"),
+    "proportional": ("factor",),
 }
 
 
@@ -37,7 +41,7 @@ def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray
 
     Handles ``partial_rotary_factor`` (latent attention: ``qk_rope_head_dim``) and every ``rope_scaling`` type of ``arch.ROPE_SCALING``,
     each as ``transformers.modeling_rope_utils`` computes it at initialisation: linear, llama3,
-    yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``) and dynamic (plain
+    yarn, longrope (its ``short_factor``; ``long``: its ``long_factor``), proportional and dynamic (plain
     within ``max_position_embeddings``; beyond, ``rope_frequencies`` rescales per call).
     A ``local`` layer with ``rope_local_base_freq`` set uses that base, unscaled (Gemma 3).
     ``config`` is the architecture record.
@@ -59,6 +63,9 @@ def rope_inv_freq(config, local: bool = False, long: bool = False) -> np.ndarray
         return (np.float32(1.0) / (factors * pos_freqs)).astype(np.float32)
     if kind == "yarn":
         return _yarn_inv_freq(scaling, dim, theta, pos_freqs)
+    if kind == "proportional":  # the angles past the proportion do not turn; all divided by factor
+        inv_freq[int(scaling["partial_rotary_factor"] * dim // 2):] = 0
+        return (inv_freq / np.float32(scaling.get("factor") or 1.0)).astype(np.float32)
     if kind != "llama3":
         raise NotImplementedError(f"rope_scaling type {kind!r} (supported: default, {', '.join(ROPE_SCALING)})")
     factor = scaling["factor"]

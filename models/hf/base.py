@@ -184,7 +184,7 @@ def is_hf_dir(path) -> bool:
 
 # ------------------------------------------------------------- fields several families share
 # those models/rope.py's rope_frequencies computes
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
 # the types whose original_max_position_embeddings transformers defaults to max_position_embeddings
 _ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
@@ -222,6 +222,8 @@ def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0, rotar
     if kind not in ROPE_TYPES:
         raise HFError(f"{hf.where}: rope_scaling type {kind!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
+    if kind == "proportional":  # its fraction is of the angles, the whole head turning
+        scaling["partial_rotary_factor"], factor = factor, 1.0
     if kind in _ORIGINAL_LENGTH and "max_position_embeddings" in hf.family.schema:
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     return dict(rope_theta=float(theta), rope_scaling=None if kind == "default" else scaling,

@@ -70,6 +70,7 @@ from shardzoo.models.hf import (
     lara_mini,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama,
     llama4,
     mamba,
@@ -166,6 +167,7 @@ FAMILIES: tuple[Family, ...] = (
     mellum.MELLUM, apertus.APERTUS1P5_TEXT,
     kolibri1.KOLIBRI1,  # the router's top-k of logits plus a correction bias (router_kind logit_bias)
     lara_mini.LARA_MINI,
+    lfm3.LFM3,  # a sigmoid gate per attention head (attn_head_gate), proportional rotary
     nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
 )
 

@@ -19,12 +19,14 @@ from transformers import (
     Apertus1p5TextConfig,
     Kolibri1Config,
     LaraMiniConfig,
+    Lfm3Config,
     MellumConfig,
     Ministral3Config,
     NanoChatConfig,
 )
 
 from shardzoo.models.hf import export_hf
+from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -81,6 +83,10 @@ CONFIGS = {
         sliding_window=4, layer_types=["linear_attention", "sliding_attention", "full_attention"],
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24),
+    # conv, sliding (a window of 4, its own base), full (proportional rotary on half the angles) layers;
+    # qk-norm, a sigmoid gate per head, sandwich norms, q/k/v/o biases
+    "lfm3": lambda: Lfm3Config(**(DIMS | dict(num_hidden_layers=3)), head_dim=8, sliding_window=4, attention_bias=True,
+                               layer_types=["conv", "sliding_attention", "full_attention"], conv_L_cache=3),
 }
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"lara_mini": mamba_draw}  # A = -exp(A_log) in [-2.5, -0.5], dt_bias near 0, norm scales near 1
@@ -235,3 +241,37 @@ def test_the_text_model_of_a_multimodal_mistral3_checkpoint_is_ministral3(tmp_pa
     module, loaded, params = load_hf(path, mesh=one_device())
     assert "left out" in capfd.readouterr().err and loaded.arch.llama_4_scaling.beta == 0.3
     np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+
+
+# --------------------------------------- LFM3's gate per attention head and proportional rotary
+@pytest.fixture(scope="module")
+def lfm3(tmp_path_factory):
+    return saved(randomized(CONFIGS["lfm3"](), 0), tmp_path_factory.mktemp("lfm3_gate"))
+
+
+def test_lfm3_head_gate_and_proportional_rotary(lfm3):
+    """The full layers' proportional frequencies are transformers' (half the angles turn, the rest
+    0); under fsdp_tp on 8 devices (the gate's kernel split over heads) the logits equal one
+    device's within 1e-5 and transformers' within 1e-4; plain rotary on the full layers, or the
+    gate's kernel zeroed (every head halved), moves them."""
+    from shardzoo.models.rope import rope_inv_freq
+
+    path, model, ref = lfm3
+    module, config, params = load_hf(path, mesh=one_device())
+    want = model.model.rotary_emb.full_attention_inv_freq.numpy()
+    np.testing.assert_allclose(rope_inv_freq(config.arch), want, rtol=1e-6, atol=0)
+    assert (want[2:] == 0).all() and (want[:2] > 0).all()
+    zeroed = edit(params, "['head_gate']['kernel']", np.zeros_like)
+    assert np.abs(apply(module, zeroed, one_device()) - ref).max() > 1e-2
+    one = apply(module, params, one_device())
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    gate = next(x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                if jax.tree_util.keystr(p).endswith("['head_gate']['kernel']"))
+    assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")  # [embed, heads]
+    sharded = apply(module, params, mesh)
+    np.testing.assert_allclose(sharded, one, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+    # (base 1e6: plain rotary's two other angles turn slowly, so the move is small, though 80 x TOL)
+    module, _, params = load_hf(path, mesh=one_device(), overrides={"rope_scaling": None})
+    assert np.abs(apply(module, params, one_device()) - ref).max() > 2e-3

@@ -126,7 +126,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
                   "biogpt", "mamba", "jamba", "nemotron", "olmo", "gpt_neox", "falcon",
                   "qwen3_5", "lfm2_moe", "minimax_m2", "exaone_moe", "granitemoehybrid", "cohere2_moe", "minicpm3", "iquestcoder", "sarvam_mla", "param2moe", "youtu", "cwm", "hyperclovax", "jais2", "granitemoe_swa", "afmoe", "hy_v3", "minicpm5_moe",
-                  "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini")  # apertus1p5_text: apertus.py  # models/hf/<name>.py
+                  "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini", "lfm3")  # apertus1p5_text: apertus.py  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -359,7 +359,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("edit, field", [
-    # a rotary scaling transformers computes and shardzoo does not (yet)
+    # a rotary scaling the family does not compute (Gemma 4's proportional, which only LFM3 reads)
     (lambda hf: hf.pop("rope_parameters", None) and None or hf.update(
         rope_scaling={"rope_type": "proportional", "factor": 2.0}), "rope_scaling"),
     # a schema field shardzoo's family does not read, set away from transformers' default
