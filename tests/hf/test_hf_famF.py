@@ -1,11 +1,14 @@
-"""Families of helper famF: Ministral 3 (a new attention option: Llama 4's query temperature on
-every layer, models/query_scaling.py ``Llama4Scaling``) and the families that only combine
-existing components.
+"""Families of helper famF. New components, each with its own checks here (it moves the logits;
+sharded equals one device): Ministral 3's query temperature on every layer (models/query_scaling.py
+``Llama4Scaling``), nanochat's weightless RMSNorm (norm kind ``rmsnorm_no_weight``) and its reversed
+rotary read as q/k heads with their halves swapped (``Weight.halves_swapped``), Kolibri's router
+(``router_kind`` "logit_bias", under ep), LFM3's gate per attention head (``attn_head_gate``) and
+proportional rotary (``rope_scaling`` type "proportional"). Mellum, Apertus 1.5's text model and
+Lara Mini only combine existing components.
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal. Tolerance: 1e-4 on float32 logits,
-as for every family; 1e-5 between shardzoo's own sharded and one-device logits. The new
-component's own checks (it moves the logits; fsdp_tp on 8 devices equals one device) are here too.
+as for every family; 1e-5 between shardzoo's own sharded and one-device logits.
 """
 
 import os
@@ -43,6 +46,7 @@ from harness import (  # noqa: E402
     randomized,
     saved,
 )
+from test_hf_combined_families2 import router_bias  # noqa: E402
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -91,12 +95,6 @@ CONFIGS = {
 SEEDS = {}  # else 0; each with a varied greedy continuation
 DRAWS = {"lara_mini": mamba_draw}  # A = -exp(A_log) in [-2.5, -0.5], dt_bias near 0, norm scales near 1
 FORWARD = {"lara_mini": dict(use_cache=False)}
-
-
-def router_bias(name, b):
-    """A draw for ``randomize``'s buffers: the router's correction bias, large enough to move the
-    experts chosen."""
-    return 0.3 * torch.randn_like(b) if name.endswith("e_score_correction_bias") else None
 
 
 BUFFERS = {"kolibri1": router_bias}
