@@ -159,6 +159,8 @@ class ArchCore:
     # each layer's output (the residual stream) times a scalar of its own, which transformers keeps
     # as a buffer: read and written, not trained (Gemma 4)
     layer_scalar: bool = feature(False, "layer_scalar")
+    # attention's output times the sigmoid of one gate per head, projected from the layer's input (LFM3)
+    attn_head_gate: bool = feature(False, "attention_head_gate")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

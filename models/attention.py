@@ -41,7 +41,12 @@ from shardzoo.models.layers import (
     scaled,
 )
 from shardzoo.models.norms import RMSNorm, make_norm, norm_params
-from shardzoo.models.query_scaling import TemperatureTuning, l2_norm, temperature_tuned
+from shardzoo.models.query_scaling import (
+    Llama4Scaling,
+    TemperatureTuning,
+    l2_norm,
+    temperature_tuned,
+)
 from shardzoo.models.ring_attention import ring_attention
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.models.splash import padded_width, splash_attention
@@ -168,6 +173,9 @@ class Attention(nn.Module):
         if a.attn_temperature_tuning and spec.rope == "none":
             q = temperature_tuned(q, positions, a.attn_temperature_tuning.floor_scale,
                                   a.attn_temperature_tuning.attn_scale)
+        if a.llama_4_scaling:  # Ministral 3: every layer, positions from 0
+            q = temperature_tuned(q, positions, a.llama_4_scaling.original_max_position_embeddings,
+                                  a.llama_4_scaling.beta, offset=0.0)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
@@ -218,6 +226,9 @@ class Attention(nn.Module):
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
+        if a.attn_head_gate:  # LFM3: each head's output times the sigmoid of its own gate
+            gate = Linear((nh,), (ax.EMBED, ax.HEADS), False, name="head_gate", **kw)(x)  # [batch, length, heads]
+            ctx = ctx * jax.nn.sigmoid(gate)[..., None].astype(ctx.dtype)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
                      **kw)(ctx)
@@ -353,7 +364,7 @@ def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
     d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
     matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + (2 - a.attention_k_eq_v) * a.kv_heads)
-    matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
+    matmul += d * hd * nh * a.attn_output_gate + d * nh * a.attn_head_gate  # the output gates' projections
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
@@ -452,8 +463,9 @@ def check(a) -> None:
     if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
         raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
-    if a.attn_output_gate:
-        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
+    if a.attn_output_gate or a.attn_head_gate:
+        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention; "
+                         "attn_head_gate: LFM3's)")
     if a.v_norm or a.attention_k_eq_v:
         raise ModelError("latent attention has no v_norm or attention_k_eq_v (its values come from the latent)")
 
@@ -463,4 +475,5 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
                     "the ring's shards as its own (models/splash.py)")
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
-    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning, GlobalAttention))
+    cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning, GlobalAttention,
+                                                   Llama4Scaling))

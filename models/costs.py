@@ -181,9 +181,10 @@ def _saved(terms: dict, policy: str) -> int:
 def buffers(a) -> tuple[tuple[str, str], ...]:
     """The leaves (their last two path keys) that transformers holds as buffers, not
     parameters: not counted by ``transformer_params`` (Gemma 4's layer scalars too). Ernie 4.5 MoE's correction bias is a
-    parameter there (one that no gradient trains), DeepSeek-V3's a buffer."""
+    parameter there (one that no gradient trains), DeepSeek-V3's and Kolibri's a buffer."""
     out = (("xielu", "beta"), ("xielu", "eps")) + ((("layer_scalar", "scale"),) if a.layer_scalar else ())
-    return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind == "sigmoid_groups" else ())
+    return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind in ("sigmoid_groups", "logit_bias")
+                  else ())
 
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:

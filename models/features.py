@@ -31,6 +31,7 @@ FEATURES = {
     "local_rope": "a second rotary base for local (sliding) layers (rope_local_base_freq)",
     "nope_layers": "layers without rotary embeddings (NoPE) among rotary ones (rope_layers: SmolLM3, EXAONE 4)",
     "rmsnorm": "RMSNorm", "rmsnorm_plus_one": "RMSNorm scaled by (1 + weight) (Gemma)",
+    "rmsnorm_no_weight": "RMSNorm without weight (nanochat)",
     "layernorm": "LayerNorm with bias", "layernorm_no_bias": "LayerNorm without bias (Cohere)",
     "layernorm_plus_one": "LayerNorm with bias scaled by (1 + weight) (Nemotron's LayerNorm1P)",
     "layernorm_no_weight": "LayerNorm without weight or bias (OLMo 1)",
@@ -76,6 +77,8 @@ FEATURES = {
                          "Llama 4)",
     "attention_temperature": "queries of the NoPE layers scaled by 1 + attn_scale * log(1 + floor((p + 1) / "
                              "floor_scale)) (Llama 4's attn_temperature_tuning)",
+    "llama_4_scaling": "queries of every layer scaled by 1 + beta * log(1 + floor(p / "
+                       "original_max_position_embeddings)) (Ministral 3's llama_4_scaling_beta)",
     "qk_norm_l2": "queries and keys of the rotary layers RMS-normalised per head without a weight (Llama 4)",
     "biased_softmax_router": "top-k of the softmax plus a correction bias, weighted by the unbiased probabilities "
                              "(Ernie 4.5 MoE)",
@@ -84,6 +87,8 @@ FEATURES = {
     "sigmoid_topk_router": "top-k of the sigmoid router scores, no correction bias, no groups (Flint)",
     "moe_output_norm": "a norm of each MoE layer's output (routed and shared experts summed) before the residual "
                        "(A.X-K1's post_mlp_layernorm)",
+    "biased_logit_router": "top-k of the router logits plus a correction bias, weighted by the sigmoid of the chosen "
+                           "logits (Kolibri)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "
                            "logit (Llama 4)",
     "short_conv": "gated short-convolution blocks beside attention (LFM2's conv layers of layer_types): "
@@ -125,6 +130,8 @@ FEATURES = {
     "layer_scalar": "each layer's output times a fixed scalar of its own (Gemma 4's layer_scalar)",
     "rope_scaling:proportional": "Gemma 4's proportional rotary: the first partial_rotary_factor of the pairs turn "
                                  "at the whole head's frequencies, the rest not at all",
+    "attention_head_gate": "each attention head's output times the sigmoid of a gate projected from the layer's "
+                           "input, one per head (LFM3)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "

@@ -161,7 +161,7 @@ class MoeMLP(nn.Module):
             name="router",
         )(router_in)  # [batch, length, expert]
         bias = None
-        if cfg.router_kind in ("sigmoid_groups", "softmax_bias"):  # trained by no gradient (top_k's choice)
+        if cfg.router_kind in ("sigmoid_groups", "softmax_bias", "logit_bias"):  # trained by no gradient (top_k's choice)
             bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
                               (num_experts,), jnp.float32)
         probs, top_p, top_idx = choose_experts(logits, cfg, bias)  # top_*: [batch, length, k]

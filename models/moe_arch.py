@@ -19,8 +19,9 @@ DENSE_AND_MOE = "dense_and_moe"  # a dense MLP and the routed experts side by si
 EXPERT_TYPES = ("gated", "plain")  # act(x @ wi_gate) * (x @ wi_up), or act(x @ wi_up): the hidden before wo
 # how the router picks experts (models/moe_routing.py ``choose_experts``)
 ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid",
-           "scaled_softmax")
-UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid", "scaled_softmax")  # the routers without expert groups
+           "scaled_softmax", "logit_bias")
+UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid", "scaled_softmax",
+             "logit_bias")  # the routers without expert groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +60,16 @@ class MoeArch(SubRecord):
     # 2 x sparsemixer_eps (relative) of its own (Phi-MoE, top-2 only); "sigmoid": top-k of
     # the sigmoid scores, no correction bias, no groups (Flint); "scaled_softmax":
     # the router reads its input RMS-normalised without a weight, times a learned vector and
-    # 1/sqrt(hidden_size), and each chosen expert's weight is times its learned scale (Gemma 4)
+    # 1/sqrt(hidden_size), and each chosen expert's weight is times its learned scale (Gemma 4); "logit_bias": top-k of
+    # the logits plus a correction bias, weighted by the sigmoid of the chosen logits (Kolibri)
     router_kind: str = feature("softmax", {"softmax_groups": "group_limited_router",
                                            "sigmoid_groups": "sigmoid_router",
                                            "sigmoid_input": "input_scaled_router",
                                            "softmax_bias": "biased_softmax_router",
                                            "sparsemixer": "sparsemixer_router",
                                            "sigmoid": "sigmoid_topk_router",
-                                           "scaled_softmax": "scaled_router"})
+                                           "scaled_softmax": "scaled_router",
+                                           "logit_bias": "biased_logit_router"})
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = feature(1.0, "routed_scaling")  # the routed experts' sum scaled

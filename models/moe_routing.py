@@ -67,6 +67,8 @@ def choose_experts(logits, cfg, bias=None):
       moe_statics.e_score_correction_bias).
     - ``sparsemixer``: Phi-MoE's top-2 (``_sparsemixer``), as transformers computes it at eval.
     - ``sigmoid``: the k best sigmoid scores, weighted by them (Flint).
+    - ``logit_bias``: the k experts whose logit plus the correction ``bias`` [expert] is highest;
+      the weights are the sigmoid of their logits (Kolibri's expert_bias).
 
     ``norm_topk_prob`` renormalises the k weights, then ``routed_scaling_factor`` scales them.
     ``probs`` is what the load-balancing loss takes (the softmax, or the normalised scores).
@@ -94,6 +96,12 @@ def choose_experts(logits, cfg, bias=None):
         top_p, top_idx = top_k(scores, k)
         probs = scores / scores.sum(-1, keepdims=True)
         eps = 0.0
+    elif kind == "logit_bias":
+        _, top_idx = top_k(logits + bias, k)
+        top_p = jax.nn.sigmoid(jnp.take_along_axis(logits, top_idx, axis=-1))
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdims=True)
+        eps = 0.0  # transformers divides by the bare sum
     elif kind == "softmax_bias":
         probs = jax.nn.softmax(logits, axis=-1)
         _, top_idx = top_k(probs + bias, k)

@@ -104,6 +104,7 @@ class Norm:
 NORMS = {n.name: n for n in (
     Norm("rmsnorm", RMSNorm),
     Norm("rmsnorm_plus_one", RMSNorm, dict(plus_one=True)),  # Gemma
+    Norm("rmsnorm_no_weight", RMSNorm, dict(use_scale=False)),  # nanochat
     Norm("layernorm", LayerNorm),
     Norm("layernorm_no_bias", LayerNorm, dict(use_bias=False)),  # Cohere
     Norm("layernorm_plus_one", LayerNorm, dict(plus_one=True)),  # Nemotron's LayerNorm1P

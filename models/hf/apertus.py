@@ -81,3 +81,24 @@ APERTUS = Family(
                                   bos_token_id=1, eos_token_id=2),
         "apertus-tiny": llama.TINY | BASE,
     })
+
+
+# ------------------------------------------------ Apertus 1.5's text model (apertus1p5_text)
+SCHEMA_1P5 = SCHEMA | dict(vocab_size=266752, output_vocab_size=None)
+
+
+def from_hf_1p5(hf: HFConfig) -> dict:
+    """Apertus' fields; the LM head pruned to the first ``output_vocab_size`` ids (the text ids of
+    the extended vocabulary) is refused: shardzoo's head is as wide as the embeddings."""
+    out = hf.get("output_vocab_size")
+    if out is not None and out != hf.get("vocab_size"):
+        raise hf.refuse("output_vocab_size", f"an LM head of fewer rows than vocab_size={hf.get('vocab_size')} "
+                                             "is not implemented (shardzoo's head is as wide as the embeddings)")
+    return from_hf(hf)
+
+
+# Apertus 1.5 (swiss-ai/Apertus-v1.5-*): Apertus with a vocabulary extended by visual and audio
+# code ids; its text model under its own model_type (Apertus1p5TextForCausalLM)
+APERTUS1P5_TEXT = Family(
+    "apertus1p5_text", ("apertus1p5_text",), "Apertus1p5TextForCausalLM", SCHEMA_1P5, FEATURES, from_hf_1p5,
+    to_hf, llama.global_weights, layer_weights)

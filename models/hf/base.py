@@ -54,6 +54,10 @@ class Weight:
     # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block
     groups: int = 1
     hf_shape: tuple[int, ...] = ()  # a whole "vec": the HF tensor's shape where it is not flat (Kimi's A_log)
+    # the leaf's last axis (one head's features) holds HF's two halves swapped: nanochat's q and k,
+    # whose rotary turns the other way (R(-t) = S R(t) S for the swap S, which a weightless qk-norm
+    # and q.k do not see), so shardzoo's rotary computes its model
+    halves_swapped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +186,7 @@ def is_hf_dir(path) -> bool:
 
 # ------------------------------------------------------------- fields several families share
 # those models/rope.py's rope_frequencies computes
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
 # the types whose original_max_position_embeddings transformers defaults to max_position_embeddings
 _ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
@@ -220,6 +224,8 @@ def rope(hf: HFConfig, params: dict | None = None, theta: float = 10000.0, rotar
     if kind not in ROPE_TYPES:
         raise HFError(f"{hf.where}: rope_scaling type {kind!r} is not supported; "
                       f"supported: {', '.join(ROPE_TYPES)}")
+    if kind == "proportional":  # its fraction is of the angles, the whole head turning
+        scaling["partial_rotary_factor"], factor = factor, 1.0
     if kind in _ORIGINAL_LENGTH and "max_position_embeddings" in hf.family.schema:
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     return dict(rope_theta=float(theta), rope_scaling=None if kind == "default" else scaling,

@@ -70,19 +70,25 @@ from shardzoo.models.hf import (
     jais2,
     jamba,
     kimi_linear,
+    kolibri1,
+    lara_mini,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama,
     llama4,
     mamba,
     mamba2,
+    mellum,
     minicpm3,
     minicpm5_moe,
     minimax_m2,
     ministral,
+    ministral3,
     mixtral,
     modernbert_decoder,
     mpt,
+    nanochat,
     nemotron,
     nemotron_h,
     olmo,
@@ -167,6 +173,12 @@ FAMILIES: tuple[Family, ...] = (
     axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
     modernbert_decoder.MODERNBERT_DECODER,  # no first pre-norm, the prediction head
     gemma4.GEMMA4,  # Gemma 3's layers, the global ones shaped apart (models/attention.py GlobalAttention)
+    ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
+    mellum.MELLUM, apertus.APERTUS1P5_TEXT,
+    kolibri1.KOLIBRI1,  # the router's top-k of logits plus a correction bias (router_kind logit_bias)
+    lara_mini.LARA_MINI,
+    lfm3.LFM3,  # a sigmoid gate per attention head (attn_head_gate), proportional rotary
+    nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -91,7 +91,8 @@ def hf_to_leaf(w: Weight, tensors: list[np.ndarray], leaf_shape) -> np.ndarray:
             t = t[..., w.part[0]::w.part[1]] if w.interleaved else t[..., _block(w, t.shape[-1])]
         out.append(t)
     arr = np.stack(out) if w.experts and not w.stacked_experts else out[0]
-    return arr.reshape(leaf_shape)
+    arr = arr.reshape(leaf_shape)
+    return np.roll(arr, arr.shape[-1] // 2, axis=-1) if w.halves_swapped else arr
 
 
 def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
@@ -99,6 +100,7 @@ def leaf_to_hf(w: Weight, leaf: np.ndarray) -> list[np.ndarray]:
     out = []
     stacked = w.experts and w.stacked_experts
     for a in (list(leaf) if w.experts and not stacked else [leaf]):
+        a = np.roll(a, a.shape[-1] // 2, axis=-1) if w.halves_swapped else a  # its own inverse
         lead = a.shape[:1] if stacked else ()
         body = a.shape[len(lead):]
         if w.op == "vec":

@@ -126,7 +126,8 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
                   "biogpt", "mamba", "jamba", "nemotron", "olmo", "gpt_neox", "falcon",
                   "qwen3_5", "lfm2_moe", "minimax_m2", "exaone_moe", "granitemoehybrid", "cohere2_moe", "minicpm3", "iquestcoder", "sarvam_mla", "param2moe", "youtu", "cwm", "hyperclovax", "jais2", "granitemoe_swa", "afmoe", "hy_v3", "minicpm5_moe",
-                  "dbrx", "phimoe", "axk1", "flint", "modernbert_decoder", "gemma4")  # models/hf/<name>.py
+                  "dbrx", "phimoe", "axk1", "flint", "modernbert_decoder", "gemma4",
+                  "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini", "lfm3")  # apertus1p5_text: apertus.py; models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -300,6 +301,9 @@ TINY.update(FAMH)
 from test_hf_famE import CONFIGS as FAME  # noqa: E402
 
 TINY.update({t: config for t, config in FAME.items() if t in SUPPORTED})
+from test_hf_famF import CONFIGS as FAMF  # noqa: E402
+
+TINY.update({t: config for t, config in FAMF.items() if t in SUPPORTED})
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version", "n_ctx"}
@@ -339,14 +343,14 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
     # Mistral unless the family is named (as a checkpoint records it); GLM-4.7-Flash with a dense
     # prefix and Sarvam-MLA as DeepSeek-V3, EXAONE 3, InternLM3 and IQuest-Coder as Llama, Solar Open
     # (no dense layer, full rotary), Sarvam-MoE and Param2-MoE as GLM-4.5, Qwen3.5-MoE as Qwen3-Next,
-    # CWM as Ministral, Jais 2 as StarCoder2, Hunyuan V3 as dots1: the same architecture under
+    # CWM as Ministral, Jais 2 as StarCoder2, Hunyuan V3 as dots1, Apertus 1.5 as Apertus: the same architecture under
     # another model_type, the earlier family in the registry's order of preference.
     assert family_of_config(config).name == {
         "phi3": "mistral", "llama4": "llama4_text", "glm4_moe_lite": "deepseek_v3", "exaone": "llama",
         "solar_open": "glm4_moe", "internlm3": "llama", "sarvam_moe": "glm4_moe", "codegen": "gptj",
         "iquestcoder": "llama", "sarvam_mla": "deepseek_v3", "param2moe": "glm4_moe",
         "qwen3_5_moe_text": "qwen3_next", "cwm": "ministral", "jais2": "starcoder2",
-        "hy_v3": "dots1"}.get(model_type, model_type)
+        "hy_v3": "dots1", "apertus1p5_text": "apertus"}.get(model_type, model_type)
     written = json.loads(json.dumps(config_to_hf(config, family=model_type)))
     assert written["model_type"] == model_type
     assert TransformerConfig.from_fields(**config_from_hf(written)).arch == config.arch
@@ -365,7 +369,7 @@ def test_config_json_round_trips_through_the_family(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("edit, field", [
-    # a rotary scaling transformers computes and shardzoo does not (yet)
+    # a rotary scaling the family does not compute (Gemma 4's proportional, which only LFM3 reads)
     (lambda hf: hf.pop("rope_parameters", None) and None or hf.update(
         rope_scaling={"rope_type": "proportional", "factor": 2.0}), "rope_scaling"),
     # a schema field shardzoo's family does not read, set away from transformers' default

@@ -25,7 +25,7 @@ class AdapterError(UserError):
 def peft_linear(w) -> bool:
     """Whether PEFT adapts ``w``'s HF tensor as one ``nn.Linear`` (a column block of one too)."""
     return (w.op == "linear" and w.name.endswith(".weight") and not w.interleaved and w.groups == 1
-            and not w.experts)
+            and not w.experts and not w.halves_swapped)
 
 
 def adapted_modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, str, str, tuple[int, int]]]:
@@ -44,7 +44,7 @@ def adapted_modules(config, family) -> list[tuple[tuple, tuple[int, ...], bool, 
             t = target_of(w.path[-2])
             if not peft_linear(w):
                 raise AdapterError(f"family {fam.name} stores projection {t!r} as HF tensor {w.name} (fused "
-                                   f"or not a Linear): PEFT adapters cover separate Linears only")
+                                   f"or not a Linear as shardzoo holds it): PEFT adapters cover separate Linears only")
             out.append((prefix + w.path[:-1], layers, stacked, t, w.name.removesuffix(".weight"), w.part))
     return out
 
