@@ -206,7 +206,7 @@ def transformer_params(a, active: bool = False) -> int:
     if a.position_embedding == "learned":
         total += (a.max_position_embeddings + a.position_offset) * d
     norm = norm_params(a, d)  # weight and bias, as the kind has them
-    total += norm * (1 + a.embedding_norm)  # final norm (and the embeddings' norm)
+    total += norm * (BLOCK_FORMS[a.block_form].final_norm + a.embedding_norm)  # final norm (and the embeddings' norm)
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():

@@ -40,6 +40,8 @@ FEATURES = {
                          "Phi, Cohere)",
     "parallel_two_norms": "attention and MLP side by side, each from its own norm: x + attn(n1) + mlp(n2) "
                           "(block_form parallel_two_norms: GPT-NeoX, Falcon-40B)",
+    "post_residual_norms": "the norms on the residual stream after each addition: norm(x + attn(x)), norm(x + "
+                           "mlp(x)), no final norm (block_form post_residual: GPT-1)",
     "clip_qkv": "q, k and v clipped to [-clip_qkv, clip_qkv] after their projections (OLMo 1, MPT)",
     "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",

@@ -84,6 +84,7 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    openai,
     opt,
     param2moe,
     persimmon,
@@ -157,6 +158,7 @@ FAMILIES: tuple[Family, ...] = (
     minicpm3.MINICPM3, iquestcoder.IQUESTCODER, sarvam_mla.SARVAM_MLA, param2moe.PARAM2MOE,
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
+    openai.OPENAI_GPT,  # post-LN blocks (block form post_residual)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -1,0 +1,92 @@
+"""Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``).
+
+Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
+tokens equal over 16, export then ``from_pretrained`` equal; each new mechanism moves the logits,
+and runs under fsdp_tp on 8 devices once. Tolerance: 1e-4 on float32 logits.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from transformers import OpenAIGPTConfig
+
+from shardzoo.models.hf import export_hf
+from shardzoo.models.transformer import Transformer
+from shardzoo.train.io.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import TOKENS, TOL, apply, fsdp_tp_parity, near_one, one_device, randomized, saved  # noqa: E402
+
+CONFIGS = {
+    # post-LN blocks, learned positions, the tanh GELU, biases everywhere, the head tied
+    "openai-gpt": lambda: OpenAIGPTConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+}
+SEEDS = {"openai-gpt": 2}  # else 0; each with a varied greedy continuation
+# LayerNorm scales near 1 (GPT-1's ln_1, ln_2); its post-LN layers want large weights (0.5 x normal) to
+# continue a prompt with more than a repeated token
+DRAWS = {"openai-gpt": near_one(lambda name, p: ".ln_" in name and name.endswith("weight"), std=0.5, scale_std=0.3)}
+_BUILT = {}
+
+
+def _build(name, tmp_path_factory):
+    """(HF dir, HF model, reference logits), made once per config in this file."""
+    if name not in _BUILT:
+        model = randomized(CONFIGS[name](), SEEDS.get(name, 0), DRAWS.get(name, near_one()))
+        _BUILT[name] = saved(model, tmp_path_factory.mktemp(name))
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """``name -> _build(name)``: the one config a mechanism's test needs."""
+    return lambda name: _build(name, tmp_path_factory)
+
+
+def test_logits_match_on_one_device(built):
+    path, model, ref = built
+    module, _, params = load_hf(path, mesh=one_device())
+    got = apply(module, params, one_device())
+    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built, parity):
+    path, model, _ = built
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    kind = model.config.model_type
+    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+# ------------------------------------------------------------------------ the new mechanisms
+def _moved(config, params, ref, **change) -> float:
+    """The largest logit difference to ``ref`` once ``config`` takes ``change``."""
+    return np.abs(apply(Transformer(config.replace(**change)), params, one_device()) - ref).max()
+
+
+def test_the_post_residual_block_matters(family):
+    """GPT-1's norm(x + attn(x)) blocks with no final norm: its norms placed before attention and
+    MLP instead (with a final norm of scale 1, bias 0) give other logits; the model has no final norm."""
+    path, _, ref = family("openai-gpt")
+    _, config, params = load_hf(path, mesh=one_device())
+    assert config.block_form == "post_residual" and "final_norm" not in params
+    final = {"scale": np.ones(32, np.float32), "bias": np.zeros(32, np.float32)}
+    assert _moved(config, dict(params, final_norm=final), ref, block_form="sequential") > 1e-2
+
+
+def test_the_post_residual_block_under_fsdp_tp(family):
+    """GPT-1's post-LN block: logits equal transformers' on 8 devices under fsdp_tp."""
+    path, _, ref = family("openai-gpt")
+    fsdp_tp_parity(path, ref)
