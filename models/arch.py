@@ -53,6 +53,7 @@ class LayerSpec:
     # "attention", "conv" (a gated short convolution: LFM2), "linear_attention" (Gated DeltaNet),
     # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
+    out_bias: bool | None = None  # attention's output projection has a bias (None: as attention_out_bias says)
 
 
 def _mlp_pattern_feature(value):
@@ -122,6 +123,9 @@ class ArchCore:
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
+    # per layer: attention's output projection has a bias (GPT-NeoX-Japanese: the last layer's only);
+    # None: every layer as attention_out_bias says
+    attention_out_bias_layers: tuple[bool, ...] | None = feature(None, "attention_out_bias_layers")
     clip_qkv: float | None = feature(None, "clip_qkv")  # q, k and v clipped to [-clip_qkv, clip_qkv] (OLMo 1, MPT)
     mlp_bias: bool = feature(False, "mlp_bias")
     mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
@@ -151,7 +155,7 @@ class ArchCore:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
             set_(record.NAME, record.of(getattr(self, record.NAME)))
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "attention_out_bias_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -188,6 +192,10 @@ class ArchCore:
             set_("qk_norm_no_bias", False)  # no norm, or one that has no bias anyway
         if self.rope_layers is not None and all(self.rope_layers):
             set_("rope_layers", None)  # every layer rotates
+        biased = self.attention_out_bias_layers
+        if biased is not None:  # a uniform pattern is the flag; else the flag is off
+            set_("attention_out_bias", biased[0] if len(set(biased)) == 1 else False)
+            set_("attention_out_bias_layers", None if len(set(biased)) == 1 else biased)
         if self.position_embedding != "rope":
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
@@ -247,6 +255,11 @@ class ArchCore:
                                     or any(not isinstance(v, bool) for v in rotates)):
             raise ModelError(f"rope_layers must give {n} layers (num_hidden_layers) each true (rotary "
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
+        biased = self.attention_out_bias_layers
+        if biased is not None and (not isinstance(biased, tuple) or len(biased) != n
+                                   or any(not isinstance(v, bool) for v in biased)):
+            raise ModelError(f"attention_out_bias_layers must give {n} layers (num_hidden_layers) each true (the "
+                             f"attention output has a bias) or false; got {biased!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         self._check_layers()
@@ -352,8 +365,9 @@ class ArchCore:
         types = self.layer_types or (self.default_layer_type,) * n
         mlps = self.mlp_layer_types or ((MOE if self.moe else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
+        biased = self.attention_out_bias_layers or (None,) * n
         out = []
-        for kind, mlp, rotary in zip(types, mlps, rotates, strict=True):
+        for kind, mlp, rotary, out_bias in zip(types, mlps, rotates, biased, strict=True):
             sliding = kind == SLIDING
             rope = "global"
             if self.position_embedding != "rope" or not rotary:
@@ -363,7 +377,7 @@ class ArchCore:
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=mixer))
+                                 mixer=mixer, out_bias=out_bias))
         return tuple(out)
 
 

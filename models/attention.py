@@ -166,7 +166,7 @@ class Attention(nn.Module):
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
                      **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
@@ -229,7 +229,7 @@ class Attention(nn.Module):
         # value and query/key heads differ in width: the plain XLA attention takes that
         ctx = checkpoint_name(xla_attention(q, k, v, mask, a.attention_scale, a.attn_logit_softcapping),
                               "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
     def select_keys(self, x, cq, positions, mask, decode):
@@ -278,6 +278,11 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------ the component
+def _out_bias(a, spec) -> bool:
+    """Whether a layer's output projection has a bias: its own (attention_out_bias_layers), else the model's."""
+    return a.attention_out_bias if spec.out_bias is None else spec.out_bias
+
+
 def _apply(block, h, positions, segment_ids):
     """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
     m = block.config.arch.multipliers or NO_MULTIPLIERS

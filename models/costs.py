@@ -211,6 +211,7 @@ def transformer_params(a, active: bool = False) -> int:
         total += a.vocab_size
     for spec in a.layer_specs():
         total += sum(_layer_params(a, spec, active)) + BLOCK_FORMS[a.block_form].norms(a, spec) * norm
+        total += d * bool(spec.out_bias)  # a layer's own output bias (the mixer counts attention_out_bias's)
     return total
 
 

@@ -47,7 +47,9 @@ FEATURES = {
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "qk_norm_no_bias": "the q/k norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)",
-    "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
+    "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias",
+    "attention_out_bias_layers": "an output projection bias on some layers only (attention_out_bias_layers: "
+                                 "GPT-NeoX-Japanese's last layer)", "mlp_bias": "MLP biases",
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)",
     "xielu": "the xIELU activation (hidden_act=xielu) with learned alpha_p, alpha_n (through softplus), beta and eps "
              "per layer's MLP (Apertus)", "plain_mlp": "plain MLP (up, activation, down)",

@@ -50,6 +50,7 @@ from shardzoo.models.hf import (
     gpt_bigcode,
     gpt_neo,
     gpt_neox,
+    gpt_neox_japanese,
     gpt_oss,
     gptj,
     granite,
@@ -159,6 +160,7 @@ FAMILIES: tuple[Family, ...] = (
     youtu.YOUTU, cwm.CWM, hyperclovax.HYPERCLOVAX, jais2.JAIS2,
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     openai.OPENAI_GPT,  # post-LN blocks (block form post_residual)
+    gpt_neox_japanese.GPT_NEOX_JAPANESE,  # an output bias on the last layer only (attention_out_bias_layers)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -1,4 +1,5 @@
-"""Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``).
+"""Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``),
+GPT-NeoX-Japanese (an attention output bias on the last layer only: ``attention_out_bias_layers``).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal; each new mechanism moves the logits,
@@ -10,23 +11,40 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import OpenAIGPTConfig
+from transformers import GPTNeoXJapaneseConfig, OpenAIGPTConfig
 
 from shardzoo.models.hf import export_hf
 from shardzoo.models.transformer import Transformer
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, fsdp_tp_parity, near_one, one_device, randomized, saved  # noqa: E402
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    edit,
+    fsdp_tp_parity,
+    near_one,
+    one_device,
+    randomized,
+    saved,
+)
 
 CONFIGS = {
     # post-LN blocks, learned positions, the tanh GELU, biases everywhere, the head tied
     "openai-gpt": lambda: OpenAIGPTConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    # three layers (two scanned, the last with its output bias unrolled), rotary on half of each head, an
+    # MLP twice as wide, an untied head
+    "gpt_neox_japanese": lambda: GPTNeoXJapaneseConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_multiple_size=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None),
 }
-SEEDS = {"openai-gpt": 2}  # else 0; each with a varied greedy continuation
+SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
 # LayerNorm scales near 1 (GPT-1's ln_1, ln_2); its post-LN layers want large weights (0.5 x normal) to
 # continue a prompt with more than a repeated token
-DRAWS = {"openai-gpt": near_one(lambda name, p: ".ln_" in name and name.endswith("weight"), std=0.5, scale_std=0.3)}
+DRAWS = {"openai-gpt": near_one(lambda name, p: ".ln_" in name and name.endswith("weight"), std=0.5, scale_std=0.3),
+         "gpt_neox_japanese": near_one(lambda name, p: "layernorm" in name and name.endswith("weight"))}
 _BUILT = {}
 
 
@@ -89,4 +107,21 @@ def test_the_post_residual_block_matters(family):
 def test_the_post_residual_block_under_fsdp_tp(family):
     """GPT-1's post-LN block: logits equal transformers' on 8 devices under fsdp_tp."""
     path, _, ref = family("openai-gpt")
+    fsdp_tp_parity(path, ref)
+
+
+def test_the_last_layers_own_output_bias_matters(family):
+    """GPT-NeoX-Japanese's layers have no output bias but the last: it is unrolled beside the scanned
+    others, and zeroing it moves the logits."""
+    path, _, ref = family("gpt_neox_japanese")
+    module, config, params = load_hf(path, mesh=one_device())
+    assert config.arch.attention_out_bias_layers == (False, False, True)
+    assert "bias" in params["layers_2"]["attn"]["o"] and "bias" not in params["layers"]["attn"]["o"]
+    zeroed = edit(params, "['layers_2']['attn']['o']['bias']", np.zeros_like)
+    assert np.abs(apply(module, zeroed, one_device()) - ref).max() > 1e-2
+
+
+def test_the_per_layer_output_bias_under_fsdp_tp(family):
+    """The last layer's own output bias: logits equal transformers' on 8 devices under fsdp_tp."""
+    path, _, ref = family("gpt_neox_japanese")
     fsdp_tp_parity(path, ref)
