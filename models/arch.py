@@ -28,6 +28,7 @@ from shardzoo.models.attention import CHUNKED, FULL, SLIDING
 from shardzoo.models.blocks import BLOCK_FORMS
 from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE, RECORDS
 from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' names, which the families import from here)
+from shardzoo.models.differential import lambda_init
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
@@ -54,6 +55,7 @@ class LayerSpec:
     # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
     out_bias: bool | None = None  # attention's output projection has a bias (None: as attention_out_bias says)
+    lambda_init: float | None = None  # differential attention's lambda_init (models/differential.py); None: off
 
 
 def _mlp_pattern_feature(value):
@@ -150,6 +152,8 @@ class ArchCore:
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
+    # differential attention (DiffLlama: models/differential.py), each layer's lambda_init from its index
+    diff_attention: bool = feature(False, "differential_attention")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -367,7 +371,7 @@ class ArchCore:
         rotates = self.rope_layers or (True,) * n
         biased = self.attention_out_bias_layers or (None,) * n
         out = []
-        for kind, mlp, rotary, out_bias in zip(types, mlps, rotates, biased, strict=True):
+        for i, (kind, mlp, rotary, out_bias) in enumerate(zip(types, mlps, rotates, biased, strict=True)):
             sliding = kind == SLIDING
             rope = "global"
             if self.position_embedding != "rope" or not rotary:
@@ -377,7 +381,8 @@ class ArchCore:
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=mixer, out_bias=out_bias))
+                                 mixer=mixer, out_bias=out_bias,
+                                 lambda_init=lambda_init(i) if self.diff_attention else None))
         return tuple(out)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError, check_fields
+from shardzoo.models import ModelError, check_fields, differential
 from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.attention_kernels import (
     attention_kernel,
@@ -129,11 +129,11 @@ class Attention(nn.Module):
         if a.attention_sinks:  # [heads], in float32 where the softmax is
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
-        alibi = a.position_embedding == "alibi"
-        plain = cap or sinks is not None or chunk or alibi  # what jax.nn.dot_product_attention cannot compute
+        alibi, diff = a.position_embedding == "alibi", spec.lambda_init is not None  # diff: differential.py
+        plain = cap or sinks is not None or chunk or alibi or diff  # what jax.nn.dot_product_attention cannot compute
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
-        use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
+        use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
         q_pos = k_pos = positions
         if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
@@ -141,6 +141,8 @@ class Attention(nn.Module):
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
+        if diff:  # each query head reads a pair of value heads
+            v = differential.paired_values(v)  # [batch, length, kv_heads, 2 head_dim]
         if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
@@ -162,6 +164,9 @@ class Attention(nn.Module):
                 local_window_size=(window - 1, 0) if window else None,
                 implementation="xla" if impl == "splash" else impl,
             )
+        if diff:
+            ctx = differential.differential(self, ctx, spec.lambda_init, a.rms_norm_eps, e.param_dtype,
+                                            a.initializer_range)
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
@@ -314,6 +319,7 @@ def params(a) -> tuple[int, int]:
         other += d
     if a.attention_sinks:
         other += nh
+    other += 4 * hd * a.diff_attention  # differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2
     if a.latent:  # the latents' norms
         other += a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
     return matmul, other
@@ -388,7 +394,9 @@ def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
 
 
 def check(a) -> None:
-    """Latent attention's sizes, and what it has no room for."""
+    """Differential attention's heads; latent attention's sizes, and what it has no room for."""
+    if a.diff_attention:
+        differential.check(a)
     if not a.latent:
         return
     check_fields(a.latent, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))

@@ -33,6 +33,7 @@ from shardzoo.models.hf import (
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
+    diffllama,
     dots1,
     ernie4_5,
     exaone,
@@ -161,6 +162,7 @@ FAMILIES: tuple[Family, ...] = (
     granitemoe_swa.GRANITEMOE_SWA, afmoe.AFMOE, hy_v3.HY_V3, minicpm5_moe.MINICPM5_MOE,
     openai.OPENAI_GPT,  # post-LN blocks (block form post_residual)
     gpt_neox_japanese.GPT_NEOX_JAPANESE,  # an output bias on the last layer only (attention_out_bias_layers)
+    diffllama.DIFFLLAMA,  # differential attention (models/differential.py)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -1,5 +1,6 @@
 """Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``),
-GPT-NeoX-Japanese (an attention output bias on the last layer only: ``attention_out_bias_layers``).
+GPT-NeoX-Japanese (an attention output bias on the last layer only: ``attention_out_bias_layers``),
+DiffLlama (differential attention: ``diff_attention``, models/differential.py).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal; each new mechanism moves the logits,
@@ -11,10 +12,13 @@ import sys
 
 import numpy as np
 import pytest
-from transformers import GPTNeoXJapaneseConfig, OpenAIGPTConfig
+import torch
+from jax.sharding import PartitionSpec as P
+from transformers import DiffLlamaConfig, GPTNeoXJapaneseConfig, OpenAIGPTConfig
 
 from shardzoo.models.hf import export_hf
 from shardzoo.models.transformer import Transformer
+from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -39,12 +43,21 @@ CONFIGS = {
         vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_multiple_size=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None),
+    # differential attention over 8 query heads and 4 kv heads (two pairs of value heads), q/k/v/o biases;
+    # three layers, each its own lambda_init
+    "diffllama": lambda: DiffLlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, attention_bias=True, bos_token_id=None, eos_token_id=None),
 }
 SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
 # LayerNorm scales near 1 (GPT-1's ln_1, ln_2); its post-LN layers want large weights (0.5 x normal) to
 # continue a prompt with more than a repeated token
 DRAWS = {"openai-gpt": near_one(lambda name, p: ".ln_" in name and name.endswith("weight"), std=0.5, scale_std=0.3),
-         "gpt_neox_japanese": near_one(lambda name, p: "layernorm" in name and name.endswith("weight"))}
+         "gpt_neox_japanese": near_one(lambda name, p: "layernorm" in name and name.endswith("weight")),
+         # the lambdas 0.3 x normal: lambda_q . lambda_k spreads over about 0.4
+         "diffllama": lambda name, p: (1 + 0.1 * torch.randn_like(p) if "norm" in name
+                                       else 0.3 * torch.randn_like(p) if "lambda" in name
+                                       else 0.15 * torch.randn_like(p))}
 _BUILT = {}
 
 
@@ -125,3 +138,24 @@ def test_the_per_layer_output_bias_under_fsdp_tp(family):
     """The last layer's own output bias: logits equal transformers' on 8 devices under fsdp_tp."""
     path, _, ref = family("gpt_neox_japanese")
     fsdp_tp_parity(path, ref)
+
+
+def test_differential_attention_matters(family):
+    """DiffLlama's layers each with their own lambda_init; the second softmax's share (the lambdas)
+    moves the logits, and so does lambda_init."""
+    path, _, ref = family("diffllama")
+    module, config, params = load_hf(path, mesh=one_device())
+    inits = [s.lambda_init for s in config.arch.layer_specs()]
+    assert len(set(inits)) == 3 and inits[0] == 0.8 - 0.6
+    shifted = edit(params, "['lambda_q2']", lambda x: x + 0.5)
+    assert np.abs(apply(module, shifted, one_device()) - ref).max() > 1e-2
+
+
+def test_differential_attention_under_fsdp_tp(family):
+    """Differential attention: logits equal transformers' on 8 devices under fsdp_tp (its layers unrolled:
+    each has its own lambda_init)."""
+    path, _, ref = family("diffllama")
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    assert params["layers_0"]["attn"]["q"]["kernel"].sharding.spec == P("fsdp", "tensor", None)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
