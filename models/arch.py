@@ -152,6 +152,9 @@ class ArchCore:
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
+    # a norm (norm_type) of attention's output before its o projection and of the MLP's hidden features
+    # before its down projection (BitNet's subln: attn_sub_norm, ffn_sub_norm)
+    sub_norms: bool = feature(False, "sub_norms")
     # differential attention (DiffLlama: models/differential.py), each layer's lambda_init from its index
     diff_attention: bool = feature(False, "differential_attention")
 

@@ -170,6 +170,8 @@ class Attention(nn.Module):
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
+        if a.sub_norms:  # BitNet's attn_sub_norm: all heads' features normed together
+            ctx = make_norm(self.config, "sub_norm", (ax.HEADS, ax.HEAD_DIM), dims=2)(ctx)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
                      **kw)(ctx)
@@ -319,6 +321,7 @@ def params(a) -> tuple[int, int]:
         other += d
     if a.attention_sinks:
         other += nh
+    other += norm_params(a, nh * hd) * a.sub_norms  # BitNet's attn_sub_norm
     other += 4 * hd * a.diff_attention  # differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2
     if a.latent:  # the latents' norms
         other += a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
@@ -411,8 +414,9 @@ def check(a) -> None:
     if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
         raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
-    if a.attn_output_gate:
-        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention)")
+    if a.attn_output_gate or a.sub_norms:
+        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention) nor sub_norms "
+                         "(BitNet's)")
 
 
 CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-zag order, key/value blocks passed "

@@ -108,6 +108,8 @@ FEATURES = {
                   "projections, a sigmoid-gated norm",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
+    "sub_norms": "a norm of attention's output before its o projection and of the MLP's hidden features before its "
+                 "down projection (BitNet's subln: sub_norms)",
     "differential_attention": "differential attention: two softmaxes' difference over paired value heads, "
                               "RMS-normalised per head pair (diff_attention: DiffLlama)",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "

@@ -380,6 +380,10 @@ class MLP(nn.Module):
             h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:
             h = act(checkpoint_name(linear("up")(x), "mlp_up"))
+        if a.sub_norms:  # BitNet's ffn_sub_norm (norms.py imports this module)
+            from shardzoo.models.norms import make_norm
+
+            h = make_norm(self.config, "sub_norm", (ax.MLP,))(h)
         h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP), self.placement), "mlp_hidden")
         out = Linear((a.hidden_size,), (ax.MLP, ax.EMBED), a.mlp_bias, name="down", **kw)(h)
         if down_scale != 1.0:
@@ -393,9 +397,12 @@ BLF = (ax.BATCH, ax.LENGTH, ax.MLP)
 
 
 def mlp_params(a, width: int) -> tuple[int, int]:
-    """A dense MLP of ``width`` (``mlp_type``'s): (gate (gated), up and down; their biases)."""
+    """A dense MLP of ``width`` (``mlp_type``'s): (gate (gated), up and down; their biases and sub-norm)."""
+    from shardzoo.models.norms import norm_params  # (norms.py imports this module)
+
     per = 2 if a.mlp_type == "gated" else 1
-    return (per + 1) * a.hidden_size * width, a.mlp_bias * (per * width + a.hidden_size)
+    sub_norm = norm_params(a, width) * a.sub_norms  # BitNet's ffn_sub_norm
+    return (per + 1) * a.hidden_size * width, a.mlp_bias * (per * width + a.hidden_size) + sub_norm
 
 
 def _params(a, active: bool) -> tuple[int, int]:

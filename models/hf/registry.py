@@ -24,6 +24,7 @@ from shardzoo.models.hf import (
     arcee,
     bamba,
     biogpt,
+    bitnet,
     bloom,
     codegen,
     cohere,
@@ -163,6 +164,7 @@ FAMILIES: tuple[Family, ...] = (
     openai.OPENAI_GPT,  # post-LN blocks (block form post_residual)
     gpt_neox_japanese.GPT_NEOX_JAPANESE,  # an output bias on the last layer only (attention_out_bias_layers)
     diffllama.DIFFLLAMA,  # differential attention (models/differential.py)
+    bitnet.BITNET,  # sub-norms before o_proj and down_proj (BitLinear's quantization refused)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

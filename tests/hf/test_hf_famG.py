@@ -1,6 +1,7 @@
 """Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``),
 GPT-NeoX-Japanese (an attention output bias on the last layer only: ``attention_out_bias_layers``),
-DiffLlama (differential attention: ``diff_attention``, models/differential.py).
+DiffLlama (differential attention: ``diff_attention``, models/differential.py), BitNet (sub-norms before
+the o and down projections: ``sub_norms``; BitLinear's quantization refused).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal; each new mechanism moves the logits,
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from transformers import DiffLlamaConfig, GPTNeoXJapaneseConfig, OpenAIGPTConfig
+from transformers import BitNetConfig, DiffLlamaConfig, GPTNeoXJapaneseConfig, OpenAIGPTConfig
 
-from shardzoo.models.hf import export_hf
+from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.models.hf.base import HFError
 from shardzoo.models.transformer import Transformer
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
@@ -31,6 +33,7 @@ from harness import (  # noqa: E402
     near_one,
     one_device,
     randomized,
+    rewritten,
     saved,
 )
 
@@ -48,6 +51,10 @@ CONFIGS = {
     "diffllama": lambda: DiffLlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=4, attention_bias=True, bos_token_id=None, eos_token_id=None),
+    # sub-norms before o_proj and down_proj, a gated relu2 MLP, GQA, q/k/v/o biases
+    "bitnet": lambda: BitNetConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                   bos_token_id=None, eos_token_id=None),
 }
 SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
 # LayerNorm scales near 1 (GPT-1's ln_1, ln_2); its post-LN layers want large weights (0.5 x normal) to
@@ -159,3 +166,29 @@ def test_differential_attention_under_fsdp_tp(family):
     module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
     assert params["layers_0"]["attn"]["q"]["kernel"].sharding.spec == P("fsdp", "tensor", None)
     np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+def test_the_sub_norms_matter(family):
+    """BitNet's norms of attention's output and of the MLP's hidden features: their weights scaled
+    (attention's, then the MLP's) move the logits."""
+    path, _, ref = family("bitnet")
+    module, _, params = load_hf(path, mesh=one_device())
+    for sub in ("['attn']['sub_norm']['scale']", "['mlp']['sub_norm']['scale']"):
+        assert np.abs(apply(module, edit(params, sub, lambda x: 2 * x), one_device()) - ref).max() > 1e-2
+
+
+def test_the_sub_norms_under_fsdp_tp(family):
+    """BitNet's sub-norms (attention's over heads split by tensor): logits equal transformers' on 8
+    devices under fsdp_tp."""
+    path, _, ref = family("bitnet")
+    fsdp_tp_parity(path, ref)
+
+
+def test_a_quantized_bitnet_checkpoint_is_refused(family, tmp_path):
+    """A config.json with BitLinear's quantization_config (the published checkpoints'): one line naming it."""
+    path, _, _ = family("bitnet")
+    quantized = rewritten(path, tmp_path / "q", quantization_config={
+        "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"})
+    with pytest.raises(HFError, match="quantization_config") as e:
+        load_hf_config(quantized)
+    assert len(str(e.value).splitlines()) == 1
