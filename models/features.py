@@ -102,6 +102,10 @@ FEATURES = {
                         "mixer_rms_eps)",
     "mamba1_bcdt_norm_weights": "those norms of dt, B and C with weights (Jamba's dt_layernorm, b_layernorm, "
                                 "c_layernorm)",
+    "rglru": "RecurrentGemma's recurrent blocks (the recurrent layers of layer_types): gelu(linear_y(h)) times "
+             "linear_x(h) through a causal depthwise conv and the RG-LRU (block-diagonal input and recurrence gates, "
+             "a decay per channel; an associative scan for training, the recurrence for decoding), then linear_out "
+             "(lru_width, conv1d_width)",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "

@@ -98,6 +98,7 @@ from shardzoo.models.hf import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    recurrent_gemma,
     sarvam_mla,
     sarvam_moe,
     seed_oss,
@@ -165,6 +166,7 @@ FAMILIES: tuple[Family, ...] = (
     gpt_neox_japanese.GPT_NEOX_JAPANESE,  # an output bias on the last layer only (attention_out_bias_layers)
     diffllama.DIFFLLAMA,  # differential attention (models/differential.py)
     bitnet.BITNET,  # sub-norms before o_proj and down_proj (BitLinear's quantization refused)
+    recurrent_gemma.RECURRENT_GEMMA,  # RG-LRU recurrent blocks (models/rglru.py) and local attention
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

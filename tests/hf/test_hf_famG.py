@@ -1,7 +1,8 @@
 """Families famG brought: OpenAI GPT (GPT-1's post-LN blocks, block form ``post_residual``),
 GPT-NeoX-Japanese (an attention output bias on the last layer only: ``attention_out_bias_layers``),
 DiffLlama (differential attention: ``diff_attention``, models/differential.py), BitNet (sub-norms before
-the o and down projections: ``sub_norms``; BitLinear's quantization refused).
+the o and down projections: ``sub_norms``; BitLinear's quantization refused), RecurrentGemma (the RG-LRU's
+recurrent blocks, models/rglru.py, beside local attention).
 
 Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
 tokens equal over 16, export then ``from_pretrained`` equal; each new mechanism moves the logits,
@@ -15,7 +16,13 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from transformers import BitNetConfig, DiffLlamaConfig, GPTNeoXJapaneseConfig, OpenAIGPTConfig
+from transformers import (
+    BitNetConfig,
+    DiffLlamaConfig,
+    GPTNeoXJapaneseConfig,
+    OpenAIGPTConfig,
+    RecurrentGemmaConfig,
+)
 
 from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.models.hf.base import HFError
@@ -55,6 +62,12 @@ CONFIGS = {
     "bitnet": lambda: BitNetConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                    bos_token_id=None, eos_token_id=None),
+    # recurrent, recurrent, local attention (a window of 6, one kv head, rotary on half of each head)
+    # layers; the RG-LRU 48 wide in 4 blocks; the embeddings scaled by sqrt(32) in bfloat16
+    "recurrent_gemma": lambda: RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=48, attention_window_size=6, logits_soft_cap=5.0, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None),
 }
 SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
 # LayerNorm scales near 1 (GPT-1's ln_1, ln_2); its post-LN layers want large weights (0.5 x normal) to
@@ -64,7 +77,9 @@ DRAWS = {"openai-gpt": near_one(lambda name, p: ".ln_" in name and name.endswith
          # the lambdas 0.3 x normal: lambda_q . lambda_k spreads over about 0.4
          "diffllama": lambda name, p: (1 + 0.1 * torch.randn_like(p) if "norm" in name
                                        else 0.3 * torch.randn_like(p) if "lambda" in name
-                                       else 0.15 * torch.randn_like(p))}
+                                       else 0.15 * torch.randn_like(p)),
+         # Gemma's (1 + w) norms: w near 0; the rest 0.3 x normal (a varied greedy continuation)
+         "recurrent_gemma": lambda name, p: 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p)}
 _BUILT = {}
 
 
