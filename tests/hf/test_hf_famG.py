@@ -62,11 +62,11 @@ CONFIGS = {
     "bitnet": lambda: BitNetConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                    bos_token_id=None, eos_token_id=None),
-    # recurrent, recurrent, local attention (a window of 6, one kv head, rotary on half of each head)
+    # recurrent, recurrent, local attention (a window of 6, two kv heads, rotary on half of each head)
     # layers; the RG-LRU 48 wide in 4 blocks; the embeddings scaled by sqrt(32) in bfloat16
     "recurrent_gemma": lambda: RecurrentGemmaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, lru_width=48, attention_window_size=6, logits_soft_cap=5.0, pad_token_id=None,
+        num_key_value_heads=2, lru_width=48, attention_window_size=6, logits_soft_cap=5.0, pad_token_id=None,
         bos_token_id=None, eos_token_id=None),
 }
 SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
@@ -207,3 +207,29 @@ def test_a_quantized_bitnet_checkpoint_is_refused(family, tmp_path):
     with pytest.raises(HFError, match="quantization_config") as e:
         load_hf_config(quantized)
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_the_recurrent_blocks_matter(family):
+    """RecurrentGemma's RG-LRU: its decays (recurrent_param) and its input gate move the logits; the
+    two recurrent layers scanned, the attention layer unrolled."""
+    path, _, ref = family("recurrent_gemma")
+    module, config, params = load_hf(path, mesh=one_device())
+    assert config.arch.rglru.lru_width == 48 and "recurrent" in params["layers"] and "attn" in params["layers_2"]
+    for leaf in ("['recurrent_param']", "['input_gate_bias']"):
+        moved = apply(module, edit(params, leaf, lambda x: x + 1.0), one_device())
+        assert np.abs(moved - ref).max() > 1e-2, leaf
+
+
+def test_the_recurrent_blocks_under_fsdp_tp(family):
+    """The recurrent block (its blocks over tensor) and local attention: logits equal transformers' on 8
+    devices under fsdp_tp."""
+    path, _, ref = family("recurrent_gemma")
+
+    def q(config, params):
+        return params["layers_2"]["attn"]["q"]["kernel"]
+
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    assert q(None, params).sharding.spec == P("fsdp", "tensor", None)
+    assert params["layers"]["recurrent"]["linear_x"]["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
+    np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
