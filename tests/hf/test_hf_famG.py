@@ -66,7 +66,7 @@ CONFIGS = {
     # layers; the RG-LRU 48 wide in 4 blocks; the embeddings scaled by sqrt(32) in bfloat16
     "recurrent_gemma": lambda: RecurrentGemmaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, lru_width=48, attention_window_size=6, logits_soft_cap=5.0, pad_token_id=None,
+        num_key_value_heads=2, lru_width=48, attention_window_size=6, logits_soft_cap=5.0,
         bos_token_id=None, eos_token_id=None),
 }
 SEEDS = {"openai-gpt": 2, "gpt_neox_japanese": 4}  # else 0; each with a varied greedy continuation
