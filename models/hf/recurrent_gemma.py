@@ -125,4 +125,13 @@ def layer_weights(a, spec) -> list[Weight]:
 
 RECURRENT_GEMMA = Family(
     "recurrent_gemma", ("recurrent_gemma",), "RecurrentGemmaForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
-    global_weights, layer_weights)
+    global_weights, layer_weights,
+    presets={  # a tiny one (the published configs are not at hand: their sizes are not guessed here)
+        "recurrentgemma-tiny": dict(
+            vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, sliding_window=16, lru_width=64, layer_types=(RECURRENT, RECURRENT, SLIDING),
+            partial_rotary_factor=0.5, final_logit_softcapping=30.0, hidden_act="gelu_pytorch_tanh",
+            norm_type="rmsnorm_plus_one", mlp_bias=True, attention_out_bias=True, tie_word_embeddings=True,
+            embedding_multiplier=embedding_scale(64), bos_token_id=None,
+            eos_token_id=None),
+    })

@@ -379,7 +379,7 @@ for _name, _config in PRESETS.items():
 
 # ------------------------------------------------------------------ the README's list of families
 KINDS = ("dense", "MoE", "hybrid", "state-space")
-_MIXERS = {"mamba1", "mamba2", "short_conv", "gated_deltanet", "kimi_delta"}  # token mixers other than attention
+_MIXERS = {"mamba1", "mamba2", "short_conv", "gated_deltanet", "kimi_delta", "rglru"}  # token mixers other than attention
 
 
 def kind_of(family: Family) -> str:
