@@ -155,6 +155,9 @@ class ArchCore:
     # a norm (norm_type) of attention's output before its o projection and of the MLP's hidden features
     # before its down projection (BitNet's subln: attn_sub_norm, ffn_sub_norm)
     sub_norms: bool = feature(False, "sub_norms")
+    # the projections of attention and MLP through BitLinear: ternary weights (absmean), 8-bit inputs per
+    # token (absmax), straight-through gradients (BitNet b1.58's online quantization; models/layers.py)
+    bitlinear: bool = feature(False, "bitlinear")
     # differential attention (DiffLlama: models/differential.py), each layer's lambda_init from its index
     diff_attention: bool = feature(False, "differential_attention")
 

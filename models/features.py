@@ -114,6 +114,9 @@ FEATURES = {
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "sub_norms": "a norm of attention's output before its o projection and of the MLP's hidden features before its "
                  "down projection (BitNet's subln: sub_norms)",
+    "bitlinear": "attention's and the MLP's projections through BitLinear: weights ternary times their mean |w|, "
+                 "inputs 8-bit per token by their largest |x|, straight-through gradients (BitNet b1.58's online "
+                 "quantization: bitlinear)",
     "differential_attention": "differential attention: two softmaxes' difference over paired value heads, "
                               "RMS-normalised per head pair (diff_attention: DiffLlama)",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "

@@ -2,10 +2,11 @@
 before o_proj, ``mlp.ffn_sub_norm`` before down_proj), a gated relu2 MLP, one ``attention_bias`` flag
 for q/k/v and o, rotary base 500000 by default.
 
-Its published checkpoints compute through BitLinear (``quantization_config``: ternary weights,
-8-bit activations, or weights packed four to a byte), which shardzoo does not implement: a
-config.json with a ``quantization_config`` is refused, naming it. transformers builds the model of
-a config.json without one (from_config) with plain linear layers: that model is what this reads.
+A ``quantization_config`` of BitLinear's online quantization (``autobitlinear``, ``online``: the
+bf16 master weights, quantized in the forward; transformers' AutoBitLinear) reads as ``bitlinear``:
+ternary weights by their mean |w|, 8-bit inputs per token, the head unquantized. Weights packed
+four to a byte (``bitlinear``, ``offline``: the deployment checkpoint) are refused, naming the
+field. Without one transformers builds plain linear layers (from_config), and so does this.
 """
 
 from __future__ import annotations
@@ -18,19 +19,32 @@ SCHEMA = dict(vocab_size=128256, hidden_size=2560, intermediate_size=6912, num_h
               num_key_value_heads=5, hidden_act="relu2", max_position_embeddings=2048, initializer_range=0.02,
               rms_norm_eps=1e-5, use_cache=True, pad_token_id=None, bos_token_id=128000, eos_token_id=128001,
               tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, rope_parameters=None)
-FEATURES = llama.ROTARY | {"attention_bias", "attention_out_bias", "sub_norms"}
+FEATURES = llama.ROTARY | {"attention_bias", "attention_out_bias", "sub_norms", "bitlinear"}
+# the quantization_config of BitLinear's online quantization (transformers' BitNetQuantConfig)
+ONLINE = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
+
+
+def _bitlinear(hf: HFConfig) -> bool:
+    """Whether config.json asks for BitLinear's online quantization; an HFError for another."""
+    q = hf.raw.get("quantization_config")
+    if q is None:
+        return False
+    if ({k: q.get(k) for k in ONLINE} != ONLINE or q.get("use_rms_norm")
+            or q.get("modules_to_not_convert") not in (None, ["lm_head"])):  # the head is never quantized
+        raise HFError(f"{hf.where}: quantization_config={q!r}: shardzoo's bitnet reads BitLinear's online "
+                      f"quantization only ({ONLINE}), not weights packed offline")
+    return True
 
 
 def from_hf(hf: HFConfig) -> dict:
-    if "quantization_config" in hf:
-        raise HFError(f"{hf.where}: quantization_config (BitLinear's ternary weights and 8-bit activations) is not "
-                      "implemented by shardzoo's bitnet; it reads the unquantized model only")
     bias = hf.get("attention_bias")
-    return llama.rotary_fields(hf, theta=500000.0) | dict(attention_bias=bias, attention_out_bias=bias, sub_norms=True)
+    return llama.rotary_fields(hf, theta=500000.0) | dict(attention_bias=bias, attention_out_bias=bias, sub_norms=True,
+                                                           bitlinear=_bitlinear(hf))
 
 
 def to_hf(a) -> dict:
-    return llama.rotary_to_hf(a) | dict(attention_bias=a.attention_bias)
+    quantized = {"quantization_config": dict(ONLINE)} if a.bitlinear else {}
+    return llama.rotary_to_hf(a) | dict(attention_bias=a.attention_bias) | quantized
 
 
 def layer_weights(a, spec) -> list[Weight]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from jax.sharding import PartitionSpec as P
 from transformers import (
+    AutoModelForCausalLM,
     BitNetConfig,
     DiffLlamaConfig,
     GPTNeoXJapaneseConfig,
@@ -24,7 +25,7 @@ from transformers import (
     RecurrentGemmaConfig,
 )
 
-from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.models.hf import config_to_hf, export_hf, load_hf_config
 from shardzoo.models.hf.base import HFError
 from shardzoo.models.transformer import Transformer
 from shardzoo.sharding import get_rules, make_mesh
@@ -37,6 +38,7 @@ from harness import (  # noqa: E402
     apply,
     edit,
     fsdp_tp_parity,
+    hf_logits,
     near_one,
     one_device,
     randomized,
@@ -199,13 +201,35 @@ def test_the_sub_norms_under_fsdp_tp(family):
     fsdp_tp_parity(path, ref)
 
 
-def test_a_quantized_bitnet_checkpoint_is_refused(family, tmp_path):
-    """A config.json with BitLinear's quantization_config (the published checkpoints'): one line naming it."""
+def test_bitlinear_online_quantization(family, tmp_path):
+    """BitNet's config.json with BitLinear's online quantization (ternary weights, 8-bit inputs per
+    token): logits equal transformers' (its AutoBitLinear) on one device and on 8 under fsdp_tp,
+    and differ from the unquantized model's; the export writes the quantization_config back."""
+    path, _, plain = family("bitnet")
+    online = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
+    quantized = rewritten(path, tmp_path / "q", quantization_config=online)
+    torch._dynamo.config.disable = True  # transformers' quantizers are torch.compile'd: run them eagerly
+    try:
+        model = AutoModelForCausalLM.from_pretrained(quantized, attn_implementation="eager").eval()
+        ref = hf_logits(model)
+    finally:
+        torch._dynamo.config.disable = False
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "AutoBitLinear"
+    assert np.abs(ref - plain).max() > 1e-2
+    module, config, params = load_hf(quantized, mesh=one_device())
+    assert config.arch.bitlinear
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+    fsdp_tp_parity(quantized, ref)
+    assert config_to_hf(config, family="bitnet")["quantization_config"] == online
+
+
+def test_a_packed_bitnet_checkpoint_is_refused(family, tmp_path):
+    """Weights packed four to a byte (the published deployment checkpoint's quantization_config): one line naming it."""
     path, _, _ = family("bitnet")
-    quantized = rewritten(path, tmp_path / "q", quantization_config={
-        "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"})
+    packed = rewritten(path, tmp_path / "q", quantization_config={
+        "quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"})
     with pytest.raises(HFError, match="quantization_config") as e:
-        load_hf_config(quantized)
+        load_hf_config(packed)
     assert len(str(e.value).splitlines()) == 1
 
 
