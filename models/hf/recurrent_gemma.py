@@ -123,10 +123,22 @@ def layer_weights(a, spec) -> list[Weight]:
     return out
 
 
+def _published(hidden: int, intermediate: int, layers: int, heads: int) -> dict:
+    """The published configs: vocabulary 256000, one kv head, the RG-LRU as wide as the model, windows of 2048."""
+    return dict(vocab_size=256000, hidden_size=hidden, intermediate_size=intermediate // 2, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=1, sliding_window=2048, lru_width=hidden,
+                layer_types=tuple((RECURRENT, RECURRENT, SLIDING)[i % 3] for i in range(layers)),
+                partial_rotary_factor=0.5, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+                hidden_act="gelu_pytorch_tanh", norm_type="rmsnorm_plus_one", mlp_bias=True, attention_out_bias=True,
+                tie_word_embeddings=True, embedding_multiplier=embedding_scale(hidden), bos_token_id=2, eos_token_id=1)
+
+
 RECURRENT_GEMMA = Family(
     "recurrent_gemma", ("recurrent_gemma",), "RecurrentGemmaForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     global_weights, layer_weights,
-    presets={  # a tiny one (the published configs are not at hand: their sizes are not guessed here)
+    presets={
+        "recurrentgemma-2b": _published(2560, 15360, 26, 10),  # google/recurrentgemma-2b/config.json
+        "recurrentgemma-9b": _published(4096, 24576, 38, 16),  # google/recurrentgemma-9b/config.json
         "recurrentgemma-tiny": dict(
             vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=1, sliding_window=16, lru_width=64, layer_types=(RECURRENT, RECURRENT, SLIDING),

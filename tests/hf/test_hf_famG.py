@@ -36,6 +36,7 @@ from harness import (  # noqa: E402
     TOKENS,
     TOL,
     apply,
+    config_of,
     edit,
     fsdp_tp_parity,
     hf_logits,
@@ -257,3 +258,31 @@ def test_the_recurrent_blocks_under_fsdp_tp(family):
     assert q(None, params).sharding.spec == P("fsdp", "tensor", None)
     assert params["layers"]["recurrent"]["linear_x"]["kernel"].sharding.spec == P(None, "fsdp", "tensor", None)
     np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
+
+
+# published config.json files (google/recurrentgemma-2b, -9b as their mirrors hold them)
+RG = dict(model_type="recurrent_gemma", architectures=["RecurrentGemmaForCausalLM"], attention_bias=False,
+          attention_window_size=2048, block_types=["recurrent", "recurrent", "attention"], bos_token_id=2,
+          conv1d_width=4, eos_token_id=1, hidden_activation="gelu_pytorch_tanh", logits_soft_cap=30.0,
+          num_key_value_heads=1, pad_token_id=0, partial_rotary_factor=0.5, rms_norm_eps=1e-6, rope_theta=10000.0,
+          vocab_size=256000, embeddings_scale_by_sqrt_dim=True, w_init_variance_scale=0.01)
+PUBLISHED = {
+    "recurrentgemma-2b": RG | dict(hidden_size=2560, intermediate_size=15360, lru_width=2560, num_attention_heads=10,
+                                   num_hidden_layers=26, head_dim=256),
+    "recurrentgemma-9b": RG | dict(hidden_size=4096, intermediate_size=24576, lru_width=4096, num_attention_heads=16,
+                                   num_hidden_layers=38, head_dim=256),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_read_as_published_and_count_as_transformers_on_the_meta_device(name):
+    """A preset is its published config.json as the import reads it, with as many parameters as
+    transformers builds from that config.json on the meta device."""
+    from transformers import AutoConfig
+
+    from shardzoo.models.hf.registry import PRESETS
+
+    assert config_of(PUBLISHED[name]).arch == PRESETS[name].arch
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**PUBLISHED[name]))
+    assert PRESETS[name].num_params() == sum(p.numel() for p in model.parameters())
