@@ -8,7 +8,8 @@ and the RG-LRU; ``out = linear_out(x * y)``. The RG-LRU's lru_width channels are
     i_t = sigmoid(x_t W_i + b_i),  r_t = sigmoid(x_t W_r + b_r),  log a_t = -8 r_t softplus(c),
     h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t),
 
-a token at position 0 resetting the state (a = 0, its input not scaled). Training runs the
+a token at position 0 resetting the state (a = 0, its input not scaled: packed segments restart
+there; the convolution reads no tap of another segment). Training runs the
 recurrence as one associative scan over the length (``rglru_scan``: the state is the width of
 the block's channels, no larger); decoding keeps the convolution's last w - 1 inputs and the
 float32 state, and continues them (``rglru_steps``, the tests' reference, token by token).
@@ -69,7 +70,7 @@ class RecurrentBlock(nn.Module):
     placement: object = None
 
     @nn.compact
-    def __call__(self, h, positions, decode: bool = False):
+    def __call__(self, h, positions, segment_ids=None, decode: bool = False):
         a, e, placement = self.config.arch, self.config.execution, self.placement
         if placement is not None and placement.ring_axes and not decode and not self.is_initializing():
             raise ModelError("recurrent (RG-LRU) layers have no context-parallel form: the rules must not shard length")
@@ -79,7 +80,7 @@ class RecurrentBlock(nn.Module):
         y = Linear((nb, bw), (ax.EMBED, *CH), True, name="linear_y", **kw)(h)  # [batch, length, blocks, features]
         y = activation(a.hidden_act)(y)
         x = constrain(Linear((nb, bw), (ax.EMBED, *CH), True, name="linear_x", **kw)(h), BLC, placement)
-        x = self._conv(x, decode)
+        x = self._conv(x, segment_ids, decode)
         reset = (positions == 0)[:, :, None, None]  # [batch, length, 1, 1]
         gate = lambda name, init: jnp.einsum(  # noqa: E731
             "blhi,hij->blhj", x, self.param(f"{name}_weight", nn.with_logical_partitioning(init, (*CH, ax.SSM_STATE)),
@@ -103,9 +104,9 @@ class RecurrentBlock(nn.Module):
         out = Linear((a.hidden_size,), (*CH, ax.EMBED), True, name="linear_out", **kw)(out)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
-    def _conv(self, x, decode):
-        """The causal depthwise convolution (with bias) of x [batch, length, blocks, features];
-        decoding continues the cached inputs."""
+    def _conv(self, x, segment_ids, decode):
+        """The causal depthwise convolution (with bias) of x [batch, length, blocks, features], no
+        tap reaching into another packed segment; decoding continues the cached inputs."""
         w, pdt = self.config.arch.rglru.conv1d_width, dtype_of(self.config.execution.param_dtype)
         shape = x.shape
         kernel = self.param("conv", nn.with_logical_partitioning(
@@ -117,7 +118,7 @@ class RecurrentBlock(nn.Module):
             out = causal_conv(flat, kernel, None, prev.value)
             prev.value = jnp.concatenate([prev.value, flat], axis=1)[:, 1 - w:]
         else:
-            out = causal_conv(flat, kernel)
+            out = causal_conv(flat, kernel, segment_ids)
         bias = self.param("conv_bias", nn.with_logical_partitioning(nn.initializers.zeros, CH), shape[2:], pdt)
         return out.reshape(shape) + bias.astype(out.dtype)
 
@@ -147,7 +148,7 @@ class RglruArch(SubRecord):
 
 def _apply(block, h, positions, segment_ids):
     """The recurrent block of the normed input ``h`` (its path: ``recurrent``)."""
-    return RecurrentBlock(block.config, block.placement, name="recurrent")(h, positions, block.decode)
+    return RecurrentBlock(block.config, block.placement, name="recurrent")(h, positions, segment_ids, block.decode)
 
 
 def params(a) -> tuple[int, int]:
