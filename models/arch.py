@@ -28,6 +28,7 @@ from shardzoo.models.attention import CHUNKED, FULL, SLIDING
 from shardzoo.models.blocks import BLOCK_FORMS
 from shardzoo.models.components import MIXER_OF_LAYER_TYPE, MIXERS, MLPS, NONE, RECORDS
 from shardzoo.models.conv_mixer import CONV  # noqa: F401  (the layer kinds' names, which the families import from here)
+from shardzoo.models.differential import lambda_init
 from shardzoo.models.features import feature
 from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
@@ -54,6 +55,8 @@ class LayerSpec:
     # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
     attn_norm: bool = True  # a norm before the mixer (false: ModernBERT's first layer reads the embeddings' norm)
+    out_bias: bool | None = None  # attention's output projection has a bias (None: as attention_out_bias says)
+    lambda_init: float | None = None  # differential attention's lambda_init (models/differential.py); None: off
 
 
 def _mlp_pattern_feature(value):
@@ -115,14 +118,19 @@ class ArchCore:
                                     "projection": "qk_norm_projection", "l2": "qk_norm_l2"})
     # how a layer joins attention and MLP to the residual (models/blocks.py BLOCK_FORMS): "sequential";
     # "parallel" x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere); "parallel_two_norms" x + attn(norm1(x))
-    # + mlp(norm2(x)) (GPT-NeoX, Falcon-40B); older checkpoints' flag parallel_residual reads as one (nest)
-    block_form: str = feature("sequential", {"parallel": "parallel_residual", "parallel_two_norms": "parallel_two_norms"})
+    # + mlp(norm2(x)) (GPT-NeoX, Falcon-40B); "post_residual" norm(x + attn(x)), norm(x + mlp(x)) and no
+    # final norm (GPT-1); older checkpoints' flag parallel_residual reads as one (nest)
+    block_form: str = feature("sequential", {"parallel": "parallel_residual", "parallel_two_norms": "parallel_two_norms",
+                                             "post_residual": "post_residual_norms"})
     qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
     # the qk-norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)
     qk_norm_no_bias: bool = feature(False, "qk_norm_no_bias")
     # biases and MLP
     attention_bias: bool = feature(False, "attention_bias")  # q, k, v
     attention_out_bias: bool = feature(False, "attention_out_bias")
+    # per layer: attention's output projection has a bias (GPT-NeoX-Japanese: the last layer's only);
+    # None: every layer as attention_out_bias says
+    attention_out_bias_layers: tuple[bool, ...] | None = feature(None, "attention_out_bias_layers")
     clip_qkv: float | None = feature(None, "clip_qkv")  # q, k and v clipped to [-clip_qkv, clip_qkv] (OLMo 1, MPT)
     mlp_bias: bool = feature(False, "mlp_bias")
     mlp_type: str = feature("gated", {"gated": "gated_mlp", "plain": "plain_mlp"})
@@ -161,12 +169,20 @@ class ArchCore:
     layer_scalar: bool = feature(False, "layer_scalar")
     # attention's output times the sigmoid of one gate per head, projected from the layer's input (LFM3)
     attn_head_gate: bool = feature(False, "attention_head_gate")
+    # a norm (norm_type) of attention's output before its o projection and of the MLP's hidden features
+    # before its down projection (BitNet's subln: attn_sub_norm, ffn_sub_norm)
+    sub_norms: bool = feature(False, "sub_norms")
+    # the projections of attention and MLP through BitLinear: ternary weights (absmean), 8-bit inputs per
+    # token (absmax), straight-through gradients (BitNet b1.58's online quantization; models/layers.py)
+    bitlinear: bool = feature(False, "bitlinear")
+    # differential attention (DiffLlama: models/differential.py), each layer's lambda_init from its index
+    diff_attention: bool = feature(False, "differential_attention")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
             set_(record.NAME, record.of(getattr(self, record.NAME)))
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "attention_out_bias_layers", "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -203,6 +219,10 @@ class ArchCore:
             set_("qk_norm_no_bias", False)  # no norm, or one that has no bias anyway
         if self.rope_layers is not None and all(self.rope_layers):
             set_("rope_layers", None)  # every layer rotates
+        biased = self.attention_out_bias_layers
+        if biased is not None:  # a uniform pattern is the flag; else the flag is off
+            set_("attention_out_bias", biased[0] if len(set(biased)) == 1 else False)
+            set_("attention_out_bias_layers", None if len(set(biased)) == 1 else biased)
         if self.position_embedding != "rope":
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
@@ -271,6 +291,11 @@ class ArchCore:
                                     or any(not isinstance(v, bool) for v in rotates)):
             raise ModelError(f"rope_layers must give {n} layers (num_hidden_layers) each true (rotary "
                              f"embeddings) or false (none: NoPE); got {rotates!r}")
+        biased = self.attention_out_bias_layers
+        if biased is not None and (not isinstance(biased, tuple) or len(biased) != n
+                                   or any(not isinstance(v, bool) for v in biased)):
+            raise ModelError(f"attention_out_bias_layers must give {n} layers (num_hidden_layers) each true (the "
+                             f"attention output has a bias) or false; got {biased!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         self._check_layers()
@@ -376,8 +401,9 @@ class ArchCore:
         types = self.layer_types or (self.default_layer_type,) * n
         mlps = self.mlp_layer_types or ((MOE if self.moe else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
+        biased = self.attention_out_bias_layers or (None,) * n
         out = []
-        for i, (kind, mlp, rotary) in enumerate(zip(types, mlps, rotates, strict=True)):
+        for i, (kind, mlp, rotary, out_bias) in enumerate(zip(types, mlps, rotates, biased, strict=True)):
             sliding = kind == SLIDING
             rope = "global"
             if self.position_embedding != "rope" or not rotary:
@@ -387,7 +413,8 @@ class ArchCore:
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=mixer, attn_norm=bool(i or self.first_attn_norm)))
+                                 mixer=mixer, attn_norm=bool(i or self.first_attn_norm), out_bias=out_bias,
+                                 lambda_init=lambda_init(i) if self.diff_attention else None))
         return tuple(out)
 
 

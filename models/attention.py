@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError, check_fields
+from shardzoo.models import ModelError, check_fields, differential
 from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.attention_kernels import (
     KV_CACHE_AXES,
@@ -188,11 +188,11 @@ class Attention(nn.Module):
         if a.attention_sinks:  # [heads], in float32 where the softmax is
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
-        alibi = a.position_embedding == "alibi"
-        plain = cap or sinks is not None or chunk or alibi  # what jax.nn.dot_product_attention cannot compute
+        alibi, diff = a.position_embedding == "alibi", spec.lambda_init is not None  # diff: differential.py
+        plain = cap or sinks is not None or chunk or alibi or diff  # what jax.nn.dot_product_attention cannot compute
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
-        use_splash = impl == "splash" and not (decode or ring or self.is_initializing())
+        use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
         q_pos = k_pos = positions
         if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
@@ -202,6 +202,8 @@ class Attention(nn.Module):
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
+        if diff:  # each query head reads a pair of value heads
+            v = differential.paired_values(v)  # [batch, length, kv_heads, 2 head_dim]
         if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
@@ -223,14 +225,19 @@ class Attention(nn.Module):
                 local_window_size=(window - 1, 0) if window else None,
                 implementation="xla" if impl == "splash" else impl,
             )
+        if diff:
+            ctx = differential.differential(self, ctx, spec.lambda_init, a.rms_norm_eps, e.param_dtype,
+                                            a.initializer_range)
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
         if a.attn_head_gate:  # LFM3: each head's output times the sigmoid of its own gate
             gate = Linear((nh,), (ax.EMBED, ax.HEADS), False, name="head_gate", **kw)(x)  # [batch, length, heads]
             ctx = ctx * jax.nn.sigmoid(gate)[..., None].astype(ctx.dtype)
+        if a.sub_norms:  # BitNet's attn_sub_norm: all heads' features normed together
+            ctx = make_norm(self.config, "sub_norm", (ax.HEADS, ax.HEAD_DIM), dims=2)(ctx)
         ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
                      **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
@@ -293,7 +300,7 @@ class Attention(nn.Module):
         # value and query/key heads differ in width: the plain XLA attention takes that
         ctx = checkpoint_name(xla_attention(q, k, v, mask, a.attention_scale, a.attn_logit_softcapping),
                               "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
+        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
 
     def select_keys(self, x, cq, positions, mask, decode):
@@ -343,6 +350,11 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------ the component
+def _out_bias(a, spec) -> bool:
+    """Whether a layer's output projection has a bias: its own (attention_out_bias_layers), else the model's."""
+    return a.attention_out_bias if spec.out_bias is None else spec.out_bias
+
+
 def _apply(block, h, positions, segment_ids):
     """Attention of ``h``, its input and output scaled by the attention multipliers (Falcon-H1's; 1 elsewhere)."""
     m = block.config.arch.multipliers or NO_MULTIPLIERS
@@ -374,6 +386,8 @@ def params(a) -> tuple[int, int]:
         other += d
     if a.attention_sinks:
         other += nh
+    other += norm_params(a, nh * hd) * a.sub_norms  # BitNet's attn_sub_norm
+    other += 4 * hd * a.diff_attention  # differential attention's lambda_q1, lambda_k1, lambda_q2, lambda_k2
     if a.latent:  # the latents' norms
         other += a.latent.kv_lora_rank + (a.latent.q_lora_rank or 0)
     return matmul, other
@@ -448,7 +462,9 @@ def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
 
 
 def check(a) -> None:
-    """Latent attention's sizes, and what it has no room for."""
+    """Differential attention's heads; latent attention's sizes, and what it has no room for."""
+    if a.diff_attention:
+        differential.check(a)
     if not a.latent:
         return
     check_fields(a.latent, {}, ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
@@ -463,9 +479,9 @@ def check(a) -> None:
     if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
         raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
-    if a.attn_output_gate or a.attn_head_gate:
+    if a.attn_output_gate or a.attn_head_gate or a.sub_norms:
         raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention; "
-                         "attn_head_gate: LFM3's)")
+                         "attn_head_gate: LFM3's) nor sub_norms (BitNet's)")
     if a.v_norm or a.attention_k_eq_v:
         raise ModelError("latent attention has no v_norm or attention_k_eq_v (its values come from the latent)")
 

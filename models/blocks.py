@@ -72,6 +72,23 @@ def parallel_two_norms(block, x, positions, segment_ids):
     return _residual(block, x, attn + _mlp(block, make_norm(block.config, "mlp_norm")(x), segment_ids))
 
 
+def post_residual(block, x, positions, segment_ids):
+    """norm(x + mixer(x)), then norm(x + mlp(x)): the norms on the residual stream after each
+    addition (the original Transformer's post-LN: GPT-1), so the model has no final norm."""
+    cfg = block.config
+    x = make_norm(cfg, "attn_norm")(_residual(block, x, _mixer(block, x, positions, segment_ids)))
+    return make_norm(cfg, "mlp_norm")(_residual(block, x, _mlp(block, x, segment_ids)))
+
+
+def _check_post_residual(a) -> None:
+    if a.norm_position != "pre":
+        raise ModelError(f"block_form={a.block_form!r} (norm(x + attn(x))) places its norms itself; "
+                         f"norm_position={a.norm_position!r} must be 'pre'")
+    if NONE in (a.layer_types or ()) or NONE in (a.mlp_layer_types or ()):
+        raise ModelError(f"block_form={a.block_form!r} normalizes after both halves: every layer needs a mixer and "
+                         "an MLP (no 'none' in layer_types or mlp_layer_types)")
+
+
 def _sequential_norms(a, spec) -> int:
     halves = (spec.mixer != NONE) + (spec.mlp != NONE)
     return halves * (2 if a.norm_position == "both" else 1) - (spec.mixer != NONE and not spec.attn_norm)
@@ -133,17 +150,20 @@ class LayerScalar(nn.Module):
 class BlockForm:
     """A block form: ``apply(block, x, positions, segment_ids)`` -> the layer's output; ``norms(a,
     spec)`` the norms of a layer; ``terms(a, spec, t)`` its own activations (``models/costs.py``);
-    ``check(a)`` a ModelError for what it cannot be beside the rest of the record."""
+    ``check(a)`` a ModelError for what it cannot be beside the rest of the record;
+    ``final_norm``: whether the model norms the last layer's output (post_residual's layers end normed)."""
 
     name: str
     apply: Callable
     norms: Callable
     terms: Callable
     check: Callable | None = None
+    final_norm: bool = True
 
 
 BLOCK_FORMS = {f.name: f for f in (
     BlockForm("sequential", sequential, _sequential_norms, _sequential_terms),
     BlockForm("parallel", parallel, lambda a, spec: 1, _parallel_terms(1), _check_parallel),
     BlockForm("parallel_two_norms", parallel_two_norms, lambda a, spec: 2, _parallel_terms(2), _check_parallel),
+    BlockForm("post_residual", post_residual, lambda a, spec: 2, _sequential_terms, _check_post_residual, False),
 )}

@@ -31,6 +31,7 @@ from shardzoo.models import (
     linear_attention,
     mamba1,
     moe,
+    rglru,
     sparse_attention,
     ssm,
 )
@@ -50,6 +51,7 @@ MIXERS = {m.name: m for m in (
     ssm.ATTENTION_MAMBA_MIXER,  # attention and a Mamba2 mixer side by side (Falcon-H1)
     mamba1.MIXER,  # Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba)
     kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
+    rglru.MIXER,  # RecurrentGemma's recurrent block: a convolution and the RG-LRU
     sparse_attention.MIXER,  # DeepSeek Sparse Attention: latent attention over its lightning indexer's top-k keys
     NO_MIXER,
 )}

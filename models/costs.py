@@ -209,13 +209,14 @@ def transformer_params(a, active: bool = False) -> int:
     if a.position_embedding == "learned":
         total += (a.max_position_embeddings + a.position_offset) * d
     norm = norm_params(a, d)  # weight and bias, as the kind has them
-    total += norm * (1 + a.embedding_norm)  # final norm (and the embeddings' norm)
+    total += norm * (BLOCK_FORMS[a.block_form].final_norm + a.embedding_norm)  # final norm (and the embeddings' norm)
     if a.head_transform is not None:  # the prediction head's dense and norm
         total += d * d + norm
     if a.lm_head_bias and not a.score_head:
         total += a.vocab_size
     for spec in a.layer_specs():
         total += sum(_layer_params(a, spec, active)) + BLOCK_FORMS[a.block_form].norms(a, spec) * norm
+        total += d * bool(spec.out_bias)  # a layer's own output bias (the mixer counts attention_out_bias's)
     return total
 
 

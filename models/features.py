@@ -44,12 +44,16 @@ FEATURES = {
                          "Phi, Cohere)",
     "parallel_two_norms": "attention and MLP side by side, each from its own norm: x + attn(n1) + mlp(n2) "
                           "(block_form parallel_two_norms: GPT-NeoX, Falcon-40B)",
+    "post_residual_norms": "the norms on the residual stream after each addition: norm(x + attn(x)), norm(x + "
+                           "mlp(x)), no final norm (block_form post_residual: GPT-1)",
     "clip_qkv": "q, k and v clipped to [-clip_qkv, clip_qkv] after their projections (OLMo 1, MPT)",
     "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
     "qk_norm_after_rope": "the q/k norm applied after the rotary embedding (HunYuan), not before",
     "qk_norm_no_bias": "the q/k norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)",
-    "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias", "mlp_bias": "MLP biases",
+    "attention_bias": "q/k/v biases", "attention_out_bias": "output projection bias",
+    "attention_out_bias_layers": "an output projection bias on some layers only (attention_out_bias_layers: "
+                                 "GPT-NeoX-Japanese's last layer)", "mlp_bias": "MLP biases",
     "gated_mlp": "gated MLP (SwiGLU, GeGLU)",
     "xielu": "the xIELU activation (hidden_act=xielu) with learned alpha_p, alpha_n (through softplus), beta and eps "
              "per layer's MLP (Apertus)", "plain_mlp": "plain MLP (up, activation, down)",
@@ -111,12 +115,23 @@ FEATURES = {
                         "mixer_rms_eps)",
     "mamba1_bcdt_norm_weights": "those norms of dt, B and C with weights (Jamba's dt_layernorm, b_layernorm, "
                                 "c_layernorm)",
+    "rglru": "RecurrentGemma's recurrent blocks (the recurrent layers of layer_types): gelu(linear_y(h)) times "
+             "linear_x(h) through a causal depthwise conv and the RG-LRU (block-diagonal input and recurrence gates, "
+             "a decay per channel; an associative scan for training, the recurrence for decoding), then linear_out "
+             "(lru_width, conv1d_width)",
     "mlp_free_layers": "layers without an MLP (mlp_layer_types 'none': Mamba2, Nemotron-H)",
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "
                   "projections, a sigmoid-gated norm",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
+    "sub_norms": "a norm of attention's output before its o projection and of the MLP's hidden features before its "
+                 "down projection (BitNet's subln: sub_norms)",
+    "bitlinear": "attention's and the MLP's projections through BitLinear: weights ternary times their mean |w|, "
+                 "inputs 8-bit per token by their largest |x|, straight-through gradients (BitNet b1.58's online "
+                 "quantization: bitlinear)",
+    "differential_attention": "differential attention: two softmaxes' difference over paired value heads, "
+                              "RMS-normalised per head pair (diff_attention: DiffLlama)",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
                              "(Qwen3-Next)",
     "scaled_router": "the router's input RMS-normalised without a weight, times a learned vector and "

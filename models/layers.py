@@ -92,7 +92,26 @@ def linear_kw(config) -> dict:
     """What every projection of a Transformer takes from its config."""
     e = config.execution
     return dict(dtype=e.dtype, param_dtype=e.param_dtype, init_std=config.arch.initializer_range,
-                lora=linear_lora(e))
+                lora=linear_lora(e), bitlinear=config.arch.bitlinear)
+
+
+def weight_quant(w):
+    """BitLinear's weights (BitNet b1.58): ternary times their mean |w| (absmean), in float32;
+    the gradient passes straight through."""
+    w32 = w.astype(jnp.float32)
+    scale = 1.0 / jnp.maximum(jnp.mean(jnp.abs(w32)), 1e-5)
+    q = jnp.clip(jnp.round(w32 * scale), -1, 1) / scale
+    return w + jax.lax.stop_gradient(q.astype(w.dtype) - w)
+
+
+def act_quant(x, n_in: int = 1):
+    """BitLinear's inputs: 8-bit per token, scaled by their largest |x| over the last ``n_in``
+    dims (absmax), in float32; the gradient passes straight through."""
+    x32 = x.astype(jnp.float32)
+    dims = tuple(range(x.ndim - n_in, x.ndim))
+    scale = 127.0 / jnp.maximum(jnp.max(jnp.abs(x32), axis=dims, keepdims=True), 1e-5)
+    q = jnp.clip(jnp.round(x32 * scale), -128, 127) / scale
+    return x + jax.lax.stop_gradient(q.astype(x.dtype) - x)
 
 
 # ------------------------------------------------------------------------------- linear, embed
@@ -125,6 +144,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     lora: tuple = ()
     real_out: int = 0  # the last output dim's real size, the rest padding (0: none; the vocab's)
+    bitlinear: bool = False  # BitNet b1.58's BitLinear: ternary weights, 8-bit inputs (weight_quant, act_quant)
 
     @property
     def n_in(self) -> int:
@@ -154,11 +174,12 @@ class Linear(nn.Module):
             b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.LORA_RANK,) + self.axes[self.n_in:]),
                            (rank,) + tuple(self.features), jnp.float32)
             adapter = (a.astype(dt), b.astype(dt), scale)
-        return kernel.astype(dt), bias, adapter
+        return (weight_quant(kernel) if self.bitlinear else kernel).astype(dt), bias, adapter
 
     def __call__(self, x):
         kernel, bias, adapter = self.weights(x.shape[x.ndim - self.n_in:])
         x = x.astype(dtype_of(self.dtype))
+        x = act_quant(x, self.n_in) if self.bitlinear else x
         y = jnp.tensordot(x, kernel, axes=self.n_in)
         y = y if bias is None else y + bias
         return adapted(y, x, adapter, self.n_in)
@@ -189,6 +210,7 @@ def fused(linears, x):
     weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
     kernel = jnp.stack([k for k, _, _ in weights])  # [n, inputs..., features...]
     x = x.astype(kernel.dtype)
+    x = act_quant(x, first.n_in) if first.bitlinear else x
     y = jnp.tensordot(x, kernel, axes=(
         tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
     # y: [batch..., n, features...]
@@ -380,6 +402,10 @@ class MLP(nn.Module):
             h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:
             h = act(checkpoint_name(linear("up")(x), "mlp_up"))
+        if a.sub_norms:  # BitNet's ffn_sub_norm (norms.py imports this module)
+            from shardzoo.models.norms import make_norm
+
+            h = make_norm(self.config, "sub_norm", (ax.MLP,))(h)
         h = checkpoint_name(constrain(h, (ax.BATCH, ax.LENGTH, ax.MLP), self.placement), "mlp_hidden")
         out = Linear((a.hidden_size,), (ax.MLP, ax.EMBED), a.mlp_bias, name="down", **kw)(h)
         if down_scale != 1.0:
@@ -393,9 +419,12 @@ BLF = (ax.BATCH, ax.LENGTH, ax.MLP)
 
 
 def mlp_params(a, width: int) -> tuple[int, int]:
-    """A dense MLP of ``width`` (``mlp_type``'s): (gate (gated), up and down; their biases)."""
+    """A dense MLP of ``width`` (``mlp_type``'s): (gate (gated), up and down; their biases and sub-norm)."""
+    from shardzoo.models.norms import norm_params  # (norms.py imports this module)
+
     per = 2 if a.mlp_type == "gated" else 1
-    return (per + 1) * a.hidden_size * width, a.mlp_bias * (per * width + a.hidden_size)
+    sub_norm = norm_params(a, width) * a.sub_norms  # BitNet's ffn_sub_norm
+    return (per + 1) * a.hidden_size * width, a.mlp_bias * (per * width + a.hidden_size) + sub_norm
 
 
 def _params(a, active: bool) -> tuple[int, int]:

@@ -296,7 +296,8 @@ class Transformer(nn.Module):
 
         if ring:
             x = unzigzag(x, placement)  # the natural order again; the norm and head work per token
-        x = make_norm(cfg, "final_norm")(x)
+        if BLOCK_FORMS[a.block_form].final_norm:
+            x = make_norm(cfg, "final_norm")(x)
         dt = dtype_of(e.dtype)
         if a.score_head:  # a reward model: one score per token, read at a sequence's last token
             return Linear((1,), (ax.EMBED, ax.SCORE), False, name="score", **kw)(x).astype(jnp.float32)  # [b, l, 1]

@@ -25,6 +25,7 @@ from shardzoo.models.hf import (
     axk1,
     bamba,
     biogpt,
+    bitnet,
     bloom,
     codegen,
     cohere,
@@ -35,6 +36,7 @@ from shardzoo.models.hf import (
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
+    diffllama,
     dots1,
     ernie4_5,
     exaone,
@@ -54,6 +56,7 @@ from shardzoo.models.hf import (
     gpt_bigcode,
     gpt_neo,
     gpt_neox,
+    gpt_neox_japanese,
     gpt_oss,
     gptj,
     granite,
@@ -95,6 +98,7 @@ from shardzoo.models.hf import (
     olmo2,
     olmo3,
     olmoe,
+    openai,
     opt,
     param2moe,
     persimmon,
@@ -106,6 +110,7 @@ from shardzoo.models.hf import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    recurrent_gemma,
     sarvam_mla,
     sarvam_moe,
     seed_oss,
@@ -179,6 +184,11 @@ FAMILIES: tuple[Family, ...] = (
     lara_mini.LARA_MINI,
     lfm3.LFM3,  # a sigmoid gate per attention head (attn_head_gate), proportional rotary
     nanochat.NANOCHAT,  # weightless norms, a rotary turning the other way (its q/k heads' halves swapped)
+    openai.OPENAI_GPT,  # post-LN blocks (block form post_residual)
+    gpt_neox_japanese.GPT_NEOX_JAPANESE,  # an output bias on the last layer only (attention_out_bias_layers)
+    diffllama.DIFFLLAMA,  # differential attention (models/differential.py)
+    bitnet.BITNET,  # sub-norms before o_proj and down_proj (BitLinear's quantization refused)
+    recurrent_gemma.RECURRENT_GEMMA,  # RG-LRU recurrent blocks (models/rglru.py) and local attention
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -391,7 +401,7 @@ for _name, _config in PRESETS.items():
 
 # ------------------------------------------------------------------ the README's list of families
 KINDS = ("dense", "MoE", "hybrid", "state-space")
-_MIXERS = {"mamba1", "mamba2", "short_conv", "gated_deltanet", "kimi_delta"}  # token mixers other than attention
+_MIXERS = {"mamba1", "mamba2", "short_conv", "gated_deltanet", "kimi_delta", "rglru"}  # token mixers other than attention
 
 
 def kind_of(family: Family) -> str:

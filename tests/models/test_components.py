@@ -54,7 +54,7 @@ def toy(monkeypatch):
 def test_every_layer_type_and_mlp_kind_is_on_a_table():
     assert set(components.MIXER_OF_LAYER_TYPE) == {"full_attention", "sliding_attention", "chunked_attention", "conv",
                                                    "linear_attention", "mamba", "attention+mamba", "mamba1", "kimi_delta",
-                                                   "indexed_attention",
+                                                   "indexed_attention", "recurrent",
                                                    "none"}
     assert set(components.MLPS) == {"dense", "moe", "dense_and_moe", "none"}
     for mixer in components.MIXERS.values():  # each says how it runs on a sharded sequence (or why not)
@@ -91,7 +91,8 @@ def test_a_new_mixer_is_its_record_and_one_table_line(toy):
 
 
 @pytest.mark.parametrize("name", ["falcon-h1-tiny", "lfm2-tiny", "qwen3-next-tiny", "llama4-tiny", "deepseek-v3-tiny",
-                                  "mamba2-tiny", "jamba-tiny", "qwen2-moe-tiny"])
+                                  "mamba2-tiny", "jamba-tiny", "qwen2-moe-tiny",
+                                  "recurrentgemma-tiny"])
 def test_sub_records_are_stored_nested_and_older_flat_configs_load_into_them(name):
     """A checkpoint stores each sub-record as its own mapping; a two-record config written before
     the sub-records (their fields flat among the others, a switch for the temperature) reads back
