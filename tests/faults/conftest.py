@@ -139,12 +139,12 @@ def logged_step(out) -> int:
     return max(losses(out) or [0])
 
 
-def wait_for(predicate, proc, timeout=240):
+def wait_for(predicate, proc, timeout=240, poll=0.05):
     deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, f"the process ended early ({proc.returncode})"
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def stop(*procs) -> None:

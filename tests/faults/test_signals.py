@@ -55,38 +55,40 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(cli, tmp_path):
     assert latest_step(str(out / "checkpoints")) is None  # no save at step 1 or 2
 
 
-def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes(cli, reference, tmp_path):
-    """Ctrl-C at 20 moments of a run (8 steps of 0.3 s, a save every 2 steps): 10 spread over its
-    start-up and compilation (as long as a run measured first took to log its first step, and
-    no later than this run's first logged step), and
-    10 in its loop (0, 0.1 or 0.2 s after it logged steps 1 to 7: in a step, its save or its
-    log). Each process ends within 10 s with exit 130 and one line, never a crash, and the same
-    command then trains the run to its end. Before the training loop nothing is saved (the run
-    directory is as a resume expects it); in it, the step reached is saved."""
+def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_run_resumes(cli, reference, tmp_path):
+    """Ctrl-C at one moment of each phase of a run (8 steps of 0.3 s, a save every 2 steps).
+    In its loop: 0.1 s after it logged step 1 (in step 2), as it logged step 4 (in that step's
+    log and save) and 0.2 s after it logged step 6 (in step 7). Before it: 0.5 s after the
+    start (the interpreter's start-up), halfway to the moment the loop runs took the lock (jax
+    and shardzoo importing), 0.1 s after the lock appears (the data read and tokenized under a
+    --out this command created) and as run.json appears (the model built and its step compiled). Each
+    process ends within 10 s with exit 130 and one line, never a crash, and the same command then
+    trains the run to its end. Before the loop nothing is saved (the run directory is as a resume
+    expects it); in it, the step reached is saved."""
     delay = dict(SZ_TEST_STEP_DELAY="0.3")
-    timed = tmp_path / "timed"  # the compile cache is warm (``reference`` ran the same program)
-    started = time.monotonic()
-    proc = cli.start("ctrl_c_timed", *cli.args(timed, 8, "--save-every", "2"), **delay)
-    try:
-        cli.wait_for(lambda: cli.logged_step(timed) >= 1, proc)
-        loop = time.monotonic() - started  # start-up and compilation
-        assert proc.wait(timeout=300) == 0, cli.err("ctrl_c_timed")
-    finally:
-        cli.stop(proc)
-    moments = [(0, loop * (k + 0.5) / 10) for k in range(10)]  # (logged step to wait for, then seconds)
-    moments += [(1 + k * 6 // 9, 0.1 * (k % 3)) for k in range(10)]
+    logged = [(1, 0.1), (4, 0.0), (6, 0.2)]  # (logged step to wait for, then seconds)
+    lock_s = []  # from the start to the lock, in the runs that reach the loop
+    moments = [("loop", m) for m in logged] + [("start", s) for s in ("0.5 s", "halfway", "lock", "run.json")]
     kinds = []
-    for k, (step, wait) in enumerate(moments):
+    for k, (phase, moment) in enumerate(moments):
         out, name = tmp_path / f"run{k}", f"ctrl_c_{k}"
+        started = time.monotonic()
         proc = cli.start(name, *cli.args(out, 8, "--save-every", "2"), **delay)
         try:
-            if step:
+            if phase == "loop":
+                step, wait = moment
+                cli.wait_for(lambda out=out: (out / ".shardzoo.lock").exists(), proc)
+                lock_s.append(time.monotonic() - started)
                 cli.wait_for(lambda out=out, step=step: cli.logged_step(out) >= step, proc)
                 time.sleep(wait)
-            else:  # a start-up moment, or the loop's first step if this run starts faster than the timed one
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and cli.logged_step(out) < 1:
-                    time.sleep(0.02)
+            elif moment in ("0.5 s", "halfway"):
+                time.sleep(0.5 if moment == "0.5 s" else min(lock_s) / 2)
+                assert not out.exists(), f"moment {k} ({moment}): the lock was taken already"
+            else:  # 0.1 s after the lock appears (not at once: between taking it and ``undone`` is no moment
+                # a person can aim at), as run.json does
+                marker = out / (".shardzoo.lock" if moment == "lock" else "run.json")
+                cli.wait_for(lambda marker=marker: marker.exists(), proc, poll=0.005)
+                time.sleep(0.1 if moment == "lock" else 0)
             proc.send_signal(signal.SIGINT)
             sent = time.monotonic()
             rc = proc.wait(timeout=60)
@@ -94,7 +96,7 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
         finally:
             cli.stop(proc)
         err = cli.err(name)
-        assert rc == 130, f"moment {k} (step {step} + {wait:.1f} s): exit {rc}\n{err}"
+        assert rc == 130, f"moment {k} ({phase} {moment}): exit {rc}\n{err}"
         assert took < 10, f"moment {k}: {took:.1f} s"
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1, f"moment {k}:\n{err}"
@@ -107,13 +109,14 @@ def test_ctrl_c_at_20_moments_ends_within_10_s_with_one_line_and_the_run_resumes
             saved = latest_step(str(out / "checkpoints"))
             assert lines[0] == (f"shardzoo train: interrupted: saved step {saved} to {out}/checkpoints/{saved}; "
                                 "run the same command to resume"), lines[0]
-            assert not step or saved >= step
+            assert phase == "start" or saved >= moment[0]
             kinds.append(f"saved {saved}")
-        resumed = cli.train(out, 8, "--save-every", "2")
-        assert resumed.returncode == 0, f"moment {k}: the resume failed\n{resumed.stderr}"
-        assert latest_step(str(out / "checkpoints")) == 8
-    # the start-up moments reach before the loop, and the loop's more than one step
-    assert kinds.count("before the loop") >= 3 and len(set(kinds) - {"before the loop"}) >= 3, kinds
+        if out.exists():  # else the same command is a fresh run into a new --out, as ``reference``
+            resumed = cli.train(out, 8, "--save-every", "2")
+            assert resumed.returncode == 0, f"moment {k}: the resume failed\n{resumed.stderr}"
+            assert latest_step(str(out / "checkpoints")) == 8
+    # the start-up moments before run.json reach before the loop, and the loop's three saved three steps
+    assert kinds[3:6] == ["before the loop"] * 3 and len(set(kinds[:3])) == 3, kinds
 
 
 def _pipeline(cli, out, name, stderr, **env):

@@ -44,6 +44,9 @@ LAUNCHER = textwrap.dedent(
     """
 )
 
+# as tests/conftest.py sets for the test process: the same HLO, half the compile time
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
 # llama-tiny made smaller: 1 layer, 32 wide (4 heads of 8, 2 kv heads), seq 16, batch 8.
 TINY = ["--model", "llama-tiny", "--override", "hidden_size=32", "--override", "intermediate_size=64",
         "--override", "num_hidden_layers=1", "--seq-len", "16", "--batch-size", "8",
@@ -65,7 +68,7 @@ class Runner:
         """``devices`` fake CPU devices, offline, a shared compile cache; ``aids``: rows=PREFIX
         (see LAUNCHER)."""
         e = {k: v for k, v in os.environ.items() if not k.startswith("SZ_TEST_")}
-        e.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+        e.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", JAX_PLATFORMS="cpu",
                  HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                  JAX_COMPILATION_CACHE_DIR=str(self.root / "jax_cache"),
                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")

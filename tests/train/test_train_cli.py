@@ -48,7 +48,9 @@ def _args(out, corpus):
 
 
 def _env(files):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    # opt level 0 as tests/conftest.py sets for the test process: the same HLO, half the compile time
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+               JAX_PLATFORMS="cpu",
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     # the runs of this module compile the same programs: share them through jax's disk cache
     env.update(JAX_COMPILATION_CACHE_DIR=str(files / "jax_cache"),
