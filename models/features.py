@@ -33,6 +33,8 @@ FEATURES = {
     "layernorm_no_weight": "LayerNorm without weight or bias (OLMo 1)",
     "pre_norms": "norms before attention and MLP", "post_norms": "norms after attention and MLP (OLMo 2)",
     "sandwich_norms": "norms before and after attention and MLP (Gemma 2/3)",
+    "norm_position_pattern": "per-layer norm positions (norm_positions: OLMo hybrid's post-norm attention layers "
+                             "beside pre-norm Gated DeltaNet layers)",
     "qk_norm_head": "a norm of each query/key head (one weight for all heads)",
     "qk_norm_heads": "a norm of each query/key head, with a weight per head (Cohere)",
     "qk_norm_projection": "a norm of the whole q/k projection",
@@ -104,6 +106,9 @@ FEATURES = {
                   "projections, a sigmoid-gated norm",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
+    "delta_negative_eigenvalues": "the Gated DeltaNet's rate beta = 2 sigmoid(b), in [0, 2] (OLMo hybrid's "
+                                  "linear_allow_neg_eigval)",
+    "delta_norm_eps": "the Gated DeltaNet's gated norm with its own epsilon (linear_norm_eps; OLMo hybrid: 1e-5)",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
                              "(Qwen3-Next)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "

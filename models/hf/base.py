@@ -52,6 +52,10 @@ class Weight:
     # (Qwen3-Next's in_proj_qkvz: q, k, v, z of each key head); the leaf is its part of every block
     groups: int = 1
     hf_shape: tuple[int, ...] = ()  # a whole "vec": the HF tensor's shape where it is not flat (Kimi's A_log)
+    # the fused tensor (``name``) stored as these tensors, one per part, joined on their first axis
+    # however the file splits it (OLMo hybrid's q_conv1d | k_conv1d | v_conv1d: transformers saves
+    # equal thirds); an export writes each part under its own
+    pieces: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,148 @@
+"""Hybrid families: OLMo hybrid (Gated DeltaNet layers, pre-norm, beside OLMo 3's post-norm
+attention layers: the per-layer ``norm_positions``; the Gated DeltaNet's doubled rate and its gated
+norm's own epsilon; conv1d stored as q_conv1d | k_conv1d | v_conv1d, a Weight's ``pieces``).
+
+Tiny random HF models with each mechanism on: logits equal transformers' on one device, greedy
+tokens equal over 16, export then ``from_pretrained`` equal; the new pieces' own checks (each moves
+the logits; fsdp_tp on 8 devices equals one device). Tolerance: 1e-4 on float32 logits against
+transformers, 1e-5 shardzoo against itself.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from jax.sharding import PartitionSpec as P
+from transformers import OlmoHybridConfig
+
+from shardzoo.models import get_config
+from shardzoo.models.hf import export_hf
+from shardzoo.models.hf.registry import config_to_hf
+from shardzoo.sharding import get_rules, make_mesh
+from shardzoo.train.io.hf_io import load_hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    config_of,
+    edit,
+    one_device,
+    randomized,
+    saved,
+)
+
+DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# OLMo hybrid: a linear then an attention layer, two value heads per key head, the rate doubled,
+# q/k/v/o biases, rotary on the attention layer
+OLMO_HYBRID = dict(layer_types=["linear_attention", "full_attention"],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                   linear_allow_neg_eigval=True, attention_bias=True)
+
+
+def delta_draw(name, p):
+    """A Gated DeltaNet's: A = exp(A_log) in [0.5, 2.5], norm scales near 1, the rest 0.15 x normal."""
+    if "A_log" in name:
+        return torch.log(torch.rand_like(p) * 2 + 0.5)
+    if "norm" in name:
+        return 1 + 0.1 * torch.randn_like(p)
+    return 0.15 * torch.randn_like(p)
+
+
+CONFIGS = {
+    "olmo_hybrid": lambda: OlmoHybridConfig(**(DIMS | OLMO_HYBRID)),
+}
+DRAWS = {"olmo_hybrid": delta_draw}
+FORWARD = {"olmo_hybrid": dict(use_cache=False)}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def built(request, tmp_path_factory):
+    """(HF dir, HF model, reference logits): every weight random."""
+    model = randomized(CONFIGS[request.param](), 0, DRAWS[request.param])
+    return saved(model, tmp_path_factory.mktemp(request.param), **FORWARD.get(request.param, {}))
+
+
+def test_logits_match_on_one_device(built):
+    path, model, ref = built
+    module, _, params = load_hf(path, mesh=one_device())
+    got = apply(module, params, one_device())
+    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built, parity):
+    path, model, _ = built
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    kind = model.config.model_type
+    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
+
+
+# ------------------------------------------------------------------------------ OLMo hybrid
+@pytest.fixture(scope="module")
+def olmo_hybrid(built):
+    if "olmo_hybrid" not in built[0]:
+        pytest.skip("the OLMo hybrid model's checks")
+    return built
+
+
+def test_olmo_hybrid_reads_its_layers_and_shards_under_fsdp_tp(olmo_hybrid):
+    """A pre-norm linear layer and a post-norm attention layer; under fsdp_tp on 8 devices the
+    logits equal one device's (1e-5) and transformers' (1e-4)."""
+    path, _, ref = olmo_hybrid
+    module, config, params = load_hf(path, mesh=one_device())
+    assert config.norm_positions == ("pre", "post") and config.num_params() == sum(
+        p.numel() for p in olmo_hybrid[1].parameters())
+    assert config.linear_attention.allow_neg_eigval and config.linear_attention.norm_eps == 1e-5
+    got = apply(module, params, one_device())
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    module, _, params = load_hf(path, mesh=mesh, rules=get_rules("fsdp_tp"))
+    for mixer in ("linear_attn", "attn"):
+        assert params[f"layers_{int(mixer == 'attn')}"][mixer]["q"]["kernel"].sharding.spec == P("fsdp", "tensor", None)
+    sharded = apply(module, params, mesh)
+    np.testing.assert_allclose(sharded, got, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(sharded, ref, atol=TOL, rtol=0)
+
+
+def test_olmo_hybrid_mechanisms_move_the_logits(olmo_hybrid):
+    """The doubled rate, the gated norm's own epsilon (at 1: rms_norm_eps's 1e-6 is too close to
+    FLA's 1e-5 to show on these weights), and each layer's norm placement: the attention layers'
+    post-norms put before attention and MLP instead."""
+    path, _, ref = olmo_hybrid
+    module, config, params = load_hf(path, mesh=one_device())
+    for change in (dict(linear_allow_neg_eigval=False), dict(linear_norm_eps=1.0)):
+        assert np.abs(apply(config.replace(**change).build(), params, one_device()) - ref).max() > 1e-2, change
+    pre = config.replace(norm_positions=("pre", "pre"))
+    moved = dict(params, layers_1={{"post_attn_norm": "attn_norm", "post_mlp_norm": "mlp_norm"}.get(k, k): v
+                                   for k, v in params["layers_1"].items()})
+    assert np.abs(apply(pre.build(), moved, one_device()) - ref).max() > 1e-2
+    # and the doubled rate is what the parity needs: the rate's projection zeroed moves the logits
+    assert np.abs(apply(module, edit(params, "['linear_attn']['b']['kernel']", lambda x: 0 * x),
+                        one_device()) - ref).max() > 1e-2
+
+
+def test_olmo_hybrid_nope_reads_and_writes_a_null_rope_theta():
+    """The released checkpoints' ``rope_parameters: {rope_theta: null}``: no layer rotates, and the
+    export writes it back so."""
+    config = config_of(OlmoHybridConfig(**(DIMS | OLMO_HYBRID), rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": None}))
+    assert config.rope_layers == (False,) * 2 and {s.rope for s in config.layer_specs()} == {"none"}
+    assert config_to_hf(config)["rope_parameters"]["rope_theta"] is None
+
+
+def test_olmo_hybrid_7b_preset_counts_as_transformers_does():
+    """olmo-hybrid-7b: OlmoHybridConfig's defaults (transformers' allenai/Olmo-Hybrid-7B) on the meta device."""
+    config = get_config("olmo-hybrid-7b")
+    assert config.num_params() == 7_430_870_688
+    assert config.arch == config_of(OlmoHybridConfig(rope_parameters={"rope_type": "default",
+                                                                      "rope_theta": None})).arch
