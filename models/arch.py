@@ -147,6 +147,8 @@ class ArchCore:
     mlp_layer_types: tuple[str, ...] | None = feature(None, _mlp_pattern_feature)  # per layer; None: uniform
     # attention's output times sigmoid(gate), the gate a second half of each query head (Qwen3-Next)
     attn_output_gate: bool = feature(False, "attention_output_gate")
+    # attention's output times sigmoid(x . w), one gate per head (Ling's head-wise gated attention)
+    attn_head_gate: bool = feature(False, "attention_head_gate")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -165,10 +165,19 @@ class Attention(nn.Module):
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
-        ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
+        ctx = checkpoint_name(self._head_gate(x, ctx), "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o",
                      **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _head_gate(self, x, ctx):
+        """``ctx`` [batch, length, heads, head_dim] times sigmoid(x . w) per head (``attn_head_gate``:
+        Ling's ``g_proj``; in float32, rounded to ctx's dtype), else as it is."""
+        if not self.config.arch.attn_head_gate:
+            return ctx
+        gate = Linear((self.config.arch.num_attention_heads,), (ax.EMBED, ax.HEADS), name="head_gate",
+                      **linear_kw(self.config))(x)  # [batch, length, heads]
+        return ctx * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(ctx.dtype)[..., None]
 
     def _qk_norm(self, q, k):
         """The model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
@@ -227,7 +236,8 @@ class Attention(nn.Module):
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
         # value and query/key heads differ in width: the plain XLA attention takes that
-        ctx = checkpoint_name(xla_attention(q, k, v, mask, a.attention_scale, a.attn_logit_softcapping),
+        ctx = checkpoint_name(self._head_gate(x, xla_attention(q, k, v, mask, a.attention_scale,
+                                                               a.attn_logit_softcapping)),
                               "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), a.attention_out_bias, name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
@@ -299,7 +309,7 @@ def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
     d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
     matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + 2 * a.kv_heads)
-    matmul += d * hd * nh * a.attn_output_gate  # the output gate's projection
+    matmul += d * hd * nh * a.attn_output_gate + d * nh * a.attn_head_gate  # the output gates' projections
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)

@@ -104,6 +104,12 @@ FEATURES = {
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "
                   "projections, a sigmoid-gated norm",
+    "kda_full_rank_gate": "KDA's decay and output-gate projections each one hidden -> heads x head_dim matrix, not "
+                          "low-rank pairs (Ling's bailing_hybrid)",
+    "kda_gate_lower_bound": "KDA's log decay lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (fla's safe gate: "
+                            "Ling's kda_lower_bound)",
+    "attention_head_gate": "attention's output times sigmoid(x . w) per head, a scalar gate of each head projected "
+                           "from the layer's input (Ling's head-wise gated attention)",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "delta_negative_eigenvalues": "the Gated DeltaNet's rate beta = 2 sigmoid(b), in [0, 2] (OLMo hybrid's "

@@ -22,6 +22,7 @@ from shardzoo.models.hf import (
     afmoe,
     apertus,
     arcee,
+    bailing_hybrid,
     bamba,
     biogpt,
     bloom,
@@ -144,6 +145,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_5.QWEN3_5,  # a dense Gated DeltaNet model: Qwen3.5's (Qwen3-Next's without experts)
     qwen3_next.QWEN3_NEXT,
     olmo_hybrid.OLMO_HYBRID,  # Gated DeltaNet beside OLMo 3's attention, per-layer norm positions
+    bailing_hybrid.BAILING_HYBRID,  # KDA (full-rank, bounded gates) beside head-gated latent attention
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,

@@ -126,7 +126,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
                   "biogpt", "mamba", "jamba", "nemotron", "olmo", "gpt_neox", "falcon",
                   "qwen3_5", "lfm2_moe", "minimax_m2", "exaone_moe", "granitemoehybrid", "cohere2_moe", "minicpm3", "iquestcoder", "sarvam_mla", "param2moe", "youtu", "cwm", "hyperclovax", "jais2", "granitemoe_swa", "afmoe", "hy_v3", "minicpm5_moe",
-                  "olmo_hybrid")  # models/hf/<name>.py
+                  "olmo_hybrid", "bailing_hybrid")  # models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
