@@ -225,3 +225,22 @@ def test_ling_3_flash_preset_counts_as_transformers_does():
     config = get_config("ling-3.0-flash")
     assert config.num_params() == 124_414_191_072
     assert config.arch == config_of(BailingHybridConfig()).arch
+
+
+def test_olmo_hybrid_convolution_pieces_read_in_any_split(olmo_hybrid, tmp_path):
+    """transformers saves conv1d as three equal thirds (27, 27, 26 rows of 80 here); an export writes
+    q_conv1d, k_conv1d, v_conv1d at their own widths (16, 16, 48), as converted checkpoints hold
+    them: both read as the same taps."""
+    from safetensors.numpy import load_file
+
+    path, _, _ = olmo_hybrid
+    _, config, params = load_hf(path)
+    assert [load_file(f"{path}/model.safetensors")[f"model.layers.0.linear_attn.{n}_conv1d.weight"].shape[0]
+            for n in "qkv"] == [27, 27, 26]
+    export_hf(config, params, str(tmp_path))
+    written = load_file(f"{tmp_path}/model.safetensors")
+    assert [written[f"model.layers.0.linear_attn.{n}_conv1d.weight"].shape[0] for n in "qkv"] == [16, 16, 48]
+    _, _, back = load_hf(str(tmp_path))
+    for n in "qkv":
+        np.testing.assert_array_equal(back["layers_0"]["linear_attn"][f"conv_{n}"],
+                                      params["layers_0"]["linear_attn"][f"conv_{n}"])
