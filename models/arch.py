@@ -51,6 +51,7 @@ class LayerSpec:
     chunk: int | None = None  # a query at i sees keys j with i // chunk == j // chunk (None: all)
     rope: str = "global"  # "global", "local" (the local rotary base), "none" (no positions here)
     mlp: str = DENSE  # "dense", "moe" or "none" (no MLP)
+    norm: str = "pre"  # where its norms sit: "pre", "post" or "both" (models/blocks.py sequential)
     # "attention", "conv" (a gated short convolution: LFM2), "linear_attention" (Gated DeltaNet),
     # "mamba" (Mamba2), "attention+mamba" (both side by side: Falcon-H1) or "none" (no mixer)
     mixer: str = ATTENTION
@@ -110,6 +111,8 @@ class ArchCore:
     # norms
     norm_type: str = feature("rmsnorm", {name: name for name in NORMS})  # a kind of models/norms.py NORMS
     norm_position: str = feature("pre", {"pre": "pre_norms", "post": "post_norms", "both": "sandwich_norms"})
+    # per layer: its norm_position (OLMo hybrid: "post" on attention layers, "pre" on linear ones); None: all alike
+    norm_positions: tuple[str, ...] | None = feature(None, "norm_position_pattern")
     # qk-norm, of norm_type: "head" each head's features (one weight for all heads), "heads"
     # each head's features with a weight per head (Cohere), "projection" all heads' features;
     # "l2": each head's features RMS-normalised without a weight (rms_norm_eps), on the rotary
@@ -182,7 +185,8 @@ class ArchCore:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for record in RECORDS.values():  # a stored config's mapping (or a switch: true, false) as the record
             set_(record.NAME, record.of(getattr(self, record.NAME)))
-        for name in ("layer_types", "mlp_layer_types", "rope_layers", "attention_out_bias_layers", "eos_token_id"):
+        for name in ("layer_types", "mlp_layer_types", "rope_layers", "attention_out_bias_layers", "norm_positions",
+                     "eos_token_id"):
             if isinstance(getattr(self, name), list):
                 set_(name, tuple(getattr(self, name)))
         if isinstance(self.rope_layers, tuple) and all(v in (0, 1) for v in self.rope_layers):
@@ -223,6 +227,9 @@ class ArchCore:
         if biased is not None:  # a uniform pattern is the flag; else the flag is off
             set_("attention_out_bias", biased[0] if len(set(biased)) == 1 else False)
             set_("attention_out_bias_layers", None if len(set(biased)) == 1 else biased)
+        if self.norm_positions is not None and len(set(self.norm_positions)) == 1:
+            set_("norm_position", self.norm_positions[0])  # every layer alike
+            set_("norm_positions", None)
         if self.position_embedding != "rope":
             for name in ("rope_scaling", "rope_local_base_freq", "rope_layers"):
                 set_(name, None)
@@ -296,6 +303,11 @@ class ArchCore:
                                    or any(not isinstance(v, bool) for v in biased)):
             raise ModelError(f"attention_out_bias_layers must give {n} layers (num_hidden_layers) each true (the "
                              f"attention output has a bias) or false; got {biased!r}")
+        positions = self.norm_positions
+        if positions is not None and (not isinstance(positions, tuple) or len(positions) != n
+                                      or any(v not in ("pre", "post", "both") for v in positions)):
+            raise ModelError(f"norm_positions must give {n} layers (num_hidden_layers) each 'pre', 'post' or "
+                             f"'both' (where its norms sit); got {positions!r}")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.sliding_window:
             raise ModelError(f"layer_types has {SLIDING} layers but sliding_window is not set")
         self._check_layers()
@@ -402,8 +414,9 @@ class ArchCore:
         mlps = self.mlp_layer_types or ((MOE if self.moe else DENSE),) * n
         rotates = self.rope_layers or (True,) * n
         biased = self.attention_out_bias_layers or (None,) * n
+        norms = self.norm_positions or (self.norm_position,) * n
         out = []
-        for i, (kind, mlp, rotary, out_bias) in enumerate(zip(types, mlps, rotates, biased, strict=True)):
+        for i, (kind, mlp, rotary, out_bias, norm) in enumerate(zip(types, mlps, rotates, biased, norms, strict=True)):
             sliding = kind == SLIDING
             rope = "global"
             if self.position_embedding != "rope" or not rotary:
@@ -413,7 +426,7 @@ class ArchCore:
             chunk = self.attention_chunk_size if kind == CHUNKED else None
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
-                                 mixer=mixer, attn_norm=bool(i or self.first_attn_norm), out_bias=out_bias,
+                                 mixer=mixer, norm=norm, attn_norm=bool(i or self.first_attn_norm), out_bias=out_bias,
                                  lambda_init=lambda_init(i) if self.diff_attention else None))
         return tuple(out)
 

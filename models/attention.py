@@ -231,15 +231,21 @@ class Attention(nn.Module):
         if a.attn_output_gate:  # Qwen3-Next: the output gated per feature by a second query projection
             gate = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="gate", **kw)(x)
             ctx = ctx * jax.nn.sigmoid(gate).astype(ctx.dtype)
-        if a.attn_head_gate:  # LFM3: each head's output times the sigmoid of its own gate
-            gate = Linear((nh,), (ax.EMBED, ax.HEADS), False, name="head_gate", **kw)(x)  # [batch, length, heads]
-            ctx = ctx * jax.nn.sigmoid(gate)[..., None].astype(ctx.dtype)
         if a.sub_norms:  # BitNet's attn_sub_norm: all heads' features normed together
             ctx = make_norm(self.config, "sub_norm", (ax.HEADS, ax.HEAD_DIM), dims=2)(ctx)
-        ctx = checkpoint_name(ctx, "attn_context")  # [batch, length, heads, head_dim]
+        ctx = checkpoint_name(self._head_gate(x, ctx), "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
                      **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+
+    def _head_gate(self, x, ctx):
+        """``ctx`` [batch, length, heads, head_dim] times sigmoid(x . w) per head (``attn_head_gate``:
+        Ling's ``g_proj``, LFM3's ``gate_proj``; in float32, rounded to ctx's dtype), else as it is."""
+        if not self.config.arch.attn_head_gate:
+            return ctx
+        gate = Linear((self.config.arch.num_attention_heads,), (ax.EMBED, ax.HEADS), name="head_gate",
+                      **linear_kw(self.config))(x)  # [batch, length, heads]
+        return ctx * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(ctx.dtype)[..., None]
 
     def _qk_norm(self, q, k):
         """The model's norm of each head: one weight ("head", Qwen3; Phi's LayerNorm) or one per
@@ -298,7 +304,8 @@ class Attention(nn.Module):
         k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
         v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
         # value and query/key heads differ in width: the plain XLA attention takes that
-        ctx = checkpoint_name(xla_attention(q, k, v, mask, a.attention_scale, a.attn_logit_softcapping),
+        ctx = checkpoint_name(self._head_gate(x, xla_attention(q, k, v, mask, a.attention_scale,
+                                                               a.attn_logit_softcapping)),
                               "attn_context")  # [batch, length, heads, head_dim]
         out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o", **kw)(ctx)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]
@@ -479,9 +486,9 @@ def check(a) -> None:
     if a.qk_norm != "none" or a.attention_bias or a.partial_rotary_factor != 1.0 or a.attention_sinks or a.clip_qkv:
         raise ModelError("latent attention has no qk_norm, q/k/v biases, attention_sinks, clip_qkv or partial_rotary_factor "
                          "(it rotates qk_rope_head_dim features of each head)")
-    if a.attn_output_gate or a.attn_head_gate or a.sub_norms:
-        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention; "
-                         "attn_head_gate: LFM3's) nor sub_norms (BitNet's)")
+    if a.attn_output_gate or a.sub_norms:
+        raise ModelError("latent attention has no output gate (attn_output_gate: Qwen3-Next's attention) nor "
+                         "sub_norms (BitNet's)")
     if a.v_norm or a.attention_k_eq_v:
         raise ModelError("latent attention has no v_norm or attention_k_eq_v (its values come from the latent)")
 

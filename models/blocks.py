@@ -43,10 +43,10 @@ def _mlp(block, h, segment_ids):
 def sequential(block, x, positions, segment_ids):
     """x + mixer(norm(x)), then x + mlp(norm(x)); ``norm_position`` "post" moves the norms onto
     the outputs: x + norm(mixer(x)) (OLMo 2); "both" has both: x + norm(mixer(norm(x))) (Gemma
-    2/3). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2); one
+    2/3); each layer as its spec says (``norm_positions``: OLMo hybrid). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2); one
     without ``attn_norm`` (its spec) no norm before the mixer (ModernBERT's first layer)."""
     cfg = block.config
-    pre, post = cfg.arch.norm_position in ("pre", "both"), cfg.arch.norm_position in ("post", "both")
+    pre, post = block.spec.norm in ("pre", "both"), block.spec.norm in ("post", "both")
     if MIXERS[block.spec.mixer] is not NO_MIXER:
         h = _mixer(block, make_norm(cfg, "attn_norm")(x) if pre and block.spec.attn_norm else x, positions,
                    segment_ids)
@@ -91,7 +91,7 @@ def _check_post_residual(a) -> None:
 
 def _sequential_norms(a, spec) -> int:
     halves = (spec.mixer != NONE) + (spec.mlp != NONE)
-    return halves * (2 if a.norm_position == "both" else 1) - (spec.mixer != NONE and not spec.attn_norm)
+    return halves * (2 if spec.norm == "both" else 1) - (spec.mixer != NONE and not spec.attn_norm)
 
 
 def _sequential_terms(a, spec, t) -> dict:
@@ -104,7 +104,7 @@ def _sequential_terms(a, spec, t) -> dict:
         out["attn_residual"] = t(d, BLE)
     if mlp:
         out.update(mlp_norm=t(3 * d, BLE, 4), mlp_out=t(d, BLE))
-    if a.norm_position == "both":
+    if spec.norm == "both":
         if mixes:
             out["post_attn_norm"] = t(3 * d, BLE, 4)
         if mlp:
@@ -122,9 +122,9 @@ def _parallel_terms(norms: int):
 
 
 def _check_parallel(a) -> None:
-    if a.norm_position != "pre":
+    if a.norm_position != "pre" or a.norm_positions is not None:
         raise ModelError(f"block_form={a.block_form!r} (x + attn(norm(x)) + mlp(norm(x))) has its norms before "
-                         f"attention and MLP; norm_position={a.norm_position!r} must be 'pre'")
+                         f"attention and MLP; norm_position={a.norm_position!r} must be 'pre' (and no norm_positions)")
     types, mlps = a.layer_types or (), a.mlp_layer_types or ()
     if any(MLPS[m].reads_residual for m in mlps):
         raise ModelError(f"block_form={a.block_form!r}: mlp_layer_types {sorted(set(mlps))} has a kind that norms the "

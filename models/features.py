@@ -37,6 +37,8 @@ FEATURES = {
     "layernorm_no_weight": "LayerNorm without weight or bias (OLMo 1)",
     "pre_norms": "norms before attention and MLP", "post_norms": "norms after attention and MLP (OLMo 2)",
     "sandwich_norms": "norms before and after attention and MLP (Gemma 2/3)",
+    "norm_position_pattern": "per-layer norm positions (norm_positions: OLMo hybrid's post-norm attention layers "
+                             "beside pre-norm Gated DeltaNet layers)",
     "qk_norm_head": "a norm of each query/key head (one weight for all heads)",
     "qk_norm_heads": "a norm of each query/key head, with a weight per head (Cohere)",
     "qk_norm_projection": "a norm of the whole q/k projection",
@@ -123,6 +125,12 @@ FEATURES = {
     "kimi_delta": "Kimi delta attention blocks (Kimi-Linear's linear_attention layers: the kimi_delta layers of "
                   "layer_types): Gated DeltaNet with a decay per key channel, low-rank decay and output-gate "
                   "projections, a sigmoid-gated norm",
+    "kda_full_rank_gate": "KDA's decay and output-gate projections each one hidden -> heads x head_dim matrix, not "
+                          "low-rank pairs (Ling's bailing_hybrid)",
+    "kda_gate_lower_bound": "KDA's log decay lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (fla's safe gate: "
+                            "Ling's kda_lower_bound)",
+    "attention_head_gate": "attention's output times sigmoid(x . w) per head, a scalar gate of each head projected "
+                           "from the layer's input (Ling's head-wise gated attention, LFM3's use_attention_gate)",
     "gated_deltanet": "Gated DeltaNet blocks beside attention (Qwen3-Next's linear_attention layers of "
                       "layer_types): a convolution of q, k, v and the gated delta rule, a recurrent state per head",
     "sub_norms": "a norm of attention's output before its o projection and of the MLP's hidden features before its "
@@ -132,6 +140,9 @@ FEATURES = {
                  "quantization: bitlinear)",
     "differential_attention": "differential attention: two softmaxes' difference over paired value heads, "
                               "RMS-normalised per head pair (diff_attention: DiffLlama)",
+    "delta_negative_eigenvalues": "the Gated DeltaNet's rate beta = 2 sigmoid(b), in [0, 2] (OLMo hybrid's "
+                                  "linear_allow_neg_eigval)",
+    "delta_norm_eps": "the Gated DeltaNet's gated norm with its own epsilon (linear_norm_eps; OLMo hybrid: 1e-5)",
     "attention_output_gate": "attention's output times the sigmoid of a gate projected with the queries "
                              "(Qwen3-Next)",
     "scaled_router": "the router's input RMS-normalised without a weight, times a learned vector and "
@@ -145,8 +156,6 @@ FEATURES = {
     "layer_scalar": "each layer's output times a fixed scalar of its own (Gemma 4's layer_scalar)",
     "rope_scaling:proportional": "Gemma 4's proportional rotary: the first partial_rotary_factor of the pairs turn "
                                  "at the whole head's frequencies, the rest not at all",
-    "attention_head_gate": "each attention head's output times the sigmoid of a gate projected from the layer's "
-                           "input, one per head (LFM3)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "

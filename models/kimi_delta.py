@@ -28,6 +28,7 @@ C): ``linear_attention_chunk`` sets C.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
@@ -45,6 +46,7 @@ from shardzoo.models.delta_rule import (
     split_chunks,
     unit_lower_inverse,
 )
+from shardzoo.models.features import feature
 from shardzoo.models.layers import Linear, constrain, dtype_of, linear_kw
 from shardzoo.models.linear_attention import GatedDeltaNet
 from shardzoo.sharding import axes as ax
@@ -58,7 +60,10 @@ BHV = (ax.BATCH, ax.LENGTH, ax.LINEAR_HEADS, ax.LINEAR_VALUE_DIM)  # v, the outp
 class KimiDelta(SubRecord):
     """KDA's sizes, the architecture's ``kimi_delta`` (Kimi-Linear's ``linear_attn_config``):
     heads, each head's features (queries, keys and values alike; also the rank of the decay's and
-    the gate's projections) and the taps of the short convolution."""
+    the gate's projections) and the taps of the short convolution. Ling's (``bailing_hybrid``):
+    ``full_rank_gate``, the decay's and the gate's projections each one hidden -> heads x head_dim
+    matrix (``f``, ``g``); ``gate_lower_bound`` b, the log decay ``b sigmoid(exp(A_log) (f +
+    dt_bias))`` in (b, 0) (fla's safe gate) in place of ``-exp(A_log) softplus(f + dt_bias)``."""
 
     NAME: ClassVar[str] = "kimi_delta"
     FEATURE: ClassVar[str] = "kimi_delta"
@@ -67,6 +72,8 @@ class KimiDelta(SubRecord):
     num_heads: int = 32
     head_dim: int = 128
     conv_kernel: int = 4
+    full_rank_gate: bool = feature(False, "kda_full_rank_gate")
+    gate_lower_bound: float | None = feature(None, "kda_gate_lower_bound")
 
     def __post_init__(self):
         check_fields(self, {}, ("num_heads", "head_dim", "conv_kernel"))
@@ -74,6 +81,10 @@ class KimiDelta(SubRecord):
             raise ModelError(f"kimi_delta: num_heads={self.num_heads}, head_dim={self.head_dim} and conv_kernel="
                              f"{self.conv_kernel} must be set, conv_kernel >= 2 (the taps of the causal convolution "
                              "of q, k and v)")
+        if self.gate_lower_bound is not None and not (isinstance(self.gate_lower_bound, (int, float))
+                                                      and -math.inf < self.gate_lower_bound < 0):
+            raise ModelError(f"kimi_delta: gate_lower_bound={self.gate_lower_bound!r} must be a finite number < 0 "
+                             "(the least log decay; or null: softplus)")
 
 
 def kimi_delta_chunked(q, k, v, g, beta, chunk: int, seg=None, state=None, prev_seg=None):
@@ -149,24 +160,36 @@ class KimiDeltaAttention(GatedDeltaNet):
         b = Linear((h,), (ax.EMBED, ax.LINEAR_HEADS), name="b", **kw)(x)  # [batch, length, heads]
         seg = self.segments(x, segment_ids, decode)
         q, k, v = self.conv_silu({"q": (q, BHD), "k": (k, BHD), "v": (v, BHV)}, seg, decode, kda.conv_kernel)
-        # the low-rank projections' middle: head_dim features (named as the other side's head features)
-        f = Linear((d,), (ax.EMBED, ax.LINEAR_VALUE_DIM), name="f_a", **kw)(x)
-        f = Linear((h, d), (ax.LINEAR_VALUE_DIM, *heads_k), name="f_b", **kw)(f)  # [batch, length, heads, head_dim]
+        f = self._gate_projection(x, "f", heads_k)  # [batch, length, heads, head_dim]
         a_log = self.param("A_log", nn.with_logical_partitioning(_a_log_init, (ax.LINEAR_HEADS,)), (h,), pdt)
         dt_bias = self.param("dt_bias", nn.with_logical_partitioning(_dt_bias_init, heads_k), (h, d), pdt)
-        g = -jnp.exp(a_log.astype(jnp.float32))[:, None] * jax.nn.softplus(
-            f.astype(jnp.float32) + dt_bias.astype(jnp.float32))  # [batch, length, heads, key_dim]: log decays
+        rate, f = jnp.exp(a_log.astype(jnp.float32))[:, None], f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+        if kda.gate_lower_bound is None:
+            g = -rate * jax.nn.softplus(f)  # [batch, length, heads, key_dim]: log decays
+        else:  # Ling's safe gate: in (lower bound, 0)
+            g = kda.gate_lower_bound * jax.nn.sigmoid(rate * f)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         out = self.delta(l2norm(q) * d**-0.5, l2norm(k), v, constrain(g, BHD, placement), beta, seg, decode)
         out = constrain(out.astype(x.dtype), BHV, placement)  # [batch, length, heads, head_dim]
-        gate = Linear((d,), (ax.EMBED, ax.LINEAR_KEY_DIM), name="g_a", **kw)(x)
-        gate = Linear((h, d), (ax.LINEAR_KEY_DIM, *heads_v), name="g_b", **kw)(gate)
+        gate = self._gate_projection(x, "g", heads_v)
         scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_VALUE_DIM,)),
                            (d,), pdt)
         y = checkpoint_name(constrain(gated_sigmoid_norm(out, gate, scale, a.rms_norm_eps), BHV, placement),
                             "attn_context")
         out = Linear((a.hidden_size,), (*heads_v, ax.EMBED), name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
+
+    def _gate_projection(self, x, name: str, axes):
+        """The decay's (``f``) or the gate's (``g``) projection to [batch, length, heads, head_dim]:
+        one matrix (``full_rank_gate``), or ``{name}_a`` then ``{name}_b`` through head_dim features
+        (named as the other side's head features)."""
+        kda, kw = self.config.arch.kimi_delta, linear_kw(self.config)
+        h, d = kda.num_heads, kda.head_dim
+        if kda.full_rank_gate:
+            return Linear((h, d), (ax.EMBED, *axes), name=name, **kw)(x)
+        middle = ax.LINEAR_VALUE_DIM if name == "f" else ax.LINEAR_KEY_DIM
+        low = Linear((d,), (ax.EMBED, middle), name=f"{name}_a", **kw)(x)
+        return Linear((h, d), (middle, *axes), name=f"{name}_b", **kw)(low)
 
 
 # ------------------------------------------------------------------------------ the component
@@ -180,7 +203,8 @@ def params(a) -> tuple[int, int]:
     A_log per head, dt_bias per head and feature, the norm's weight)."""
     kda = a.kimi_delta
     h, d, hd = kda.num_heads, kda.head_dim, kda.num_heads * kda.head_dim
-    matmul = a.hidden_size * (3 * hd + h + 2 * d) + 2 * d * hd + hd * a.hidden_size + kda.conv_kernel * 3 * hd
+    gates = 2 * a.hidden_size * hd if kda.full_rank_gate else 2 * (a.hidden_size * d + d * hd)
+    matmul = a.hidden_size * (3 * hd + h) + gates + hd * a.hidden_size + kda.conv_kernel * 3 * hd
     return matmul, h + hd + d
 
 

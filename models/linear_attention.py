@@ -38,7 +38,8 @@ from shardzoo.models.delta_rule import (
     l2norm,
     ring_gated_delta,
 )
-from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
+from shardzoo.models.features import feature
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw, positive
 from shardzoo.sharding import axes as ax
 
 LINEAR = "linear_attention"  # its name in layer_types
@@ -94,7 +95,7 @@ class GatedDeltaNet(nn.Module):
         a_log = self.param("A_log", nn.with_logical_partitioning(_a_log_init, (ax.LINEAR_HEADS,)), (nv,), pdt)
         dt_bias = self.param("dt_bias", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_HEADS,)),
                              (nv,), pdt)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        beta = jax.nn.sigmoid(b.astype(jnp.float32)) * (2.0 if la.allow_neg_eigval else 1.0)
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a_.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         r = nv // nk  # each key head serves r consecutive value heads
         q = jnp.repeat(l2norm(q) * dk**-0.5, r, axis=2)  # [batch, length, heads, key_dim]
@@ -104,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         # the gated RMSNorm of each head (one weight for all heads): norm(out) * silu(z)
         scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, (ax.LINEAR_VALUE_DIM,)),
                            (dv,), pdt)
-        y = checkpoint_name(constrain(gated_rms_norm(out, z, scale, a.rms_norm_eps), BLVD, placement), "attn_context")
+        y = checkpoint_name(constrain(gated_rms_norm(out, z, scale, la.norm_eps or a.rms_norm_eps), BLVD, placement), "attn_context")
         out = Linear((a.hidden_size,), (*value_axes, ax.EMBED), name="out", **kw)(y)
         return checkpoint_name(out, "attn_out")  # [batch, length, embed]: the mixer's output
 
@@ -193,23 +194,30 @@ def _push(variables, seg_variable, inputs, seg):
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaNetArch(SubRecord):
     """The linear-attention layers' sizes: q, k num_key_heads x key_head_dim, v, z num_value_heads
-    x value_head_dim, the causal convolution's conv_kernel_dim taps (Qwen3-Next's linear_* fields)."""
+    x value_head_dim, the causal convolution's conv_kernel_dim taps (Qwen3-Next's linear_* fields);
+    OLMo hybrid's rate doubled (beta in [0, 2]: ``allow_neg_eigval``) and the gated norm's own
+    epsilon (``norm_eps``; None: rms_norm_eps)."""
 
     NAME: ClassVar[str] = "linear_attention"
     FEATURE: ClassVar[str] = "gated_deltanet"
     OWNERS: ClassVar[tuple[str, ...]] = (LINEAR,)
-    FLAT: ClassVar[dict[str, str]] = {f"linear_{n}": n for n in (
-        "num_value_heads", "num_key_heads", "key_head_dim", "value_head_dim", "conv_kernel_dim")}
+    SIZES: ClassVar[tuple[str, ...]] = ("num_value_heads", "num_key_heads", "key_head_dim", "value_head_dim",
+                                        "conv_kernel_dim")
+    FLAT: ClassVar[dict[str, str]] = {f"linear_{n}": n for n in (*SIZES, "allow_neg_eigval", "norm_eps")}
 
     num_value_heads: int | None = None
     num_key_heads: int | None = None
     key_head_dim: int | None = None
     value_head_dim: int | None = None
     conv_kernel_dim: int | None = None
+    allow_neg_eigval: bool = feature(False, "delta_negative_eigenvalues")
+    norm_eps: float | None = feature(None, "delta_norm_eps")
 
     def check(self, arch) -> None:
-        for flat, name in self.FLAT.items():
-            value = getattr(self, name)
+        if self.norm_eps is not None and not positive(self.norm_eps):
+            raise ModelError(f"linear_norm_eps={self.norm_eps!r} must be a finite number > 0 (or null: rms_norm_eps)")
+        for name in self.SIZES:
+            flat, value = f"linear_{name}", getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelError(f"layer_types has {LINEAR} layers: {flat}={value!r} must be an integer >= 1")
         if self.conv_kernel_dim < 2:

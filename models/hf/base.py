@@ -58,6 +58,10 @@ class Weight:
     # whose rotary turns the other way (R(-t) = S R(t) S for the swap S, which a weightless qk-norm
     # and q.k do not see), so shardzoo's rotary computes its model
     halves_swapped: bool = False
+    # the fused tensor (``name``) stored as these tensors, one per part, joined on their first axis
+    # however the file splits it (OLMo hybrid's q_conv1d | k_conv1d | v_conv1d: transformers saves
+    # equal thirds); an export writes each part under its own
+    pieces: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,8 @@ def from_hf(hf: HFConfig) -> dict:
 
 def hybrid_to_hf(a) -> dict:
     """``hybrid_fields``' keys of ``a``."""
-    linear = a.linear_attention.flat() if a.linear_attention else {name: SCHEMA[name] for name in _LINEAR}
+    flat = a.linear_attention.flat() if a.linear_attention else SCHEMA
+    linear = {name: flat[name] for name in _LINEAR}
     return sizes_to_hf(a) | rope_to_hf(a) | linear | dict(
         partial_rotary_factor=a.partial_rotary_factor, attention_bias=a.attention_bias, layer_types=layer_types(a))
 

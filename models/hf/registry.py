@@ -23,6 +23,7 @@ from shardzoo.models.hf import (
     apertus,
     arcee,
     axk1,
+    bailing_hybrid,
     bamba,
     biogpt,
     bitnet,
@@ -97,6 +98,7 @@ from shardzoo.models.hf import (
     olmo,
     olmo2,
     olmo3,
+    olmo_hybrid,
     olmoe,
     openai,
     opt,
@@ -159,6 +161,8 @@ FAMILIES: tuple[Family, ...] = (
     mamba.MAMBA, mamba.FALCON_MAMBA, jamba.JAMBA,  # Mamba1's selective scan (models/mamba1.py)
     qwen3_5.QWEN3_5,  # a dense Gated DeltaNet model: Qwen3.5's (Qwen3-Next's without experts)
     qwen3_next.QWEN3_NEXT,
+    olmo_hybrid.OLMO_HYBRID,  # Gated DeltaNet beside OLMo 3's attention, per-layer norm positions
+    bailing_hybrid.BAILING_HYBRID,  # KDA (full-rank, bounded gates) beside head-gated latent attention
     kimi_linear.KIMI_LINEAR,
     deepseek_v32.DEEPSEEK_V32, glm_moe_dsa.GLM_MOE_DSA,  # DeepSeek Sparse Attention (models/sparse_attention.py)
     helium.HELIUM, vaultgemma.VAULTGEMMA, granitemoeshared.GRANITEMOESHARED, hunyuan.HUNYUAN_MOE, dots1.DOTS1,

@@ -288,9 +288,18 @@ def _bar(items: list, desc: str):
                 disable=None if jax.process_index() == 0 else True)
 
 
+def _pieces(w: Weight, i: int | None) -> list[str]:
+    return [p.replace("{i}", str(i)) if i is not None else p for p in w.pieces]
+
+
+def _get(reader, w: Weight, name: str, i: int | None) -> np.ndarray:
+    """HF tensor ``name``, or the join of ``w.pieces``."""
+    return np.concatenate([reader.get(p) for p in _pieces(w, i)]) if w.pieces else reader.get(name)
+
+
 def _read(reader, w: Weight, shape, i: int | None) -> np.ndarray:
     """Leaf ``w`` (per-layer ``shape``) of layer ``i`` (None: a global leaf) from its HF tensors."""
-    return hf_to_leaf(w, [reader.get(n) for n in _names(w, i)], shape)
+    return hf_to_leaf(w, [_get(reader, w, n, i) for n in _names(w, i)], shape)
 
 
 def _read_stacked(reader, w: Weight, shape, layers, k: int) -> np.ndarray:
@@ -327,6 +336,9 @@ def _check(plan, shapes, reader, hf_dir) -> None:
                           f"{'/'.join(path)}")
         want = _hf_shape(w, shapes[path].shape[1:] if stacked else shapes[path].shape)
         for j in layers:
+            if w.pieces:
+                _check_pieces(w, j, want, reader, hf_dir)
+                continue
             for name in _names(w, j):
                 if reader.resolve(name) is None:
                     raise HFError(f"{hf_dir}: missing tensor {name!r} (for {'/'.join(path)})")
@@ -334,6 +346,18 @@ def _check(plan, shapes, reader, hf_dir) -> None:
                     got = list(reader.shape(name))
                     raise HFError(f"{hf_dir}: tensor {name!r} has shape {got}, "
                                   f"config.json implies {list(want)}")
+
+
+def _check_pieces(w: Weight, i: int, want, reader, hf_dir) -> None:
+    """``w.pieces`` of layer ``i`` exist and join into ``want``."""
+    names = _pieces(w, i)
+    for name in names:
+        if reader.resolve(name) is None:
+            raise HFError(f"{hf_dir}: missing tensor {name!r} (a part of {w.name.replace('{i}', str(i))})")
+    shapes = [reader.shape(n) for n in names]
+    if any(s[1:] != tuple(want[1:]) for s in shapes) or sum(s[0] for s in shapes) != want[0]:
+        raise HFError(f"{hf_dir}: tensors {', '.join(names)} have shapes {[list(s) for s in shapes]}; config.json "
+                      f"implies {want[0]} rows of {list(want[1:])} between them")
 
 
 # ----------------------------------------------------------------------------------- writing
@@ -378,6 +402,11 @@ def export_hf(config, params, out_dir: str, dtype=None, max_shard_bytes: int = 5
             if len(parts) < w.part[1]:
                 continue
             ordered = [parts[k] for k in range(w.part[1])]
+            if w.pieces:  # each part under its own name
+                del pending[name]
+                for piece, part in zip(_pieces(w, i), ordered, strict=True):
+                    current[piece] = np.asarray(part.astype(out_dtype), order="C")
+                continue
             if len(ordered) == 1:  # whole (a scalar too)
                 arr = ordered[0]
             elif w.interleaved:  # column c of part j at c * n + j
