@@ -43,8 +43,9 @@ def _mlp(block, h, segment_ids):
 def sequential(block, x, positions, segment_ids):
     """x + mixer(norm(x)), then x + mlp(norm(x)); ``norm_position`` "post" moves the norms onto
     the outputs: x + norm(mixer(x)) (OLMo 2); "both" has both: x + norm(mixer(norm(x))) (Gemma
-    2/3); each layer as its spec says (``norm_positions``: OLMo hybrid). A layer whose mixer or MLP is "none" has only the other half (Nemotron-H, Mamba2); one
-    without ``attn_norm`` (its spec) no norm before the mixer (ModernBERT's first layer)."""
+    2/3); each layer as its spec says (``norm_positions``: OLMo hybrid). A layer whose mixer or
+    MLP is "none" has only the other half (Nemotron-H, Mamba2); one without ``attn_norm`` (its
+    spec) no norm before the mixer (ModernBERT's first layer)."""
     cfg = block.config
     pre, post = block.spec.norm in ("pre", "both"), block.spec.norm in ("post", "both")
     if MIXERS[block.spec.mixer] is not NO_MIXER:
