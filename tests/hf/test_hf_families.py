@@ -454,7 +454,7 @@ def test_import_records_family_and_whole_config_and_init_from_restores_it(tmp_pa
 
     assert cli.main(["train", "--init-from", imported, "--out", run, "--steps", "1",
                      "--batch-size", "8", "--seq-len", "16", "--save-every", "0",
-                     "--eval-every", "0", "--eval-steps", "1"]) == 0
+                     "--eval-every", "0", "--eval-fraction", "0"]) == 0
     trained = read_meta(*resolve_checkpoint(run))
     assert trained["family"] == "llama" and trained["model"] is None
     assert config_from_meta(trained) == want.resolved()
