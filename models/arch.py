@@ -35,7 +35,7 @@ from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import NORMS
 from shardzoo.models.positions import KINDS as POSITION_KINDS
-from shardzoo.models.rope import ROPE_SCALING, ROPE_SCALING_OPTIONAL
+from shardzoo.models.rope import checked_rope_scaling
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
 
 ATTENTION = "attention"  # LayerSpec.mixer: what mixes the tokens of a layer
@@ -197,7 +197,7 @@ class ArchCore:
             set_("num_key_value_heads", None)
         if self.head_dim is not None and self.head_dim * self.num_attention_heads == self.hidden_size:
             set_("head_dim", None)
-        scaling = _rope_scaling(self.rope_scaling, int(self.head_size * self.partial_rotary_factor) // 2)
+        scaling = checked_rope_scaling(self.rope_scaling, int(self.head_size * self.partial_rotary_factor) // 2)
         set_("rope_scaling", scaling)
         if self.query_pre_attn_scalar == self.head_size:
             set_("query_pre_attn_scalar", None)
@@ -469,44 +469,3 @@ def arch_of(**fields):
     """A ``TransformerArch`` of fields by name, the sub-records' by their flat names too (``nest``)."""
     return TransformerArch(**nest(fields))
 
-
-
-
-
-
-def _rope_scaling(value, pairs: int):
-    """``rope_scaling`` checked and canonical: None (plain rotary) or sorted (key, value) pairs
-    (lists as tuples); ``pairs``: the rotated feature pairs, one longrope factor each."""
-    if value is None:
-        return None
-    try:
-        scaling = None if isinstance(value, str) else dict(value)
-    except (TypeError, ValueError):
-        scaling = None
-    if scaling is None:
-        raise ModelError(f"rope_scaling={value!r} is not a mapping such as "
-                         "{rope_type: linear, factor: 2.0}; use null for none")
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return None
-    if kind not in ROPE_SCALING:
-        raise ModelError(f"rope_scaling rope_type={kind!r} is not one of default, {', '.join(ROPE_SCALING)}")
-    for key in ROPE_SCALING[kind]:
-        if key.endswith("_factor") and kind == "longrope":
-            factors = scaling.get(key)
-            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(positive, factors)):
-                raise ModelError(f"rope_scaling of rope_type 'longrope' needs {key}: a list of {pairs} numbers "
-                                 f"> 0 (one per rotated pair of head_dim), got {factors!r}")
-            scaling[key] = tuple(factors)
-        elif not positive(scaling.get(key)):
-            raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
-    for key in ROPE_SCALING_OPTIONAL.get(kind, ()):
-        value = scaling.get(key)
-        if value is not None and not (positive(value) or (key.startswith("mscale") and value == 0)):
-            raise ModelError(f"rope_scaling of rope_type {kind!r}: {key}={value!r} must be a number > 0 "
-                             "(or null: transformers' default)")
-    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
-        raise ModelError(f"rope_scaling of rope_type 'yarn': truncate={scaling['truncate']!r} must be true or false")
-    return tuple(sorted(scaling.items()))

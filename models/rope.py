@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardzoo.models import ModelError
+from shardzoo.models.layers import positive
 
 # rope_scaling types this module computes, with the keys each needs (a number > 0) and
 # the numbers each may have (> 0, or null: transformers' default).
@@ -193,3 +194,41 @@ def apply_rope(x, positions, inv_freq, attention_factor: float = 1.0, interleave
         rotated = jnp.concatenate([-x2, x1], axis=-1)
     out = (x_rot * cos + rotated * sin).astype(x.dtype)
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+def checked_rope_scaling(value, pairs: int):
+    """``rope_scaling`` checked and canonical: None (plain rotary) or sorted (key, value) pairs
+    (lists as tuples); ``pairs``: the rotated feature pairs, one longrope factor each."""
+    if value is None:
+        return None
+    try:
+        scaling = None if isinstance(value, str) else dict(value)
+    except (TypeError, ValueError):
+        scaling = None
+    if scaling is None:
+        raise ModelError(f"rope_scaling={value!r} is not a mapping such as "
+                         "{rope_type: linear, factor: 2.0}; use null for none")
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALING:
+        raise ModelError(f"rope_scaling rope_type={kind!r} is not one of default, {', '.join(ROPE_SCALING)}")
+    for key in ROPE_SCALING[kind]:
+        if key.endswith("_factor") and kind == "longrope":
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or len(factors) != pairs or not all(map(positive, factors)):
+                raise ModelError(f"rope_scaling of rope_type 'longrope' needs {key}: a list of {pairs} numbers "
+                                 f"> 0 (one per rotated pair of head_dim), got {factors!r}")
+            scaling[key] = tuple(factors)
+        elif not positive(scaling.get(key)):
+            raise ModelError(f"rope_scaling of rope_type {kind!r} needs {key} > 0, got {scaling.get(key)!r}")
+    for key in ROPE_SCALING_OPTIONAL.get(kind, ()):
+        value = scaling.get(key)
+        if value is not None and not (positive(value) or (key.startswith("mscale") and value == 0)):
+            raise ModelError(f"rope_scaling of rope_type {kind!r}: {key}={value!r} must be a number > 0 "
+                             "(or null: transformers' default)")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ModelError(f"rope_scaling of rope_type 'yarn': truncate={scaling['truncate']!r} must be true or false")
+    return tuple(sorted(scaling.items()))
