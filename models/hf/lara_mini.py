@@ -64,7 +64,8 @@ def from_hf(hf: HFConfig) -> dict:
 
 def to_hf(a) -> dict:
     m = a.moe or NO_MOE
-    linear = a.linear_attention.flat() if a.linear_attention else {n: SCHEMA[n] for n in qwen3_next._LINEAR}
+    flat = a.linear_attention.flat() if a.linear_attention else SCHEMA
+    linear = {n: flat[n] for n in qwen3_next._LINEAR}  # Qwen3-Next's five; OLMo hybrid's options are not Lara's
     out = sizes_to_hf(a) | linear | dict(
         rope_parameters=rope_parameters_to_hf(a, partial=a.partial_rotary_factor != 1.0),
         attention_bias=a.attention_bias, layer_types=layer_types(a), sliding_window=a.sliding_window,
