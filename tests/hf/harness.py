@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from shardzoo.models.decode import decode_step
-from shardzoo.models.hf import load_hf_config
+from shardzoo.models.hf import export_hf, load_hf_config
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.sharding.partition import activate
 from shardzoo.train.io.hf_io import load_hf
@@ -232,3 +232,30 @@ def left_padded_generates_alone(program, params, tokens=TOKENS) -> None:
     alone = program.decoding.generate(params, tokens[:1, 5:8], max_new_tokens=8)
     np.testing.assert_array_equal(both[0, 8:], alone[0, 3:])
     np.testing.assert_array_equal(both[1], program.decoding.generate(params, prompt[1:], max_new_tokens=8)[0])
+
+
+# ---------------------------------------------------- the three proofs of a family that only combines
+# A test module that builds its families in a module-scoped ``built`` fixture ((HF dir, HF model,
+# reference logits), one per config) imports these three: pytest collects them there, on its ``built``.
+def test_logits_match_on_one_device(built):
+    """shardzoo's logits of the HF directory on one device equal transformers' (``TOL``)."""
+    path, model, ref = built
+    module, _, params = load_hf(path, mesh=one_device())
+    got = apply(module, params, one_device())
+    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+def test_greedy_generate_matches_transformers(built, parity):
+    """Greedy decoding equals transformers' ``generate`` (conftest's ``parity``)."""
+    path, model, _ = built
+    parity.greedy_matches(path, model, TOKENS[:1, :8])
+
+
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
+    """An export under the family's own model_type loads in transformers with the same logits."""
+    path, model, ref = built
+    _, config, params = load_hf(path)
+    kind = model.config.model_type
+    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
+    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
