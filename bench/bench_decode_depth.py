@@ -44,6 +44,12 @@ def nbytes(tree) -> int:
     return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def _timed(call) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(call())
+    return time.perf_counter() - t
+
+
 def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, hbm: float, profile=None) -> dict:
     """Compile seconds, tokens/s and the fraction of the bandwidth bound of one ``generate``;
     ``profile``: a trace directory, where the device time of one more call went (printed)."""
@@ -62,6 +68,11 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
         program.decoding.generate(params, prompt, max_new_tokens=new)
         times.append(time.perf_counter() - t)
     run_s = min(times)
+    # the steps alone: the same call for one new token (the prefill and one step) taken away
+    settings = (prompt.shape, 1, 0.0, 0, 1.0, (), 0)
+    program.decoding._compiled[settings] = program.decoding._compile_generate(*settings)
+    program.decoding.generate(params, prompt, max_new_tokens=1)
+    prefill_s = min(_timed(lambda: program.decoding.generate(params, prompt, max_new_tokens=1)) for _ in range(3))
     if profile:
         from profile_ops import profile_ops
 
@@ -71,7 +82,9 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
     step_bytes = nbytes(params) + nbytes(cache)
     bound = batch * hbm / step_bytes  # tokens/s if each step only read weights and cache once
     rate = batch * new / run_s  # the prefill included
+    step_rate = batch * (new - 1) / (run_s - prefill_s)  # the sampling loop's steps alone
     return dict(layers=config.arch.num_hidden_layers, compile_s=compile_s, rate=rate, of_bound=rate / bound,
+                step_rate=step_rate, step_of_bound=step_rate / bound, prefill_ms=prefill_s * 1e3,
                 weights_mb=nbytes(params) / 1e6, cache_mb=nbytes(cache) / 1e6)
 
 
@@ -105,6 +118,7 @@ def main() -> None:
                     r = measure(name, overrides, batch, args.prompt, args.new, args.hbm, trace)
                     rows.append(f"| {name} | {r['layers']} | {batch} | {'scanned' if scan else 'unrolled'} | "
                                 f"{r['compile_s']:.1f} | {r['rate']:,.0f} | {r['of_bound']:.1%} | "
+                                f"{r['prefill_ms']:,.1f} | {r['step_rate']:,.0f} | {r['step_of_bound']:.1%} | "
                                 f"{r['weights_mb']:,.1f} | {r['cache_mb']:,.1f} |")
                     print(rows[-1], flush=True)
     device = jax.devices()[0]
@@ -115,9 +129,11 @@ def main() -> None:
         "call's program alone; tokens/s: the fastest of three calls after a warm-up (prefill included); of the bound: against every step "
         f"reading the weights and the whole KV cache once at {args.hbm / 1e9:.0f} GB/s (a CPU's bandwidth is "
         "lower: there the column only compares the two rows).", "",
-        "| model | layers | batch | decoding layers | compile (s) | tokens/s | of the bound | weights (MB) | "
-        "KV cache (MB) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|", *rows, "",
+        "Prefill: the same call for one new token; the steps alone: the other new tokens over the "
+        "time the call takes beyond that one.", "",
+        "| model | layers | batch | decoding layers | compile (s) | tokens/s | of the bound | prefill + 1 step (ms) | "
+        "tokens/s, steps alone | of the bound | weights (MB) | KV cache (MB) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
     ]
     text = "\n".join(lines)
     if args.out:
