@@ -200,12 +200,8 @@ class Attention(nn.Module):
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
         q_pos = k_pos = positions
-        # Decoding one token inside the layer scan (decode_layers="scan"): attend the cache as it was
-        # and the new key apart, so the layer's slice of the stacked cache is read, never rewritten
-        apart = decode and length == 1 and not plain and e.decode_layers == "scan"
         if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
-            own = (k[:, 0], v[:, 0]) if apart else None  # [batch, kv_heads, head_dim]
-            k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk, apart)
+            k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
             if plain or length > 1:  # the cache's [batch, kv_heads, length, head_dim] as the kernels read it
                 k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         elif plain and not use_splash:
@@ -220,7 +216,7 @@ class Attention(nn.Module):
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:  # over the cache in its own layout
-            ctx = one_query_attention(q, k, v, mask, scale, own)
+            ctx = one_query_attention(q, k, v, mask, scale)
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism
@@ -342,11 +338,10 @@ class Attention(nn.Module):
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         return cc.value, cr.value, attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
 
-    def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None, before=False):
+    def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's keys/values at the cache index; the whole cache's keys and values
         ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``), its mask, and the slots of
-        the queries and of the cache's keys. ``before``: the keys and values as they were before the
-        write, and the mask without the slots written (the caller attends those apart)."""
+        the queries and of the cache's keys."""
         # The cache is created by an init call whose length is the cache length.
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         ck = self._cached("cached_key", k.shape, KV_CACHE_AXES, k.dtype)
@@ -359,14 +354,11 @@ class Attention(nn.Module):
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        old_k, old_v = ck.value, cv.value
         ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, i, 0))
         cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
-        if before:
-            return old_k, old_v, mask & (k_slots < i)[:, None, None, :], (q_slots, k_slots)
         return ck.value, cv.value, mask, (q_slots, k_slots)
 
 

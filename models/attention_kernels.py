@@ -85,27 +85,19 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
     return ctx.reshape(batch, length, heads, v.shape[-1])  # [batch, length, heads, head_dim]
 
 
-def one_query_attention(q, k, v, mask, scale, own=None):
+def one_query_attention(q, k, v, mask, scale):
     """Attention of one new token per row over the cache (a decoding step), the cache read in its
     own layout (``KV_CACHE_AXES``): batch and kv heads lead, so both products are batched matmuls
     with no transpose of the cache. Scores and softmax in float32.
 
     q: [batch, 1, heads, head_dim]; k, v: [batch, kv_heads, k_len, head_dim]; mask: bool
-    [batch, 1, 1, k_len]. ``own``: the token's own key and value [batch, kv_heads, head_dim] when
-    the cache ``k, v`` does not hold them yet, one more column of the softmax. Returns
-    [batch, 1, heads, head_dim].
+    [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
     """
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(batch, kv_heads, heads // kv_heads, dim) * jnp.asarray(scale, q.dtype)
     scores = jnp.einsum("bkgd,bkmd->bkgm", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, 0, None, :], scores, jnp.finfo(jnp.float32).min)  # [batch, kv_heads, group, k_len]
-    if own is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        ctx = jnp.einsum("bkgm,bkmd->bkgd", probs, v)
-    else:
-        key, value = own
-        mine = jnp.einsum("bkgd,bkd->bkg", q, key, preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(jnp.concatenate([scores, mine[..., None]], axis=-1), axis=-1).astype(v.dtype)
-        ctx = jnp.einsum("bkgm,bkmd->bkgd", probs[..., :-1], v) + probs[..., -1:] * value[:, :, None, :]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    ctx = jnp.einsum("bkgm,bkmd->bkgd", probs, v)
     return ctx.reshape(batch, 1, heads, v.shape[-1])
