@@ -29,14 +29,14 @@ def _latent_params(a) -> int:
 
 def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
-    d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
-    matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + (2 - a.attention_k_eq_v) * a.kv_heads)
+    d, hd, vd, nh = a.hidden_size, a.head_size, a.v_head_size, a.num_attention_heads
+    matmul = _latent_params(a) if a.latent else d * (hd * (nh + a.kv_heads) + vd * (nh + (1 - a.attention_k_eq_v) * a.kv_heads))
     matmul += d * hd * nh * a.attn_output_gate + d * nh * a.attn_head_gate  # the output gates' projections
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
     if a.attention_bias:
-        other += hd * (nh * (1 + a.attn_output_gate) + (2 - a.attention_k_eq_v) * a.kv_heads)
+        other += hd * (nh * (1 + a.attn_output_gate) + a.kv_heads) + vd * (1 - a.attention_k_eq_v) * a.kv_heads
     if a.attention_out_bias:
         other += d
     if a.attention_sinks:
@@ -112,5 +112,5 @@ def model_terms(cost) -> dict:
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """Keys and values (latent attention: the latent and the rotary key), the segment ids of every
     position, and the cache index."""
-    per = a.latent.kv_lora_rank + a.latent.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+    per = a.latent.kv_lora_rank + a.latent.qk_rope_head_dim if a.latent else a.kv_heads * (a.head_size + a.v_head_size)
     return batch * length * (per * nbytes + 4) + 4
