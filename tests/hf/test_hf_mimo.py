@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MiMoV2FlashConfig
 
-from shardzoo.models import ModelError
+from shardzoo.models import ModelError, apply_overrides
 from shardzoo.models.arch import arch_of
-from shardzoo.models.hf import HFError, load_hf_config
+from shardzoo.models.hf import HFError, family_of_config, load_hf_config
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -128,3 +128,14 @@ def test_value_heads_settings_are_checked_by_name():
         arch_of(num_attention_heads=4, hidden_size=32, attention_value_scale=0.0)
     with pytest.raises(ModelError, match="value_head_dim=4"):
         arch_of(num_attention_heads=4, hidden_size=32, value_head_dim=4, attn_output_gate=True)
+
+
+@pytest.mark.parametrize("change, field", [(dict(num_global_key_value_heads=1), "num_key_value_heads"),
+                                           (dict(global_attention_sinks=True), "global_attention_sinks"),
+                                           (dict(attention_sinks=False), "attention_sinks")])
+def test_what_transformers_cannot_build_does_not_export_as_mimo(built, change, field):
+    """The full layers' kv heads not half the sliding ones', sinks on the full layers or none on the
+    sliding ones: the config.json would read back apart, so the export names the field."""
+    config = apply_overrides(load_hf_config(built[0]), change)
+    with pytest.raises(HFError, match=field):
+        family_of_config(config, "mimo_v2_flash")
