@@ -361,7 +361,7 @@ class ArchCore:
 
     @property
     def v_head_size(self) -> int:
-        return self.latent.v_head_dim if self.latent else self.head_size
+        return self.latent.v_head_dim if self.latent else (self.value_heads and self.value_heads.head_dim) or self.head_size
 
     @property
     def rope_dim(self) -> int:

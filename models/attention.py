@@ -47,6 +47,7 @@ from shardzoo.models.layers import (
     dtype_of,
     fused,
     linear_kw,
+    positive,
     scaled,
 )
 from shardzoo.models.norms import RMSNorm, make_norm
@@ -89,18 +90,19 @@ class LatentAttentionArch(SubRecord):
 
 @dataclasses.dataclass(frozen=True)
 class GlobalAttention(SubRecord):
-    """The full-attention layers' own shape beside sliding ones (Gemma 4): their head size,
-    key/value heads and keys serving as values; None: the model's. ``layer_arch`` gives such a
-    layer the architecture it computes with."""
+    """The full-attention layers' own shape beside sliding ones (Gemma 4, MiMo-V2-Flash): their head
+    size, key/value heads, keys serving as values and sinks; None: the model's. ``layer_arch`` gives
+    such a layer the architecture it computes with."""
 
     NAME: ClassVar[str] = "global_attention"
     FEATURE: ClassVar[str] = "global_attention"
     FLAT: ClassVar[dict[str, str]] = {"global_head_dim": "head_dim", "num_global_key_value_heads": "num_key_value_heads",
-                                      "global_attention_k_eq_v": "k_eq_v"}
+                                      "global_attention_k_eq_v": "k_eq_v", "global_attention_sinks": "sinks"}
 
     head_dim: int | None = None
     num_key_value_heads: int | None = None
     k_eq_v: bool = False
+    sinks: bool | None = None  # attention sinks (MiMo-V2-Flash: on its sliding layers only)
 
     def check(self, arch) -> None:
         check_fields(self, {}, ("head_dim", "num_key_value_heads"))
@@ -113,6 +115,30 @@ class GlobalAttention(SubRecord):
                              f"num_global_key_value_heads={kv}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ValueHeads(SubRecord):
+    """Values shaped apart from the queries and keys (MiMo-V2-Flash): each value head ``head_dim``
+    wide (None: as a q/k head) and the values times ``scale`` (its attention_value_scale)."""
+
+    NAME: ClassVar[str] = "value_heads"
+    FEATURE: ClassVar[str] = "value_heads"
+    FLAT: ClassVar[dict[str, str]] = {"value_head_dim": "head_dim", "attention_value_scale": "scale"}
+
+    head_dim: int | None = None
+    scale: float = 1.0
+
+    def check(self, arch) -> None:
+        check_fields(self, {}, ("head_dim",))
+        if not positive(self.scale):
+            raise ModelError(f"attention_value_scale={self.scale!r} must be a finite number > 0")
+        g = arch.global_attention
+        if self.head_dim and (arch.latent or arch.attention_k_eq_v or (g and g.k_eq_v) or arch.attn_output_gate
+                              or arch.diff_attention or arch.sub_norms):
+            raise ModelError(f"value_head_dim={self.head_dim} widens ordinary attention's values: latent attention "
+                             "has its own, and keys as values (attention_k_eq_v), the output gate, differential "
+                             "attention and sub_norms need values as wide as the keys")
+
+
 def is_global(spec) -> bool:
     """Whether a layer is a full-attention one (no window, no chunk)."""
     return spec.mixer == "attention" and not spec.window and not spec.chunk
@@ -122,12 +148,13 @@ def is_global(spec) -> bool:
 def layer_arch(a, spec):
     """The architecture a layer's attention computes with: ``a``, or for a full-attention layer
     of a model with a ``global_attention`` record, ``a`` with that record's head size, key/value
-    heads and ``attention_k_eq_v`` (Gemma 4's global layers)."""
+    heads, ``attention_k_eq_v`` and sinks (Gemma 4's global layers, MiMo-V2-Flash's)."""
     g = a.global_attention
     if g is None or not is_global(spec):
         return a
     return dataclasses.replace(a, head_dim=g.head_dim or a.head_size, num_key_value_heads=g.num_key_value_heads or
-                               a.kv_heads, attention_k_eq_v=g.k_eq_v or a.attention_k_eq_v, global_attention=None)
+                               a.kv_heads, attention_k_eq_v=g.k_eq_v or a.attention_k_eq_v,
+                               attention_sinks=a.attention_sinks if g.sinks is None else g.sinks, global_attention=None)
 
 
 class Attention(nn.Module):
@@ -152,18 +179,19 @@ class Attention(nn.Module):
         if a.latent:
             return self._latent(x, positions, segment_ids, decode)
         dt = dtype_of(e.dtype)
-        nh, nkv, hd = a.num_attention_heads, a.kv_heads, a.head_size
+        nh, nkv, hd, vd = a.num_attention_heads, a.kv_heads, a.head_size, a.v_head_size
         kw = linear_kw(self.config)
         q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="q", **kw)(x)
-        kv = [Linear((nkv, hd), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
-              for n in ("k", "v")[:2 - a.attention_k_eq_v]]
+        kv = [Linear((nkv, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
+              for n, d in (("k", hd), ("v", vd))[:2 - a.attention_k_eq_v]]
         if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
             k = v = kv[0](x)
         else:
-            k, v = fused(kv, x) if e.fuse_projections else (kv[0](x), kv[1](x))
+            k, v = fused(kv, x) if e.fuse_projections and vd == hd else (kv[0](x), kv[1](x))
         if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
             q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
+        v = scaled(v, a.value_heads.scale) if a.value_heads else v  # MiMo-V2-Flash: the v projection's output
         if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
             q, k = self._qk_norm(q, k)
         if a.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
@@ -195,7 +223,8 @@ class Attention(nn.Module):
             sinks = self.param("sinks", nn.with_logical_partitioning(
                 nn.initializers.normal(a.initializer_range), (ax.HEADS,)), (nh,), dtype_of(e.param_dtype))
         alibi, diff = a.position_embedding == "alibi", spec.lambda_init is not None  # diff: differential.py
-        plain = cap or sinks is not None or chunk or alibi or diff  # what jax.nn.dot_product_attention cannot compute
+        # what jax.nn.dot_product_attention (and splash) cannot compute: values narrower than the keys too
+        plain = cap or sinks is not None or chunk or alibi or diff or vd != hd
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
@@ -407,4 +436,4 @@ CONTEXT_PARALLEL = ("ring attention (models/ring_attention.py): the rows in zig-
 MIXER = Mixer(
     "attention", (FULL, SLIDING, CHUNKED), _apply, params, flops, decode_flops, activations, model_terms,
     cache_bytes, CONTEXT_PARALLEL, check, (LatentAttentionArch, TemperatureTuning, GlobalAttention,
-                                                   Llama4Scaling))
+                                                   ValueHeads, Llama4Scaling))

@@ -29,14 +29,14 @@ def _latent_params(a) -> int:
 
 def params(a) -> tuple[int, int]:
     """(the projections q, k, v, o and the output gate; the qk-norms, biases, sinks and latent norms)."""
-    d, hd, nh = a.hidden_size, a.head_size, a.num_attention_heads
-    matmul = _latent_params(a) if a.latent else d * hd * (2 * nh + (2 - a.attention_k_eq_v) * a.kv_heads)
+    d, hd, vd, nh = a.hidden_size, a.head_size, a.v_head_size, a.num_attention_heads
+    matmul = _latent_params(a) if a.latent else d * (hd * (nh + a.kv_heads) + vd * (nh + (1 - a.attention_k_eq_v) * a.kv_heads))
     matmul += d * hd * nh * a.attn_output_gate + d * nh * a.attn_head_gate  # the output gates' projections
     other = 0
     if a.qk_norm not in ("none", "l2"):  # l2: no weight
         other += norm_params(a, hd, not a.qk_norm_no_bias) * (2 if a.qk_norm == "head" else nh + a.kv_heads)
     if a.attention_bias:
-        other += hd * (nh * (1 + a.attn_output_gate) + (2 - a.attention_k_eq_v) * a.kv_heads)
+        other += hd * (nh * (1 + a.attn_output_gate) + a.kv_heads) + vd * (1 - a.attention_k_eq_v) * a.kv_heads
     if a.attention_out_bias:
         other += d
     if a.attention_sinks:
@@ -83,7 +83,7 @@ def activations(cost, spec=None) -> dict:
     if cost.ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
         scores, probs = 0, probs if cost.gathered else int(probs * (cost.ring + 1) / (2 * cost.ring))
     out = {"query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
-           "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent else 0,
+           "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent and dv == dh else 0,  # fused's
            "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
     if _flash(cost) and attention_kernel(cost.config, jnp.dtype(e.dtype), length) == "splash":
         # the kernel's output (head_dim as it gets it) and float32 log-sum-exp (splash.RESIDUALS)
@@ -112,5 +112,5 @@ def model_terms(cost) -> dict:
 def cache_bytes(a, batch: int, length: int, nbytes: int) -> int:
     """Keys and values (latent attention: the latent and the rotary key), the segment ids of every
     position, and the cache index."""
-    per = a.latent.kv_lora_rank + a.latent.qk_rope_head_dim if a.latent else 2 * a.kv_heads * a.head_size
+    per = a.latent.kv_lora_rank + a.latent.qk_rope_head_dim if a.latent else a.kv_heads * (a.head_size + a.v_head_size)
     return batch * length * (per * nbytes + 4) + 4

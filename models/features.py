@@ -151,8 +151,11 @@ FEATURES = {
                         "router reading the residual stream (mlp_layer_types dense_and_moe: Gemma 4's MoE block)",
     "v_norm": "the values RMS-normalised per head without a weight (Gemma 4)",
     "attention_k_eq_v": "keys serve as values: one projection for both (attention_k_eq_v)",
-    "global_attention": "the full-attention layers with a head size, key/value heads and keys-as-values of their "
-                        "own (Gemma 4's global_head_dim, num_global_key_value_heads, attention_k_eq_v)",
+    "global_attention": "the full-attention layers with a head size, key/value heads, keys-as-values and sinks of "
+                        "their own (Gemma 4's global_head_dim, num_global_key_value_heads, attention_k_eq_v; "
+                        "MiMo-V2-Flash's)",
+    "value_heads": "values shaped apart from the queries and keys: their own head width and a scale "
+                   "(MiMo-V2-Flash's v_head_dim, attention_value_scale)",
     "layer_scalar": "each layer's output times a fixed scalar of its own (Gemma 4's layer_scalar)",
     "rope_scaling:proportional": "Gemma 4's proportional rotary: the first partial_rotary_factor of the pairs turn "
                                  "at the whole head's frequencies, the rest not at all",

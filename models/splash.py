@@ -42,6 +42,8 @@ def serves(arch) -> str | None:
     """Why splash attention cannot run this architecture's attention (None: it can)."""
     if arch.latent:
         return "latent attention (values narrower than keys) runs in plain XLA"
+    if arch.value_heads and arch.value_heads.head_dim:
+        return "value_head_dim (values narrower than keys) runs in plain XLA"
     if arch.attention_sinks:
         return "attention_sinks (a learned logit per head in the softmax) runs in plain XLA"
     if arch.position_embedding == "alibi":

@@ -84,6 +84,7 @@ from shardzoo.models.hf import (
     mamba,
     mamba2,
     mellum,
+    mimo_v2_flash,
     minicpm3,
     minicpm5_moe,
     minimax_m2,
@@ -193,6 +194,7 @@ FAMILIES: tuple[Family, ...] = (
     diffllama.DIFFLLAMA,  # differential attention (models/differential.py)
     bitnet.BITNET,  # sub-norms before o_proj and down_proj (BitLinear's quantization refused)
     recurrent_gemma.RECURRENT_GEMMA,  # RG-LRU recurrent blocks (models/rglru.py) and local attention
+    mimo_v2_flash.MIMO_V2_FLASH,  # values apart (ValueHeads), sinks and kv heads per layer kind (GlobalAttention)
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
