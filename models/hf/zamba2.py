@@ -116,5 +116,18 @@ def layer_weights(a, spec) -> list[Weight]:
 
 
 # --------------------------------------------------------------------------------- presets
+# Zamba2-7B: its config.json as published before transformers took the family in (transformers
+# 4.43.0.dev0 key names, e.g. in NX-AI/mlstm_kernels' benchmark: ffn_hidden_size, lora_rank,
+# state_size, conv_dimension, expansion_factor, use_shared_attention_lora false, mamba_headdim 64 so
+# 2 x 3584 / 64 = 112 mamba heads); hidden_act and tie_word_embeddings it does not name: transformers'
+# defaults. 81 layers: a shared block after 6 mamba layers, then after 4, then after every 5, 3 at the end.
+_7B_HYBRID = (6, 11, *range(17, 78, 6))
+ZAMBA2_7B = dict(
+    vocab_size=32000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=81, num_attention_heads=32,
+    head_dim=224, query_pre_attn_scalar=112.0, max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="gelu",
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, layer_types=(MAMBA,) * 81, mlp_layer_types=(NONE,) * 81,
+    mamba_num_heads=112, mamba_head_dim=64, mamba_n_groups=2, ssm_state_size=64, mamba_conv_kernel=4,
+    mamba_chunk_size=256, mamba_conv_bias=True, time_step_limit=(0.001, math.inf), shared_block_layers=_7B_HYBRID,
+    num_mem_blocks=2, adapter_rank=128, use_mem_rope=True)
 ZAMBA2 = Family("zamba2", ("zamba2",), "Zamba2ForCausalLM", SCHEMA, FEATURES, from_hf, to_hf, global_weights,
-                layer_weights)
+                layer_weights, presets={"zamba2-7b": ZAMBA2_7B})

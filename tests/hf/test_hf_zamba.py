@@ -36,7 +36,7 @@ from harness import (  # noqa: E402, F401  (test_*: the three proofs every famil
 )
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4, bos_token_id=None,
-            eos_token_id=None, pad_token_id=None)
+            eos_token_id=None)
 CONFIGS = {
     "zamba2": lambda: Zamba2Config(
         **DIMS, num_hidden_layers=3, layers_block_type=["hybrid", "hybrid", "hybrid"], num_mem_blocks=2,
