@@ -25,6 +25,7 @@ from harness import (  # noqa: E402, F401  (test_*: the three proofs every famil
     TOKENS,
     TOL,
     apply,
+    config_of,
     edit,
     mamba_draw,
     one_device,
@@ -105,3 +106,12 @@ def test_fsdp_tp_equals_transformers(built):
     q = params["shared_0"]["attn"]["q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     np.testing.assert_allclose(apply(module, params, mesh), built[2], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("field, value", [("add_bias_linear", True), ("use_long_context", True),
+                                          ("rms_norm_eps", 1e-6)])
+def test_a_field_that_changes_the_math_and_is_not_implemented_is_refused(field, value):
+    from shardzoo.models.hf import HFError
+
+    with pytest.raises(HFError, match=field):
+        config_of(CONFIGS["zamba2"]().to_dict() | {field: value})
