@@ -24,10 +24,11 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError
 from shardzoo.models.attention import Attention
+from shardzoo.models.attention_costs import flops as attention_flops
 from shardzoo.models.attention_kernels import attention_mask, xla_attention
 from shardzoo.models.component import SubRecord
 from shardzoo.models.layers import ACTIVATIONS, Linear, constrain, linear_kw
-from shardzoo.models.norms import make_norm
+from shardzoo.models.norms import make_norm, norm_params
 from shardzoo.models.rope import apply_rope, rope_frequencies
 from shardzoo.sharding import axes as ax
 
@@ -80,18 +81,33 @@ def check_layout(a, layout) -> None:
                          f"{list(a.shared_block.layers)}, which run unrolled; choose a layout without them")
 
 
-def params(a) -> int:
-    """The shared blocks' parameters (each block once) and every use's adapters and projection."""
-    s = a.shared_block
-    if s is None:
-        return 0
-    d, r, f, hd = a.hidden_size, s.adapter_rank, a.intermediate_size, a.head_size
-    qkv = 2 * d * (a.num_attention_heads + 2 * a.kv_heads) * hd
-    block = 2 * d + d + qkv + a.num_attention_heads * hd * d + 3 * d * f
-    use = d * d + d * r + r * 2 * f
+def _sizes(a) -> tuple[int, int]:
+    """(matmul parameters of one block, of one use: its adapters and output projection)."""
+    s, d, f, hd = a.shared_block, a.hidden_size, a.intermediate_size, a.head_size
+    block = 2 * d * (a.num_attention_heads + 2 * a.kv_heads) * hd + a.num_attention_heads * hd * d + 3 * d * f
+    use = d * d + d * s.adapter_rank + s.adapter_rank * 2 * f
     if s.attention_adapters:
-        use += 2 * d * r * 3 + r * (a.num_attention_heads + 2 * a.kv_heads) * hd
-    return s.num_blocks * block + len(s.layers) * use
+        use += s.adapter_rank * (3 * 2 * d + (a.num_attention_heads + 2 * a.kv_heads) * hd)
+    return block, use
+
+
+def params(a) -> int:
+    """The shared blocks' parameters (each block once, with its two norms) and every use's."""
+    if a.shared_block is None:
+        return 0
+    block, use = _sizes(a)
+    norms = norm_params(a, 2 * a.hidden_size) + norm_params(a, a.hidden_size)
+    return a.shared_block.num_blocks * (block + norms) + len(a.shared_block.layers) * use
+
+
+def flops(a, seq_len: int) -> float:
+    """Training FLOPs per token of every use: 6 x its matmul parameters and its causal attention."""
+    from shardzoo.models.arch import LayerSpec  # arch reads this module's record
+
+    if a.shared_block is None:
+        return 0.0
+    block, use = _sizes(a)
+    return len(a.shared_block.layers) * (6 * (block + use) + attention_flops(a, LayerSpec(), seq_len))
 
 
 class SharedAttention(Attention):
