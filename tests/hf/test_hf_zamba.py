@@ -1,7 +1,7 @@
 """Zamba2: Mamba2 layers and weight-shared attention + MLP blocks (models/shared_block.py).
 
-A tiny random HF model of 3 hybrid layers (each a shared block, then a Mamba2 mixer), running
-blocks 0, 1, 0 (block 0 twice), adapters on q, k, v and the MLP, rotary in the shared attention: logits equal
+A tiny random HF model of 2 mamba layers (scanned) and 3 hybrid ones (each a shared block, then a
+Mamba2 mixer; unrolled), running blocks 0, 1, 0 (block 0 twice), adapters on q, k, v and the MLP, rotary in the shared attention: logits equal
 transformers' on one device (1e-4), greedy tokens equal over 16, export then ``from_pretrained``
 equal; the second use of a block, the adapters and the embeddings beside the stream each move
 the logits; under fsdp_tp on 8 devices the logits equal transformers' too (1e-4).
@@ -40,7 +40,8 @@ DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_
             eos_token_id=None)
 CONFIGS = {
     "zamba2": lambda: Zamba2Config(
-        **DIMS, num_hidden_layers=3, layers_block_type=["hybrid", "hybrid", "hybrid"], num_mem_blocks=2,
+        **DIMS, num_hidden_layers=5,
+        layers_block_type=["mamba", "mamba", "hybrid", "hybrid", "hybrid"], num_mem_blocks=2,
         adapter_rank=4, use_shared_attention_adapter=True, use_mem_rope=True, n_mamba_heads=4, mamba_ngroups=2,
         mamba_d_state=8, chunk_size=8, time_step_min=0.01),
 }
@@ -74,12 +75,13 @@ def test_the_shared_blocks_are_stored_once_and_their_uses_unrolled(loaded):
     assert sorted(k for k in params if k.startswith("shared_")) == ["shared_0", "shared_1"]
     assert {"out_0", "out_2", "mlp_adapter_0", "mlp_adapter_2"} <= set(params["shared_0"])
     assert {"out_1", "mlp_adapter_1"} <= set(params["shared_1"])
-    assert [s.shared for s in config.layer_specs()] == [0, 1, 2]
+    assert [s.shared for s in config.layer_specs()] == [None, None, 0, 1, 2]
+    assert config.param_layout()[0] == (("layers",), (0, 1), True)  # the mamba layers scanned, the rest not
 
 
 def _without(params, mechanism, d):
     """``params`` with one mechanism cut out."""
-    if mechanism == "reuse":  # block 0's second use (layer 2) adds nothing
+    if mechanism == "reuse":  # block 0's second use (layer 4) adds nothing
         return edit(params, "['shared_0']['out_2']['kernel']", np.zeros_like)
     if mechanism == "adapters":  # every adapter kernel zeroed
         return jax.tree_util.tree_map_with_path(
