@@ -58,6 +58,7 @@ class LayerSpec:
     attn_norm: bool = True  # a norm before the mixer (false: ModernBERT's first layer reads the embeddings' norm)
     out_bias: bool | None = None  # attention's output projection has a bias (None: as attention_out_bias says)
     lambda_init: float | None = None  # differential attention's lambda_init (models/differential.py); None: off
+    shared: int | None = None  # its use of a shared block (models/shared_block.py: Zamba2); None: none
 
 
 def _mlp_pattern_feature(value):
@@ -415,6 +416,7 @@ class ArchCore:
         rotates = self.rope_layers or (True,) * n
         biased = self.attention_out_bias_layers or (None,) * n
         norms = self.norm_positions or (self.norm_position,) * n
+        uses = {layer: k for k, layer in enumerate(self.shared_block.layers)} if self.shared_block else {}
         out = []
         for i, (kind, mlp, rotary, out_bias, norm) in enumerate(zip(types, mlps, rotates, biased, norms, strict=True)):
             sliding = kind == SLIDING
@@ -427,7 +429,7 @@ class ArchCore:
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer, norm=norm, attn_norm=bool(i or self.first_attn_norm), out_bias=out_bias,
-                                 lambda_init=lambda_init(i) if self.diff_attention else None))
+                                 lambda_init=lambda_init(i) if self.diff_attention else None, shared=uses.get(i)))
         return tuple(out)
 
 

@@ -40,16 +40,19 @@ def _mlp(block, h, segment_ids):
     return MLPS[block.spec.mlp].apply(block, h, segment_ids)
 
 
-def sequential(block, x, positions, segment_ids):
+def sequential(block, x, positions, segment_ids, extra=None):
     """x + mixer(norm(x)), then x + mlp(norm(x)); ``norm_position`` "post" moves the norms onto
     the outputs: x + norm(mixer(x)) (OLMo 2); "both" has both: x + norm(mixer(norm(x))) (Gemma
     2/3); each layer as its spec says (``norm_positions``: OLMo hybrid). A layer whose mixer or
     MLP is "none" has only the other half (Nemotron-H, Mamba2); one without ``attn_norm`` (its
-    spec) no norm before the mixer (ModernBERT's first layer)."""
+    spec) no norm before the mixer (ModernBERT's first layer). ``extra``: added to the mixer's
+    input before its norm, not to the residual: x + mixer(norm(x + extra)) (a shared block's
+    output: models/shared_block.py)."""
     cfg = block.config
     pre, post = block.spec.norm in ("pre", "both"), block.spec.norm in ("post", "both")
     if MIXERS[block.spec.mixer] is not NO_MIXER:
-        h = _mixer(block, make_norm(cfg, "attn_norm")(x) if pre and block.spec.attn_norm else x, positions,
+        mixed = x if extra is None else x + extra
+        h = _mixer(block, make_norm(cfg, "attn_norm")(mixed) if pre and block.spec.attn_norm else mixed, positions,
                    segment_ids)
         x = _residual(block, x, make_norm(cfg, "post_attn_norm")(h) if post else h)
     if MLPS[block.spec.mlp] is not NO_MLP:

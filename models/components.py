@@ -32,6 +32,7 @@ from shardzoo.models import (
     mamba1,
     moe,
     rglru,
+    shared_block,
     sparse_attention,
     ssm,
 )
@@ -68,4 +69,5 @@ MIXER_OF_LAYER_TYPE = {t: m.name for m in MIXERS.values() for t in m.layer_types
 RECORDS = {r.NAME: r for r in (
     *(r for m in (*MIXERS.values(), *MLPS.values()) for r in m.records),
     layers.Multipliers,  # Falcon-H1's muP scalars
+    shared_block.SharedBlockArch,  # Zamba2's weight-shared attention + MLP blocks
 )}

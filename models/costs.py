@@ -120,6 +120,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+from shardzoo.models import shared_block
 from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
@@ -217,7 +218,7 @@ def transformer_params(a, active: bool = False) -> int:
     for spec in a.layer_specs():
         total += sum(_layer_params(a, spec, active)) + BLOCK_FORMS[a.block_form].norms(a, spec) * norm
         total += d * bool(spec.out_bias)  # a layer's own output bias (the mixer counts attention_out_bias's)
-    return total
+    return total + shared_block.params(a)  # Zamba2's shared blocks, each once, and their uses
 
 
 def transformer_flops(a, seq_len: int) -> float:
@@ -225,7 +226,8 @@ def transformer_flops(a, seq_len: int) -> float:
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
     matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
-    return 6 * matmul + sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
+    return (6 * matmul + sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
+            + shared_block.flops(a, seq_len))  # Zamba2's shared blocks, at each use
 
 
 def decode_flops(a, context: float) -> float:

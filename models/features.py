@@ -108,6 +108,9 @@ FEATURES = {
     "mamba_norm_before_gate": "the mamba mixers' output RMSNorm'd before the gate: RMSNorm(y) * silu(z) "
                               "(Falcon-H1's mamba_norm_before_gate)",
     "mamba_no_norm": "the mamba mixers' output gated without a norm: y * silu(z) (Falcon-H1's mamba_rms_norm false)",
+    "shared_block": "weight-shared attention + MLP blocks run at several layers on the stream beside the token "
+                    "embeddings, each use with its own low-rank adapters and output projection, added to the next "
+                    "mixer's input (Zamba2: models/shared_block.py)",
     "mup_multipliers": "muP multipliers (Falcon-H1): on the attention's input, keys and output, the mamba mixer's "
                        "input, in_proj outputs (z, x, B, C, dt) and output, the MLP's gate and output",
     "mamba1": "Mamba1 state-space mixers (the mamba1 layers of layer_types): in_proj to x, z; a causal conv of x; "

@@ -35,6 +35,7 @@ from shardzoo.models.norms import make_norm
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.positions import add_positions
 from shardzoo.models.ring_attention import enter_ring, unzigzag
+from shardzoo.models.shared_block import check_layout, shared_inputs
 from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
 from shardzoo.sharding import axes as ax
 
@@ -53,7 +54,7 @@ class TransformerConfig(ModelConfig):
         super().__init__(arch or TransformerArch(), execution or Execution())
 
     def check(self) -> None:
-        self.layout()  # an explicit scan layout must fit the layer pattern
+        check_layout(self.arch, self.layout())  # an explicit scan layout must fit the layer pattern
         if (self.arch.attention_sinks or self.arch.position_embedding == "alibi") and \
                 self.execution.attention_impl == "cudnn":
             what = ("attention_sinks (a learned logit per head in the softmax)" if self.arch.attention_sinks
@@ -203,8 +204,10 @@ class Block(nn.Module):
     scanned: bool = False  # return (x, None) as nn.scan wants
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids):
-        x = BLOCK_FORMS[self.config.arch.block_form].apply(self, x, positions, segment_ids)
+    def __call__(self, x, positions, segment_ids, extra=None):
+        # extra: a shared block's output for the mixer's input (sequential blocks: models/shared_block.py)
+        x = BLOCK_FORMS[self.config.arch.block_form].apply(self, x, positions, segment_ids,
+                                                           *(() if extra is None else (extra,)))
         if self.config.arch.layer_scalar:
             x = LayerScalar(self.config.execution.param_dtype, name="layer_scalar")(x)
         return (x, None) if self.scanned else x  # [batch, length, embed]
@@ -287,12 +290,13 @@ class Transformer(nn.Module):
         specs, layout = a.layer_specs(), cfg.layout()
         flags = dict(deterministic=deterministic, decode=decode)
         block = _block_class(cfg, decode, prevent_cse=True)
+        extra = shared_inputs(cfg, placement, x, positions, segment_ids, decode)  # Zamba2's shared blocks
         for i in range(layout.prefix):
-            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids)
+            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
         if layout.repeats:
             x = self._scan(x, positions, segment_ids, specs, layout, **flags)
         for i in range(layout.prefix + layout.scanned, a.num_hidden_layers):
-            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids)
+            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
 
         if ring:
             x = unzigzag(x, placement)  # the natural order again; the norm and head work per token

@@ -124,6 +124,7 @@ from shardzoo.models.hf import (
     vaultgemma,
     xglm,
     youtu,
+    zamba2,
 )
 from shardzoo.models.hf.base import INERT, ROPE_KEYS, Family, HFConfig, HFError, read_hf_config
 from shardzoo.models.transformer import TransformerConfig
@@ -159,6 +160,7 @@ FAMILIES: tuple[Family, ...] = (
     apertus.APERTUS,
     lfm2.LFM2,
     mamba2.MAMBA2, bamba.BAMBA, nemotron_h.NEMOTRON_H, falcon_h1.FALCON_H1,
+    zamba2.ZAMBA2,  # Mamba2 layers and weight-shared attention + MLP blocks (models/shared_block.py)
     mamba.MAMBA, mamba.FALCON_MAMBA, jamba.JAMBA,  # Mamba1's selective scan (models/mamba1.py)
     qwen3_5.QWEN3_5,  # a dense Gated DeltaNet model: Qwen3.5's (Qwen3-Next's without experts)
     qwen3_next.QWEN3_NEXT,
