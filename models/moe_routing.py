@@ -121,6 +121,19 @@ def choose_experts(logits, cfg, bias=None):
     return probs, top_p, top_idx
 
 
+def split_zero_experts(top_idx, top_p, num_experts: int, zero: int):
+    """(top_idx, top_p, identity) of choices over ``num_experts`` routed and ``zero``
+    zero-computation experts (LongCat-Flash's identity experts, indices >= num_experts):
+    ``identity`` [..., 1] the weights of a token's zero experts summed (its input times it is
+    their output); each such choice weighted 0 and sent to routed expert (i - num_experts) *
+    num_experts // zero, as transformers spreads them, so the dispatch sees routed experts only.
+    The capacity dispatches give those choices slots too (transformers drops no token)."""
+    zero_mask = top_idx >= num_experts
+    identity = jnp.where(zero_mask, top_p, 0.0).sum(-1, keepdims=True)
+    top_idx = jnp.where(zero_mask, (top_idx - num_experts) * num_experts // zero, top_idx)
+    return top_idx, jnp.where(zero_mask, 0.0, top_p), identity
+
+
 def router_losses(logits, probs, top_idx, token_mask=None):
     """(load_balance, z_loss) of router ``logits`` [..., expert] and its top-k choices.
 
