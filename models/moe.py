@@ -174,7 +174,7 @@ class MoeMLP(nn.Module):
         load_balance, z_loss = router_losses(logits, probs, top_idx, token_mask)
         chosen_idx, identity = top_idx, None
         if cfg.zero_experts:  # LongCat-Flash: the identity experts' weights apart, the rest routed
-            top_idx, top_p, identity = split_zero_experts(top_idx, top_p, num_experts, cfg.zero_experts)
+            top_idx, top_p, identity, zero = split_zero_experts(top_idx, top_p, num_experts)
 
         def expert_param(name, shape, names):
             w = self.param(name, nn.with_logical_partitioning(init, names), shape, param_dtype)
@@ -220,6 +220,12 @@ class MoeMLP(nn.Module):
 
         if identity is not None:  # the zero-computation experts' outputs: the input times their weights
             y = y + x * identity.astype(dtype)
+        if identity is not None and kind not in ("dropless", "gmm"):
+            # their choices are not dispatched, and not drops: the fraction is of the routed choices
+            routed = x.shape[0] * length if token_mask is None else jnp.maximum(token_mask.sum(), 1)
+            zeros = (zero if token_mask is None else zero & token_mask[..., None]).sum()
+            total = routed * cfg.num_experts_per_tok
+            dropped = (dropped * total - zeros) / jnp.maximum(total - zeros, 1)
         aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
         self.sow("losses", "moe_aux_loss", aux)
         self.sow("metrics", "load_balance_loss", load_balance)

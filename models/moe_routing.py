@@ -121,17 +121,17 @@ def choose_experts(logits, cfg, bias=None):
     return probs, top_p, top_idx
 
 
-def split_zero_experts(top_idx, top_p, num_experts: int, zero: int):
-    """(top_idx, top_p, identity) of choices over ``num_experts`` routed and ``zero``
-    zero-computation experts (LongCat-Flash's identity experts, indices >= num_experts):
+def split_zero_experts(top_idx, top_p, num_experts: int):
+    """(top_idx, top_p, identity, zero) of choices over ``num_experts`` routed experts and the
+    zero-computation ones after them (LongCat-Flash's identity experts, indices >= num_experts):
     ``identity`` [..., 1] the weights of a token's zero experts summed (its input times it is
-    their output); each such choice weighted 0 and sent to routed expert (i - num_experts) *
-    num_experts // zero, as transformers spreads them, so the dispatch sees routed experts only.
-    The capacity dispatches give those choices slots too (transformers drops no token)."""
-    zero_mask = top_idx >= num_experts
-    identity = jnp.where(zero_mask, top_p, 0.0).sum(-1, keepdims=True)
-    top_idx = jnp.where(zero_mask, (top_idx - num_experts) * num_experts // zero, top_idx)
-    return top_idx, jnp.where(zero_mask, 0.0, top_p), identity
+    their output); each such choice (``zero`` [..., k]) weighted 0 and sent to index
+    ``num_experts``, which every dispatch leaves out as it does padding: it takes no slot, so
+    the routed choices fill the capacity alone (transformers instead spreads them over the
+    routed experts at weight 0, for its communication's sake: the same numbers)."""
+    zero = top_idx >= num_experts
+    identity = jnp.where(zero, top_p, 0.0).sum(-1, keepdims=True)
+    return jnp.where(zero, num_experts, top_idx), jnp.where(zero, 0.0, top_p), identity, zero
 
 
 def router_losses(logits, probs, top_idx, token_mask=None):
