@@ -116,6 +116,15 @@ def layer_weights(a, spec) -> list[Weight]:
     return out
 
 
+# meituan-longcat/LongCat-Flash-Chat/config.json (as mirrored at mlx-community/LongCat-Flash-Chat-bf16): 28
+# layers (56 halves), 512 experts 2048 wide and 256 zero-computation ones, top-12, weights x 6
+CHAT = dict(vocab_size=131072, hidden_size=6144, intermediate_size=12288, num_hidden_layers=28, num_attention_heads=64,
+            max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=10000000.0, kv_lora_rank=512,
+            q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, lora_scaling=True,
+            rope_interleaved=True, block_form="shortcut_moe", num_local_experts=512, num_experts_per_tok=12,
+            moe_intermediate_size=2048, zero_expert_num=256, router_kind="softmax_bias", norm_topk_prob=False,
+            routed_scaling_factor=6.0, router_aux_loss_coef=0.0, bos_token_id=1, eos_token_id=2,
+            router_z_loss_coef=0.0)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=256, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=16, lora_scaling=True, rope_interleaved=True, block_form="shortcut_moe", rope_theta=10000000.0,
@@ -125,4 +134,4 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 LONGCAT_FLASH = Family(
     "longcat_flash", ("longcat_flash",), "LongcatFlashForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
-    presets={"longcat-flash-tiny": TINY})
+    presets={"longcat-flash-chat": CHAT, "longcat-flash-tiny": TINY})
