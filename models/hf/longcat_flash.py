@@ -43,7 +43,7 @@ SCHEMA = dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_
               zero_expert_num=256, expert_ffn_hidden_size=2048, routed_scaling_factor=6.0, router_bias=False,
               num_hidden_layers=None)
 FEATURES = llama.ROTARY | {"latent_attention", "latent_lora_scaling", "rope_interleaved", "moe", "expert_width",
-                           "routed_scaling", "biased_softmax_router", "zero_experts", "shortcut_moe", "router_bias"}
+                           "routed_scaling", "biased_softmax_router", "zero_experts", "shortcut_moe"}
 # transformers' attribute_map: config.json files may spell these by their generic names
 ALIASES = {"num_local_experts": "n_routed_experts", "num_experts_per_tok": "moe_topk",
            "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "expert_ffn_hidden_size"}
@@ -64,6 +64,9 @@ def from_hf(hf: HFConfig) -> dict:
         raise hf.refuse("qk_head_dim", f"a query/key head is qk_nope_head_dim + qk_rope_head_dim = {nope + rot} wide")
     if hf.get("head_dim") not in (None, rot):  # the rotary embedding's width
         raise hf.refuse("head_dim", f"transformers' rotary embedding turns head_dim features: qk_rope_head_dim={rot}")
+    if hf.get("router_bias"):
+        raise hf.refuse("router_bias", "transformers' LongCat-Flash router holds a bias it never adds; shardzoo "
+                                       "reads routers without one only")
     if not hf.get("n_routed_experts"):
         raise hf.refuse("n_routed_experts", "shardzoo reads LongCat-Flash with routed experts only")
     out = rope(hf, theta=10000000.0)
@@ -78,7 +81,7 @@ def from_hf(hf: HFConfig) -> dict:
         v_head_dim=hf.get("v_head_dim"), lora_scaling=True, rope_interleaved=True, block_form="shortcut_moe",
         num_local_experts=hf.get("n_routed_experts"), num_experts_per_tok=hf.get("moe_topk"),
         moe_intermediate_size=hf.get("expert_ffn_hidden_size"), zero_expert_num=hf.get("zero_expert_num") or 0,
-        routed_scaling_factor=hf.get("routed_scaling_factor"), router_bias=bool(hf.get("router_bias")),
+        routed_scaling_factor=hf.get("routed_scaling_factor"),
         router_kind="softmax_bias", norm_topk_prob=False, router_aux_loss_coef=0.0)
 
 
@@ -94,7 +97,7 @@ def to_hf(a) -> dict:
                moe_topk=m.num_experts_per_tok, expert_ffn_hidden_size=a.expert_size, zero_expert_num=m.zero_expert_num,
                routed_scaling_factor=m.routed_scaling_factor, qk_head_dim=a.qk_head_size,
                head_dim=a.latent.qk_rope_head_dim)
-    return out | ({"router_bias": True} if m.router_bias else {})
+    return out
 
 
 # --------------------------------------------------------------------------------- weights
@@ -110,10 +113,7 @@ def layer_weights(a, spec) -> list[Weight]:
     """Both halves; the MoE's router (``mlp.router.classifier``, its correction bias) and experts
     (every layer's shortcut is a MoE: ``to_hf`` exports no other)."""
     out = _half(a, 0) + _half(a, 1) + mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj"), router="router.classifier")
-    out.append(Weight(("moe", "router_bias"), llama.LAYER + "mlp.router.e_score_correction_bias"))
-    if a.moe.router_bias:
-        out.append(Weight(("moe", "router", "bias"), llama.LAYER + "mlp.router.classifier.bias", "vec"))
-    return out
+    return out + [Weight(("moe", "router_bias"), llama.LAYER + "mlp.router.e_score_correction_bias")]
 
 
 # meituan-longcat/LongCat-Flash-Chat/config.json (as mirrored at mlx-community/LongCat-Flash-Chat-bf16): 28

@@ -132,10 +132,16 @@ def test_the_two_halves_under_fsdp_tp(built):
     np.testing.assert_allclose(apply(module, params, mesh), ref, atol=TOL, rtol=0)
 
 
-def test_a_rotary_width_other_than_qk_rope_head_dim_is_refused(built, tmp_path):
+@pytest.mark.parametrize("change, message", [
+    (dict(head_dim=16), r"head_dim=16: transformers' rotary embedding turns head_dim features"),
+    (dict(router_bias=True), r"router_bias=True: transformers' LongCat-Flash router holds a bias it never adds"),
+])
+def test_what_transformers_computes_otherwise_is_refused(built, tmp_path, change, message):
+    """A rotary width other than qk_rope_head_dim (transformers breaks), a router bias (built but
+    never added by transformers): one error naming the field."""
     path, _, _ = built
-    with pytest.raises(HFError, match=r"head_dim=16: transformers' rotary embedding turns head_dim features"):
-        load_hf_config(rewritten(path, tmp_path / "wide", head_dim=16))
+    with pytest.raises(HFError, match=message):
+        load_hf_config(rewritten(path, tmp_path / "changed", **change))
 
 
 def test_the_chat_preset_has_its_published_size():
