@@ -43,6 +43,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
                                  norms a block; "post" moves the two norms, it adds none)
                                  A parallel block form (models/blocks.py: Phi, Cohere) keeps no
                                  attn_residual, and mlp_norm only with its second norm (GPT-NeoX).
+                                 A shortcut_moe layer (LongCat-Flash) keeps two halves' sequential
+                                 terms, mixer terms and dense MLP terms, its MoE's once, and
+                                 shortcut_out D (estimated, not yet measured against XLA).
     dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
       mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of

@@ -3,7 +3,9 @@
 ``MoeMLP`` replaces a Transformer block's MLP: a router (``models/moe_routing.py``) picks
 ``num_experts_per_tok`` of ``num_experts`` gated (SwiGLU) experts per token and sums their
 outputs, weighted by the router's probabilities (``expert_type="plain"``: experts without a
-gate, ``act(x @ wi_up) @ wo``, Nemotron-H's). How tokens reach the experts is
+gate, ``act(x @ wi_up) @ wo``, Nemotron-H's); with ``zero_experts`` the router also scores
+zero-computation experts, whose output is the token itself times their weight (LongCat-Flash:
+``moe_routing.split_zero_experts``). How tokens reach the experts is
 ``MoeConfig.dispatch`` (``models/moe_dispatch.py``); the architecture's MoE settings are the
 ``moe`` sub-record (``models/moe_arch.py``); ``MLP_KIND`` is the component (``models/components.py``).
 
