@@ -276,7 +276,8 @@ def _apply_beside(block, x, segment_ids):
 
 
 def _params(a, active: bool) -> tuple[int, int]:
-    """(the router, the experts (``active``: the top-k) and the shared expert; the router's and
+    """(the router, the experts (``active``: the top-k, each counted as a routed expert: with
+    zero-computation experts an upper bound) and the shared expert; the router's and
     experts' biases, the correction bias of softmax_bias (a parameter in transformers; sigmoid_groups':
     a buffer), the shared expert's biases, the output's norm)."""
     m, d = a.moe, a.hidden_size

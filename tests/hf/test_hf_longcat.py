@@ -113,6 +113,7 @@ def test_the_moe_with_zero_experts_under_ep(built):
     moe = params["layers"]["moe"]
     assert moe["wi_gate"].shape == (2, E, 32, 16) and moe["wi_gate"].addressable_shards[0].data.shape[1] == 1
     assert moe["router"]["kernel"].shape == (2, 32, E + Z) and moe["router_bias"].shape == (2, E + Z)
+    assert moe["router"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "expert")
     got, state = apply_mutable(module, params, mesh, ["metrics"])
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
     assert float(np.max(state["metrics"]["layers"]["moe"]["dropped_fraction"])) == pytest.approx(0, abs=1e-6)
