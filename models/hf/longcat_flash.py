@@ -86,9 +86,13 @@ def from_hf(hf: HFConfig) -> dict:
 
 
 def to_hf(a) -> dict:
-    if a.moe is None or a.block_form != "shortcut_moe":
-        raise HFError("LongCat-Flash's config.json describes shortcut_moe layers with routed experts only")
     m = a.moe
+    fixed = dict(block_form="shortcut_moe", lora_scaling=True, rope_interleaved=True, router_kind="softmax_bias",
+                 norm_topk_prob=False)
+    have = dict(block_form=a.block_form, lora_scaling=bool(a.latent and a.latent.lora_scaling),
+                rope_interleaved=a.rope_interleaved, router_kind=m and m.router_kind, norm_topk_prob=m and m.norm_topk_prob)
+    if have != fixed:  # what transformers' LongCat-Flash always computes
+        raise HFError(f"LongCat-Flash's config.json describes {fixed} only; this model has {have}")
     out = deepseek_v2.latent_to_hf(a)
     out.pop("lora_scaling")
     for key in ("intermediate_size", "num_hidden_layers"):
@@ -112,8 +116,8 @@ def _half(a, j: int) -> list[Weight]:
 def layer_weights(a, spec) -> list[Weight]:
     """Both halves; the MoE's router (``mlp.router.classifier``, its correction bias) and experts
     (every layer's shortcut is a MoE: ``to_hf`` exports no other)."""
-    out = _half(a, 0) + _half(a, 1) + mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj"), router="router.classifier")
-    return out + [Weight(("moe", "router_bias"), llama.LAYER + "mlp.router.e_score_correction_bias")]
+    experts = mixtral.moe_weights(a, "mlp.", ("gate_proj", "up_proj", "down_proj"), router="router.classifier")
+    return _half(a, 0) + _half(a, 1) + experts + [Weight(("moe", "router_bias"), llama.LAYER + "mlp.router.e_score_correction_bias")]
 
 
 # meituan-longcat/LongCat-Flash-Chat/config.json (as mirrored at mlx-community/LongCat-Flash-Chat-bf16): 28
