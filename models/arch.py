@@ -123,9 +123,10 @@ class ArchCore:
     # how a layer joins attention and MLP to the residual (models/blocks.py BLOCK_FORMS): "sequential";
     # "parallel" x + attn(norm(x)) + mlp(norm(x)) (Phi, Cohere); "parallel_two_norms" x + attn(norm1(x))
     # + mlp(norm2(x)) (GPT-NeoX, Falcon-40B); "post_residual" norm(x + attn(x)), norm(x + mlp(x)) and no
-    # final norm (GPT-1); older checkpoints' flag parallel_residual reads as one (nest)
+    # final norm (GPT-1); "shortcut_moe" two attention+MLP halves, the MoE of the first's beside (LongCat-Flash);
+    # older checkpoints' flag parallel_residual reads as one (nest)
     block_form: str = feature("sequential", {"parallel": "parallel_residual", "parallel_two_norms": "parallel_two_norms",
-                                             "post_residual": "post_residual_norms"})
+                                             "post_residual": "post_residual_norms", "shortcut_moe": "shortcut_moe"})
     qk_norm_after_rope: bool = feature(False, "qk_norm_after_rope")  # HunYuan: rotary, then the norm
     # the qk-norm a LayerNorm without bias where the model's LayerNorms have one (StableLM)
     qk_norm_no_bias: bool = feature(False, "qk_norm_no_bias")

@@ -40,6 +40,7 @@ from shardzoo.models.attention_kernels import (
     xla_attention,
 )
 from shardzoo.models.component import Mixer, SubRecord
+from shardzoo.models.features import feature
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
     Linear,
@@ -76,13 +77,16 @@ class LatentAttentionArch(SubRecord):
     NAME: ClassVar[str] = "latent"
     FEATURE: ClassVar[str] = "latent_attention"
     FLAT: ClassVar[dict[str, str]] = {n: n for n in (
-        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "lora_scaling")}
 
     kv_lora_rank: int | None = None  # None: ordinary attention
     q_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # the queries times sqrt(hidden_size / q_lora_rank) and the normed kv latent (so keys' nope
+    # features and values) times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's mla_scale_*_lora)
+    lora_scaling: bool = feature(False, "latent_lora_scaling")
 
     def used(self, arch) -> bool:
         return self.kv_lora_rank is not None
@@ -314,8 +318,11 @@ class Attention(nn.Module):
         c = Linear((a.latent.kv_lora_rank,), (ax.EMBED, ax.KV_LORA), name="kv_a", **kw)(x)  # [batch, length, kv_lora]
         k_rope = Linear((rope_d,), (ax.EMBED, ax.HEAD_DIM), name="k_rope", **kw)(x)[:, :, None]
         # k_rope: [batch, length, 1, head_dim], one rotary key for every head
-        c = constrain(RMSNorm(**norm, axes=(ax.KV_LORA,), name="kv_a_norm")(c), (ax.BATCH, ax.LENGTH, ax.KV_LORA),
-                      placement)
+        c = RMSNorm(**norm, axes=(ax.KV_LORA,), name="kv_a_norm")(c)
+        if a.latent.lora_scaling:  # LongCat-Flash: both latents' paths rescaled to the model's width
+            q = q * jnp.asarray((a.hidden_size / a.latent.q_lora_rank) ** 0.5, q.dtype)
+            c = c * jnp.asarray((a.hidden_size / a.latent.kv_lora_rank) ** 0.5, c.dtype)
+        c = constrain(c, (ax.BATCH, ax.LENGTH, ax.KV_LORA), placement)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         if spec.rope != "none":  # interleaved pairs rotated in place: the same q.k as HF's de-interleave
             inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
@@ -415,6 +422,8 @@ def check(a) -> None:
     missing = [n for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if not getattr(a.latent, n)]
     if missing:
         raise ModelError(f"latent attention (kv_lora_rank={a.latent.kv_lora_rank}) needs {', '.join(missing)}")
+    if a.latent.lora_scaling and not a.latent.q_lora_rank:
+        raise ModelError("lora_scaling rescales the query latent's path: it needs q_lora_rank")
     if a.latent.qk_rope_head_dim % 2:
         raise ModelError(f"rotary embeddings turn pairs of features: qk_rope_head_dim={a.latent.qk_rope_head_dim} is odd")
     if a.kv_heads != a.num_attention_heads:

@@ -18,7 +18,7 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError
 from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, NONE
-from shardzoo.models.layers import constrain, dtype_of
+from shardzoo.models.layers import DENSE, constrain, dtype_of
 from shardzoo.models.norms import make_norm
 from shardzoo.sharding import axes as ax
 
@@ -138,6 +138,53 @@ def _check_parallel(a) -> None:
                          "(no 'none' in layer_types or mlp_layer_types)")
 
 
+class Half(nn.Module):
+    """One of a ``shortcut_moe`` layer's two halves: x + mixer(norm(x)), then x + dense MLP(norm(x));
+    -> (its output, its MLP's normed input). It has a block's fields, so the components build
+    under it as under a block (their paths: ``half_0/attn``, ``half_0/mlp``, ...)."""
+
+    config: object
+    spec: object
+    placement: object = None
+    deterministic: bool = True
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        cfg = self.config
+        x = _residual(self, x, _mixer(self, make_norm(cfg, "attn_norm")(x), positions, segment_ids))
+        h = make_norm(cfg, "mlp_norm")(x)
+        return _residual(self, x, MLPS[DENSE].apply(self, h, segment_ids)), h
+
+
+def shortcut_moe(block, x, positions, segment_ids):
+    """LongCat-Flash's layer: two halves (``Half``: attention and a dense MLP, pre-norm), and the
+    layer's MLP kind (its MoE) of the first half's normed MLP input, added after the second half
+    (the shortcut: the experts' all-to-all overlaps the second half's work)."""
+    fields = dict(config=block.config, spec=block.spec, placement=block.placement, deterministic=block.deterministic,
+                  decode=block.decode)
+    x, h = Half(**fields, name="half_0")(x, positions, segment_ids)
+    shortcut = _mlp(block, h, segment_ids)  # [batch, length, embed]
+    x, _ = Half(**fields, name="half_1")(x, positions, segment_ids)
+    return _residual(block, x, shortcut)
+
+
+def _check_shortcut(a) -> None:
+    if a.norm_position != "pre" or a.norm_positions is not None:
+        raise ModelError(f"block_form={a.block_form!r} (LongCat-Flash's two pre-norm halves) has its norms before "
+                         f"attention and MLP; norm_position={a.norm_position!r} must be 'pre' (and no norm_positions)")
+    types, mlps = a.layer_types or (), a.mlp_layer_types or ()
+    if NONE in types or any(m == NONE or MLPS[m].reads_residual for m in mlps):
+        raise ModelError(f"block_form={a.block_form!r} needs a mixer and a shortcut MLP (normed by the block) in "
+                         f"every layer; got layer_types={list(types)}, mlp_layer_types={list(mlps)}")
+
+
+def _shortcut_terms(a, spec, t) -> dict:
+    """Both halves' sequential terms and their dense MLPs'; the shortcut's output."""
+    halves = {k: 2 * v for k, v in _sequential_terms(a, dataclasses.replace(spec, mlp=DENSE), t).items()}
+    return halves | {"shortcut_out": t(a.hidden_size, BLE)}
+
+
 class LayerScalar(nn.Module):
     """A layer's output times its scalar (Gemma 4's ``layer_scalar``): a buffer to transformers,
     read and written with the checkpoint and, like it, not trained."""
@@ -155,7 +202,9 @@ class BlockForm:
     """A block form: ``apply(block, x, positions, segment_ids)`` -> the layer's output; ``norms(a,
     spec)`` the norms of a layer; ``terms(a, spec, t)`` its own activations (``models/costs.py``);
     ``check(a)`` a ModelError for what it cannot be beside the rest of the record;
-    ``final_norm``: whether the model norms the last layer's output (post_residual's layers end normed)."""
+    ``final_norm``: whether the model norms the last layer's output (post_residual's layers end normed);
+    ``mixers``: how many of its mixer a layer has, ``dense_mlps``: dense MLPs beside its MLP kind
+    (``shortcut_moe``: 2 and 2; ``models/costs.py`` counts them)."""
 
     name: str
     apply: Callable
@@ -163,6 +212,8 @@ class BlockForm:
     terms: Callable
     check: Callable | None = None
     final_norm: bool = True
+    mixers: int = 1
+    dense_mlps: int = 0
 
 
 BLOCK_FORMS = {f.name: f for f in (
@@ -170,4 +221,5 @@ BLOCK_FORMS = {f.name: f for f in (
     BlockForm("parallel", parallel, lambda a, spec: 1, _parallel_terms(1), _check_parallel),
     BlockForm("parallel_two_norms", parallel_two_norms, lambda a, spec: 2, _parallel_terms(2), _check_parallel),
     BlockForm("post_residual", post_residual, lambda a, spec: 2, _sequential_terms, _check_post_residual, False),
+    BlockForm("shortcut_moe", shortcut_moe, lambda a, spec: 4, _shortcut_terms, _check_shortcut, mixers=2, dense_mlps=2),
 )}

@@ -43,6 +43,9 @@ dim, L seq_len, E experts, C capacity slots per expert and row; compute dtype un
                                  norms a block; "post" moves the two norms, it adds none)
                                  A parallel block form (models/blocks.py: Phi, Cohere) keeps no
                                  attn_residual, and mlp_norm only with its second norm (GPT-NeoX).
+                                 A shortcut_moe layer (LongCat-Flash) keeps two halves' sequential
+                                 terms, mixer terms and dense MLP terms, its MoE's once, and
+                                 shortcut_out D (estimated, not yet measured against XLA).
     dense MLP, gated: mlp_gate F, mlp_up F, mlp_proj F (the fused up|gate matmul's output;
       0 unfused), mlp_hidden F (swiglu's output, the down projection's input); plain: mlp_up F,
       mlp_hidden F; gated with another activation (GeGLU), mlp_act F: one more intermediate of
@@ -124,6 +127,7 @@ from shardzoo.models import shared_block
 from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
+from shardzoo.models.layers import DENSE
 from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import norm_params
 from shardzoo.models.tiled_loss import tiles
@@ -182,16 +186,20 @@ def _saved(terms: dict, policy: str) -> int:
 def buffers(a) -> tuple[tuple[str, str], ...]:
     """The leaves (their last two path keys) that transformers holds as buffers, not
     parameters: not counted by ``transformer_params`` (Gemma 4's layer scalars too). Ernie 4.5 MoE's correction bias is a
-    parameter there (one that no gradient trains), DeepSeek-V3's and Kolibri's a buffer."""
+    parameter there (one that no gradient trains), DeepSeek-V3's, Kolibri's and LongCat-Flash's (beside
+    zero experts) a buffer."""
     out = (("xielu", "beta"), ("xielu", "eps")) + ((("layer_scalar", "scale"),) if a.layer_scalar else ())
-    return out + ((("moe", "router_bias"),) if a.moe and a.moe.router_kind in ("sigmoid_groups", "logit_bias")
-                  else ())
+    biased = a.moe and (a.moe.router_kind in ("sigmoid_groups", "logit_bias") or a.moe.zero_expert_num)
+    return out + ((("moe", "router_bias"),) if biased else ())
 
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:
-    """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records."""
+    """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records (as
+    many mixers and dense MLPs besides as its block form has)."""
+    form = BLOCK_FORMS[a.block_form]
     mixer, mlp = MIXERS[spec.mixer].params(layer_arch(a, spec)), MLPS[spec.mlp].params(a, active)
-    return mixer[0] + mlp[0], mixer[1] + mlp[1]
+    dense = MLPS[DENSE].params(a, active) if form.dense_mlps else (0, 0)
+    return tuple(form.mixers * m + p + form.dense_mlps * d for m, p, d in zip(mixer, mlp, dense, strict=True))
 
 
 def _matmul_params(a, active: bool = True) -> int:
@@ -226,7 +234,8 @@ def transformer_flops(a, seq_len: int) -> float:
     them (attention's q.k and probs.v over its window or chunk; a scan's or a delta rule's state)."""
     matmul = _matmul_params(a) + (1 if a.score_head else a.vocab_size) * a.hidden_size  # the head (or the score)
     matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
-    return (6 * matmul + sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
+    mixers = BLOCK_FORMS[a.block_form].mixers
+    return (6 * matmul + mixers * sum(MIXERS[s.mixer].flops(layer_arch(a, s), s, seq_len) for s in a.layer_specs())
             + shared_block.flops(a, seq_len))  # Zamba2's shared blocks, at each use
 
 
@@ -236,7 +245,9 @@ def decode_flops(a, context: float) -> float:
     token attends, each layer's window or chunk capping it; a mamba layer's state update)."""
     matmul = _matmul_params(a) + a.vocab_size * a.hidden_size
     matmul += a.hidden_size**2 if a.head_transform is not None else 0  # the prediction head's dense
-    return 2 * matmul + sum(MIXERS[s.mixer].decode_flops(layer_arch(a, s), s, context) for s in a.layer_specs())
+    mixers = BLOCK_FORMS[a.block_form].mixers
+    return 2 * matmul + mixers * sum(MIXERS[s.mixer].decode_flops(layer_arch(a, s), s, context)
+                                     for s in a.layer_specs())
 
 
 def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> ActivationEstimate:
@@ -256,8 +267,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         key = (spec.mixer, spec.mlp, mine is not a)
         if key not in kinds:
             own = cost if mine is a else dataclasses.replace(cost, config=type(cfg)(mine, e))
-            terms = {**BLOCK_FORMS[a.block_form].terms(a, spec, t), **MIXERS[spec.mixer].activations(own, spec),
-                     **MLPS[spec.mlp].activations(cost)}
+            form = BLOCK_FORMS[a.block_form]
+            mixer = {k: form.mixers * v for k, v in MIXERS[spec.mixer].activations(own, spec).items()}
+            dense = {k: form.dense_mlps * v for k, v in MLPS[DENSE].activations(cost).items()} if form.dense_mlps else {}
+            terms = {**form.terms(a, spec, t), **mixer, **dense, **MLPS[spec.mlp].activations(cost)}
             kinds[key] = (terms, 0)
         kinds[key] = (kinds[key][0], kinds[key][1] + 1)
     n_moe = sum(n for (_, mlp, _), (_, n) in kinds.items() if mlp in (MOE, DENSE_AND_MOE))
@@ -316,7 +329,8 @@ def decode_cache_bytes(a, batch_size: int, length: int, nbytes: int) -> dict:
     for s in a.layer_specs():
         size = MIXERS[s.mixer].cache_bytes
         if size is not None:
-            out[s.mixer] = out.get(s.mixer, 0) + size(layer_arch(a, s), batch_size, length, nbytes)
+            mixers = BLOCK_FORMS[a.block_form].mixers
+            out[s.mixer] = out.get(s.mixer, 0) + mixers * size(layer_arch(a, s), batch_size, length, nbytes)
     return out
 
 

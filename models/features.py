@@ -48,6 +48,8 @@ FEATURES = {
                           "(block_form parallel_two_norms: GPT-NeoX, Falcon-40B)",
     "post_residual_norms": "the norms on the residual stream after each addition: norm(x + attn(x)), norm(x + "
                            "mlp(x)), no final norm (block_form post_residual: GPT-1)",
+    "shortcut_moe": "layers of two pre-norm halves (attention, dense MLP) and a MoE of the first half's normed MLP "
+                    "input added after the second (block_form shortcut_moe: LongCat-Flash)",
     "clip_qkv": "q, k and v clipped to [-clip_qkv, clip_qkv] after their projections (OLMo 1, MPT)",
     "rope_interleaved": "rotary embeddings turning interleaved pairs (2i, 2i+1) (Cohere, DeepSeek)",
     "lm_head_bias": "a bias on the output head (Phi)", "logit_scale": "logits multiplied by logit_scale (Cohere)",
@@ -68,6 +70,8 @@ FEATURES = {
     "multipliers": "embedding, residual, attention and logits multipliers (Granite)",
     "moe": "Mixture-of-Experts MLPs", "moe_pattern": "dense and MoE layers mixed (mlp_layer_types)",
     "expert_width": "experts of their own width (moe_intermediate_size)",
+    "zero_experts": "zero-computation experts beside the routed ones: chosen by the router like them, each returns "
+                    "its input times its weight (zero_expert_num: LongCat-Flash)",
     "router_jitter": "router input jitter while training",
     "shared_experts": "a dense MLP beside the routed experts (shared_expert_intermediate_size)",
     "shared_expert_gate": "the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)",
@@ -162,6 +166,9 @@ FEATURES = {
     "layer_scalar": "each layer's output times a fixed scalar of its own (Gemma 4's layer_scalar)",
     "rope_scaling:proportional": "Gemma 4's proportional rotary: the first partial_rotary_factor of the pairs turn "
                                  "at the whole head's frequencies, the rest not at all",
+    "latent_lora_scaling": "latent attention's queries times sqrt(hidden_size / q_lora_rank) and its normed kv "
+                           "latent times sqrt(hidden_size / kv_lora_rank) (LongCat-Flash's mla_scale_q_lora, "
+                           "mla_scale_kv_lora)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "

@@ -3,7 +3,9 @@
 ``MoeMLP`` replaces a Transformer block's MLP: a router (``models/moe_routing.py``) picks
 ``num_experts_per_tok`` of ``num_experts`` gated (SwiGLU) experts per token and sums their
 outputs, weighted by the router's probabilities (``expert_type="plain"``: experts without a
-gate, ``act(x @ wi_up) @ wo``, Nemotron-H's). How tokens reach the experts is
+gate, ``act(x @ wi_up) @ wo``, Nemotron-H's); with ``zero_experts`` the router also scores
+zero-computation experts, whose output is the token itself times their weight (LongCat-Flash:
+``moe_routing.split_zero_experts``). How tokens reach the experts is
 ``MoeConfig.dispatch`` (``models/moe_dispatch.py``); the architecture's MoE settings are the
 ``moe`` sub-record (``models/moe_arch.py``); ``MLP_KIND`` is the component (``models/components.py``).
 
@@ -46,7 +48,7 @@ from shardzoo.models.moe_dispatch import (
     shard_map_dispatch,
     sorted_dispatch,
 )
-from shardzoo.models.moe_routing import choose_experts, router_losses
+from shardzoo.models.moe_routing import choose_experts, router_losses, split_zero_experts
 from shardzoo.models.norms import RMSNorm, make_norm, norm_params
 from shardzoo.sharding import axes as ax
 
@@ -76,6 +78,7 @@ class MoeConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     router_norm_eps: float = 1e-6  # the scaled_softmax router's RMS norm
+    zero_experts: int = 0  # zero-computation (identity) experts the router scores beside num_experts
     dtype: str = "float32"  # compute dtype of the experts; the router is always float32
     param_dtype: str = "float32"
     initializer_range: float = 0.02
@@ -85,10 +88,10 @@ class MoeConfig:
         choices = {"dispatch": DISPATCHES, "router_kind": ROUTERS, "expert_type": EXPERT_TYPES, "hidden_act": tuple(ACTIVATIONS), "dtype": DTYPES,
                    "param_dtype": DTYPES}
         check_fields(self, choices, ("num_experts", "num_experts_per_tok", "intermediate_size"), MoeError)
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts + self.zero_experts:
             raise MoeError(
                 f"{where}: num_experts_per_tok={self.num_experts_per_tok} must be in "
-                f"1..num_experts={self.num_experts}"
+                f"1..num_experts={self.num_experts} + zero_experts={self.zero_experts}"
             )
         if not self.capacity_factor > 0:
             raise MoeError(f"{where}: capacity_factor={self.capacity_factor} must be > 0")
@@ -111,7 +114,7 @@ class MoeConfig:
             aux_loss_coef=m.router_aux_loss_coef, router_bias=m.router_bias, expert_bias=m.expert_bias,
             swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, expert_type=m.expert_type, sparsemixer_eps=m.sparsemixer_eps,
             z_loss_coef=execution.router_z_loss_coef, dtype=execution.dtype, param_dtype=execution.param_dtype,
-            initializer_range=arch.initializer_range, router_norm_eps=arch.rms_norm_eps)
+            initializer_range=arch.initializer_range, router_norm_eps=arch.rms_norm_eps, zero_experts=m.zero_expert_num)
 
     def capacity(self, group_size: int) -> int:
         """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
@@ -133,6 +136,7 @@ class MoeMLP(nn.Module):
         cfg = self.config
         _, length, embed = x.shape
         num_experts, mlp = cfg.num_experts, cfg.intermediate_size
+        scored = num_experts + cfg.zero_experts  # what the router scores: routed and zero-computation experts
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
         gated = cfg.expert_type == "gated"
@@ -152,7 +156,7 @@ class MoeMLP(nn.Module):
             noise = jax.random.uniform(self.make_rng("dropout"), x.shape, jnp.float32, 1 - eps, 1 + eps)
             router_in = router_in * noise
         logits = nn.Dense(
-            num_experts,
+            scored,
             use_bias=cfg.router_bias,
             dtype=jnp.float32,
             param_dtype=param_dtype,
@@ -163,13 +167,16 @@ class MoeMLP(nn.Module):
         bias = None
         if cfg.router_kind in ("sigmoid_groups", "softmax_bias", "logit_bias"):  # trained by no gradient (top_k's choice)
             bias = self.param("router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EXPERT,)),
-                              (num_experts,), jnp.float32)
+                              (scored,), jnp.float32)
         probs, top_p, top_idx = choose_experts(logits, cfg, bias)  # top_*: [batch, length, k]
         if scaled:  # each chosen expert's weight times its own scale
             per_expert = self.param("per_expert_scale", nn.with_logical_partitioning(
                 nn.initializers.ones, (ax.EXPERT,)), (num_experts,), param_dtype).astype(jnp.float32)
             top_p = top_p * per_expert[top_idx]
         load_balance, z_loss = router_losses(logits, probs, top_idx, token_mask)
+        chosen_idx, identity = top_idx, None
+        if cfg.zero_experts:  # LongCat-Flash: the identity experts' weights apart, the rest routed
+            top_idx, top_p, identity, zero = split_zero_experts(top_idx, top_p, num_experts)
 
         def expert_param(name, shape, names):
             w = self.param(name, nn.with_logical_partitioning(init, names), shape, param_dtype)
@@ -213,13 +220,21 @@ class MoeMLP(nn.Module):
             route = shard_map_dispatch if explicit else capacity_dispatch
             y = route(x, dispatch, combine, wi_gate, wi_up, wo, act, self.placement, biases)
 
+        if identity is not None:  # the zero-computation experts' outputs: the input times their weights
+            y = y + x * identity.astype(dtype)
+        if identity is not None and kind not in ("dropless", "gmm"):
+            # their choices are not dispatched, and not drops: the fraction is of the routed choices
+            routed = x.shape[0] * length if token_mask is None else jnp.maximum(token_mask.sum(), 1)
+            zeros = (zero if token_mask is None else zero & token_mask[..., None]).sum()
+            total = routed * cfg.num_experts_per_tok
+            dropped = (dropped * total - zeros) / jnp.maximum(total - zeros, 1)
         aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
         self.sow("losses", "moe_aux_loss", aux)
         self.sow("metrics", "load_balance_loss", load_balance)
         self.sow("metrics", "router_z_loss", z_loss)
         self.sow("metrics", "dropped_fraction", dropped)
         if bias is not None:  # each expert's share of the (token, choice) pairs, for aux-loss-free balancing
-            chosen = jax.nn.one_hot(top_idx, num_experts, dtype=jnp.float32).sum(-2)  # [batch, length, expert]
+            chosen = jax.nn.one_hot(chosen_idx, scored, dtype=jnp.float32).sum(-2)  # [batch, length, expert]
             if token_mask is not None:
                 chosen = chosen * token_mask[..., None].astype(jnp.float32)
             self.sow("router_load", "expert_load", chosen.sum((0, 1)) / jnp.maximum(chosen.sum(), 1.0))
@@ -261,15 +276,17 @@ def _apply_beside(block, x, segment_ids):
 
 
 def _params(a, active: bool) -> tuple[int, int]:
-    """(the router, the experts (``active``: the top-k) and the shared expert; the router's and
+    """(the router, the experts (``active``: the top-k, each counted as a routed expert: with
+    zero-computation experts an upper bound) and the shared expert; the router's and
     experts' biases, the correction bias of softmax_bias (a parameter in transformers; sigmoid_groups':
     a buffer), the shared expert's biases, the output's norm)."""
     m, d = a.moe, a.hidden_size
-    e, fe = m.num_local_experts, a.expert_size
+    e, fe, z = m.num_local_experts, a.expert_size, a.moe.zero_expert_num
     shared, shared_bias = mlp_params(a, m.shared_expert_intermediate_size)
     per_expert = (3 if m.expert_type == "gated" else 2) * d * fe  # gate (gated), up, down
-    matmul = d * e + (m.num_experts_per_tok if active else e) * per_expert + shared + d * m.shared_expert_gate
-    other = e * (m.router_bias + m.expert_bias * (2 * fe + d) + (m.router_kind == "softmax_bias"))
+    matmul = d * (e + z) + (m.num_experts_per_tok if active else e) * per_expert + shared + d * m.shared_expert_gate
+    # the correction bias with zero experts (LongCat-Flash's) is a buffer in transformers (costs.buffers)
+    other = (e + z) * (m.router_bias + (m.router_kind == "softmax_bias" and not z)) + e * m.expert_bias * (2 * fe + d)
     other += norm_params(a, d) if m.post_moe_norm else 0
     other += (d + e) * (m.router_kind == "scaled_softmax")  # its input's scale, each expert's scale
     return matmul, other + (shared_bias if m.shared_expert_intermediate_size else 0)
@@ -291,7 +308,8 @@ def _activations(cost) -> dict:
     a, m, e = config.arch, config.arch.moe, config.execution
     experts, d, fe, gated = m.num_local_experts, a.hidden_size, a.expert_size, m.expert_type == "gated"
     slots = experts * config.moe_config().capacity(length)  # E*C per row, per token: / L
-    out = {"router_logits": t(experts, BLX, 4), "router": t(2 * experts, BLX, 4),
+    scored = experts + m.zero_expert_num  # the router's columns
+    out = {"router_logits": t(scored, BLX, 4), "router": t(2 * scored, BLX, 4),
            "masks": t(2 * slots, BLEC) if e.moe_dispatch in ("capacity", "shard_map") else 0,
            "expert_in": t(slots * d / length, ECD), "expert_out": t(slots * d / length, ECD),
            "expert_proj": t((2 if gated else 1) * slots * fe / length, ECF),

@@ -22,6 +22,7 @@ ROUTERS = ("softmax", "softmax_groups", "sigmoid_groups", "sigmoid_input", "soft
            "scaled_softmax", "logit_bias")
 UNGROUPED = ("softmax", "sigmoid_input", "softmax_bias", "sparsemixer", "sigmoid", "scaled_softmax",
              "logit_bias")  # the routers without expert groups
+ZERO_EXPERT_ROUTERS = ("softmax", "softmax_bias")  # those that may score zero-computation experts too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class MoeArch(SubRecord):
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
         "topk_group", "routed_scaling_factor", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-        "expert_type", "sparsemixer_eps", "post_moe_norm")}
+        "expert_type", "sparsemixer_eps", "post_moe_norm", "zero_expert_num")}
 
     num_local_experts: int = 0  # 0: none (the record of a dense model is None)
     num_experts_per_tok: int = 2
@@ -86,6 +87,10 @@ class MoeArch(SubRecord):
     # a norm (the model's norm_type) of the MoE layer's output, routed and shared experts summed,
     # before the residual (A.X-K1's post_mlp_layernorm); dense layers have none
     post_moe_norm: bool = feature(False, "moe_output_norm")
+    # zero-computation experts (LongCat-Flash): the router scores num_local_experts + zero_expert_num
+    # experts; a token's choices among the last zero_expert_num return its input times their weight
+    # (no parameters), the others go to the routed experts as ever
+    zero_expert_num: int = feature(0, "zero_experts")
 
     def __post_init__(self):
         self._check_own()
@@ -116,7 +121,8 @@ class MoeArch(SubRecord):
                 raise ModelError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         e, g, k = self.num_local_experts, self.n_group, self.num_experts_per_tok
         for name, low in (("num_local_experts", 0), ("shared_expert_intermediate_size", 0), ("n_group", 1),
-                          ("topk_group", 1), ("num_experts_per_tok", 1), ("moe_intermediate_size", 1)):
+                          ("topk_group", 1), ("num_experts_per_tok", 1), ("moe_intermediate_size", 1),
+                          ("zero_expert_num", 0)):
             value = getattr(self, name)
             if not (value is None and name == "moe_intermediate_size") and (e or name != "num_experts_per_tok") and (
                     not isinstance(value, int) or isinstance(value, bool) or value < low):
@@ -132,8 +138,12 @@ class MoeArch(SubRecord):
         if self.expert_type == "plain" and (self.expert_bias or self.swiglu_limit is not None):
             raise ModelError(f"expert_type='plain' (experts without a gate) takes neither expert_bias nor swiglu_limit "
                              f"(expert_bias={self.expert_bias}, swiglu_limit={self.swiglu_limit})")
-        if e and k > e:
-            raise ModelError(f"num_experts_per_tok={k} must be in 1..num_local_experts={e}")
+        if e and k > e + self.zero_expert_num:
+            raise ModelError(f"num_experts_per_tok={k} must be in 1..num_local_experts={e}"
+                             + (f" + zero_expert_num={self.zero_expert_num}" if self.zero_expert_num else ""))
+        if self.zero_expert_num and self.router_kind not in ZERO_EXPERT_ROUTERS:
+            raise ModelError(f"zero_expert_num={self.zero_expert_num} (identity experts) routes by "
+                             f"{' or '.join(ZERO_EXPERT_ROUTERS)}, not router_kind={self.router_kind!r}")
         if self.router_kind == "sparsemixer" and (k != 2 or not math.isfinite(self.sparsemixer_eps)
                                                   or self.sparsemixer_eps < 0):
             raise ModelError(f"router_kind sparsemixer picks 2 experts (num_experts_per_tok={k}) with a threshold "

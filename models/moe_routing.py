@@ -121,6 +121,19 @@ def choose_experts(logits, cfg, bias=None):
     return probs, top_p, top_idx
 
 
+def split_zero_experts(top_idx, top_p, num_experts: int):
+    """(top_idx, top_p, identity, zero) of choices over ``num_experts`` routed experts and the
+    zero-computation ones after them (LongCat-Flash's identity experts, indices >= num_experts):
+    ``identity`` [..., 1] the weights of a token's zero experts summed (its input times it is
+    their output); each such choice (``zero`` [..., k]) weighted 0 and sent to index
+    ``num_experts``, which every dispatch leaves out as it does padding: it takes no slot, so
+    the routed choices fill the capacity alone (transformers instead spreads them over the
+    routed experts at weight 0, for its communication's sake: the same numbers)."""
+    zero = top_idx >= num_experts
+    identity = jnp.where(zero, top_p, 0.0).sum(-1, keepdims=True)
+    return jnp.where(zero, num_experts, top_idx), jnp.where(zero, 0.0, top_p), identity, zero
+
+
 def router_losses(logits, probs, top_idx, token_mask=None):
     """(load_balance, z_loss) of router ``logits`` [..., expert] and its top-k choices.
 

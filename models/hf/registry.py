@@ -81,6 +81,7 @@ from shardzoo.models.hf import (
     lfm3,
     llama,
     llama4,
+    longcat_flash,
     mamba,
     mamba2,
     mellum,
@@ -154,6 +155,7 @@ FAMILIES: tuple[Family, ...] = (
     arcee.ARCEE, exaone4.EXAONE4, hunyuan.HUNYUAN_DENSE, seed_oss.SEED_OSS,
     ernie4_5.ERNIE4_5, ernie4_5.ERNIE4_5_MOE,  # before llama4_text, which also expresses a dense model with interleaved rotary
     deepseek_v2.DEEPSEEK_V2, deepseek_v3.DEEPSEEK_V3,
+    longcat_flash.LONGCAT_FLASH,  # shortcut MoE layers of two halves, zero-computation experts
     gpt_oss.GPT_OSS,
     llama4.LLAMA4, llama4.LLAMA4_MM,
     glm.GLM, glm.GLM4, glm4_moe.GLM4_MOE,
