@@ -30,6 +30,7 @@ from shardzoo.models import (
     layers,
     linear_attention,
     mamba1,
+    moa,
     moe,
     rglru,
     sparse_attention,
@@ -52,6 +53,7 @@ MIXERS = {m.name: m for m in (
     mamba1.MIXER,  # Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba)
     kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
     rglru.MIXER,  # RecurrentGemma's recurrent block: a convolution and the RG-LRU
+    moa.MIXER,  # JetMoE's mixture of attention heads: routed query/output projection experts, shared keys/values
     sparse_attention.MIXER,  # DeepSeek Sparse Attention: latent attention over its lightning indexer's top-k keys
     NO_MIXER,
 )}

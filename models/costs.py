@@ -189,8 +189,10 @@ def buffers(a) -> tuple[tuple[str, str], ...]:
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:
     """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records."""
-    mixer, mlp = MIXERS[spec.mixer].params(layer_arch(a, spec)), MLPS[spec.mlp].params(a, active)
-    return mixer[0] + mlp[0], mixer[1] + mlp[1]
+    kind, la = MIXERS[spec.mixer], layer_arch(a, spec)
+    mixer, mlp = kind.params(la), MLPS[spec.mlp].params(a, active)
+    idle = kind.idle_params(la) if kind.idle_params is not None and not active else 0  # unchosen experts
+    return mixer[0] + mlp[0] + idle, mixer[1] + mlp[1]
 
 
 def _matmul_params(a, active: bool = True) -> int:
