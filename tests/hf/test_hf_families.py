@@ -129,7 +129,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "dbrx", "phimoe", "axk1", "flint", "modernbert_decoder", "gemma4",
                   "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini", "lfm3",
                   "openai", "gpt_neox_japanese", "diffllama", "bitnet", "recurrent_gemma",
-                  "olmo_hybrid", "bailing_hybrid")  # apertus1p5_text: apertus.py; models/hf/<name>.py
+                  "olmo_hybrid", "bailing_hybrid", "jetmoe")  # apertus1p5_text: apertus.py; models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -312,6 +312,9 @@ TINY.update({t: config for t, config in FAMG.items() if t in SUPPORTED})
 from test_hf_famD import CONFIGS as FAM_D  # noqa: E402
 
 TINY.update({t: config for t, config in FAM_D.items() if t in SUPPORTED})
+from test_hf_jetmoe import CONFIGS as JETMOE  # noqa: E402
+
+TINY.update(JETMOE)
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version", "n_ctx"}
