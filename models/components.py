@@ -32,6 +32,7 @@ from shardzoo.models import (
     mamba1,
     moa,
     moe,
+    norms,
     rglru,
     sparse_attention,
     ssm,
@@ -70,4 +71,5 @@ MIXER_OF_LAYER_TYPE = {t: m.name for m in MIXERS.values() for t in m.layer_types
 RECORDS = {r.NAME: r for r in (
     *(r for m in (*MIXERS.values(), *MLPS.values()) for r in m.records),
     layers.Multipliers,  # Falcon-H1's muP scalars
+    norms.LayerNorms,  # the layers' norms' own epsilon (JetMoE)
 )}

@@ -10,10 +10,9 @@ the softmax of the top-k logits (Mixtral's renormalised top-k), and transformers
 the import sets ``moe_dispatch="dropless"`` and no z-loss (Mixtral's ``HF_MOE``).
 
 transformers builds the layers' two RMSNorms with RMSNorm's default epsilon (1e-6) and only the
-final norm with ``rms_norm_eps``; shardzoo's norms share one epsilon, so a config.json whose
-``rms_norm_eps`` is not 1e-6 is refused (the published jetmoe-8b's 1e-5 among them; its preset
-keeps 1e-6). Its ``aux_loss_coef`` weights both routers' load-balancing losses (transformers
-takes one loss over all routers' logits together, shardzoo one per router and layer).
+final norm with ``rms_norm_eps`` (``layer_norm_eps``: ``models/norms.py`` LayerNorms). Its
+``aux_loss_coef`` weights both routers' load-balancing losses (transformers takes one loss over
+all routers' logits together, shardzoo one per router and layer).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ SCHEMA = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_key_
               num_experts_per_tok=2, output_router_logits=False, aux_loss_coef=0.01, use_cache=True, bos_token_id=1,
               eos_token_id=2, pad_token_id=None, tie_word_embeddings=True, rope_parameters=None, rms_norm_eps=1e-6,
               initializer_range=0.01, attention_dropout=0.0, num_attention_heads=32)
-FEATURES = llama.ROTARY | {"layer_pattern", "moe", "moe_output_bias", "mixture_of_attention"}
+FEATURES = llama.ROTARY | {"layer_pattern", "layer_norm_eps", "moe", "moe_output_bias", "mixture_of_attention"}
 LAYER_NORM_EPS = 1e-6  # transformers' JetMoeRMSNorm(hidden_size) in every layer
 
 
@@ -44,9 +43,6 @@ def from_hf(hf: HFConfig) -> dict:
     hf.unalias({"head_dim": "kv_channels"})
     hf.ignore("num_attention_heads")  # transformers derives it: kv heads x num_experts_per_tok
     heads, k, e = hf.get("num_key_value_heads"), hf.get("num_experts_per_tok"), hf.get("num_local_experts")
-    if hf.get("rms_norm_eps") != LAYER_NORM_EPS:
-        raise hf.refuse("rms_norm_eps", f"transformers' JetMoE layers norm with {LAYER_NORM_EPS} and only its final "
-                                        "norm with rms_norm_eps; shardzoo's norms share one epsilon")
     out = rope(hf, theta=10000.0)
     out.pop("partial_rotary_factor")
     aux = hf.get("aux_loss_coef")
@@ -54,7 +50,8 @@ def from_hf(hf: HFConfig) -> dict:
         vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"), intermediate_size=hf.get("intermediate_size"),
         num_hidden_layers=hf.get("num_hidden_layers"), num_attention_heads=heads * k, num_key_value_heads=heads,
         head_dim=hf.get("kv_channels"), max_position_embeddings=hf.get("max_position_embeddings"),
-        rms_norm_eps=LAYER_NORM_EPS, initializer_range=hf.get("initializer_range"),
+        rms_norm_eps=hf.get("rms_norm_eps"), layer_norm_eps=LAYER_NORM_EPS,
+        initializer_range=hf.get("initializer_range"),
         hidden_act=hf.get("activation_function"), tie_word_embeddings=hf.get("tie_word_embeddings"),
         layer_types=(MOA,) * hf.get("num_hidden_layers"),
         num_local_experts=e, num_experts_per_tok=k, router_aux_loss_coef=aux, norm_topk_prob=True,
@@ -89,11 +86,11 @@ def layer_weights(a, spec) -> list[Weight]:
             Weight(("moe", "output_bias"), mlp + "bias", "vec")]
 
 
-# jetmoe/jetmoe-8b/config.json (its older names: ffn_hidden_size, moe_num_experts, moe_top_k); rms_norm_eps
-# there is 1e-5, which only transformers' final norm reads (the module's docstring): 1e-6 here
+# jetmoe/jetmoe-8b/config.json (its older names: ffn_hidden_size, moe_num_experts, moe_top_k)
 JETMOE_8B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                  num_attention_heads=32, num_key_value_heads=16, head_dim=128, max_position_embeddings=4096,
-                 rms_norm_eps=1e-6, initializer_range=0.01, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                 rms_norm_eps=1e-5, layer_norm_eps=LAYER_NORM_EPS, initializer_range=0.01, tie_word_embeddings=True,
+                 bos_token_id=1, eos_token_id=2,
                  layer_types=(MOA,) * 24, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
                  moe_output_bias=True, moa_num_experts=8, moa_num_experts_per_tok=2, moa_aux_loss_coef=0.01)
 JETMOE = Family(

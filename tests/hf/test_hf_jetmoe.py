@@ -2,8 +2,8 @@
 
 A tiny random JetMoE (4 experts, top-2, in both the attention and the MLP; every weight, the
 biases too, 0.3 x normal): logits equal transformers' on one device (1e-4, float32), greedy tokens equal over 16,
-export then ``from_pretrained`` equal (harness's three proofs); the MoA's routing shown to move
-the logits; the MoA's component under ``ep`` (experts split over 4 devices, the indexed dispatch)
+export then ``from_pretrained`` equal (harness's three proofs), with an rms_norm_eps far from
+the layers' 1e-6 (only transformers' final norm reads it); the MoA's routing shown to move the logits; the MoA's component under ``ep`` (experts split over 4 devices, the indexed dispatch)
 equal to transformers'; its parameter count and the preset's as transformers counts them.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, JetMoeConfig
 
-from shardzoo.models.hf import HFError, load_hf_config
+from shardzoo.models.hf import load_hf_config
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.train.io.hf_io import load_hf
 
@@ -30,7 +30,6 @@ from harness import (  # noqa: E402, F401  (test_*: the three proofs every famil
     near_one,
     one_device,
     randomized,
-    rewritten,
     saved,
     test_export_round_trip_loads_the_same_model,
     test_greedy_generate_matches_transformers,
@@ -39,7 +38,8 @@ from harness import (  # noqa: E402, F401  (test_*: the three proofs every famil
 
 E, K = 4, 2
 DIMS = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
-            intermediate_size=24, num_local_experts=E, num_experts_per_tok=K, bos_token_id=None, eos_token_id=None)
+            intermediate_size=24, num_local_experts=E, num_experts_per_tok=K, bos_token_id=None, eos_token_id=None,
+            rms_norm_eps=0.5)  # the final norm's; the layers' norms keep transformers' 1e-6
 CONFIGS = {"jetmoe": lambda: JetMoeConfig(**DIMS)}
 
 
@@ -55,6 +55,7 @@ def test_the_routing_of_attention_moves_the_logits(built):
     path, _, ref = built
     module, config, params = load_hf(path, mesh=one_device())
     assert config.arch.moa.num_experts == E and config.arch.num_attention_heads == 2 * K  # kv heads x top-k
+    assert (config.arch.rms_norm_eps, config.arch.layer_norms.eps) == (0.5, 1e-6)  # final norm's, layers'
     fixed = edit(params, "['attn']['router']['kernel']", lambda w: w * 0)
     assert np.abs(apply(module, fixed, one_device()) - ref).max() > 1e-2
 
@@ -84,7 +85,3 @@ def test_parameter_counts_are_transformers(built):
     assert PRESETS["jetmoe-8b"].num_params() == count
 
 
-def test_an_rms_norm_eps_the_layers_do_not_use_is_refused(built, tmp_path):
-    """transformers' JetMoE layers norm with 1e-6 whatever rms_norm_eps says: another value is refused, named."""
-    with pytest.raises(HFError, match="rms_norm_eps=1e-05"):
-        load_hf_config(rewritten(built[0], tmp_path / "eps", rms_norm_eps=1e-5))
