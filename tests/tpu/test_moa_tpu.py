@@ -2,7 +2,8 @@
 (one grouped matmul per projection: XLA's ragged_dot) and the indexed one (capacity buffers, factor
 E / K: nothing dropped) give the same logits, within 2e-2 of their largest magnitude at 99% of the
 tokens (bfloat16 rounding may flip a near-tied routing choice: on the CPU one token in 1024 did; in
-float32 the two agreed to 1e-6 on the CPU), and the gradients of a loss through the experts are finite and reach every expert projection.
+float32 the two agreed to 1e-6 on the CPU), and the gradients of a loss through the experts are
+finite and reach every expert projection.
 Run: ``JAX_PLATFORMS=tpu python3 -m pytest -q tests/tpu/test_moa_tpu.py``.
 """
 
