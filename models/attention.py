@@ -134,6 +134,8 @@ class Attention(nn.Module):
     """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
 
     ``spec`` is the layer's (``arch.LayerSpec``): its window and which rotary embedding it uses.
+    A subclass picks the query and output projections per token through ``route``, ``query`` and
+    ``output`` (``models/moa.py``'s experts).
     """
 
     config: object

@@ -23,6 +23,10 @@
   everywhere else. It is not the default: it is dropless on a TPU but drops over capacity
   elsewhere, so one config would train differently by platform.
 
+The mixture of attention heads (``models/moa.py``) sends each token's assignments through single
+projections with the same pieces: ``indexed_slots`` with ``to_buffers`` and ``from_buffers``, or
+the dropless ``grouped_linear``.
+
 Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
 Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
 num_experts))`` assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
