@@ -165,6 +165,8 @@ class Attention(nn.Module):
     """Multi-head attention with MHA/GQA/MQA, rotary positions, windows, segments, a KV cache.
 
     ``spec`` is the layer's (``arch.LayerSpec``): its window and which rotary embedding it uses.
+    A subclass picks the query and output projections per token through ``route``, ``query`` and
+    ``output`` (``models/moa.py``'s experts).
     """
 
     config: object
@@ -185,7 +187,8 @@ class Attention(nn.Module):
         dt = dtype_of(e.dtype)
         nh, nkv, hd, vd = a.num_attention_heads, a.kv_heads, a.head_size, a.v_head_size
         kw = linear_kw(self.config)
-        q = Linear((nh, hd), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias, name="q", **kw)(x)
+        route = self.route(x, segment_ids)
+        q = self.query(x, route)  # [batch, length, heads, head_dim]
         kv = [Linear((nkv, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
               for n, d in (("k", hd), ("v", vd))[:2 - a.attention_k_eq_v]]
         if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
@@ -273,9 +276,23 @@ class Attention(nn.Module):
         if a.sub_norms:  # BitNet's attn_sub_norm: all heads' features normed together
             ctx = make_norm(self.config, "sub_norm", (ax.HEADS, ax.HEAD_DIM), dims=2)(ctx)
         ctx = checkpoint_name(self._head_gate(x, ctx), "attn_context")  # [batch, length, heads, head_dim]
-        out = Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
-                     **kw)(ctx)
-        return checkpoint_name(out, "attn_out")  # [batch, length, embed]
+        return checkpoint_name(self.output(ctx, route), "attn_out")  # [batch, length, embed]
+
+    def route(self, x, segment_ids):
+        """What a subclass chooses the projections by, per token (models/moa.py: its experts); here None."""
+        return None
+
+    def query(self, x, route):
+        """The query projection of ``x``: [batch, length, heads, head_dim]."""
+        a = layer_arch(self.config.arch, self.spec)
+        return Linear((a.num_attention_heads, a.head_size), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), a.attention_bias,
+                      name="q", **linear_kw(self.config))(x)
+
+    def output(self, ctx, route):
+        """The output projection of ``ctx`` [batch, length, heads, head_dim]: [batch, length, embed]."""
+        a = layer_arch(self.config.arch, self.spec)
+        return Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
+                      **linear_kw(self.config))(ctx)
 
     def _head_gate(self, x, ctx):
         """``ctx`` [batch, length, heads, head_dim] times sigmoid(x . w) per head (``attn_head_gate``:

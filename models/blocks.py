@@ -19,7 +19,7 @@ from flax import linen as nn
 from shardzoo.models import ModelError
 from shardzoo.models.components import MIXERS, MLPS, NO_MIXER, NO_MLP, NONE
 from shardzoo.models.layers import DENSE, constrain, dtype_of
-from shardzoo.models.norms import make_norm
+from shardzoo.models.norms import block_norm
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -52,36 +52,36 @@ def sequential(block, x, positions, segment_ids, extra=None):
     pre, post = block.spec.norm in ("pre", "both"), block.spec.norm in ("post", "both")
     if MIXERS[block.spec.mixer] is not NO_MIXER:
         mixed = x if extra is None else x + extra
-        h = _mixer(block, make_norm(cfg, "attn_norm")(mixed) if pre and block.spec.attn_norm else mixed, positions,
+        h = _mixer(block, block_norm(cfg, "attn_norm")(mixed) if pre and block.spec.attn_norm else mixed, positions,
                    segment_ids)
-        x = _residual(block, x, make_norm(cfg, "post_attn_norm")(h) if post else h)
+        x = _residual(block, x, block_norm(cfg, "post_attn_norm")(h) if post else h)
     if MLPS[block.spec.mlp] is not NO_MLP:
         own = MLPS[block.spec.mlp].reads_residual  # it norms its input itself
-        h = _mlp(block, make_norm(cfg, "mlp_norm")(x) if pre and not own else x, segment_ids)
-        x = _residual(block, x, make_norm(cfg, "post_mlp_norm")(h) if post else h)
+        h = _mlp(block, block_norm(cfg, "mlp_norm")(x) if pre and not own else x, segment_ids)
+        x = _residual(block, x, block_norm(cfg, "post_mlp_norm")(h) if post else h)
     return x
 
 
 def parallel(block, x, positions, segment_ids):
     """x + mixer(norm(x)) + mlp(norm(x)): one norm, mixer and MLP side by side (Phi, GPT-J, Cohere,
     Falcon-7B)."""
-    h = make_norm(block.config, "attn_norm")(x)
+    h = block_norm(block.config, "attn_norm")(x)
     return _residual(block, x, _mixer(block, h, positions, segment_ids) + _mlp(block, h, segment_ids))
 
 
 def parallel_two_norms(block, x, positions, segment_ids):
     """x + mixer(norm1(x)) + mlp(norm2(x)): mixer and MLP side by side, each with its own norm
     (GPT-NeoX, Falcon-40B's new decoder architecture)."""
-    attn = _mixer(block, make_norm(block.config, "attn_norm")(x), positions, segment_ids)
-    return _residual(block, x, attn + _mlp(block, make_norm(block.config, "mlp_norm")(x), segment_ids))
+    attn = _mixer(block, block_norm(block.config, "attn_norm")(x), positions, segment_ids)
+    return _residual(block, x, attn + _mlp(block, block_norm(block.config, "mlp_norm")(x), segment_ids))
 
 
 def post_residual(block, x, positions, segment_ids):
     """norm(x + mixer(x)), then norm(x + mlp(x)): the norms on the residual stream after each
     addition (the original Transformer's post-LN: GPT-1), so the model has no final norm."""
     cfg = block.config
-    x = make_norm(cfg, "attn_norm")(_residual(block, x, _mixer(block, x, positions, segment_ids)))
-    return make_norm(cfg, "mlp_norm")(_residual(block, x, _mlp(block, x, segment_ids)))
+    x = block_norm(cfg, "attn_norm")(_residual(block, x, _mixer(block, x, positions, segment_ids)))
+    return block_norm(cfg, "mlp_norm")(_residual(block, x, _mlp(block, x, segment_ids)))
 
 
 def _check_post_residual(a) -> None:
@@ -152,8 +152,8 @@ class Half(nn.Module):
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         cfg = self.config
-        x = _residual(self, x, _mixer(self, make_norm(cfg, "attn_norm")(x), positions, segment_ids))
-        h = make_norm(cfg, "mlp_norm")(x)
+        x = _residual(self, x, _mixer(self, block_norm(cfg, "attn_norm")(x), positions, segment_ids))
+        h = block_norm(cfg, "mlp_norm")(x)
         return _residual(self, x, MLPS[DENSE].apply(self, h, segment_ids)), h
 
 

@@ -53,6 +53,9 @@ class Mixer:
     check: Callable | None = None
     # the architecture's sub-records it reads (``SubRecord`` classes): TransformerArch has a field for each
     records: tuple[type, ...] = ()
+    # (a) -> the matmul parameters of routed experts that a token does not choose (models/moa.py):
+    # counted in the model's size, not in its FLOPs; None: none
+    idle_params: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,9 @@ from shardzoo.models import (
     layers,
     linear_attention,
     mamba1,
+    moa,
     moe,
+    norms,
     rglru,
     shared_block,
     sparse_attention,
@@ -53,6 +55,7 @@ MIXERS = {m.name: m for m in (
     mamba1.MIXER,  # Mamba1's selective scan (Mamba, Falcon-Mamba, Jamba)
     kimi_delta.MIXER,  # Kimi-Linear's Kimi delta attention
     rglru.MIXER,  # RecurrentGemma's recurrent block: a convolution and the RG-LRU
+    moa.MIXER,  # JetMoE's mixture of attention heads: routed query/output projection experts, shared keys/values
     sparse_attention.MIXER,  # DeepSeek Sparse Attention: latent attention over its lightning indexer's top-k keys
     NO_MIXER,
 )}
@@ -70,4 +73,5 @@ RECORDS = {r.NAME: r for r in (
     *(r for m in (*MIXERS.values(), *MLPS.values()) for r in m.records),
     layers.Multipliers,  # Falcon-H1's muP scalars
     shared_block.SharedBlockArch,  # Zamba2's weight-shared attention + MLP blocks
+    norms.LayerNorms,  # the layers' norms' own epsilon (JetMoE)
 )}

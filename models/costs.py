@@ -195,11 +195,15 @@ def buffers(a) -> tuple[tuple[str, str], ...]:
 
 def _layer_params(a, spec, active: bool) -> tuple[int, int]:
     """A layer's (matmul parameters, other parameters) from its mixer's and its MLP's records (as
-    many mixers and dense MLPs besides as its block form has)."""
+    many mixers and dense MLPs besides as its block form has; a mixer's unchosen experts counted
+    unless ``active``)."""
     form = BLOCK_FORMS[a.block_form]
-    mixer, mlp = MIXERS[spec.mixer].params(layer_arch(a, spec)), MLPS[spec.mlp].params(a, active)
+    kind, la = MIXERS[spec.mixer], layer_arch(a, spec)
+    mixer, mlp = kind.params(la), MLPS[spec.mlp].params(a, active)
     dense = MLPS[DENSE].params(a, active) if form.dense_mlps else (0, 0)
-    return tuple(form.mixers * m + p + form.dense_mlps * d for m, p, d in zip(mixer, mlp, dense, strict=True))
+    idle = kind.idle_params(la) if kind.idle_params is not None and not active else 0  # unchosen experts
+    return (form.mixers * mixer[0] + mlp[0] + form.dense_mlps * dense[0] + idle,
+            form.mixers * mixer[1] + mlp[1] + form.dense_mlps * dense[1])
 
 
 def _matmul_params(a, active: bool = True) -> int:

@@ -97,6 +97,11 @@ FEATURES = {
     "sigmoid_topk_router": "top-k of the sigmoid router scores, no correction bias, no groups (Flint)",
     "moe_output_norm": "a norm of each MoE layer's output (routed and shared experts summed) before the residual "
                        "(A.X-K1's post_mlp_layernorm)",
+    "layer_norm_eps": "the layers' norms with an epsilon of their own, the final norm with rms_norm_eps (JetMoE)",
+    "moe_output_bias": "one bias on each MoE layer's output, the experts' weighted sum (JetMoE)",
+    "mixture_of_attention": "a mixture of attention heads (moa layer_types: JetMoE): per token a router picks "
+                            "num_experts_per_tok of num_experts query/output projection pairs, keys and values "
+                            "shared",
     "biased_logit_router": "top-k of the router logits plus a correction bias, weighted by the sigmoid of the chosen "
                            "logits (Kolibri)",
     "input_scaled_router": "top-k of the router logits, each chosen expert's input scaled by the sigmoid of its "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from shardzoo.models.moe_dispatch import (
     MoeError,
     capacity_dispatch,
     capacity_masks,
+    expert_capacity,
     gated_activation,
     gmm_dispatch,
     indexed_dispatch,
@@ -72,6 +72,7 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0  # the chosen experts' weights times this (DeepSeek)
     router_bias: bool = False  # the router's logits have a bias (GPT-OSS)
     expert_bias: bool = False  # biases on each expert's gate, up and down (GPT-OSS)
+    output_bias: bool = False  # one bias on the layer's output, the experts' weighted sum (JetMoE)
     swiglu_limit: float | None = None  # the clamped SwiGLU of ``gated_activation`` (GPT-OSS); None: act(g) * u
     swiglu_alpha: float = 1.702
     sparsemixer_eps: float = 0.01  # router_kind sparsemixer's mask threshold
@@ -111,15 +112,14 @@ class MoeConfig:
             hidden_act=arch.hidden_act, dispatch=execution.moe_dispatch, capacity_factor=execution.capacity_factor,
             router_jitter_noise=m.router_jitter_noise, norm_topk_prob=m.norm_topk_prob, router_kind=m.router_kind,
             n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
-            aux_loss_coef=m.router_aux_loss_coef, router_bias=m.router_bias, expert_bias=m.expert_bias,
+            aux_loss_coef=m.router_aux_loss_coef, router_bias=m.router_bias, expert_bias=m.expert_bias, output_bias=m.output_bias,
             swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, expert_type=m.expert_type, sparsemixer_eps=m.sparsemixer_eps,
             z_loss_coef=execution.router_z_loss_coef, dtype=execution.dtype, param_dtype=execution.param_dtype,
             initializer_range=arch.initializer_range, router_norm_eps=arch.rms_norm_eps, zero_experts=m.zero_expert_num)
 
     def capacity(self, group_size: int) -> int:
         """Slots per expert in a group of ``group_size`` tokens (never more than the group)."""
-        k, e = self.num_experts_per_tok, self.num_experts
-        return max(1, min(group_size, math.ceil(self.capacity_factor * group_size * k / e)))
+        return expert_capacity(self.capacity_factor, group_size, self.num_experts_per_tok, self.num_experts)
 
 
 
@@ -238,6 +238,9 @@ class MoeMLP(nn.Module):
             if token_mask is not None:
                 chosen = chosen * token_mask[..., None].astype(jnp.float32)
             self.sow("router_load", "expert_load", chosen.sum((0, 1)) / jnp.maximum(chosen.sum(), 1.0))
+        if cfg.output_bias:
+            y = y + self.param("output_bias", nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)),
+                               (embed,), param_dtype).astype(y.dtype)
         return constrain(y.astype(dtype), (ax.BATCH, ax.LENGTH, ax.EMBED), self.placement)
 
 
@@ -288,6 +291,7 @@ def _params(a, active: bool) -> tuple[int, int]:
     # the correction bias with zero experts (LongCat-Flash's) is a buffer in transformers (costs.buffers)
     other = (e + z) * (m.router_bias + (m.router_kind == "softmax_bias" and not z)) + e * m.expert_bias * (2 * fe + d)
     other += norm_params(a, d) if m.post_moe_norm else 0
+    other += d * m.output_bias
     other += (d + e) * (m.router_kind == "scaled_softmax")  # its input's scale, each expert's scale
     return matmul, other + (shared_bias if m.shared_expert_intermediate_size else 0)
 

@@ -38,7 +38,7 @@ class MoeArch(SubRecord):
         "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
         "router_jitter_noise", "shared_expert_intermediate_size", "shared_expert_gate", "router_kind", "n_group",
         "topk_group", "routed_scaling_factor", "router_bias", "expert_bias", "swiglu_limit", "swiglu_alpha",
-        "expert_type", "sparsemixer_eps", "post_moe_norm", "zero_expert_num")}
+        "expert_type", "sparsemixer_eps", "post_moe_norm", "zero_expert_num")} | {"moe_output_bias": "output_bias"}
 
     num_local_experts: int = 0  # 0: none (the record of a dense model is None)
     num_experts_per_tok: int = 2
@@ -91,6 +91,8 @@ class MoeArch(SubRecord):
     # experts; a token's choices among the last zero_expert_num return its input times their weight
     # (no parameters), the others go to the routed experts as ever
     zero_expert_num: int = feature(0, "zero_experts")
+    # one bias on the routed experts' weighted sum, shared by all experts (JetMoE's mlp.bias)
+    output_bias: bool = feature(False, "moe_output_bias")
 
     def __post_init__(self):
         self._check_own()

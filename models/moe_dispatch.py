@@ -23,6 +23,10 @@
   everywhere else. It is not the default: it is dropless on a TPU but drops over capacity
   elsewhere, so one config would train differently by platform.
 
+The mixture of attention heads (``models/moa.py``) sends each token's assignments through single
+projections with the same pieces: ``indexed_slots`` with ``to_buffers`` and ``from_buffers``, or
+the dropless ``grouped_linear``.
+
 Groups and priority (``indexed``, ``capacity`` and ``shard_map``): a group is one batch row.
 Each expert takes at most ``capacity = min(length, ceil(capacity_factor * length * k /
 num_experts))`` assignments per row, filled in GShard/Switch priority: every token's top-1 choice in token
@@ -73,6 +77,11 @@ def gated_activation(act, limit: float | None = None, alpha: float = 1.702, gate
 
     return clamped
 
+
+
+def expert_capacity(capacity_factor: float, group_size: int, k: int, num_experts: int) -> int:
+    """Slots per expert in a group of ``group_size`` tokens choosing ``k`` experts each (never more than the group)."""
+    return max(1, min(group_size, math.ceil(capacity_factor * group_size * k / num_experts)))
 
 
 def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=None):
@@ -132,13 +141,15 @@ def capacity_dispatch(x, dispatch, combine, wi_gate, wi_up, wo, act, placement, 
     return jnp.einsum("blec,ebcd->bld", combine, ye)  # [batch, length, embed]
 
 
-def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
+def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None, by_assignment: bool = False):
     """GShard's slots found by sorting each row's assignments by expert (same priority, drops).
 
     top_idx [batch, length, k]; token_mask [batch, length] (padding takes no slot). Returns
     ``source`` [batch, expert*capacity]: the token in each slot (``length``, out of range, for
-    an empty one), ``slot`` [batch, length, k]: each assignment's slot (``expert*capacity``,
-    out of range, where dropped or not routed), and the fraction of routed assignments dropped.
+    an empty one; ``by_assignment``: the assignment, ``l * k + j`` of token l's j-th choice, and
+    ``length * k`` for an empty one), ``slot`` [batch, length, k]: each assignment's slot
+    (``expert*capacity``, out of range, where dropped or not routed), and the fraction of routed
+    assignments dropped.
     """
     b, length, k = top_idx.shape
     # Priority order within a row: all top-1 choices in token order, then all top-2 choices, ...
@@ -152,7 +163,10 @@ def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
     pos = jnp.arange(capacity)
     filled = pos < count[..., None]  # [batch, expert, capacity]
     assignment = jnp.take_along_axis(order, (start[..., None] + pos).reshape(b, -1), axis=-1, mode="clip")
-    source = jnp.where(filled.reshape(b, -1), assignment % length, length)  # [batch, expert*capacity]
+    if by_assignment:  # (k l) priority order -> (l k) row order
+        source = jnp.where(filled.reshape(b, -1), assignment % length * k + assignment // length, length * k)
+    else:
+        source = jnp.where(filled.reshape(b, -1), assignment % length, length)  # [batch, expert*capacity]
     rank = jnp.argsort(order, axis=-1)  # each assignment's place in expert order
     within = rank - jnp.take_along_axis(start, jnp.minimum(flat, num_experts - 1), axis=-1)
     kept = (flat < num_experts) & (within < capacity)
@@ -160,6 +174,27 @@ def indexed_slots(top_idx, num_experts: int, capacity: int, token_mask=None):
     routed = b * length if token_mask is None else jnp.maximum(token_mask.sum(), 1)
     dropped = 1.0 - kept.sum() / (routed * k)
     return source, einops.rearrange(slot, "b (k l) -> b l k", k=k), dropped
+
+
+def to_buffers(x, source, num_experts: int, placement, features: str | None = ax.EMBED):
+    """Rows of ``x`` [batch, rows, features] gathered by ``source`` (``indexed_slots``') into the
+    experts' capacity buffers [expert, batch, capacity, features] (empty slots 0), filled where
+    the rows live and then moved to their experts' owners (XLA's all-to-all under ``ep``)."""
+    xe = jnp.take_along_axis(x, source[..., None], axis=1, mode="fill", fill_value=0)
+    xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
+    xe = constrain(xe, (None, ax.BATCH, ax.CAPACITY, features), placement)
+    return constrain(xe, (ax.EXPERT, ax.BATCH, ax.CAPACITY, features), placement)
+
+
+def from_buffers(ye, slot, placement, features: str | None = ax.EMBED):
+    """The experts' buffers [expert, batch, capacity, features] back where their rows live, each
+    assignment's row [batch, length, k, features] picked by ``slot`` (dropped: 0)."""
+    ye = constrain(ye, (ax.EXPERT, ax.BATCH, ax.CAPACITY, features), placement)
+    ye = constrain(ye, (None, ax.BATCH, ax.CAPACITY, features), placement)
+    ye = einops.rearrange(ye, "e b c d -> b (e c) d")
+    yk = jnp.take_along_axis(ye, einops.rearrange(slot, "b l k -> b (l k)")[..., None], axis=1, mode="fill",
+                             fill_value=0)
+    return einops.rearrange(yk, "b (l k) d -> b l k d", k=slot.shape[-1])
 
 
 def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement, biases=None, scale_input=False):
@@ -170,23 +205,24 @@ def indexed_dispatch(x, source, slot, top_p, wi_gate, wi_up, wo, act, placement,
     moves them to their experts' owners (XLA's all-to-all under ``ep``).
     """
     num_experts = wo.shape[0]
-    gather = functools.partial(jnp.take_along_axis, axis=1, mode="fill", fill_value=0)
-    local = (None, ax.BATCH, ax.CAPACITY, ax.EMBED)
-    buffers = (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.EMBED)
-    xe = gather(x, source[..., None])  # [batch, expert*capacity, embed]; empty slots 0
+    xe = to_buffers(x, source, num_experts, placement)  # [expert, batch, capacity, embed]; empty slots 0
     if scale_input:  # each slot's weight: its assignment's (dropped ones fall off the end)
-        b, slots = xe.shape[:2]
+        b = x.shape[0]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], slot.shape)
-        w = jnp.zeros((b, slots), top_p.dtype).at[rows, slot].set(top_p, mode="drop")
-        xe = xe * w[..., None].astype(xe.dtype)
+        w = jnp.zeros((b, source.shape[1]), top_p.dtype).at[rows, slot].set(top_p, mode="drop")
+        xe = xe * einops.rearrange(w, "b (e c) -> e b c", e=num_experts)[..., None].astype(xe.dtype)
         top_p = jnp.ones_like(top_p)
-    xe = einops.rearrange(xe, "b (e c) d -> e b c d", e=num_experts)
-    xe = constrain(constrain(xe, local, placement), buffers, placement)
-    ye = constrain(expert_ffn(xe, wi_gate, wi_up, wo, act, placement, biases), buffers, placement)
-    ye = einops.rearrange(constrain(ye, local, placement), "e b c d -> b (e c) d")
-    yk = gather(ye, einops.rearrange(slot, "b l k -> b (l k)")[..., None])  # dropped: 0
-    yk = einops.rearrange(yk, "b (l k) d -> b l k d", k=slot.shape[-1])
+    ye = expert_ffn(xe, wi_gate, wi_up, wo, act, placement, biases)
+    yk = from_buffers(ye, slot, placement)  # [batch, length, k, embed]; dropped: 0
     return jnp.einsum("blkd,blk->bld", yk, top_p.astype(yk.dtype))  # [batch, length, embed]
+
+
+def grouped_linear(rows, experts, w, matmul=jax.lax.ragged_dot):
+    """``rows`` [n, in] each times its expert's ``w[experts]`` ([expert, in, out]) -> [n, out],
+    dropless: the rows sorted by expert through one grouped ``matmul`` and put back in order."""
+    order = jnp.argsort(experts, stable=True)
+    sizes = jnp.bincount(experts, length=w.shape[0]).astype(jnp.int32)
+    return matmul(rows[order], w, sizes)[jnp.argsort(order)]
 
 
 def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False, token_mask=None,

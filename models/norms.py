@@ -10,12 +10,15 @@ Every kind computes in float32 and keeps the checkpoints' parameter names (``sca
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from shardzoo.models.layers import dtype_of
+from shardzoo.models import ModelError
+from shardzoo.models.component import SubRecord
+from shardzoo.models.layers import dtype_of, positive
 from shardzoo.sharding import axes as ax
 
 
@@ -120,14 +123,40 @@ def norm_params(a, width: int, bias: bool = True) -> int:
 
 
 def make_norm(config, name: str, axes: tuple[str, ...] = (ax.EMBED,), dims: int | None = None,
-              bias: bool = True) -> nn.Module:
+              bias: bool = True, eps: float | None = None) -> nn.Module:
     """The architecture's norm (``norm_type``, a kind of ``NORMS``) as a named submodule, its
     weight named ``axes``, normalizing over the last ``dims`` of them (all when None);
-    ``bias=False``: the kind without its bias (StableLM's qk-norm)."""
+    ``bias=False``: the kind without its bias (StableLM's qk-norm); ``eps`` None: ``rms_norm_eps``."""
     a, e = config.arch, config.execution
     kind = NORMS[a.norm_type]
     settings = dict(kind.settings)
     if kind.module is LayerNorm and not bias:
         settings["use_bias"] = False
-    return kind.module(eps=a.rms_norm_eps, dtype=e.dtype, param_dtype=e.param_dtype, axes=axes, dims=dims,
+    return kind.module(eps=a.rms_norm_eps if eps is None else eps, dtype=e.dtype, param_dtype=e.param_dtype, axes=axes, dims=dims,
                        name=name, **settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerNorms(SubRecord):
+    """The epsilon of the layers' own norms (before and after their mixer and MLP) where it is
+    not ``rms_norm_eps``, which the final norm keeps (JetMoE: transformers builds its layers'
+    RMSNorms with the default 1e-6 whatever rms_norm_eps says)."""
+
+    NAME: ClassVar[str] = "layer_norms"
+    FEATURE: ClassVar[str] = "layer_norm_eps"
+    FLAT: ClassVar[dict[str, str]] = {"layer_norm_eps": "eps"}
+
+    eps: float | None = None
+
+    def used(self, arch) -> bool:
+        return self.eps is not None and self.eps != arch.rms_norm_eps
+
+    def check(self, arch) -> None:
+        if not positive(self.eps):
+            raise ModelError(f"layer_norm_eps={self.eps!r} must be a finite number > 0 (or null: rms_norm_eps)")
+
+
+def block_norm(config, name: str) -> nn.Module:
+    """A norm of a layer's block (``models/blocks.py``): ``make_norm`` with the layers' epsilon (``layer_norms``)."""
+    own = config.arch.layer_norms
+    return make_norm(config, name, eps=None if own is None else own.eps)

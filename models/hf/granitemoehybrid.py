@@ -70,9 +70,21 @@ def layer_weights(a, spec) -> list[Weight]:
     return out + [w for w in granitemoeshared.layer_weights(a, spec) if w.path[0] in ("moe", "shared_expert")]
 
 
+# ibm-granite/granite-4.0-h-tiny/config.json: its sizes and layer_types; its multipliers, rms_norm_eps and special
+# tokens as the published GGUF conversion (ollama granite4:tiny-h) carries them; no positions (NoPE)
+_H_TINY_TYPES = (MAMBA,) * 5 + (FULL,) + ((MAMBA,) * 9 + (FULL,)) * 3 + (MAMBA,) * 4
+GRANITE_4_H_TINY = dict(
+    vocab_size=100352, hidden_size=1536, intermediate_size=512, num_hidden_layers=40, num_attention_heads=12,
+    num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    bos_token_id=100257, eos_token_id=100257, embedding_multiplier=12.0, residual_multiplier=0.22,
+    attention_multiplier=0.0078125, logits_scaling=6.0, num_local_experts=64, num_experts_per_tok=6,
+    shared_expert_intermediate_size=1024, layer_types=_H_TINY_TYPES, rope_layers=(False,) * 40, mamba_num_heads=48,
+    mamba_head_dim=64, mamba_n_groups=1, ssm_state_size=128, mamba_conv_kernel=4, mamba_chunk_size=256,
+    router_aux_loss_coef=0.001)  # transformers' default (the training loss only)
 GRANITEMOEHYBRID = Family(
     "granitemoehybrid", ("granitemoehybrid",), "GraniteMoeHybridForCausalLM", SCHEMA, FEATURES, from_hf, to_hf,
     llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
     presets={"granite-4-hybrid-tiny": granitemoeshared.GRANITEMOESHARED.presets["granite-moe-shared-tiny"] | dict(
         num_hidden_layers=4, layer_types=(MAMBA, FULL, MAMBA, MAMBA), rope_layers=(False,) * 4, mamba_num_heads=8,
-        mamba_head_dim=16, mamba_n_groups=2, ssm_state_size=16, mamba_chunk_size=64)})
+        mamba_head_dim=16, mamba_n_groups=2, ssm_state_size=16, mamba_chunk_size=64),
+        "granite-4.0-h-tiny": GRANITE_4_H_TINY})

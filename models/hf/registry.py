@@ -73,6 +73,7 @@ from shardzoo.models.hf import (
     iquestcoder,
     jais2,
     jamba,
+    jetmoe,
     kimi_linear,
     kolibri1,
     lara_mini,
@@ -199,6 +200,7 @@ FAMILIES: tuple[Family, ...] = (
     bitnet.BITNET,  # sub-norms before o_proj and down_proj (BitLinear's quantization refused)
     recurrent_gemma.RECURRENT_GEMMA,  # RG-LRU recurrent blocks (models/rglru.py) and local attention
     mimo_v2_flash.MIMO_V2_FLASH,  # values apart (ValueHeads), sinks and kv heads per layer kind (GlobalAttention)
+    jetmoe.JETMOE,  # a mixture of attention heads (models/moa.py) and MoE MLPs with an output bias
 )
 
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

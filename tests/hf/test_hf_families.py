@@ -130,7 +130,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini", "lfm3",
                   "openai", "gpt_neox_japanese", "diffllama", "bitnet", "recurrent_gemma",
                   "olmo_hybrid", "bailing_hybrid", "mimo_v2_flash", "zamba2",
-                  "longcat_flash")  # apertus1p5_text: apertus.py; models/hf/<name>.py
+                  "longcat_flash", "jetmoe")  # apertus1p5_text: apertus.py; models/hf/<name>.py
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -322,6 +322,9 @@ TINY.update({t: config for t, config in ZAMBA.items() if t in SUPPORTED})
 from test_hf_longcat import CONFIGS as LONGCAT  # noqa: E402
 
 TINY.update(LONGCAT)
+from test_hf_jetmoe import CONFIGS as JETMOE  # noqa: E402
+
+TINY.update(JETMOE)
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version", "n_ctx"}

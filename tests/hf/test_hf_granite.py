@@ -107,3 +107,23 @@ def test_a_family_without_the_feature_refuses_to_export_it():
     plain = config.replace(embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0,
                            attention_multiplier=None)
     assert config_to_hf(plain)["model_type"] == "llama"  # multipliers of 1: Llama's own math
+
+
+# ibm-granite/granite-4.0-h-tiny/config.json's sizes and layer_types as published; multipliers, rms_norm_eps and
+# special tokens as its GGUF conversion carries them (position_embedding_type absent: NoPE)
+GRANITE_4_H_TINY = dict(
+    model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], vocab_size=100352, hidden_size=1536,
+    num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4, intermediate_size=512,
+    shared_intermediate_size=1024, num_local_experts=64, num_experts_per_tok=6, tie_word_embeddings=True,
+    mamba_d_state=128, mamba_n_groups=1, mamba_n_heads=48, mamba_d_head=64, mamba_expand=2, mamba_d_conv=4,
+    mamba_chunk_size=256, max_position_embeddings=131072, rms_norm_eps=1e-5, embedding_multiplier=12.0,
+    residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0, bos_token_id=100257,
+    eos_token_id=100257, layer_types=(["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3
+                                      + ["mamba"] * 4))
+
+
+def test_the_published_granite_4_h_tiny_config_reads_as_its_preset():
+    """The preset is what the published config.json reads as (its count: test_hf_families' preset test)."""
+    from shardzoo.models.hf.registry import PRESETS
+
+    assert config_of(GRANITE_4_H_TINY).arch == PRESETS["granite-4.0-h-tiny"].arch

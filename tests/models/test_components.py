@@ -54,7 +54,7 @@ def toy(monkeypatch):
 def test_every_layer_type_and_mlp_kind_is_on_a_table():
     assert set(components.MIXER_OF_LAYER_TYPE) == {"full_attention", "sliding_attention", "chunked_attention", "conv",
                                                    "linear_attention", "mamba", "attention+mamba", "mamba1", "kimi_delta",
-                                                   "indexed_attention", "recurrent",
+                                                   "indexed_attention", "recurrent", "moa",
                                                    "none"}
     assert set(components.MLPS) == {"dense", "moe", "dense_and_moe", "none"}
     for mixer in components.MIXERS.values():  # each says how it runs on a sharded sequence (or why not)
