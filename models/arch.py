@@ -34,6 +34,7 @@ from shardzoo.models.layers import DENSE, positive
 from shardzoo.models.linear_attention import LINEAR  # noqa: F401
 from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import NORMS
+from shardzoo.models.per_layer import kv_sources
 from shardzoo.models.positions import KINDS as POSITION_KINDS
 from shardzoo.models.rope import checked_rope_scaling
 from shardzoo.models.ssm import ATTENTION_MAMBA, MAMBA  # noqa: F401
@@ -59,6 +60,7 @@ class LayerSpec:
     out_bias: bool | None = None  # attention's output projection has a bias (None: as attention_out_bias says)
     lambda_init: float | None = None  # differential attention's lambda_init (models/differential.py); None: off
     shared: int | None = None  # its use of a shared block (models/shared_block.py: Zamba2); None: none
+    shares_kv: bool = False  # attends an earlier layer's keys and values (KV sharing: models/per_layer.py)
 
 
 def _mlp_pattern_feature(value):
@@ -418,6 +420,7 @@ class ArchCore:
         biased = self.attention_out_bias_layers or (None,) * n
         norms = self.norm_positions or (self.norm_position,) * n
         uses = {layer: k for k, layer in enumerate(self.shared_block.layers)} if self.shared_block else {}
+        shared = kv_sources(self, self.per_layer) if self.per_layer else (None,) * n
         out = []
         for i, (kind, mlp, rotary, out_bias, norm) in enumerate(zip(types, mlps, rotates, biased, norms, strict=True)):
             sliding = kind == SLIDING
@@ -430,7 +433,8 @@ class ArchCore:
             mixer = MIXER_OF_LAYER_TYPE[kind]
             out.append(LayerSpec(window=self.sliding_window if sliding else None, chunk=chunk, rope=rope, mlp=mlp,
                                  mixer=mixer, norm=norm, attn_norm=bool(i or self.first_attn_norm), out_bias=out_bias,
-                                 lambda_init=lambda_init(i) if self.diff_attention else None, shared=uses.get(i)))
+                                 lambda_init=lambda_init(i) if self.diff_attention else None, shared=uses.get(i),
+                                 shares_kv=shared[i] is not None))
         return tuple(out)
 
 

@@ -172,6 +172,8 @@ class Attention(nn.Module):
     config: object
     spec: object
     placement: object = None
+    # also return (keys, values, mask) for the layers that reuse them (KV sharing: models/per_layer.py)
+    returns_kv: bool = False
 
     def _cached(self, name, shape, axes, dtype):
         return self.variable(
@@ -179,38 +181,23 @@ class Attention(nn.Module):
         )
 
     @nn.compact
-    def __call__(self, x, positions, segment_ids=None, decode: bool = False):
+    def __call__(self, x, positions, segment_ids=None, decode: bool = False, shared_kv=None):
+        """``shared_kv``: an earlier layer's (keys, values, mask) (``returns_kv``), attended in
+        place of this layer's own: it has no k and v projections and no cache (KV sharing)."""
         e, spec, placement = self.config.execution, self.spec, self.placement
         a = layer_arch(self.config.arch, spec)  # Gemma 4's full layers: their own head size
         if a.latent:
             return self._latent(x, positions, segment_ids, decode)
         dt = dtype_of(e.dtype)
-        nh, nkv, hd, vd = a.num_attention_heads, a.kv_heads, a.head_size, a.v_head_size
+        nh, hd, vd = a.num_attention_heads, a.head_size, a.v_head_size
         kw = linear_kw(self.config)
         route = self.route(x, segment_ids)
         q = self.query(x, route)  # [batch, length, heads, head_dim]
-        kv = [Linear((nkv, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
-              for n, d in (("k", hd), ("v", vd))[:2 - a.attention_k_eq_v]]
-        if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
-            k = v = kv[0](x)
-        else:
-            k, v = fused(kv, x) if e.fuse_projections and vd == hd else (kv[0](x), kv[1](x))
-        if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
-            q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-        k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
-        v = scaled(v, a.value_heads.scale) if a.value_heads else v  # MiMo-V2-Flash: the v projection's output
-        if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
-            q, k = self._qk_norm(q, k)
-        if a.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
-            v = RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, (ax.HEAD_DIM,), use_scale=False, name="v_norm")(v)
-        if spec.rope != "none":
-            inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
-            turn = a.rope_interleaved
-            q, k = apply_rope(q, positions, inv_freq, factor, turn), apply_rope(k, positions, inv_freq, factor, turn)
-        if a.qk_norm not in ("none", "l2") and a.qk_norm_after_rope:  # HunYuan: the norm of the rotated heads
-            q, k = self._qk_norm(q, k)
-        if a.qk_norm == "l2" and spec.rope != "none":  # Llama 4: rotary layers only
-            q, k = l2_norm(q, a.rms_norm_eps), l2_norm(k, a.rms_norm_eps)
+        if shared_kv is None:
+            q, k, v = self._project_kv(a, x, q, positions)
+            mask = None
+        else:  # KV sharing: the queries alone are this layer's (their norm and rotary)
+            q, (k, v, mask) = self._shared_queries(a, q, positions), shared_kv
         if a.attn_temperature_tuning and spec.rope == "none":
             q = temperature_tuned(q, positions, a.attn_temperature_tuning.floor_scale,
                                   a.attn_temperature_tuning.attn_scale)
@@ -218,8 +205,9 @@ class Attention(nn.Module):
             q = temperature_tuned(q, positions, a.llama_4_scaling.original_max_position_embeddings,
                                   a.llama_4_scaling.beta, offset=0.0)
         q = checkpoint_name(constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement), "query")
-        k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
-        v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
+        if shared_kv is None:  # (shared ones as they were attended: the cache's layout, decoding)
+            k = checkpoint_name(constrain(k, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "key")
+            v = checkpoint_name(constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM), placement), "value")
         # [batch, length, heads|kv_heads, head_dim]
 
         batch, length = x.shape[:2]
@@ -236,11 +224,11 @@ class Attention(nn.Module):
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
         q_pos = k_pos = positions
-        if decode:  # ALiBi by cache slot: each row's offset is the same for its query and keys
+        if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
             if plain or length > 1:  # the cache's [batch, kv_heads, length, head_dim] as the kernels read it
                 k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        elif plain and not use_splash:
+        elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
             mask = attention_mask(positions, positions, segment_ids, segment_ids, window, chunk)
@@ -276,7 +264,8 @@ class Attention(nn.Module):
         if a.sub_norms:  # BitNet's attn_sub_norm: all heads' features normed together
             ctx = make_norm(self.config, "sub_norm", (ax.HEADS, ax.HEAD_DIM), dims=2)(ctx)
         ctx = checkpoint_name(self._head_gate(x, ctx), "attn_context")  # [batch, length, heads, head_dim]
-        return checkpoint_name(self.output(ctx, route), "attn_out")  # [batch, length, embed]
+        out = checkpoint_name(self.output(ctx, route), "attn_out")  # [batch, length, embed]
+        return (out, (k, v, mask)) if self.returns_kv else out
 
     def route(self, x, segment_ids):
         """What a subclass chooses the projections by, per token (models/moa.py: its experts); here None."""
@@ -293,6 +282,46 @@ class Attention(nn.Module):
         a = layer_arch(self.config.arch, self.spec)
         return Linear((a.hidden_size,), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), _out_bias(a, self.spec), name="o",
                       **linear_kw(self.config))(ctx)
+
+    def _shared_queries(self, a, q, positions):
+        """The queries of a layer attending shared keys: its q-norm ("head") and rotary."""
+        if a.qk_norm not in ("none", "head") or a.qk_norm_after_rope:
+            raise ModelError(f"KV sharing: qk_norm={a.qk_norm!r} (after rotary: {a.qk_norm_after_rope}) is not "
+                             "supported; 'head' or none")
+        if a.qk_norm == "head":
+            q = make_norm(self.config, "q_norm", (ax.HEAD_DIM,), 1)(q)
+        if self.spec.rope != "none":
+            inv_freq, factor = rope_frequencies(a, positions, self.spec.rope == "local")
+            q = apply_rope(q, positions, inv_freq, factor, a.rope_interleaved)
+        return q
+
+    def _project_kv(self, a, x, q, positions):
+        """This layer's keys and values of ``x`` (and ``q`` normed and rotated with them)."""
+        e, spec = self.config.execution, self.spec
+        nkv, hd, vd, kw = a.kv_heads, a.head_size, a.v_head_size, linear_kw(self.config)
+        kv = [Linear((nkv, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), a.attention_bias, name=n, **kw)
+              for n, d in (("k", hd), ("v", vd))[:2 - a.attention_k_eq_v]]
+        if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
+            k = v = kv[0](x)
+        else:
+            k, v = fused(kv, x) if e.fuse_projections and vd == hd else (kv[0](x), kv[1](x))
+        if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
+            q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)
+        v = scaled(v, a.value_heads.scale) if a.value_heads else v  # MiMo-V2-Flash: the v projection's output
+        if a.qk_norm not in ("none", "l2") and not a.qk_norm_after_rope:
+            q, k = self._qk_norm(q, k)
+        if a.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
+            v = RMSNorm(a.rms_norm_eps, e.dtype, e.param_dtype, (ax.HEAD_DIM,), use_scale=False, name="v_norm")(v)
+        if spec.rope != "none":
+            inv_freq, factor = rope_frequencies(a, positions, spec.rope == "local")
+            turn = a.rope_interleaved
+            q, k = apply_rope(q, positions, inv_freq, factor, turn), apply_rope(k, positions, inv_freq, factor, turn)
+        if a.qk_norm not in ("none", "l2") and a.qk_norm_after_rope:  # HunYuan: the norm of the rotated heads
+            q, k = self._qk_norm(q, k)
+        if a.qk_norm == "l2" and spec.rope != "none":  # Llama 4: rotary layers only
+            q, k = l2_norm(q, a.rms_norm_eps), l2_norm(k, a.rms_norm_eps)
+        return q, k, v
 
     def _head_gate(self, x, ctx):
         """``ctx`` [batch, length, heads, head_dim] times sigmoid(x . w) per head (``attn_head_gate``:

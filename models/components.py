@@ -33,6 +33,7 @@ from shardzoo.models import (
     moa,
     moe,
     norms,
+    per_layer,
     rglru,
     shared_block,
     sparse_attention,
@@ -74,4 +75,5 @@ RECORDS = {r.NAME: r for r in (
     layers.Multipliers,  # Falcon-H1's muP scalars
     shared_block.SharedBlockArch,  # Zamba2's weight-shared attention + MLP blocks
     norms.LayerNorms,  # the layers' norms' own epsilon (JetMoE)
+    per_layer.PerLayerArch,  # Gemma 3n's per-layer inputs, KV sharing, AltUp, Laurel, activation sparsity
 )}

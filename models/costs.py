@@ -123,7 +123,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from shardzoo.models import shared_block
+from shardzoo.models import per_layer, shared_block
 from shardzoo.models.attention import layer_arch
 from shardzoo.models.blocks import BLE, BLOCK_FORMS
 from shardzoo.models.components import MIXERS, MLPS
@@ -230,7 +230,7 @@ def transformer_params(a, active: bool = False) -> int:
     for spec in a.layer_specs():
         total += sum(_layer_params(a, spec, active)) + BLOCK_FORMS[a.block_form].norms(a, spec) * norm
         total += d * bool(spec.out_bias)  # a layer's own output bias (the mixer counts attention_out_bias's)
-    return total + shared_block.params(a)  # Zamba2's shared blocks, each once, and their uses
+    return total + shared_block.params(a) + (per_layer.params(a) if a.per_layer else 0)  # Zamba2's shared blocks
 
 
 def transformer_flops(a, seq_len: int) -> float:

@@ -176,6 +176,16 @@ FEATURES = {
                            "mla_scale_kv_lora)",
     "latent_attention": "multi-head latent attention: keys and values from a compressed latent (DeepSeek, "
                         "kv_lora_rank)",
+    "gemma3n_layers": "Gemma 3n's layer mechanisms (the per_layer record, models/per_layer.py): layers unrolled",
+    "per_layer_inputs": "per-layer input embeddings: a table row per layer and token plus a normed projection of "
+                        "the embeddings, gated by each layer's output and added back (hidden_size_per_layer_input)",
+    "kv_sharing": "the last num_kv_shared_layers layers attend the keys and values of the last earlier layer of "
+                  "their attention kind (Gemma 3n)",
+    "altup": "AltUp: altup_num_inputs parallel residual streams, predicted from each other by routed coefficients "
+             "before each layer and corrected by its output after (Gemma 3n)",
+    "laurel": "Laurel: a low-rank residual branch (laurel_rank) beside attention, averaged in (Gemma 3n)",
+    "activation_sparsity": "the MLP's gate minus its mean + std x the normal quantile of the layer's share, "
+                           "through relu (Gemma 3n's activation_sparsity_pattern)",
     "sparse_attention": "DeepSeek Sparse Attention: a lightning indexer beside latent attention picks each query's "
                         "index_topk keys (DeepSeek-V3.2, GLM-5; index_n_heads, index_head_dim)",
 }

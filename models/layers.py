@@ -379,6 +379,7 @@ class MLP(nn.Module):
     config: object
     placement: object = None
     width: int | None = None  # None: intermediate_size (a MoE layer's shared expert has its own)
+    sparsity: float = 0.0  # the gate's share of features zeroed by gaussian_top_k (Gemma 3n; 0: none)
 
     @nn.compact
     def __call__(self, x):
@@ -398,6 +399,10 @@ class MLP(nn.Module):
             up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))
             if gate_scale != 1.0:
                 gate = gate * jnp.asarray(gate_scale, gate.dtype)
+            if self.sparsity:  # (per_layer.py imports this module)
+                from shardzoo.models.per_layer import gaussian_top_k
+
+                gate = gaussian_top_k(gate, self.sparsity)
             gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")  # what save_qkv_mlp keeps
             h = swiglu(gate, up) if a.hidden_act in ("silu", "swish") else act(gate) * up
         else:

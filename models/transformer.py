@@ -32,6 +32,7 @@ from shardzoo.models.layers import ACTIVATIONS, Embed, Linear, constrain, dtype_
 from shardzoo.models.layout import Layout, layout_of
 from shardzoo.models.lora import trainable_filter
 from shardzoo.models.norms import make_norm
+from shardzoo.models.per_layer import run_layers
 from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, placement_schedule
 from shardzoo.models.positions import add_positions
 from shardzoo.models.ring_attention import enter_ring, unzigzag
@@ -90,9 +91,10 @@ class TransformerConfig(ModelConfig):
         return self.arch.layer_specs()
 
     def layout(self) -> Layout:
-        """Which layers are scanned (``models/layout.py``)."""
+        """Which layers are scanned (``models/layout.py``); none with the ``per_layer`` record,
+        whose layers pass keys and values on (models/per_layer.py)."""
         e = self.execution
-        return layout_of(self.arch.layer_specs(), e.scan_layers, e.scan_layout)
+        return layout_of(self.arch.layer_specs(), e.scan_layers and not self.arch.per_layer, e.scan_layout)
 
     def param_layout(self) -> list[tuple[tuple[str, ...], tuple[int, ...], bool]]:
         """Where each layer's parameters live: ``(path prefix, layers, stacked)``."""
@@ -181,13 +183,13 @@ class TransformerConfig(ModelConfig):
 
 
 # ----------------------------------------------------------------------------------- blocks
-def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = False):
-    """Block, wrapped in the execution's remat policy when training (``prevent_cse`` outside a
+def _block_class(config: TransformerConfig, decode: bool, prevent_cse: bool = False, block=None):
+    """``block`` (None: Block), wrapped in the execution's remat policy when training (``prevent_cse`` outside a
     scan, where XLA could otherwise merge the recomputation back into the forward)."""
-    policy = config.execution.remat_policy
+    policy, block = config.execution.remat_policy, block or Block
     if policy == "none" or decode:
-        return Block
-    return nn.remat(Block, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)
+        return block
+    return nn.remat(block, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)
 
 
 class Block(nn.Module):
@@ -290,13 +292,17 @@ class Transformer(nn.Module):
         specs, layout = a.layer_specs(), cfg.layout()
         flags = dict(deterministic=deterministic, decode=decode)
         block = _block_class(cfg, decode, prevent_cse=True)
-        extra = shared_inputs(cfg, placement, x, positions, segment_ids, decode)  # Zamba2's shared blocks
-        for i in range(layout.prefix):
-            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
-        if layout.repeats:
-            x = self._scan(x, positions, segment_ids, specs, layout, **flags)
-        for i in range(layout.prefix + layout.scanned, a.num_hidden_layers):
-            x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
+        if a.per_layer:  # Gemma 3n's layers, unrolled (models/per_layer.py)
+            x = run_layers(self, x, inputs, positions, segment_ids, specs,
+                           functools.partial(_block_class, cfg, decode, True), **flags)
+        else:
+            extra = shared_inputs(cfg, placement, x, positions, segment_ids, decode)  # Zamba2's shared blocks
+            for i in range(layout.prefix):
+                x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
+            if layout.repeats:
+                x = self._scan(x, positions, segment_ids, specs, layout, **flags)
+            for i in range(layout.prefix + layout.scanned, a.num_hidden_layers):
+                x = block(cfg, specs[i], placement, name=f"layers_{i}", **flags)(x, positions, segment_ids, extra(i, x))
 
         if ring:
             x = unzigzag(x, placement)  # the natural order again; the norm and head work per token

@@ -33,6 +33,9 @@ LINEAR_KEY_HEADS = "linear_key_heads"  # query/key heads of a linear-attention l
 LINEAR_KEY_DIM = "linear_key_dim"  # features of a linear-attention key head: the state's rows (replicated)
 LINEAR_VALUE_DIM = "linear_value_dim"  # features of a linear-attention value head: the state's columns (replicated)
 SCORE = "score"  # a reward model's one score output (its ``score`` head's columns; replicated)
+PER_LAYER = "per_layer"  # features of a layer's per-layer input (hidden_size_per_layer_input; replicated)
+STREAMS = "streams"  # AltUp's parallel residual streams (altup_num_inputs): the router's outputs (replicated)
+STREAM_COEFS = "stream_coefs"  # AltUp's coefficients, routed from the streams' weights (replicated)
 
 ALL = (
     BATCH,
@@ -63,6 +66,9 @@ ALL = (
     LINEAR_KEY_DIM,
     LINEAR_VALUE_DIM,
     SCORE,
+    PER_LAYER,
+    STREAMS,
+    STREAM_COEFS,
 )
 
 MEANINGS = {
@@ -94,4 +100,7 @@ MEANINGS = {
     LINEAR_KEY_DIM: "features of a linear-attention key head (the recurrent state's rows)",
     LINEAR_VALUE_DIM: "features of a linear-attention value head (the recurrent state's columns)",
     SCORE: "a reward model's score output (the score head's one column)",
+    PER_LAYER: "features of a layer's per-layer input embedding (Gemma 3n's hidden_size_per_layer_input)",
+    STREAMS: "AltUp's parallel residual streams (Gemma 3n's altup_num_inputs): the weights its router gives them",
+    STREAM_COEFS: "AltUp's coefficients mixing the streams (prediction: streams x streams; correction: streams)",
 }

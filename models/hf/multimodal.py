@@ -1,4 +1,5 @@
-"""The text model of a multimodal checkpoint (``gemma3``, ``mistral3``, ``qwen3_5``, ``gemma4``):
+"""The text model of a multimodal checkpoint (``gemma3``, ``mistral3``, ``qwen3_5``, ``gemma4``,
+``gemma3n``):
 shardzoo reads its ``text_config`` as the text family's config.json and its ``language_model``
 tensors as that family's, leaving the vision tower and projector out (``read_hf_config`` says so
 once per directory). An export writes the text-only model; ``write_full`` puts the trained
@@ -18,7 +19,8 @@ from shardzoo.models.hf.base import HFError
 
 # model_type of a multimodal config.json -> the model_type its text_config defaults to
 TEXT_MODEL = {"gemma3": "gemma3_text", "mistral3": "mistral", "qwen3_5": "qwen3_5_text",
-              "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
+              "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
+              "gemma3n": "gemma3n_text"}
 # top-level keys of the multimodal config that the text model takes where its text_config lacks them
 _IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _NOTED: set[str] = set()

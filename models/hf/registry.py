@@ -48,6 +48,7 @@ from shardzoo.models.hf import (
     flex_olmo,
     flint,
     gemma,
+    gemma3n,
     gemma4,
     glm,
     glm4_moe,
@@ -188,6 +189,7 @@ FAMILIES: tuple[Family, ...] = (
     axk1.AXK1, flint.FLINT,  # the MoE output's norm, the sigmoid top-k router
     modernbert_decoder.MODERNBERT_DECODER,  # no first pre-norm, the prediction head
     gemma4.GEMMA4,  # Gemma 3's layers, the global ones shaped apart (models/attention.py GlobalAttention)
+    gemma3n.GEMMA3N,  # per-layer inputs, KV sharing, AltUp, Laurel, activation sparsity (models/per_layer.py)
     ministral3.MINISTRAL3,  # Llama 4's query temperature on every layer (models/query_scaling.py)
     mellum.MELLUM, apertus.APERTUS1P5_TEXT,
     kolibri1.KOLIBRI1,  # the router's top-k of logits plus a correction bias (router_kind logit_bias)
