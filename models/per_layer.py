@@ -37,6 +37,9 @@ from shardzoo.models.norms import make_norm
 from shardzoo.sharding import axes as ax
 
 BLE = (ax.BATCH, ax.LENGTH, ax.EMBED)
+# the streams' stack, constrained where it is made: left to XLA's propagation (CPU, data=2, fsdp=2,
+# tensor=2 under fsdp_tp) two of four batch rows came out wrong
+SBLE = (ax.STREAMS, ax.BATCH, ax.LENGTH, ax.EMBED)
 
 
 def _tuple(value):
@@ -216,7 +219,7 @@ class PerLayerBlock(nn.Module):
         cfg, a = self.config, self.config.arch
         p = a.per_layer
         altup = AltUp(cfg, self.deterministic, name="altup") if p.altup_inputs > 1 else None
-        predictions = altup(xs) if altup else xs
+        predictions = constrain(altup(xs), SBLE, self.placement) if altup else xs
         x = predictions[0]  # the active stream
         h = make_norm(cfg, "attn_norm")(x)
         attn, kv = Attention(cfg, self.spec, self.placement, returns_kv=True, name="attn")(
@@ -241,7 +244,7 @@ class PerLayerBlock(nn.Module):
         if p.input_size:
             added = PerLayerInput(cfg, name="per_layer_input")(first, per_layer_input)
             out = out.at[1:].add(added) if p.altup_inputs > 1 else out + added
-        return out, kv
+        return constrain(out, SBLE, self.placement), kv
 
 
 def run_layers(model, x, inputs, positions, segment_ids, specs, block_class, deterministic, decode):
@@ -256,7 +259,7 @@ def run_layers(model, x, inputs, positions, segment_ids, specs, block_class, det
     target = _rms(x)
     streams = [x] + [_at_magnitude(Linear((a.hidden_size,), (ax.EMBED, ax.MLP), name=f"altup_in_{j}", **kw)(x),
                                    target) for j in range(1, p.altup_inputs)]
-    xs = jnp.stack(streams)  # [streams, batch, length, embed]
+    xs = constrain(jnp.stack(streams), SBLE, placement)  # [streams, batch, length, embed]
     sources, kvs = kv_sources(a, p), {}
     block = block_class(PerLayerBlock)
     for i, spec in enumerate(specs):
