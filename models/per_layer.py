@@ -13,6 +13,8 @@ that read it.
 - Laurel (``laurel_rank``): a low-rank residual branch beside attention;
 - activation sparsity (``activation_sparsity_pattern``): per layer, the MLP's gate through
   ``gaussian_top_k``.
+Gemma 4's small models (E2B, E4B) have the first two alone, their per-layer input added to the
+one residual stream before the layer's scalar.
 
 Layers that pass keys and values from one to another, and streams that are not one [batch,
 length, embed] carry, do not fit the scanned stack: a model with this record builds its layers
@@ -29,10 +31,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.attention import Attention
+from shardzoo.models.attention import Attention, layer_arch
 from shardzoo.models.component import SubRecord
 from shardzoo.models.features import feature
-from shardzoo.models.layers import MLP, Embed, Linear, activation, constrain, linear_kw
+from shardzoo.models.layers import MLP, Embed, Linear, activation, constrain, linear_kw, mlp_params
 from shardzoo.models.norms import make_norm
 from shardzoo.sharding import axes as ax
 
@@ -57,7 +59,7 @@ class PerLayerArch(SubRecord):
         "num_kv_shared_layers": "kv_shared_layers", "altup_num_inputs": "altup_inputs",
         "altup_active_idx": "altup_active", "altup_coef_clip": "altup_coef_clip",
         "altup_correct_scale": "altup_correct_scale", "laurel_rank": "laurel_rank",
-        "activation_sparsity_pattern": "activation_sparsity"}
+        "activation_sparsity_pattern": "activation_sparsity", "use_double_wide_mlp": "double_wide_mlp"}
 
     input_size: int = feature(0, lambda v: "per_layer_inputs" if v else None)
     vocab_size: int | None = None  # the per-layer table's rows (None: vocab_size)
@@ -68,11 +70,14 @@ class PerLayerArch(SubRecord):
     altup_correct_scale: bool = False  # the active stream's correction times a learned scale
     laurel_rank: int = feature(0, lambda v: "laurel" if v else None)
     activation_sparsity: tuple[float, ...] | None = feature(None, lambda v: "activation_sparsity" if v else None)
+    double_wide_mlp: bool = feature(False, "kv_sharing")  # the KV-sharing layers' MLPs twice as wide (Gemma 4)
 
     def __post_init__(self):
         object.__setattr__(self, "activation_sparsity", _tuple(self.activation_sparsity))
         if self.activation_sparsity is not None and not any(self.activation_sparsity):
             object.__setattr__(self, "activation_sparsity", None)
+        if not self.kv_shared_layers:
+            object.__setattr__(self, "double_wide_mlp", False)  # no layer to widen
         if self.altup_inputs == 1:  # nothing to predict, correct or scale
             for name, value in (("altup_active", 0), ("altup_coef_clip", None), ("altup_correct_scale", False)):
                 object.__setattr__(self, name, value)
@@ -95,9 +100,11 @@ class PerLayerArch(SubRecord):
         if None in sources[n - self.kv_shared_layers:]:
             raise ModelError(f"num_kv_shared_layers={self.kv_shared_layers}: a shared layer's attention kind has no "
                              "earlier layer to take keys and values from (layer_types)")
-        if arch.block_form != "sequential" or arch.norm_position != "both" or arch.moe or arch.layer_scalar:
-            raise ModelError("Gemma 3n's layers (per_layer) have four norms (norm_position='both'), a dense MLP, "
-                             "no MoE, no layer_scalar, the sequential block form")
+        if arch.block_form != "sequential" or arch.norm_position != "both" or arch.moe:
+            raise ModelError("the layers of per_layer (Gemma 3n's, Gemma 4's with per-layer inputs or KV sharing) "
+                             "have four norms (norm_position='both'), a dense MLP (no MoE), the sequential block form")
+        if arch.layer_scalar and self.altup_inputs > 1:
+            raise ModelError("layer_scalar (Gemma 4's) scales one residual stream; altup_num_inputs must be 1")
 
 
 def kv_sources(a, p: PerLayerArch) -> tuple[int | None, ...]:
@@ -229,7 +236,8 @@ class PerLayerBlock(nn.Module):
             x = (x + Laurel(cfg, name="laurel")(h)) * jnp.asarray(2**-0.5, x.dtype)
         x = constrain(x, BLE, self.placement)
         sparsity = p.activation_sparsity[self.index] if p.activation_sparsity else 0.0
-        mlp = MLP(cfg, self.placement, sparsity=sparsity, name="mlp")(make_norm(cfg, "mlp_norm")(x))
+        width = 2 * a.intermediate_size if p.double_wide_mlp and self.spec.shares_kv else None
+        mlp = MLP(cfg, self.placement, width, sparsity, name="mlp")(make_norm(cfg, "mlp_norm")(x))
         x = constrain(x + make_norm(cfg, "post_mlp_norm")(mlp), BLE, self.placement)
         if altup is None:
             out = x[None]
@@ -244,6 +252,10 @@ class PerLayerBlock(nn.Module):
         if p.input_size:
             added = PerLayerInput(cfg, name="per_layer_input")(first, per_layer_input)
             out = out.at[1:].add(added) if p.altup_inputs > 1 else out + added
+        if a.layer_scalar:  # Gemma 4: the layer's output times its scalar (blocks imports this module)
+            from shardzoo.models.blocks import LayerScalar
+
+            out = LayerScalar(cfg.execution.param_dtype, name="layer_scalar")(out)
         return constrain(out, SBLE, self.placement), kv
 
 
@@ -289,10 +301,13 @@ def params(a) -> int:
         total += 2 * (k - 1) * d * d  # the streams' projections in and out
         total += n * (d * k + d + k * k * k + k * k + d)  # router, its norm, coefficients, the output scale
     total += n * (2 * d * p.laurel_rank + d) if p.laurel_rank else 0
-    kv = a.kv_heads * a.head_size
-    shared = sum(s is not None for s in kv_sources(a, p))
-    qk_norm = a.head_size if a.qk_norm == "head" else 0
-    return total - shared * (2 * (d * kv + kv * a.attention_bias) + qk_norm)
+    for spec in a.layer_specs():
+        if spec.shares_kv:
+            la = layer_arch(a, spec)  # (Gemma 4's full layers: their own heads)
+            kv = la.kv_heads * la.head_size
+            total -= (2 - la.attention_k_eq_v) * (d * kv + kv * la.attention_bias) + la.head_size * (la.qk_norm == "head")
+            total += mlp_params(a, a.intermediate_size)[0] if p.double_wide_mlp else 0  # its second width
+    return total
 
 
 def gaussian_top_k(x, sparsity: float):

@@ -98,38 +98,46 @@ def gemma3n_to_hf(a) -> dict:
 
 # --------------------------------------------------------------------------------- weights
 def global_weights(a) -> list[Weight]:
-    """Llama's, the per-layer table, projection and norm, AltUp's projections in and out."""
-    m = "model."
-    out = llama.global_weights(a) + [
-        Weight(("per_layer_embed", "embedding"), m + "embed_tokens_per_layer.weight"),
-        Weight(("per_layer_projection", "kernel"), m + "per_layer_model_projection.weight", "linear"),
-        Weight(("per_layer_projection_norm", "scale"), m + "per_layer_projection_norm.weight")]
+    """Llama's; with per-layer inputs the table, projection and norm, and AltUp's projections in
+    and out (Gemma 4's small models too)."""
+    m, out = "model.", llama.global_weights(a)
+    if a.per_layer is None or not a.per_layer.input_size:
+        return out
+    out += [Weight(("per_layer_embed", "embedding"), m + "embed_tokens_per_layer.weight"),
+            Weight(("per_layer_projection", "kernel"), m + "per_layer_model_projection.weight", "linear"),
+            Weight(("per_layer_projection_norm", "scale"), m + "per_layer_projection_norm.weight")]
     for j in range(1, a.per_layer.altup_inputs):
         out += [Weight((f"altup_in_{j}", "kernel"), m + f"altup_projections.{j - 1}.weight", "linear"),
                 Weight((f"altup_out_{j}", "kernel"), m + f"altup_unembed_projections.{j - 1}.weight", "linear")]
     return out
 
 
-def layer_weights(a, spec) -> list[Weight]:
-    """Gemma 3's tensors (a KV-sharing layer without k, v and k_norm), AltUp's, Laurel's, the
-    per-layer input's."""
-    h = llama.LAYER
-    out = [w for w in gemma.layer_weights(a, spec)
-           if not (spec.shares_kv and w.path[:2] in (("attn", "k"), ("attn", "v"), ("attn", "k_norm")))]
-    out += [Weight(("per_layer_input", "gate", "kernel"), h + "per_layer_input_gate.weight", "linear"),
-            Weight(("per_layer_input", "projection", "kernel"), h + "per_layer_projection.weight", "linear"),
-            Weight(("per_layer_input", "norm", "scale"), h + "post_per_layer_input_norm.weight")]
-    if a.per_layer.laurel_rank:
+def per_layer_weights(a, spec, out: list[Weight]) -> list[Weight]:
+    """A layer's tensors ``out`` as the per_layer record has them (Gemma 3n's, Gemma 4's): a
+    KV-sharing layer's without k, v and k_norm; AltUp's, Laurel's and the per-layer input's added."""
+    p, h = a.per_layer, llama.LAYER
+    if p is None:
+        return out
+    out = [w for w in out if not (spec.shares_kv and w.path[:2] in (("attn", "k"), ("attn", "v"), ("attn", "k_norm")))]
+    if p.input_size:
+        out += [Weight(("per_layer_input", "gate", "kernel"), h + "per_layer_input_gate.weight", "linear"),
+                Weight(("per_layer_input", "projection", "kernel"), h + "per_layer_projection.weight", "linear"),
+                Weight(("per_layer_input", "norm", "scale"), h + "post_per_layer_input_norm.weight")]
+    if p.laurel_rank:
         out += [Weight(("laurel", "left", "kernel"), h + "laurel.linear_left.weight", "linear"),
                 Weight(("laurel", "right", "kernel"), h + "laurel.linear_right.weight", "linear"),
                 Weight(("laurel", "norm", "scale"), h + "laurel.post_laurel_norm.weight")]
-    if a.per_layer.altup_inputs > 1:
+    if p.altup_inputs > 1:
         out += [Weight(("altup", "router", "kernel"), h + "altup.modality_router.weight", "linear"),
                 Weight(("altup", "router_norm", "scale"), h + "altup.router_norm.weight"),
                 Weight(("altup", "prediction", "kernel"), h + "altup.prediction_coefs.weight", "linear"),
                 Weight(("altup", "correction", "kernel"), h + "altup.correction_coefs.weight", "linear"),
                 Weight(("altup_scale",), h + "altup.correct_output_scale")]
     return out
+
+
+def layer_weights(a, spec) -> list[Weight]:
+    return per_layer_weights(a, spec, gemma.layer_weights(a, spec))
 
 
 # --------------------------------------------------------------------------------- presets

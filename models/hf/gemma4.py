@@ -9,17 +9,18 @@ head size and key/value heads of their own (``per_layer_config``, or ``global_he
 (models/attention.py ``GlobalAttention``), rotating by proportional RoPE (models/rope.py).
 
 The MoE block (``enable_moe_block``) runs beside every layer's MLP (models/moe.py
-``DENSE_AND_MOE_KIND``, its ``scaled_softmax`` router). Not implemented, refused naming the field:
-per-layer input embeddings (``hidden_size_per_layer_input``), layers reusing earlier layers' keys
-and values (``num_kv_shared_layers``) and bidirectional attention (``use_bidirectional_attention:
-all``).
+``DENSE_AND_MOE_KIND``, its ``scaled_softmax`` router). The small models' per-layer input
+embeddings (``hidden_size_per_layer_input``) and KV sharing (``num_kv_shared_layers``, with
+``use_double_wide_mlp`` the sharing layers' MLPs twice as wide) are Gemma 3n's (models/per_layer.py:
+its layers unrolled). Not implemented, refused naming the field: those beside the MoE block, and
+bidirectional attention (``use_bidirectional_attention: all``).
 """
 
 from __future__ import annotations
 
 from shardzoo.models.arch import FULL, SLIDING
 from shardzoo.models.attention import is_global
-from shardzoo.models.hf import gemma, llama, mixtral
+from shardzoo.models.hf import gemma, gemma3n, llama, mixtral
 from shardzoo.models.hf.base import INERT, Family, HFConfig, HFError, Weight, layer_types, sizes
 from shardzoo.models.moe_arch import DENSE_AND_MOE
 
@@ -36,7 +37,8 @@ SCHEMA = dict(
 FEATURES = frozenset({"rope", "rope_scaling:proportional", "local_rope", "rmsnorm", "sandwich_norms", "gated_mlp",
                       "qk_norm_head", "v_norm", "scale_embeddings", "attention_bias", "attention_out_bias",
                       "sliding_window", "layer_pattern", "final_softcap", "multipliers", "layer_scalar",
-                      "global_attention", "moe", "expert_width", "scaled_router", "moe_beside_dense"})
+                      "global_attention", "moe", "expert_width", "scaled_router", "moe_beside_dense",
+                      "gemma3n_layers", "per_layer_inputs", "kv_sharing"})
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
 
@@ -44,15 +46,19 @@ _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
 # ------------------------------------------------------------------------------ config.json
 def _refuse_missing(hf: HFConfig) -> None:
     """The mechanisms shardzoo's Gemma 4 does not compute, each refused naming its field."""
-    if hf.get("hidden_size_per_layer_input"):
-        raise hf.refuse("hidden_size_per_layer_input", "per-layer input embeddings are not implemented (set 0: "
-                        "none; transformers' default is 256)")
-    if hf.get("num_kv_shared_layers"):
-        raise hf.refuse("num_kv_shared_layers", "layers reusing earlier layers' keys and values are not implemented")
+    if hf.get("enable_moe_block") and (hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers")):
+        raise hf.refuse("enable_moe_block", "the MoE block beside per-layer inputs or KV sharing is not implemented")
     if hf.get("use_bidirectional_attention") == "all":
         raise hf.refuse("use_bidirectional_attention", "bidirectional attention is not implemented")
-    # inert without the mechanisms above (a text model: "vision" changes only image tokens' masks)
-    hf.ignore("vocab_size_per_layer_input", "use_double_wide_mlp", "use_bidirectional_attention")
+    hf.ignore("use_bidirectional_attention")  # a text model: "vision" changes only image tokens' masks
+
+
+def _per_layer(hf: HFConfig) -> dict:
+    """Per-layer input embeddings and KV sharing (models/per_layer.py), the flat names of its record."""
+    size, shared = hf.get("hidden_size_per_layer_input") or 0, hf.get("num_kv_shared_layers") or 0
+    rows = hf.get("vocab_size_per_layer_input") if size else hf.ignore("vocab_size_per_layer_input")
+    return dict(hidden_size_per_layer_input=size, vocab_size_per_layer_input=rows, num_kv_shared_layers=shared,
+                use_double_wide_mlp=bool(hf.get("use_double_wide_mlp")))
 
 
 def _rope(hf: HFConfig) -> dict:
@@ -122,7 +128,7 @@ def gemma4_from_hf(hf: HFConfig) -> dict:
         dict(sliding_window=None, layer_types=None)
     if FULL not in types:
         raise HFError(f"{hf.where}: layer_types has no {FULL} layer")
-    return fields | pattern | _rope(hf) | _global_shape(hf, types) | _moe(hf, n)
+    return fields | pattern | _rope(hf) | _global_shape(hf, types) | _moe(hf, n) | _per_layer(hf)
 
 
 def gemma4_to_hf(a) -> dict:
@@ -142,7 +148,15 @@ def gemma4_to_hf(a) -> dict:
         layer_types=types, final_logit_softcapping=a.final_logit_softcapping,
         rope_parameters={FULL: glob, SLIDING: local}, attention_k_eq_v=bool(g and g.k_eq_v),
         per_layer_config={str(i): shape for i, t in enumerate(types) if t == FULL},
-        hidden_size_per_layer_input=0, num_kv_shared_layers=0, pad_token_id=None, **_moe_to_hf(a))
+        pad_token_id=None, **_moe_to_hf(a), **_per_layer_to_hf(a))
+
+
+def _per_layer_to_hf(a) -> dict:
+    p = a.per_layer
+    if p is None:
+        return dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+    return dict(hidden_size_per_layer_input=p.input_size, vocab_size_per_layer_input=p.vocab_size or a.vocab_size,
+                num_kv_shared_layers=p.kv_shared_layers, use_double_wide_mlp=p.double_wide_mlp)
 
 
 def _moe_to_hf(a) -> dict:
@@ -157,6 +171,7 @@ def _moe_to_hf(a) -> dict:
 def layer_weights(a, spec) -> list[Weight]:
     """Gemma 3's tensors, and the layer scalar; a full layer whose keys serve as values has no v_proj."""
     out = gemma.layer_weights(a, spec) + [Weight(("layer_scalar", "scale"), llama.LAYER + "layer_scalar", "vec")]
+    out = gemma3n.per_layer_weights(a, spec, out)
     g = a.global_attention
     if g and g.k_eq_v and is_global(spec):
         out = [w for w in out if w.path[:2] != ("attn", "v")]
@@ -191,7 +206,7 @@ def _gemma4(n: int, **kw) -> dict:
 
 GEMMA4 = Family(
     "gemma4_text", ("gemma4_text",), "Gemma4ForCausalLM", SCHEMA, FEATURES, gemma4_from_hf, gemma4_to_hf,
-    llama.global_weights, layer_weights, execution=mixtral.HF_MOE,
+    gemma3n.global_weights, layer_weights, execution=mixtral.HF_MOE,
     presets={
         # google/gemma-4-31B's text model: keys as values on the global layers, no per-layer inputs
         "gemma-4-31b": _gemma4(60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,

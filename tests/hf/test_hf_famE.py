@@ -167,12 +167,12 @@ def test_the_moe_block_generates_and_exports(built_moe, tmp_path, parity):
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(hidden_size_per_layer_input=4), "hidden_size_per_layer_input"),
-    (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
+    (MOE | dict(hidden_size_per_layer_input=4), "enable_moe_block"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
 ])
 def test_what_gemma4_adds_beyond_this_is_refused_naming_the_field(change, field, tmp_path):
-    """Per-layer input embeddings, shared keys and values, bidirectional attention."""
+    """The MoE block beside per-layer inputs (tests/hf/test_hf_gemma3n.py runs those without),
+    bidirectional attention."""
     path = rewritten(Gemma4TextConfig(**DIMS, **(GEMMA4 | change)), tmp_path)
     with pytest.raises(HFError, match=field) as e:
         load_hf_config(path)
@@ -180,10 +180,9 @@ def test_what_gemma4_adds_beyond_this_is_refused_naming_the_field(change, field,
 
 
 def test_a_config_without_hidden_size_per_layer_input_has_transformers_per_layer_inputs(tmp_path):
-    """transformers' default is 256 per-layer input features: a config.json without the key is refused."""
+    """transformers' default is 256 per-layer input features: a config.json without the key reads them."""
     path = rewritten(Gemma4TextConfig(**DIMS, **GEMMA4), tmp_path, drop=("hidden_size_per_layer_input",))
-    with pytest.raises(HFError, match="hidden_size_per_layer_input=None"):
-        load_hf_config(path)
+    assert load_hf_config(path).arch.per_layer.input_size == 256
 
 
 def test_the_published_layout_reads_global_head_dim_and_kv_heads(tmp_path):

@@ -126,7 +126,7 @@ FAMILY_MODULES = ("llama", "mixtral", "gpt2", "qwen3", "olmo2", "phi3", "qwen3_m
                   "granite_swa", "bloom", "mpt", "opt", "gpt_neo", "gpt_bigcode", "codegen", "xglm",
                   "biogpt", "mamba", "jamba", "nemotron", "olmo", "gpt_neox", "falcon",
                   "qwen3_5", "lfm2_moe", "minimax_m2", "exaone_moe", "granitemoehybrid", "cohere2_moe", "minicpm3", "iquestcoder", "sarvam_mla", "param2moe", "youtu", "cwm", "hyperclovax", "jais2", "granitemoe_swa", "afmoe", "hy_v3", "minicpm5_moe",
-                  "dbrx", "phimoe", "axk1", "flint", "modernbert_decoder", "gemma4",
+                  "dbrx", "phimoe", "axk1", "flint", "modernbert_decoder", "gemma4", "gemma3n",
                   "ministral3", "mellum", "nanochat", "kolibri1", "lara_mini", "lfm3",
                   "openai", "gpt_neox_japanese", "diffllama", "bitnet", "recurrent_gemma",
                   "olmo_hybrid", "bailing_hybrid", "mimo_v2_flash", "zamba2",
@@ -325,6 +325,9 @@ TINY.update(LONGCAT)
 from test_hf_jetmoe import CONFIGS as JETMOE  # noqa: E402
 
 TINY.update(JETMOE)
+from test_hf_gemma3n import CONFIGS as GEMMA3N  # noqa: E402
+
+TINY.update(GEMMA3N)
 # Keys transformers fills in that say nothing about the model (or, for max_window_layers, not
 # while use_sliding_window is false; n_ctx is GPT-2's unused alias of n_positions).
 BOOKKEEPING = {"_name_or_path", "architectures", "dtype", "transformers_version", "n_ctx"}
