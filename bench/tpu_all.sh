@@ -49,6 +49,9 @@ for part in "$@"; do
       timeout 400 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
         --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace 2>&1 | tail -60
       ;;
+    kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
+      timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4
+      ;;
     moe)
       JAX_PLATFORMS=tpu timeout 300 python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \
         --length 1024 --dtype bfloat16 --rounds 3 --iters 2 --out "$out/tpu_moe.md" 2>&1 | tail -20

@@ -36,7 +36,10 @@ from shardzoo.models.attention_kernels import (
     KV_CACHE_AXES,
     attention_kernel,
     attention_mask,
+    kv_pack,
     one_query_attention,
+    packed,
+    unpacked,
     xla_attention,
 )
 from shardzoo.models.component import Mixer, SubRecord
@@ -226,8 +229,8 @@ class Attention(nn.Module):
         q_pos = k_pos = positions
         if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
-            if plain or length > 1:  # the cache's [batch, kv_heads, length, head_dim] as the kernels read it
-                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            if plain or length > 1:  # the cache's [batch, length, kv_heads, head_dim] as the kernels read it
+                k, v = unpacked(k, hd), unpacked(v, vd)
         elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -425,7 +428,8 @@ class Attention(nn.Module):
         ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``), its mask, and the slots of
         the queries and of the cache's keys."""
         # The cache is created by an init call whose length is the cache length.
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        pack = kv_pack(self.config.execution, k.shape[-1], k.shape[2]) if k.shape[-1] == v.shape[-1] else 1
+        k, v = packed(k, pack), packed(v, pack)
         ck = self._cached("cached_key", k.shape, KV_CACHE_AXES, k.dtype)
         cv = self._cached("cached_value", v.shape, KV_CACHE_AXES, v.dtype)
         cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)

@@ -94,6 +94,10 @@ class Execution:
     # generation). On a TPU v5e, llama3.2-1b bf16: 3.9 s to compile scanned against 13.9 s,
     # 258 tokens/s at batch 1 against 297 unrolled (README)
     decode_layers: str = "unroll"
+    # the decoding cache of head_dim < 128 with 128 // head_dim kv heads side by side in each row
+    # ("auto": on a TPU; attention_kernels.kv_pack): the chip then lays it out features-minor,
+    # where one position's write per step touches its own tiles only
+    kv_cache_packing: str = "auto"
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -102,7 +106,8 @@ class Execution:
         check_fields(self, {"dtype": DTYPES, "param_dtype": DTYPES, "remat_policy": tuple(REMAT_POLICIES),
                             "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
-                            "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS},
+                            "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
+                            "kv_cache_packing": ("auto", "on", "off")},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")

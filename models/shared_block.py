@@ -25,7 +25,7 @@ from flax import linen as nn
 from shardzoo.models import ModelError
 from shardzoo.models.attention import Attention
 from shardzoo.models.attention_costs import flops as attention_flops
-from shardzoo.models.attention_kernels import attention_mask, xla_attention
+from shardzoo.models.attention_kernels import attention_mask, unpacked, xla_attention
 from shardzoo.models.component import SubRecord
 from shardzoo.models.layers import ACTIVATIONS, Linear, constrain, linear_kw
 from shardzoo.models.norms import make_norm, norm_params
@@ -142,7 +142,7 @@ class SharedAttention(Attention):
         batch, length = x.shape[:2]
         if decode:
             k, v, mask, _ = self._update_cache(k, v, segment_ids, batch, length, None)
-            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            k, v = unpacked(k, q.shape[-1]), unpacked(v, q.shape[-1])
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, None)
         ctx = xla_attention(q, k, v, mask, a.attention_scale)  # [batch, length, heads, head_dim]

@@ -272,3 +272,36 @@ def test_top_k_and_top_p_thresholds_equal_sorting():
         # keep a token when the tokens strictly more likely than it hold less than p
         above = np.array([[probs[r][x[r] > v].sum() for v in x[r]] for r in range(len(x))])
         np.testing.assert_array_equal(np.asarray(keys >= cut), above < p)
+
+
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_a_packed_cache_decodes_as_the_plain_one(decode_layers):
+    """``kv_cache_packing="on"`` (a TPU's "auto"): head_dim 32 puts four kv heads (two query
+    heads each) in each 128-wide row of the cache; the prefill and every one-token step give the
+    plain cache's logits (1e-5), and the cache holds [batch, kv_heads / 4, length, 128]."""
+    _, config = get_model("llama-tiny", hidden_size=256, intermediate_size=128, vocab_size=512,
+                          num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
+                          decode_layers=decode_layers)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {p: Program(config.replace(kv_cache_packing=p), get_rules("dp"), mesh) for p in ("off", "on")}
+    params = programs["off"].init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
+    x = np.asarray(jax.random.randint(jax.random.key(4), (B, L), 0, config.vocab_size))
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
+    logits, shapes = {}, {}
+    for p, program in programs.items():
+        module, weights = program.decoding.decoder, program.decoding.decoding_params(params)
+        cache = program.decoding.new_cache(B, L)
+        flat = jax.tree_util.tree_flatten_with_path(cache)[0]
+        shapes[p] = [v.shape for k, v in flat if jax.tree_util.keystr(k).endswith("['cached_key']")]
+        out, cache = step(module, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
+        outs = [out]
+        for i in range(PREFILL, L):
+            out, cache = step(module, weights, cache, x[:, i:i + 1], pos[:, i:i + 1])
+            outs.append(out)
+        logits[p] = np.asarray(jnp.concatenate(outs, axis=1))
+    np.testing.assert_allclose(logits["on"], logits["off"], atol=1e-5, rtol=0)
+    assert np.abs(logits["off"]).max() > 0.1
+    assert shapes["off"]
+    for plain, pack in zip(shapes["off"], shapes["on"], strict=True):
+        assert plain[-3:] == (4, L, 32) and pack[-3:] == (1, L, 128), (plain, pack)
