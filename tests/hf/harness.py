@@ -8,6 +8,7 @@ and the command line's tiny Llama and BPE tokenizer. The checks ``test_hf_famili
 """
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -153,16 +154,33 @@ def one_device():
     return make_mesh("data=1", devices=jax.devices()[:1])
 
 
+def forward(module, collections: tuple | None = None):
+    """``module``'s forward (returning (logits, the ``collections`` it writes) where given), jitted
+    once per module: equal modules (the same config and placement, loaded again) share it, so a
+    file's tests that run a model on edited weights or one test after another compile it once."""
+    try:
+        return _forward(module, collections)
+    except TypeError:  # a field that cannot be hashed: a program of its own
+        return _forward.__wrapped__(module, collections)
+
+
+@functools.lru_cache(maxsize=32)
+def _forward(module, collections):
+    if collections is not None:
+        return jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
+    return jax.jit(lambda p, t: module.apply({"params": p}, t))
+
+
 def apply(module, params, mesh, tokens=TOKENS) -> np.ndarray:
     """shardzoo's logits of ``tokens``, jitted with ``mesh`` current."""
     with activate(mesh):
-        return np.asarray(jax.jit(lambda p, t: module.apply({"params": p}, t))(params, tokens))
+        return np.asarray(forward(module)(params, tokens))
 
 
 def apply_mutable(module, params, mesh=None, collections=(), tokens=TOKENS):
     """(logits, the ``collections`` the call writes: metrics, losses), jitted with ``mesh``
     current (None: jax's default device)."""
-    fn = jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
+    fn = forward(module, tuple(collections))
     with activate(mesh) if mesh is not None else contextlib.nullcontext():
         out, state = fn(params, tokens)
     return np.asarray(out), state

@@ -83,23 +83,26 @@ BUFFERS = {"bailing_hybrid": correction_bias}
 FORWARD = dict.fromkeys(CONFIGS, dict(use_cache=False))
 
 
+def _build(kind, tmp_path_factory):
+    """(HF dir, HF model, reference logits) of ``kind``: every weight random."""
+    model = randomized(CONFIGS[kind](), 0, DRAWS[kind], BUFFERS.get(kind))
+    return saved(model, tmp_path_factory.mktemp(kind), **FORWARD.get(kind, {}))
+
+
+@pytest.fixture(scope="module")
+def olmo_hybrid(tmp_path_factory):
+    return _build("olmo_hybrid", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def bailing_hybrid(tmp_path_factory):
+    return _build("bailing_hybrid", tmp_path_factory)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def built(request, tmp_path_factory):
-    """(HF dir, HF model, reference logits): every weight random."""
-    model = randomized(CONFIGS[request.param](), 0, DRAWS[request.param], BUFFERS.get(request.param))
-    return saved(model, tmp_path_factory.mktemp(request.param), **FORWARD.get(request.param, {}))
-
-
-
-
-def _only(kind):
-    """A fixture of ``built`` for ``kind``'s own checks (skipped with the other families)."""
-    @pytest.fixture(scope="module")
-    def fixture(built):
-        if built[1].config.model_type != kind:
-            pytest.skip(f"{kind}'s own checks")
-        return built
-    return fixture
+def built(request):
+    """Each family's model for the three proofs every family has: its own fixture's, built once."""
+    return request.getfixturevalue(request.param)
 
 
 def edited_logits(module, params, edits) -> list[np.ndarray]:
@@ -129,9 +132,6 @@ def fsdp_tp_matches(path, ref, leaves) -> None:
 
 
 # ------------------------------------------------------------------------------ OLMo hybrid
-olmo_hybrid = _only("olmo_hybrid")
-
-
 def test_olmo_hybrid_reads_its_layers_and_shards_under_fsdp_tp(olmo_hybrid):
     """A pre-norm linear layer and a post-norm attention layer; under fsdp_tp on 8 devices the
     logits equal one device's (1e-5) and transformers' (1e-4)."""
@@ -179,9 +179,6 @@ def test_olmo_hybrid_7b_preset_counts_as_transformers_does():
 
 
 # ------------------------------------------------------------------------------ Ling (bailing_hybrid)
-bailing_hybrid = _only("bailing_hybrid")
-
-
 def test_ling_reads_its_layers_and_shards_under_fsdp_tp(bailing_hybrid):
     """KDA, head-gated latent attention, KDA; the parameter count is transformers'; under fsdp_tp
     on 8 devices the full-rank gates and the head gate split over their heads."""

@@ -23,7 +23,18 @@ from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, config_of, fsdp_tp_parity, hf_logits, randomized, saved, stacked_q  # noqa: E402
+from harness import (  # noqa: E402
+    TOKENS,
+    TOL,
+    apply,
+    config_of,
+    fsdp_tp_parity,
+    hf_logits,
+    one_device,
+    randomized,
+    saved,
+    stacked_q,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
@@ -76,6 +87,16 @@ def test_the_mechanism_matters(built):
         assert [s.rope for s in config.layer_specs()] == ["local"] * 3 + ["global"] + ["local"] * 3 + ["global"]
 
 
+@pytest.mark.parametrize("built", ["olmo3"], indirect=True)
+def test_logits_match_on_one_device(built):
+    """OLMo 3 only recombines components sharded elsewhere (post-norms and projection qk-norm:
+    test_hf_models' olmo2; a scanned period of sliding and full layers: test_hf_gemma's gemma3)."""
+    path, _, ref = built
+    module, _, params = load_hf(path, mesh=one_device())
+    np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("built", ["smollm3", "ministral"], indirect=True)
 def test_logits_match_on_one_device_and_under_fsdp_tp(built):
     path, model, ref = built
     single, got = fsdp_tp_parity(path, ref, q=stacked_q)

@@ -217,11 +217,11 @@ def test_value_heads_not_a_multiple_of_key_heads_is_one_line():
         get_model("qwen3-next-tiny", linear_num_value_heads=3)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, lora, parity):
-    """``shardzoo train --init-from`` the tiny Qwen3-Next under fsdp on 8 devices, with and without
-    LoRA adapters (on the Gated DeltaNet's q, k, v and attention's q, k, v, o, gate): the loss
-    falls; the export loads in transformers and computes what the run computes (1e-4)."""
+def test_train_init_from_the_hf_dir_under_fsdp_then_export_loads_in_transformers(tmp_path, parity):
+    """``shardzoo train --init-from`` the tiny Qwen3-Next under fsdp on 8 devices with LoRA adapters
+    (on the Gated DeltaNet's q, k, v and attention's q, k, v, o, gate): the loss falls; the merged
+    export loads in transformers and computes what the run computes (1e-4). The Gated DeltaNet's
+    gradients of every weight: tests/models/test_linear_attention.py."""
     model = randomized(Qwen3NextConfig(**CONFIG), seed=3, draw=draw)
-    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], lora, TOL)
+    config = parity.trains_from_hf_dir(tmp_path, model, TOKENS[:2], True, TOL)
     assert config.linear_attention is not None and config.attn_output_gate
