@@ -47,7 +47,7 @@ def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_ru
     logged = [(1, 0.1), (4, 0.0), (6, 0.2)]  # (logged step to wait for, then seconds)
     lock_s = []  # from the start to the lock, in the runs that reach the loop
     moments = [("loop", m) for m in logged] + [("start", s) for s in ("0.5 s", "halfway", "lock", "run.json")]
-    kinds = []
+    kinds, want = [], jax.tree.leaves(load_model_and_params(str(reference))[2])
     for k, (phase, moment) in enumerate(moments):
         out, name = tmp_path / f"run{k}", f"ctrl_c_{k}"
         started = time.monotonic()
@@ -96,8 +96,7 @@ def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_ru
             if phase == "loop":  # the same program: bitwise
                 assert f"resumed from {out}/checkpoints/{saved}" in resumed.stdout, resumed.stdout
                 assert cli.losses(out) == cli.losses(reference), f"moment {k}"
-                for a, b in zip(jax.tree.leaves(load_model_and_params(str(reference))[2]),
-                                jax.tree.leaves(load_model_and_params(str(out))[2]), strict=True):
+                for a, b in zip(want, jax.tree.leaves(load_model_and_params(str(out))[2]), strict=True):
                     assert np.array_equal(np.asarray(a), np.asarray(b)), f"moment {k}"
     # the start-up moments before run.json reach before the loop, and the loop's three saved three steps
     assert kinds[3:6] == ["before the loop"] * 3 and len(set(kinds[:3])) == 3, kinds
