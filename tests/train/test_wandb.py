@@ -79,11 +79,18 @@ def train(corpus, out, steps, *extra):
 def test_offline_wandb_logs_what_metrics_jsonl_logs_and_resumes_the_same_run(corpus):
     out = corpus / "run"
     env = {**os.environ, "WANDB_MODE": "offline"}
-    for steps in (4, 6):  # a resume logs to the same W&B run
-        done = subprocess.run([sys.executable, "-m", "shardzoo", *train(corpus, out, steps, "--wandb", "sz-test")],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert "wandb: logging to project sz-test" in done.stdout and "(offline)" in done.stdout
+    # the run and its resume (a resume logs to the same W&B run), one after the other in one child
+    # process (W&B's state stays out of this one): each says where it logs and exits 0
+    runs = [train(corpus, out, steps, "--wandb", "sz-test") for steps in (4, 6)]
+    script = ("import json, sys\nfrom shardzoo.cli import main\n"
+              "for args in json.loads(sys.argv[1]):\n"
+              "    print('exit', main(args), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(runs)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stdout.splitlines() if line.startswith(("wandb: logging to", "exit"))]
+    assert len(said) == 4 and said[1::2] == ["exit 0", "exit 0"], done.stdout + done.stderr
+    assert all(line.startswith("wandb: logging to project sz-test") and "(offline)" in line for line in said[::2])
     run_id = (out / "wandb-run-id").read_text().strip()
     runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / f"run-{run_id}.wandb")))
     assert len(runs) == 2
