@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from program_step import cpu_model  # noqa: E402
 
 from shardzoo.models.costs import decode_flops  # noqa: E402
 from shardzoo.sharding import get_rules, make_mesh  # noqa: E402
@@ -130,10 +131,16 @@ def main() -> None:
             cpu = {"ours": [], "theirs": []}
             for _ in range(rounds):
                 for name, run in (("ours", ours), ("theirs", theirs)):
-                    t, c = time.perf_counter(), time.process_time()
-                    run()
-                    times[name].append(time.perf_counter() - t)
-                    cpu[name].append(time.process_time() - c)
+                    best = None
+                    for threads in (1, 2) if name == "theirs" else (None,):  # torch at its better count
+                        if threads:
+                            torch.set_num_threads(threads)
+                        t, c = time.perf_counter(), time.process_time()
+                        run()
+                        took = (time.perf_counter() - t, time.process_time() - c)
+                        best = took if best is None or took[0] < best[0] else best
+                    times[name].append(best[0])
+                    cpu[name].append(best[1])
             med = {k: statistics.median(v) for k, v in times.items()}
             med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
             tokens = batch * new
@@ -161,11 +168,12 @@ def main() -> None:
         f"(every row full length), {new} new tokens per row, no early stop. shardzoo: "
         "`Program.generate` (prefill and the sampling loop in one compiled program, KV cache "
         "sharded by the rules, here dp on one device); transformers: `LlamaForCausalLM.generate` "
-        f"(torch {torch.__version__}, {torch.get_num_threads()} threads, transformers "
+        f"(torch {torch.__version__}, the better of 1 and 2 threads each round, transformers "
         f"{transformers.__version__}, its dynamic KV cache). {rounds} interleaved rounds (shardzoo, "
         "transformers, ...) after a warm-up each; medians of the whole call (prompt in, tokens out). "
         f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
-        f"{os.cpu_count()} cores (a shared machine: the ratios are the figure, absolute times are noisy).", "",
+        f"{os.cpu_count()} cores of an **{cpu_model()}** (a shared machine: the ratios are the figure, "
+        "absolute times are noisy).", "",
         "| batch | decoding | shardzoo (s) | tokens/s | transformers (s) | tokens/s | speed-up | "
         "shardzoo CPU s | transformers CPU s | speed-up in CPU time | model FLOP/s | of matmul peak | "
         "of matmul peak, CPU time | greedy tokens equal |",
