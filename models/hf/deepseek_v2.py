@@ -84,7 +84,13 @@ def latent_to_hf(a) -> dict:
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_attention_heads,
         max_position_embeddings=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
-        **a.latent.flat())
+        **latent_flat(a))
+
+
+def latent_flat(a) -> dict:
+    """The latent record's config.json fields, LongCat-Flash's ``lora_scaling`` left to its family
+    (its feature: any other family's export refuses it)."""
+    return {k: v for k, v in a.latent.flat().items() if k != "lora_scaling"}
 
 
 def moe_fields(hf: HFConfig) -> dict:

@@ -113,7 +113,7 @@ def to_hf(a) -> dict:
         hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_hidden_layers=a.num_hidden_layers,
         num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_attention_heads,
         model_max_length=a.max_position_embeddings, rms_norm_eps=a.rms_norm_eps, hidden_act=a.hidden_act,
-        **a.latent.flat(),
+        **deepseek_v2.latent_flat(a),
         layer_types=[HF_LINEAR if s.mixer == KIMI else FULL for s in specs],
         linear_attn_config=dict(num_heads=kda.num_heads, head_dim=kda.head_dim, short_conv_kernel_size=kda.conv_kernel,
                                 kda_layers=linear, full_attn_layers=[i for i in range(1, len(specs) + 1)

@@ -94,7 +94,6 @@ def to_hf(a) -> dict:
     if have != fixed:  # what transformers' LongCat-Flash always computes
         raise HFError(f"LongCat-Flash's config.json describes {fixed} only; this model has {have}")
     out = deepseek_v2.latent_to_hf(a)
-    out.pop("lora_scaling")
     for key in ("intermediate_size", "num_hidden_layers"):
         out.pop(key)
     out.update(num_layers=a.num_hidden_layers, ffn_hidden_size=a.intermediate_size, n_routed_experts=m.num_local_experts,
