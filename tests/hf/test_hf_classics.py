@@ -37,14 +37,14 @@ import shardzoo.models.attention as attn
 from shardzoo.models import ModelError, get_model
 from shardzoo.models.alibi import slopes
 from shardzoo.models.attention import attention_kernel
-from shardzoo.models.hf import HFError, export_hf
+from shardzoo.models.hf import HFError
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules
 from shardzoo.train.io.hf_io import load_hf
 from shardzoo.train.program import Program
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import (  # noqa: E402
+from harness import (  # noqa: E402, F401  (test_*: the three proofs every family has, collected here on its built)
     TOKENS,
     TOL,
     apply,
@@ -55,6 +55,9 @@ from harness import (  # noqa: E402
     one_device,
     randomized,
     saved,
+    test_export_round_trip_loads_the_same_model,
+    test_greedy_generate_matches_transformers,
+    test_logits_match_on_one_device,
 )
 
 NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -105,28 +108,6 @@ def tiny(family, tmp_path_factory):
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def built(request, tmp_path_factory):
     return tiny(request.param, tmp_path_factory)
-
-
-def test_logits_match_on_one_device(built):
-    path, model, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
-    got = apply(module, params, one_device())
-    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-
-
-def test_greedy_generate_matches_transformers(built, parity):
-    """Decoding from the cache: ALiBi's bias by cache slot, the tables at the step's position."""
-    path, model, _ = built
-    parity.greedy_matches(path, model, TOKENS[:1, :8])
-
-
-def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
-    path, model, ref = built
-    _, config, params = load_hf(path)
-    kind = model.config.model_type  # CodeGen's model is also GPT-J's
-    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
-    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 # each family's new mechanism off: (the fields replaced, what it was)

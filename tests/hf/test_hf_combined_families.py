@@ -16,7 +16,6 @@ as for every family. The sharded checks belong to each component, on the family 
 import os
 import sys
 
-import numpy as np
 import pytest
 from transformers import (
     Dots1Config,
@@ -35,11 +34,20 @@ from transformers import (
     VaultGemmaConfig,
 )
 
-from shardzoo.models.hf import export_hf
-from shardzoo.train.io.hf_io import load_hf
-
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import TOKENS, TOL, apply, correction_bias, near_one, one_device, randomized, saved  # noqa: E402
+from harness import (  # noqa: E402, F401  (test_*: the three proofs every family has, collected here on its built)
+    TOKENS,
+    TOL,
+    apply,
+    correction_bias,
+    near_one,
+    one_device,
+    randomized,
+    saved,
+    test_export_round_trip_loads_the_same_model,
+    test_greedy_generate_matches_transformers,
+    test_logits_match_on_one_device,
+)
 
 DIMS = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -104,24 +112,3 @@ def built(request, tmp_path_factory):
     model = randomized(CONFIGS[request.param](), SEEDS.get(request.param, 0), DRAWS.get(request.param, near_one()),
                        BUFFERS.get(request.param))
     return saved(model, tmp_path_factory.mktemp(request.param))
-
-
-def test_logits_match_on_one_device(built):
-    path, model, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
-    got = apply(module, params, one_device())
-    print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
-    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-
-
-def test_greedy_generate_matches_transformers(built, parity):
-    path, model, _ = built
-    parity.greedy_matches(path, model, TOKENS[:1, :8])
-
-
-def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
-    path, model, ref = built
-    _, config, params = load_hf(path)
-    kind = model.config.model_type  # the family an import records (EXAONE's model is also Llama's)
-    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
-    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

@@ -20,14 +20,14 @@ import torch
 from transformers import AutoConfig, AXK1Config, FlintConfig, ModernBertDecoderConfig
 
 from shardzoo.models import ModelError
-from shardzoo.models.hf import export_hf, load_hf_config
+from shardzoo.models.hf import load_hf_config
 from shardzoo.models.hf.base import HFError
 from shardzoo.models.hf.registry import PRESETS
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import (  # noqa: E402
+from harness import (  # noqa: E402, F401  (test_*: the three proofs every family has, collected here on its built)
     TOKENS,
     TOL,
     apply,
@@ -38,6 +38,8 @@ from harness import (  # noqa: E402
     one_device,
     randomized,
     saved,
+    test_export_round_trip_loads_the_same_model,
+    test_greedy_generate_matches_transformers,
 )
 
 E, K = 8, 2
@@ -87,19 +89,6 @@ def test_logits_match_on_one_device(built):
     got = apply(module, params, one_device())
     print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
-
-
-def test_greedy_generate_matches_transformers(built, parity):
-    path, model, _ = built
-    parity.greedy_matches(path, model, TOKENS[:1, :8])
-
-
-def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
-    path, model, ref = built
-    _, config, params = load_hf(path)
-    kind = model.config.model_type
-    assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
-    parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
 
 
 # each family's new mechanisms, switched off (or, for ModernBERT's first pre-norm, on: a LayerNorm
