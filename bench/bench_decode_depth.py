@@ -21,6 +21,7 @@ sets it to cpu unless it is set).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -50,9 +51,11 @@ def _timed(call) -> float:
     return time.perf_counter() - t
 
 
-def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, hbm: float, profile=None) -> dict:
+def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, hbm: float, profile=None,
+            hlo=None) -> dict:
     """Compile seconds, tokens/s and the fraction of the bandwidth bound of one ``generate``;
-    ``profile``: a trace directory, where the device time of one more call went (printed)."""
+    ``profile``: a trace directory, where the device time of one more call went (printed);
+    ``hlo``: a file the compiled program's text is written to (layouts, copies)."""
     _, config = get_model(name, **overrides)
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     params = program.init(np.asarray(jax.random.PRNGKey(0), np.uint32)).params
@@ -61,6 +64,9 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
     t = time.perf_counter()
     program.decoding._compiled[settings] = program.decoding._compile_generate(*settings)  # what the first call compiles
     compile_s = time.perf_counter() - t
+    if hlo:
+        with open(hlo, "w") as f:
+            f.write(program.decoding._compiled[settings][0].as_text())
     program.decoding.generate(params, prompt, max_new_tokens=new)  # a warm-up run
     times = []
     for _ in range(3):
@@ -100,6 +106,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="trace one more call of each row into DIR/ROW and print its device ops (bench/profile_ops.py)")
+    parser.add_argument("--hlo", default=None, metavar="DIR", help="write each row's compiled program to DIR/ROW.hlo")
+    parser.add_argument("--variants", default="", help="';'-separated execution overrides, a row each, "
+                        "e.g. 'decode_new_key_apart=on;decode_new_key_apart=off'")
     parser.add_argument("--scan", default="both", choices=("both", "scan", "unroll"), help="which decoding layers")
     args = parser.parse_args()
     tiny = args.models == "llama-tiny"
@@ -107,16 +116,22 @@ def main() -> None:
     for name in args.models.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                for scan in {"both": (True, False), "scan": (True,), "unroll": (False,)}[args.scan]:
+                for scan, variant in itertools.product({"both": (True, False), "scan": (True,),
+                                                        "unroll": (False,)}[args.scan], args.variants.split(";")):
                     overrides = dict(decode_layers="scan" if scan else "unroll", dtype=args.dtype,
                                      param_dtype=args.dtype)
+                    overrides.update(kv.split("=", 1) for kv in variant.split(",") if kv)
                     if tiny:
                         overrides.update(TINY, max_position_embeddings=args.prompt + args.new)
                     if layers:
                         overrides["num_hidden_layers"] = layers
                     trace = args.profile and os.path.join(args.profile, f"{name}_{layers}_{batch}_{scan}")
-                    r = measure(name, overrides, batch, args.prompt, args.new, args.hbm, trace)
-                    rows.append(f"| {name} | {r['layers']} | {batch} | {'scanned' if scan else 'unrolled'} | "
+                    hlo = args.hlo and os.path.join(args.hlo, f"{name}_{layers}_{batch}_{scan}.hlo")
+                    if hlo:
+                        os.makedirs(args.hlo, exist_ok=True)
+                    r = measure(name, overrides, batch, args.prompt, args.new, args.hbm, trace, hlo)
+                    rows.append(f"| {name} | {r['layers']} | {batch} | {'scanned' if scan else 'unrolled'}"
+                                f"{' ' + variant if variant else ''} | "
                                 f"{r['compile_s']:.1f} | {r['rate']:,.0f} | {r['of_bound']:.1%} | "
                                 f"{r['prefill_ms']:,.1f} | {r['step_rate']:,.0f} | {r['step_of_bound']:.1%} | "
                                 f"{r['weights_mb']:,.1f} | {r['cache_mb']:,.1f} |")

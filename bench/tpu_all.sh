@@ -47,7 +47,8 @@ for part in "$@"; do
     decodeprof:*)  # decodeprof:MODEL:BATCH:scan|unroll -- where a generate call's device time goes
       IFS=: read -r _ model batch mode <<< "$part"
       timeout 400 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
-        --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace 2>&1 | tail -60
+        --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace --hlo "$out/hlo" 2>&1 \
+        | tee "$out/tpu_decodeprof_${model}_${batch}_${mode}.log" | tail -60
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
       timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4
