@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from shardzoo.models import ModelError, check_fields, differential, kv_write
+from shardzoo.models import ModelError, check_fields, differential
 from shardzoo.models.alibi import alibi_bias
 from shardzoo.models.attention_costs import (
     activations,
@@ -440,12 +440,8 @@ class Attention(nn.Module):
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        if kv_write.uses_kernel(self.config.execution, length, cache_len, k.dtype):  # in place on a TPU
-            ck.value = kv_write.write_position(ck.value, k, i, self.placement)
-            cv.value = kv_write.write_position(cv.value, v, i, self.placement)
-        else:
-            ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, i, 0))
-            cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, i, 0))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)

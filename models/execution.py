@@ -98,11 +98,6 @@ class Execution:
     # ("auto": on a TPU; attention_kernels.kv_pack): the chip then lays it out features-minor,
     # where one position's write per step touches its own tiles only
     kv_cache_packing: str = "auto"
-    # how a decoding step writes its position into the cache: "kernel" (models/kv_write.py: one
-    # tile rewritten in place by a Pallas kernel; "auto" on a TPU with unrolled layers, where XLA
-    # otherwise stages the whole cache on chip and copies it back each step) or "dus" (XLA's
-    # dynamic_update_slice)
-    kv_cache_write: str = "auto"
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -112,7 +107,7 @@ class Execution:
                             "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
                             "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
-                            "kv_cache_packing": ("auto", "on", "off"), "kv_cache_write": ("auto", "kernel", "dus")},
+                            "kv_cache_packing": ("auto", "on", "off")},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")
