@@ -225,8 +225,18 @@ def family_named(name: str) -> Family | None:
     return BY_NAME.get(name)
 
 
+# quantized checkpoints import reads: block-wise fp8 (DeepSeek-V3's) and GPT-OSS's mxfp4 dequantized
+# (models/hf/tensors.py), bitnet's online quantization (models/hf/bitnet.py checks it)
+READ_QUANTIZATIONS = ("fp8", "mxfp4", "bitnet")
+
+
 def arch_from_hf(family: Family, hf: dict, where: str = "config.json"):
     """The architecture record of ``hf`` (a config.json dict) read by ``family``."""
+    q = hf.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") not in READ_QUANTIZATIONS:
+        raise HFError(f"{where}: quantization_config quant_method={q.get('quant_method')!r}: shardzoo imports "
+                      f"{', '.join(READ_QUANTIZATIONS)} checkpoints (dequantized; bitnet's online quantization as "
+                      "it is); use the model's unquantized checkpoint")
     view = HFConfig(hf, family, where)
     fields = family.from_hf(view)
     view.finish()

@@ -119,6 +119,7 @@ class SafetensorsReader:
 
     def __init__(self, hf_dir: str):
         self.hf_dir, self._handles = hf_dir, {}
+        self._fp8_block = fp8_block(hf_dir)
         index = os.path.join(hf_dir, INDEX_FILE)
         if os.path.isfile(index):
             try:
@@ -174,10 +175,15 @@ class SafetensorsReader:
         if self._mxfp4(stored):
             blocks, scales = self._get(f"{stored}_blocks"), self._get(f"{stored}_scales")
             return dequantize_mxfp4(blocks, scales, f"{self.hf_dir}: {stored}")
+        if self._fp8_block and f"{stored}_scale_inv" in self._where:
+            return dequantize_fp8(self._get(stored), self._get(f"{stored}_scale_inv"), self._fp8_block,
+                                  f"{self.hf_dir}: {stored}")
         return self._get(stored)
 
     def _get(self, stored: str) -> np.ndarray:
         file = self._where[stored]
+        if self._handle(file).get_slice(stored).get_dtype() in FP8_DTYPES:  # numpy has no float8: ml_dtypes'
+            return _raw_fp8(os.path.join(self.hf_dir, file), stored)
         try:
             return self._handle(file).get_tensor(stored)
         except HFError:
@@ -185,6 +191,53 @@ class SafetensorsReader:
         except Exception as e:  # noqa: BLE001 - a tensor past the end of a truncated file
             raise HFError(f"{os.path.join(self.hf_dir, file)}: cannot read tensor {stored!r} (truncated "
                           f"or damaged?): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def fp8_block(hf_dir: str) -> tuple[int, int] | None:
+    """The [out, in] block of a block-wise FP8 checkpoint's scales (DeepSeek-V3's
+    ``quantization_config``: ``quant_method: fp8``, ``weight_block_size``); None for another."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            q = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    if q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size") or (128, 128)
+    if len(block) != 2 or q.get("fmt", "e4m3") != "e4m3":
+        raise HFError(f"{hf_dir}/config.json: quantization_config={q!r}: shardzoo dequantizes fp8 e4m3 weights "
+                      "with one scale per [out, in] block (weight_block_size of two sizes)")
+    return int(block[0]), int(block[1])
+
+
+# safetensors' float8 dtypes, read through ml_dtypes (jax's) since numpy has none
+FP8_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _raw_fp8(path: str, name: str) -> np.ndarray:
+    """A float8 tensor of a safetensors file, from its header's byte offsets."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(size))[name]
+        start, stop = meta["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(stop - start)
+    return np.frombuffer(data, getattr(ml_dtypes, FP8_DTYPES[meta["dtype"]])).reshape(meta["shape"])
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+                   where: str = "FP8 tensor") -> np.ndarray:
+    """A block-wise FP8 weight [out, in] as float32: each [block] tile times its ``scale_inv``
+    [ceil(out / block[0]), ceil(in / block[1])] (as transformers' FP8 dequantization)."""
+    rows, cols = weight.shape[-2:]
+    tiles = (-(-rows // block[0]), -(-cols // block[1]))
+    if scale_inv.shape[-2:] != tiles or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise HFError(f"{where}: FP8 weight {list(weight.shape)} with blocks {list(block)} needs scales "
+                      f"{list(weight.shape[:-2]) + list(tiles)}, found {list(scale_inv.shape)}")
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], -2), block[1], -1)[..., :rows, :cols]
+    return weight.astype(np.float32) * scale
 
 
 # the 16 values of an FP4 (e2m1) nibble, as transformers.integrations.mxfp4's FP4_VALUES
