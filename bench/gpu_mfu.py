@@ -76,11 +76,12 @@ def device_bytes_limit(device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def compile_candidate(model: str, overrides: dict, batch: int, seq_len: int, remat: str):
+def compile_candidate(model: str, overrides: dict, batch: int, seq_len: int, remat: str, grad_accum: int = 1):
     """``(config, program, bytes the step needs)``: the Program ``shardzoo train`` would run
-    (adamw, lr 1e-4, weight decay 0.1; one device), its step compiled."""
+    (adamw, lr 1e-4, weight decay 0.1; one device; ``batch`` rows a step in ``grad_accum``
+    microbatches), its step compiled."""
     _, config = get_model(model, **overrides, remat_policy=remat)
-    program = one_device_program(config, batch, seq_len, lr=1e-4, weight_decay=0.1)
+    program = one_device_program(config, batch, seq_len, lr=1e-4, weight_decay=0.1, grad_accum=grad_accum)
     used = program.compile_report()["memory"].get("total")
     return config, program, used
 
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", help="fix the remat policy (none, save_attn_mlp, full, ...)")
     parser.add_argument("--candidates", default=None, metavar="BxS:REMAT,...",
                         help="the (batch, seq, remat) candidates to try in order, e.g. 4x2048:full,2x2048:full")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="microbatches a step (as `shardzoo train --grad-accum`): the batch is the step's")
     parser.add_argument("--model", default="llama3.2-1b", help="a zoo preset (default: llama3.2-1b)")
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the params' (and so adam's) dtype; compute is bf16 (default: float32)")
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
         compiled.clear()
         t0 = time.perf_counter()
         try:
-            compiled[candidate] = compile_candidate(args.model, overrides, batch, seq_len, remat)
+            compiled[candidate] = compile_candidate(args.model, overrides, batch, seq_len, remat, args.grad_accum)
         except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED while compiling: the next one
             print(f"batch {batch} x {seq_len}, remat {remat}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
             return math.inf
@@ -199,6 +202,8 @@ def main(argv=None) -> int:
     label = f"{args.model} (tiny config, code-path check)" if args.tiny else args.model
     if args.override:
         label += " (" + ", ".join(args.override) + ")"
+    if args.grad_accum > 1:
+        label += f" ({args.grad_accum} microbatches a step)"
     header = ("| model | device | params | batch x seq | attention | remat | step ms | tokens/s | "
               "model FLOP/s | MFU |\n|---|---|---:|---|---|---|---:|---:|---:|---:|")
     line = (f"| {label} | {kind} | {si(params_count)} | {batch} x {seq_len} | "
