@@ -6,6 +6,7 @@
 #   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
 #   bash bench/tpu_all.sh install decode:llama3.2-1b moe decodeprof:llama3.2-1b:32:scan
 #   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
+#   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
 set -uo pipefail
@@ -49,6 +50,12 @@ for part in "$@"; do
       timeout 400 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
         --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace --hlo "$out/hlo" 2>&1 \
         | tee "$out/tpu_decodeprof_${model}_${batch}_${mode}.log" | tail -60
+      ;;
+    decodevmem:*)  # decodevmem:MODEL:KIB -- batch-32 unrolled decoding with libtpu's scoped VMEM at KIB (0: default)
+      IFS=: read -r _ model kib <<< "$part"
+      flag=""; [ "$kib" != 0 ] && flag="--xla_tpu_scoped_vmem_limit_kib=$kib"
+      LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
+        --dtype bfloat16 --batches 32 --prompt 128 --new 256 --layers 0 --scan unroll 2>&1 | grep "^| $model" | head -1
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
       timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4

@@ -45,6 +45,13 @@ ROWS = (
     # adamw's fixed ~21 ms (6% of a 2 x 2048 step) over two microbatches of 2 x 2048
     ("llama-accum2", "llama3.2-1b", "4x2048:save_qkv_mlp", ("--grad-accum=2",)),
     ("gemma-accum2", "gemma-3-1b", "4x2048:save_qkv_mlp", ("--grad-accum=2",)),
+    # MaxText's v5e flag for dense compute-bound models (its xla_flags_library's DENSE_VMEM_LIMIT):
+    # more of the chip's on-chip memory for each op, less for prefetching later ops' operands
+    ("llama-vmem96", "llama3.2-1b", "2x2048:save_qkv_mlp", ("env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=98304",)),
+    ("gemma-vmem96", "gemma-3-1b", "2x2048:save_qkv_mlp,4x2048:full",
+     ("env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=98304",)),
+    ("moe-vmem80", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp",
+     (*MOE, "moe_dispatch=auto", "env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=81920")),
     ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("gemma-qkv", "gemma-3-1b", "3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
@@ -75,11 +82,16 @@ def main(argv=None) -> int:
             continue
         cmd = [sys.executable, os.path.join(HERE, "gpu_mfu.py"), "--model", model, "--param-dtype", "bfloat16",
                "--candidates", candidates, "--steps", args.steps, "--out", f"/tmp/tpu_mfu_{name}.md"]
+        env = dict(os.environ)
         for kv in (*overrides, *extra.get(name, ())):
+            if kv.startswith("env:"):  # the row's process environment (libtpu's flags)
+                key, _, value = kv[4:].partition("=")
+                env[key] = f"{env.get(key, '')} {value}".strip()
+                continue
             cmd += [kv] if kv.startswith("--") else ["--override", kv]  # a flag of gpu_mfu's, else a field
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
             out, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             out, code = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
@@ -87,7 +99,8 @@ def main(argv=None) -> int:
         print(f"== {name} ({seconds:.0f}s, exit {code})\n{out}", flush=True)
         row = next((ln for ln in out.splitlines() if ln.startswith("| ") and "model |" not in ln), None)
         at = cmd.index("--out")  # the command as one would type it, without where the row goes
-        shown = " ".join(["python bench/gpu_mfu.py", *cmd[2:at], *cmd[at + 2:]])
+        shown = " ".join([*(f"{k}={v!r}" for k, v in env.items() if os.environ.get(k) != v),
+                          "python bench/gpu_mfu.py", *cmd[2:at], *cmd[at + 2:]])
         lines.append(f"| {name} | {row or f'failed ({code})'} | `{shown}` |")
         with open(args.out, "w") as f:
             f.write("| row | result (model, device, params, batch x seq, attention, remat, step ms, tokens/s, "
