@@ -2,7 +2,7 @@
 latent attention, the ``topk`` keys it attends. A token mixer (``MIXER``, the "indexed_attention"
 layers of ``layer_types``; ``models/components.py``) with its sub-record ``indexer``
 (``IndexerArch``; HF's ``index_topk``, ``index_n_heads``, ``index_head_dim``): ``IndexedAttention``
-is latent attention (``models/attention.py``) whose ``select_keys`` runs the indexer.
+is latent attention (``models/latent_attention.py``) whose ``select_keys`` runs the indexer.
 
 The indexer has its own small projections: ``n_heads`` query heads of ``head_dim`` from the
 query latent (``wq_b``), one key of ``head_dim`` per token (``wk``, LayerNorm'd: ``k_norm``) and a
