@@ -295,6 +295,8 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
         "head": t(3 * a.hidden_size, BLE, 4) * (1 + (a.head_transform is not None)) + logits
         + (int(t(2 * vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB)) * length_share) if a.final_logit_softcapping else 0),
     }
+    if a.shared_block:  # Zamba2's shared blocks, each use's arrays kept whole (outside the layers' remat)
+        others["shared_blocks"] = shared_block.activations(a, seq_len, t)
     for mixer in sorted({m for m, _, _ in kinds}):  # what a mixer keeps once per model (attention's mask)
         if MIXERS[mixer].model_terms is not None:
             others.update(MIXERS[mixer].model_terms(cost))

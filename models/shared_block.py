@@ -24,6 +24,7 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError
 from shardzoo.models.attention import Attention
+from shardzoo.models.attention_costs import BHL, BLHD, BLKD
 from shardzoo.models.attention_costs import flops as attention_flops
 from shardzoo.models.attention_kernels import attention_mask, unpacked, xla_attention
 from shardzoo.models.component import SubRecord
@@ -108,6 +109,22 @@ def flops(a, seq_len: int) -> float:
         return 0.0
     block, use = _sizes(a)
     return len(a.shared_block.layers) * (6 * (block + use) + attention_flops(a, LayerSpec(), seq_len))
+
+
+def activations(a, seq_len: int, t) -> int:
+    """What every use keeps for the backward (``t``: ``costs.LayerCost.t``): the uses run outside
+    the layers' remat, so every array of theirs whatever the policy: the 2 x hidden input and its
+    norm, q, k, v and the adapters' latents, XLA attention's scores and float32 probabilities,
+    the context, the MLP's input, gate, up and their product, the down and output projections."""
+    if a.shared_block is None:
+        return 0
+    s, d, f, hd, h = a.shared_block, a.hidden_size, a.intermediate_size, a.head_size, a.num_attention_heads
+    ble, blm, blr = (ax.BATCH, ax.LENGTH, ax.EMBED), (ax.BATCH, ax.LENGTH, ax.MLP), (ax.BATCH, ax.LENGTH, ax.LORA_RANK)
+    use = (t(4 * d, ble) + t(h * hd, BLHD) + t(2 * a.kv_heads * hd, BLKD)
+           + t((1 + 3 * s.attention_adapters) * s.adapter_rank, blr)
+           + t(h * seq_len, BHL) + t(h * seq_len, BHL, 4) + t(h * hd, BLHD)
+           + t(4 * d, ble) + t(3 * f, blm))
+    return len(s.layers) * use
 
 
 class SharedAttention(Attention):
