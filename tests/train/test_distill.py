@@ -96,6 +96,19 @@ def hf(tmp_path_factory):
 
 
 def first_step(hf, mesh_spec="data=1", rules="dp", grad_accum=1, **task):
+    """``(metrics, program)`` of one train step from the HF weights; each setting is run once per
+    module (several tests compare the same steps)."""
+    task = {**dict(beta=0.0, top_k=0), **task}  # distill_task's defaults: first_step(hf) is beta 0
+    key = (id(hf), mesh_spec, rules, grad_accum, tuple(sorted(task.items())))
+    if key not in _STEPS:
+        _STEPS[key] = _first_step(hf, mesh_spec, rules, grad_accum, **task)
+    return _STEPS[key]
+
+
+_STEPS = {}
+
+
+def _first_step(hf, mesh_spec, rules, grad_accum, **task):
     devices = jax.devices()[:1] if mesh_spec == "data=1" else jax.devices()
     mesh, rules = make_mesh(mesh_spec, devices=devices), get_rules(rules)
     _, config, params = load_hf(str(hf.root / "student"), mesh=mesh, rules=rules)

@@ -94,18 +94,37 @@ def test_precomputed_reference_is_stored_and_gives_the_same_first_step(dirs, str
     assert program.plan().totals["reference"] == 0
 
 
-def test_lora_dpo_reference_costs_no_parameter_bytes_and_its_merged_export_loads(dirs):
+LORA = dict(lora_rank=4, lora_alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def held_runs(dirs):
+    """Runs of 3 steps with a quarter of the pairs held out, by kind of reference, each trained
+    once (the LoRA one serves the LoRA test and its eval test): the out dir's name."""
     root, pairs = dirs
-    lora = dict(lora_rank=4, lora_alpha=8.0)
-    plan = prepare(settings(root, pairs, "plan-lora", **lora)).program.plan()
+    done = {}
+
+    def held_run(kind):
+        if kind not in done:
+            extra = LORA if kind == "lora" else dict(reference=str(root / "reference"))
+            done[kind] = f"held-{kind.split()[0]}"
+            quiet(settings(root, pairs, done[kind], steps=3, eval_fraction=0.25, **extra))
+        return done[kind]
+
+    return held_run
+
+
+def test_lora_dpo_reference_costs_no_parameter_bytes_and_its_merged_export_loads(dirs, held_runs):
+    root, pairs = dirs
+    plan = prepare(settings(root, pairs, "plan-lora", **LORA)).program.plan()
     assert plan.totals["reference"] == 0 and "reference model" in plan.format()
     full = prepare(settings(root, pairs, "plan-full")).program.plan()
     assert full.totals["reference"] == full.totals["params"] > 0  # a frozen copy, sharded as the params
-    quiet(settings(root, pairs, "lora", steps=3, **lora))
-    first = records(root, "lora")[1]
+    out = held_runs("lora")
+    first = records(root, out)[1]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)  # B = 0: the policy is its base at step 1
-    assert records(root, "lora")[3]["rewards/margins"] != 0.0
-    export_hf(str(root / "lora"), str(root / "merged"), merge_lora=True)
+    assert records(root, out)[3]["rewards/margins"] != 0.0
+    export_hf(str(root / out), str(root / "merged"), merge_lora=True)
     merged = AutoModelForCausalLM.from_pretrained(str(root / "merged"))
     base = AutoModelForCausalLM.from_pretrained(str(root / "policy"))
     q = "model.layers.0.self_attn.q_proj.weight"
@@ -132,14 +151,12 @@ def eval_metrics(**kw):
 
 
 @pytest.mark.parametrize("kind", ["frozen copy", "lora"])
-def test_eval_of_a_dpo_run_equals_its_final_held_out_metrics(dirs, kind):
+def test_eval_of_a_dpo_run_equals_its_final_held_out_metrics(dirs, held_runs, kind):
     """``shardzoo eval --checkpoint RUN --split eval`` scores the run's held-out pairs against the
     reference it trained with (a --reference dir; under LoRA the base, adapters off) and gives the
     trainer's last eval_* within 1e-5."""
-    root, pairs = dirs
-    out = f"held-{kind.split()[0]}"
-    extra = dict(lora_rank=4, lora_alpha=8.0) if kind == "lora" else dict(reference=str(root / "reference"))
-    quiet(settings(root, pairs, out, steps=3, eval_fraction=0.25, **extra))
+    root, _ = dirs
+    out = held_runs(kind)
     final = [r for r in map(json.loads, open(root / out / "metrics.jsonl")) if "eval_loss" in r][-1]
     metrics = eval_metrics(checkpoint=str(root / out), split="eval")
     assert metrics["task"] == "dpo" and metrics["pairs"] == 4 and metrics["split"] == "eval"

@@ -216,6 +216,13 @@ def test_rewards_with_none_and_both_aggregations_equal_trls(aggregation):
         np.testing.assert_allclose(other_rewards, rewards, atol=1e-6)
 
 
+def jitted_outputs(task, module, params, placed):
+    """The model call's outputs (``forward``'s first item), jitted: one compile costs less than
+    the model's ops dispatched one by one."""
+    return jax.jit(lambda p, b: forward(task, module, p, b, jax.random.PRNGKey(0), deterministic=True)[0])(
+        params, placed)
+
+
 def test_truncated_completions_are_trls_and_leave_the_loss(ours):
     """TRL's ``mask_truncated_completions``: a completion whose last token is neither an eos nor the
     pad token is masked. With one iteration (ratio 1) the loss is -A averaged as each aggregation
@@ -236,8 +243,7 @@ def test_truncated_completions_are_trls_and_leave_the_loss(ours):
             "dr_grpo": -(advantage * tokens).sum() / (len(cut) * COMPLETION)}
     program = program_of(ours, grpo_task("grpo", 0.0, max_completion_length=COMPLETION))
     placed = program.place(batch)
-    outputs, _, _ = forward(program.task, program.module, ours.params, placed, jax.random.PRNGKey(0),
-                            deterministic=True)
+    outputs = jitted_outputs(program.task, program.module, ours.params, placed)
     for loss, value in want.items():
         task = grpo_task(loss, 0.0, num_iterations=1, max_completion_length=COMPLETION)
         got = task.sums(outputs, placed)["loss"] / jnp.sum(placed["weights"])
@@ -294,7 +300,7 @@ def test_one_iteration_without_reference_has_ratio_one_and_no_clipping(ours):
     assert task.later_keys == () and task.reference_keys == ()
     program = program_of(ours, task)
     placed = program.place(rollout_batch(advantage))
-    outputs, _, _ = forward(task, program.module, ours.params, placed, jax.random.PRNGKey(0), deterministic=True)
+    outputs = jitted_outputs(task, program.module, ours.params, placed)
     logps = task.reference_logps(outputs, placed)
     _, ratio, kl, _ = task.per_token(logps, placed)
     assert kl is None and np.all(np.asarray(ratio) == 1.0)

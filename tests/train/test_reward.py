@@ -150,7 +150,7 @@ def test_export_loads_as_llama_for_sequence_classification(hf, one, tmp_path):
     assert np.abs(want - hf_own).max() < 1e-4  # the export holds the imported weights
     from shardzoo.train.tasks.reward import sequence_rewards
 
-    scores = config.build().apply({"params": params}, jax.numpy.asarray(batch["inputs"].reshape(-1, SEQ)))
+    scores = jax.jit(config.build().apply)({"params": params}, jax.numpy.asarray(batch["inputs"].reshape(-1, SEQ)))
     got = np.asarray(sequence_rewards(scores, jax.numpy.asarray(batch["segment_ids"].reshape(-1, SEQ))))
     assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
     assert np.abs(want).max() > 0.1
@@ -255,7 +255,8 @@ def test_the_plan_counts_the_score_head_not_an_lm_head():
 
     _, lm = get_model("llama-tiny")
     _, rm = get_model("llama-tiny", score_head=True)
-    params = rm.build().init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+    # the tree's shapes are what is counted: traced, not computed
+    params = jax.eval_shape(rm.build().init, jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
     assert "score" in params and "lm_head" not in params
     assert rm.num_params() == sum(x.size for x in jax.tree.leaves(params))
     assert lm.num_params() - rm.num_params() == lm.arch.hidden_size * (lm.arch.vocab_size - 1)
