@@ -12,11 +12,15 @@ checkpoints written before the split hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from typing import ClassVar, Protocol, runtime_checkable
 
 from shardzoo.models import ModelError
+
+# a record class's annotations resolved, once per class (``replace`` asks on every call)
+type_hints = functools.cache(typing.get_type_hints)
 
 
 @runtime_checkable
@@ -85,7 +89,7 @@ class ModelConfig:
         """``{field: (record, annotation)}`` of every settable field."""
         out = {}
         for record, kind in (("arch", cls.ARCH), ("execution", cls.EXECUTION)):
-            hints = typing.get_type_hints(kind)
+            hints = type_hints(kind)
             for f in dataclasses.fields(kind):
                 out[f.name] = (record, hints[f.name])
         return out

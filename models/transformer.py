@@ -13,7 +13,6 @@ runs as a pipeline (``models/pipeline.py``).
 from __future__ import annotations
 
 import functools
-import typing
 from typing import ClassVar
 
 import jax
@@ -24,7 +23,7 @@ from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import MOE, LayerSpec, TransformerArch, nest
 from shardzoo.models.blocks import BLE, BLOCK_FORMS, LayerScalar
 from shardzoo.models.components import RECORDS
-from shardzoo.models.config import ModelConfig
+from shardzoo.models.config import ModelConfig, type_hints
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, write_cache
 from shardzoo.models.execution import REMAT_POLICIES, Execution
@@ -78,7 +77,7 @@ class TransformerConfig(ModelConfig):
         """The records' fields, and the sub-records' fields by their flat names (``SubRecord.FLAT``)."""
         out = super().field_types() | {"parallel_residual": ("arch", bool)}  # block_form's flag before it (arch.nest)
         for record in RECORDS.values():
-            hints = typing.get_type_hints(record)
+            hints = type_hints(record)
             out.update({flat: ("arch", hints[name]) for flat, name in record.FLAT.items()})
         return out
 

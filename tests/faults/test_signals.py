@@ -34,22 +34,27 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(cli, tmp_path):
 
 def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_run_resumes(cli, reference, tmp_path):
     """Ctrl-C at one moment of each phase of a run (8 steps of 0.3 s, a save every 2 steps).
-    In its loop: 0.1 s after it logged step 1 (in step 2), as it logged step 4 (in that step's
-    log and save) and 0.2 s after it logged step 6 (in step 7). Before it: 0.5 s after the
-    start (the interpreter's start-up), halfway to the moment the loop runs took the lock (jax
-    and shardzoo importing), 0.1 s after the lock appears (the data read and tokenized under a
-    --out this command created) and as run.json appears (the model built and its step compiled). Each
-    process ends within 10 s with exit 130 and one line, never a crash, and the same command then
-    trains the run to its end. Before the loop nothing is saved (the run directory is as a resume
-    expects it); in it, the step it was at (the last it logged) is saved, and the resume ends
-    bit-identical to the uninterrupted ``reference`` (its losses and parameters)."""
+    Before its loop: 0.5 s after the start (the interpreter's start-up), halfway to the moment
+    the loop runs took the lock (jax and shardzoo importing), 0.1 s after the lock appears (the
+    data read and tokenized under a --out this command created) and as run.json appears (the
+    model built and its step compiled). In its loop: 0.1 s after it logged step 1 (in step 2),
+    as it logged step 4 (in that step's log and save) and 0.2 s after it logged step 6 (in step 7).
+    Each process ends within 10 s with exit 130 and one line, never a crash. Before the loop
+    nothing is saved (the run directory is as a resume expects it); in it, the step it was at
+    (the last it logged) is saved. The run.json moment and the loop's three are one run: each
+    is the same command resuming what the one before left (one process a moment, and every
+    resume but the first from the step the one before saved), and the last resume trains it to
+    its end bit-identical to the uninterrupted ``reference`` (its losses and parameters)."""
     delay = dict(SZ_TEST_STEP_DELAY="0.3")
     logged = [(1, 0.1), (4, 0.0), (6, 0.2)]  # (logged step to wait for, then seconds)
-    lock_s = []  # from the start to the lock, in the runs that reach the loop
-    moments = [("loop", m) for m in logged] + [("start", s) for s in ("0.5 s", "halfway", "lock", "run.json")]
-    kinds, want = [], jax.tree.leaves(load_model_and_params(str(reference))[2])
+    lock_s = []  # from the start to the lock, in the runs that reach run.json
+    chain = tmp_path / "chain"  # the run the run.json moment starts and the loop's moments resume
+    moments = [("start", "run.json")] + [("loop", m) for m in logged] + [("start", s) for s in ("0.5 s", "halfway", "lock")]
+    kinds, saved, want = [], None, jax.tree.leaves(load_model_and_params(str(reference))[2])
     for k, (phase, moment) in enumerate(moments):
-        out, name = tmp_path / f"run{k}", f"ctrl_c_{k}"
+        out = chain if phase == "loop" or moment == "run.json" else tmp_path / f"run{k}"
+        name = f"ctrl_c_{k}"
+        assert not (out / ".shardzoo.lock").exists(), f"moment {k}: the lock of the one before is left"
         started = time.monotonic()
         proc = cli.start(name, *cli.args(out, 8, "--save-every", "2"), **delay)
         try:
@@ -64,8 +69,11 @@ def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_ru
                 assert not out.exists(), f"moment {k} ({moment}): the lock was taken already"
             else:  # 0.1 s after the lock appears (not at once: between taking it and ``undone`` is no moment
                 # a person can aim at), as run.json does
-                marker = out / (".shardzoo.lock" if moment == "lock" else "run.json")
-                cli.wait_for(lambda marker=marker: marker.exists(), proc, poll=0.005)
+                lock = out / ".shardzoo.lock"
+                cli.wait_for(lock.exists, proc, poll=0.005)
+                lock_s.append(time.monotonic() - started)
+                marker = lock if moment == "lock" else out / "run.json"
+                cli.wait_for(marker.exists, proc, poll=0.005)
                 time.sleep(0.1 if moment == "lock" else 0)
             proc.send_signal(signal.SIGINT)
             sent = time.monotonic()
@@ -78,28 +86,31 @@ def test_ctrl_c_at_each_phase_of_a_run_ends_within_10_s_with_one_line_and_the_ru
         assert took < 10, f"moment {k}: {took:.1f} s"
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1, f"moment {k}:\n{err}"
+        if phase == "loop" and saved is not None:  # this process was the same command resuming
+            assert f"resumed from {out}/checkpoints/{saved}" in (cli.root / f"{name}.out").read_text(), f"moment {k}"
         if lines[0] == "shardzoo train: interrupted (Ctrl-C); nothing more was saved":
             kinds.append("before the loop")
             assert not (out / "checkpoints").exists() or latest_step(str(out / "checkpoints")) is None
             # the --out it created is gone unless the run wrote its files there (no empty dir, no lock)
             assert not out.exists() or (out / "run.json").exists() and not (out / ".shardzoo.lock").exists()
+            # else the same command is a fresh run into a new --out, as ``reference``
+            assert out.exists() == (out == chain), f"moment {k}"
         else:
             saved = latest_step(str(out / "checkpoints"))
             assert lines[0] == (f"shardzoo train: interrupted: saved step {saved} to {out}/checkpoints/{saved}; "
                                 "run the same command to resume"), lines[0]
             assert phase == "start" or saved == cli.logged_step(out) >= moment[0]  # the step it was at
             kinds.append(f"saved {saved}")
-        if out.exists():  # else the same command is a fresh run into a new --out, as ``reference``
-            resumed = cli.train(out, 8, "--save-every", "2")
-            assert resumed.returncode == 0, f"moment {k}: the resume failed\n{resumed.stderr}"
-            assert latest_step(str(out / "checkpoints")) == 8
-            if phase == "loop":  # the same program: bitwise
-                assert f"resumed from {out}/checkpoints/{saved}" in resumed.stdout, resumed.stdout
-                assert cli.losses(out) == cli.losses(reference), f"moment {k}"
-                for a, b in zip(want, jax.tree.leaves(load_model_and_params(str(out))[2]), strict=True):
-                    assert np.array_equal(np.asarray(a), np.asarray(b)), f"moment {k}"
+    resumed = cli.train(chain, 8, "--save-every", "2")  # the same command, to the run's end
+    assert resumed.returncode == 0, f"the resume failed\n{resumed.stderr}"
+    assert latest_step(str(chain / "checkpoints")) == 8
+    assert f"resumed from {chain}/checkpoints/{saved}" in resumed.stdout, resumed.stdout
+    assert cli.losses(chain) == cli.losses(reference)  # the same program: bitwise
+    for a, b in zip(want, jax.tree.leaves(load_model_and_params(str(chain))[2]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     # the start-up moments before run.json reach before the loop, and the loop's three saved three steps
-    assert kinds[3:6] == ["before the loop"] * 3 and len(set(kinds[:3])) == 3, kinds
+    assert kinds[0] == "before the loop" and kinds[4:] == ["before the loop"] * 3, kinds
+    assert len(set(kinds[1:4])) == 3 and all(kind.startswith("saved") for kind in kinds[1:4]), kinds
 
 
 def _pipeline(cli, out, name, stderr, **env):
