@@ -59,17 +59,18 @@ def reference():
     module, _ = get_model("lfm2-tiny", **TINY)
     batch = packed_batch()
     boxed = jax.eval_shape(module.init, jax.random.key(0), batch["inputs"])["params"]
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))
     # the conv layer's weights large enough (0.3, not 0.02) that it moves the logits
     rng = np.random.default_rng(1)
     conv = params["layers_0"]["conv"]
     for name in ("in_b", "in_c", "in_x"):
         conv[name]["kernel"] = (0.3 * rng.normal(size=conv[name]["kernel"].shape)).astype(np.float32)
     conv["kernel"] = (0.3 * rng.normal(size=conv["kernel"].shape)).astype(np.float32)
-    (_, logits), grads = objective(module)(params, batch)
+    f = objective(module)
+    (_, logits), grads = f(params, batch)
     off = jax.tree.map(lambda x: x, params)
     off["layers_0"]["conv"] = dict(conv, kernel=0 * conv["kernel"])
-    (_, without), _ = objective(module)(off, batch)
+    (_, without), _ = f(off, batch)
     assert np.abs(without - logits).max() > 1e-2  # the convolution matters to the logits
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
@@ -111,10 +112,9 @@ def test_conv_under_context_parallelism_equals_one_device(reference, preset, mes
           f"{np.abs(cp_logits - logits).max():.1e}")
 
 
-def test_a_chunk_shorter_than_the_taps_is_a_one_line_error():
-    module, _ = get_model("lfm2-tiny", **TINY)
+def test_a_chunk_shorter_than_the_taps_is_a_one_line_error(reference):
+    module, _, params, _, _ = reference  # the parameters do not depend on the length
     batch = {k: v[:, :16] for k, v in packed_batch().items()}  # 16 tokens over context=4: chunks of 2 < 3
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
     mesh = make_mesh("context=4,data=2")
     ring = module.clone(placement=Placement(mesh, get_rules("cp")))
     for build in (lambda: objective(ring)(params, batch), lambda: ring.init(jax.random.key(0), batch["inputs"])):

@@ -2,8 +2,8 @@
 token-by-token recurrence (outputs, final state and gradients, 1e-5) for lengths that are and are
 not multiples of the chunk, with packed segments and an initial state; both equal transformers'
 ``chunk_kimi_delta_attention`` and ``recurrent_kimi_delta_attention`` (1e-5); the per-channel decay
-matters (a per-head decay gives other outputs). In the model too (kimi-linear-tiny: 3 KDA : 1 latent
-attention; logits and gradients, chunks against steps). Context parallelism (context=4): logits and
+matters (a per-head decay gives other outputs). In the model too (kimi-linear-tiny cut to one KDA and
+one latent attention layer, a dense MLP and an MoE; logits and gradients, chunks against steps). Context parallelism (context=4): logits and
 gradients equal one device's (1e-5), the states pass by collective-permutes and no device gathers
 the row in a KDA layer. The plan within 15% of the compiled step; the decoding cache counted. fp32.
 """
@@ -26,7 +26,7 @@ from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.program import count_collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
+from mixer_checks import FAST, length_gathers, objective, permutes_of  # noqa: E402
 
 CHUNK, HEADS, D = 4, 3, 8
 
@@ -53,20 +53,23 @@ def test_chunked_equals_the_recurrence_with_gradients(length):
     xs, seg = rule_inputs(length)
     state = jax.random.normal(jax.random.key(7), (2, HEADS, D, D))
     prev = jnp.array([1, 5])  # row 0's state belongs to its first segment, row 1's to none of its own
-    out1, s1 = delta_rule.gated_delta_step(*xs, seg, state, prev)
-    out2, s2 = kd.kimi_delta_chunked(*xs, CHUNK, seg, state, prev)
-    np.testing.assert_allclose(out2, out1, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(s2, s1, atol=1e-5, rtol=0)
-    assert np.abs(kd.kimi_delta_chunked(*xs, CHUNK)[0] - out2).max() > 1e-2  # the segments matter
 
     def loss(fn, *args):
         out, final = fn(*args)
         probe = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
         return jnp.sum(out * probe) + jnp.sum(jnp.sin(final))
 
-    step = jax.grad(lambda xs, s: loss(delta_rule.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
-    chunked = jax.grad(lambda xs, s: loss(lambda *a: kd.kimi_delta_chunked(*a[:5], CHUNK, *a[5:]),
-                                          *xs, seg, s, prev), argnums=(0, 1))(xs, state)
+    def both(xs, state):  # one compiled program for every output (op by op it is 3x slower)
+        step = jax.grad(lambda xs, s: loss(delta_rule.gated_delta_step, *xs, seg, s, prev), argnums=(0, 1))(xs, state)
+        chunked = jax.grad(lambda xs, s: loss(lambda *a: kd.kimi_delta_chunked(*a[:5], CHUNK, *a[5:]),
+                                              *xs, seg, s, prev), argnums=(0, 1))(xs, state)
+        return (delta_rule.gated_delta_step(*xs, seg, state, prev), kd.kimi_delta_chunked(*xs, CHUNK, seg, state, prev),
+                kd.kimi_delta_chunked(*xs, CHUNK)[0], step, chunked)
+
+    (out1, s1), (out2, s2), unsegmented, step, chunked = jax.jit(both, compiler_options=FAST)(xs, state)
+    np.testing.assert_allclose(out2, out1, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(s2, s1, atol=1e-5, rtol=0)
+    assert np.abs(unsegmented - out2).max() > 1e-2  # the segments matter
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(step), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
@@ -107,10 +110,13 @@ def packed_batch(seed=0) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    """kimi-linear-tiny in chunks of 4 (dropless MoE: no token order decides a drop), its KDA weights 0.3 x normal (the decay's projections
-    0.05, A = 0.1: a state that lasts) so that they move the logits; logits and gradients on one
-    device."""
-    module, _ = get_model("kimi-linear-tiny", vocab_size=128, linear_attention_chunk=CHUNK, moe_dispatch="dropless")
+    """kimi-linear-tiny in chunks of 4, cut to its first KDA layer (dense MLP) and its latent
+    attention layer (MoE; dropless: no token order decides a drop), its KDA weights 0.3 x normal
+    (the decay's projections 0.05, A = 0.1: a state that lasts) so that they move the logits;
+    logits and gradients on one device."""
+    module, _ = get_model("kimi-linear-tiny", vocab_size=128, linear_attention_chunk=CHUNK, moe_dispatch="dropless",
+                          num_hidden_layers=2, layer_types=(kd.KIMI, "full_attention"), rope_layers=(False, False),
+                          mlp_layer_types=("dense", "moe"))
     batch = packed_batch()
     boxed = jax.eval_shape(module.init, jax.random.key(0), batch["inputs"])["params"]
     params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))

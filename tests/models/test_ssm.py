@@ -1,7 +1,7 @@
 """Mamba2's state-space mixer (models/ssm.py, models/ssm_scan.py): the chunked scan (SSD) equals the token-by-token
 recurrence, outputs, final states and gradients (1e-5), for lengths that are and are not
-multiples of the chunk, with packed segments and an initial state; a whole model's logits and
-gradients equal with every mamba layer run by the recurrence; and context parallelism: the
+multiples of the chunk, with packed segments and an initial state; a whole model's (a mamba and an
+attention layer) logits and gradients equal with its mamba layer run by the recurrence; and context parallelism: the
 state passed along the ring by collective-permutes, logits and gradients equal one device's
 (1e-5), the sequence never gathered in a mamba layer. fp32.
 """
@@ -21,13 +21,13 @@ from shardzoo.sharding.partition import Placement, activate, logical_shardings
 from shardzoo.train.jit import count_collectives
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mixer_checks import length_gathers, objective, permutes_of  # noqa: E402
+from mixer_checks import FAST, length_gathers, objective, permutes_of  # noqa: E402
 
 BATCH, LENGTH, CHUNK = 4, 48, 4  # 48 tokens over context=4: 8 ring chunks of 6, each 2 scan chunks (4 + 2)
 HEADS, HEAD_DIM, GROUPS, STATE = 8, 4, 2, 8
-TINY = dict(hidden_size=16, intermediate_size=32, vocab_size=128, num_hidden_layers=3, num_attention_heads=2,
-            max_position_embeddings=64, layer_types=("mamba", "full_attention", "mamba"),
-            mlp_layer_types=("none", "dense", "none"), mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM,
+TINY = dict(hidden_size=16, intermediate_size=32, vocab_size=128, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=64, layer_types=("mamba", "full_attention"), mlp_layer_types=("none", "dense"),
+            mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM,
             mamba_n_groups=GROUPS, ssm_state_size=STATE, mamba_chunk_size=CHUNK)
 
 
@@ -48,21 +48,24 @@ def test_the_chunked_scan_equals_the_recurrence(length):
     rng = np.random.default_rng(1)
     state = jnp.asarray(rng.normal(size=(2, HEADS, HEAD_DIM, STATE)), jnp.float32)
     state_seg = jnp.asarray([1, 5])  # row 0 continues its state, row 1 starts a new document
-    for s, st, ss in ((None, None, None), (seg, None, None), (seg, state, state_seg)):
-        y1, f1 = ssm_scan.ssd(x, dt, A, B, C, CHUNK, s, st, ss)
-        y2, f2 = ssm_scan.ssd_steps(x, dt, A, B, C, s, st, ss)
-        np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(f1, f2, atol=1e-5, rtol=1e-5)
-    chunked = ssm_scan.ssd(x, dt, A, B, C, CHUNK, seg)[0]
-    assert np.abs(chunked - ssm_scan.ssd(x, dt, A, B, C, CHUNK)[0]).max() > 1e-2  # the segments matter
+    cases = ((None, None, None), (seg, None, None), (seg, state, state_seg))
     probe = jnp.cos(0.1 * jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
 
     def loss(fn):
         return lambda *a: jnp.mean(fn(*a)[0] * probe)
 
-    args = (x, dt, A, B, C)
-    g1 = jax.grad(loss(lambda *a: ssm_scan.ssd(*a, CHUNK, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
-    g2 = jax.grad(loss(lambda *a: ssm_scan.ssd_steps(*a, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
+    def every(*args):  # one compiled program for every output (op by op it is 3x slower)
+        pairs = [(ssm_scan.ssd(*args, CHUNK, s, st, ss), ssm_scan.ssd_steps(*args, s, st, ss)) for s, st, ss in cases]
+        g1 = jax.grad(loss(lambda *a: ssm_scan.ssd(*a, CHUNK, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
+        g2 = jax.grad(loss(lambda *a: ssm_scan.ssd_steps(*a, seg, state, state_seg)), argnums=(0, 1, 2, 3, 4))(*args)
+        return pairs, ssm_scan.ssd(*args, CHUNK)[0], g1, g2
+
+    pairs, unsegmented, g1, g2 = jax.jit(every, compiler_options=FAST)(x, dt, A, B, C)
+    for (y1, f1), (y2, f2) in pairs:
+        np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(f1, f2, atol=1e-5, rtol=1e-5)
+    chunked = pairs[1][0][0]  # ssd(..., seg)
+    assert np.abs(chunked - unsegmented).max() > 1e-2  # the segments matter
     for name, a, b in zip("x dt A B C".split(), g1, g2, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
         assert float(np.abs(b).max()) > 1e-3, name
@@ -85,14 +88,13 @@ def reference():
     module, _ = get_model("mamba2-tiny", **TINY)
     batch = packed_batch()
     boxed = jax.eval_shape(module.init, jax.random.key(0), batch["inputs"])["params"]
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
-    rng = np.random.default_rng(1)  # the mamba layers' weights large enough (0.3) to move the logits
-    for layer in ("layers_0", "layers_2"):
-        m = params[layer]["mamba"]
-        for name in ("in_x", "in_b", "in_c", "in_z", "in_dt", "out"):
-            m[name]["kernel"] = (0.3 * rng.normal(size=m[name]["kernel"].shape)).astype(np.float32)
-        for name in ("conv_x", "conv_b", "conv_c"):
-            m[name] = (0.3 * rng.normal(size=m[name].shape)).astype(np.float32)
+    params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))
+    rng = np.random.default_rng(1)  # the mamba layer's weights large enough (0.3) to move the logits
+    m = params["layers_0"]["mamba"]
+    for name in ("in_x", "in_b", "in_c", "in_z", "in_dt", "out"):
+        m[name]["kernel"] = (0.3 * rng.normal(size=m[name]["kernel"].shape)).astype(np.float32)
+    for name in ("conv_x", "conv_b", "conv_c"):
+        m[name] = (0.3 * rng.normal(size=m[name].shape)).astype(np.float32)
     (_, logits), grads = objective(module, per_token=True)(params, batch)
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
@@ -107,7 +109,7 @@ def _close(got, want, tol=1e-5):
 
 
 def test_a_model_run_by_the_recurrence_equals_the_chunked_model(reference, monkeypatch):
-    """Every mamba layer's scan replaced by the token-by-token recurrence: the same logits and
+    """The mamba layer's scan replaced by the token-by-token recurrence: the same logits and
     gradients (1e-5), 48 tokens in chunks of 4, packed documents."""
     module, _, params, batch, (logits, grads) = reference
     monkeypatch.setattr(ssm, "ssd", lambda x, dt, A, B, C, chunk, seg=None, state=None, state_seg=None:
@@ -137,7 +139,7 @@ def test_mamba_under_context_parallelism_equals_one_device(reference):
     _close(cp_grads, grads)
     hlo = compiled.as_text()
     states = _state_permutes(hlo, BATCH // 2)
-    # 2 mamba layers x (2N - 1 = 7 rounds of 2 permutes) forward, as many back
+    # the mamba layer's 2N - 1 = 7 rounds of 2 permutes forward, as many back
     assert states >= 2 * 7 * 2, count_collectives(hlo)
     assert "/mamba/" in hlo and not length_gathers(hlo, LENGTH, "/mamba/")
     print(f"cp: {states} state collective-permutes, {count_collectives(hlo)}, max |logit diff| "

@@ -63,7 +63,7 @@ def _objective(module):
 
 def _logits_under_cp_equal_one_device(module, batch) -> str:
     """The forward under ``cp`` (context=4,data=2) gives one device's logits (1e-5); its HLO."""
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))
     def forward(module):
         return jax.jit(lambda p, b: module.apply({"params": p}, b["inputs"], b["positions"], b["segment_ids"]))
 
@@ -81,7 +81,7 @@ def reference(request):
     assert request.param == "llama-tiny" or config.sliding_window < LENGTH // 4  # crosses chunks
     batch = packed_batch()
     boxed = jax.eval_shape(module.init, jax.random.key(0), batch["inputs"])["params"]
-    params = jax.device_get(nn.unbox(module.init(jax.random.key(0), batch["inputs"])["params"]))
+    params = jax.device_get(nn.unbox(jax.jit(module.init)(jax.random.key(0), batch["inputs"])["params"]))
     (_, logits), grads = _objective(module)(params, batch)
     return module, boxed, params, batch, jax.device_get((logits, grads))
 
@@ -182,9 +182,12 @@ def test_gemma_local_global_layers_under_cp_equal_one_device(name):
 
 
 def test_chunked_attention_and_nope_temperature_under_cp_equal_one_device():
-    """llama4-tiny (chunks of 4 by position, restarting per packed document; a temperature-tuned
-    NoPE layer; MoE layers) under cp: the chunked layers take the masked XLA path, one device's logits."""
+    """llama4-tiny cut to two layers (a chunked one: chunks of 4 by position, restarting per packed
+    document, dense MLP; a temperature-tuned NoPE one, MoE) under cp: the chunked layer takes the
+    masked XLA path, one device's logits."""
     module, config = get_model("llama4-tiny", hidden_size=32, intermediate_size=64, vocab_size=128,
-                               max_position_embeddings=64, moe_dispatch="dropless")
+                               max_position_embeddings=64, moe_dispatch="dropless", num_hidden_layers=2,
+                               layer_types=("chunked_attention", "full_attention"), rope_layers=(True, False),
+                               mlp_layer_types=("dense", "moe"))
     assert {s.chunk for s in config.layer_specs()} == {4, None}
     _logits_under_cp_equal_one_device(module, packed_batch())
