@@ -1,5 +1,6 @@
 """KV-cache decoding equals full forward passes; the sampler and ``generate`` behave."""
 
+import functools
 import re
 
 import jax
@@ -167,19 +168,29 @@ def test_cache_carries_logical_axes_and_shards_under_the_rules():
     assert key.addressable_shards[0].data.shape == (2, 1, 1, 16, 8)
 
 
+SAMPLING = (dict(), dict(temperature=1.0, top_k=20, seed=7))  # greedy, then sampled
+
+
+@functools.cache
+def _one_device_tokens():
+    """llama-tiny on one device: (config, params, prompt, the greedy and sampled tokens of
+    ``SAMPLING``), computed once for both ``decode_layers`` below."""
+    _, config = get_model("llama-tiny", **TINY)
+    one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    params = one.init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
+    prompt = np.asarray(jax.random.randint(jax.random.key(4), (4, 5), 0, config.vocab_size))
+    return config, params, prompt, [one.decoding.generate(params, prompt, max_new_tokens=7, **kw) for kw in SAMPLING]
+
+
 @pytest.mark.parametrize("decode_layers,layer,lead", [("unroll", "layers_0", ()), ("scan", "layers", (None,))])
 def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_layers, layer, lead):
     """The Program's compiled decoding on 8 devices: every cache array sharded as its logical
     axes say under fsdp_tp (batch over data+fsdp, kv heads over tensor), the same greedy and
     sampled tokens as one device (decoding unrolled); for either ``decode_layers``."""
-    _, config = get_model("llama-tiny", **TINY)
-    one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
-    params = one.init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
-    prompt = np.asarray(jax.random.randint(jax.random.key(4), (4, 5), 0, config.vocab_size))
+    config, params, prompt, wants = _one_device_tokens()
     program = Program(config.replace(decode_layers=decode_layers), get_rules("fsdp_tp"), make_mesh("fsdp=4,tensor=2"))
     placed = jax.device_put(jax.device_get(params), program.shardings.params)
-    for kw in (dict(), dict(temperature=1.0, top_k=20, seed=7)):
-        want = one.decoding.generate(params, prompt, max_new_tokens=7, **kw)
+    for kw, want in zip(SAMPLING, wants, strict=True):
         got = program.decoding.generate(placed, prompt, max_new_tokens=7, **kw)
         np.testing.assert_array_equal(got, want)
     _, shardings = program.decoding.cache_shardings(4, 12)
