@@ -255,11 +255,11 @@ def left_padded_generates_alone(program, params, tokens=TOKENS) -> None:
 # ---------------------------------------------------- the three proofs of a family that only combines
 # A test module that builds its families in a module-scoped ``built`` fixture ((HF dir, HF model,
 # reference logits), one per config) imports these three: pytest collects them there, on its ``built``.
-def test_logits_match_on_one_device(built):
+def test_logits_match_on_one_device(built, parity):
     """shardzoo's logits of the HF directory on one device equal transformers' (``TOL``)."""
     path, model, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
-    got = apply(module, params, one_device())
+    mesh, module, _, params = parity.load(path)
+    got = apply(module, params, mesh)
     print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
 
@@ -273,7 +273,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     """An export under the family's own model_type loads in transformers with the same logits."""
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     kind = model.config.model_type
     assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
