@@ -148,7 +148,7 @@ def test_greedy_generate_matches_transformers_from_the_latent_cache(built, parit
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     version, path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["first_k_dense_replace"]) == (f"deepseek_{version}", 1)
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

@@ -200,12 +200,12 @@ def test_apertus_xielu_scalars_qk_norm_and_llama3_rope_change_the_logits(apertus
 
 # ----------------------------------------------------------------------------------- parity
 @pytest.mark.parametrize("family", ["ernie", "ernie_moe"])
-def test_logits_match_on_one_device(family, request):
+def test_logits_match_on_one_device(family, request, parity):
     """Ernie 4.5 recombines components sharded elsewhere (interleaved rotary: test_hf_cohere; biases:
     test_hf_models' qwen2_window_layers and test_hf_dense_variants' arcee; the head's bias:
     test_hf_phi; its MoE: under ep below, under fsdp_tp with test_hf_models' mixtral)."""
     path, _, ref = request.getfixturevalue(family)
-    module, _, params = load_hf(path, mesh=one_device())
+    _, module, _, params = parity.load(path)
     got = apply(module, params, one_device())
     print(f"{family}: max |logit diff| one device {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
@@ -240,7 +240,7 @@ def test_greedy_generate_matches_transformers(family, request, parity):
                                                     ("apertus", "apertus")])
 def test_export_round_trip_loads_the_same_model(family, model_type, request, tmp_path, parity):
     path, model, ref = request.getfixturevalue(family)
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == model_type
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

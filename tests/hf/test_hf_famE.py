@@ -119,7 +119,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "gemma4_text" and hf["per_layer_config"]["1"] == {"head_dim": 16,
                                                                                  "num_key_value_heads": 2}
@@ -161,7 +161,7 @@ def test_the_moe_block_matches_on_one_device_and_under_ep(built_moe):
 def test_the_moe_block_generates_and_exports(built_moe, tmp_path, parity):
     path, model, ref = built_moe
     parity.greedy_matches(path, model, TOKENS[:1, :8])
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     assert export_hf(config, params, str(tmp_path))["enable_moe_block"] is True
     parity.export_matches(str(tmp_path), model, TOKENS, ref, TOL)
 

@@ -82,9 +82,9 @@ def built(request, tmp_path_factory):
     return saved(model, tmp_path_factory.mktemp(request.param))
 
 
-def test_logits_match_on_one_device(built):
+def test_logits_match_on_one_device(built, parity):
     path, model, ref = built
-    module, config, params = load_hf(path, mesh=one_device())
+    _, module, config, params = parity.load(path)
     assert config.num_params() == sum(p.numel() for p in model.parameters())
     got = apply(module, params, one_device())
     print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")

@@ -114,7 +114,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     """From the scanned tree (an unrolled one exports in test_hf_models, every family there)."""
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     export_hf(config, params, str(tmp_path))
     back = parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
     assert back.config.to_dict().get("layer_types") == model.config.to_dict().get("layer_types")

@@ -154,12 +154,12 @@ def test_routing_drops_experts_and_groups(built):
 
 
 @pytest.mark.parametrize("built", ["glm4", "glm4_moe"], indirect=True)
-def test_logits_match_on_one_device(built):
+def test_logits_match_on_one_device(built, parity):
     """GLM-4 and GLM-4.5 only recombine components sharded elsewhere: GLM's fused gate_up and
     rotary below; post-norms: test_hf_models' olmo2; DeepSeek-V3's routing with a shared expert
     and a dense first layer, under fsdp_tp and ep: test_hf_deepseek's v3."""
     family, path, _, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
+    _, module, _, params = parity.load(path)
     got = apply(module, params, one_device())
     print(f"{family} max |logit diff| one device {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
@@ -181,7 +181,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     family, path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["partial_rotary_factor"]) == (family, 0.5)
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

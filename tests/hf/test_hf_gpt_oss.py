@@ -123,7 +123,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["num_local_experts"], hf["swiglu_limit"]) == ("gpt_oss", E, 1.5)
     assert hf["layer_types"] == ["sliding_attention", "full_attention"] * 2

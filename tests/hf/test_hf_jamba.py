@@ -61,7 +61,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     # the largest period and offset that give the pattern (attention on layer 2 of 4: every 4th from 2)
     assert (hf["attn_layer_period"], hf["attn_layer_offset"], hf["expert_layer_period"], hf["expert_layer_offset"]) \

@@ -144,7 +144,7 @@ def test_left_padded_rows_generate_as_they_do_alone(built):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "lfm2" and hf["layer_types"] == LAYERS and hf["intermediate_size"] == 80
     assert hf["block_auto_adjust_ff_dim"] is False

@@ -116,7 +116,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, parity, tmp_path):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["moe_layers"], hf["no_rope_layers"]) == ("llama4_text", [1, 3], [1, 1, 1, 0])
     parity.export_matches(str(tmp_path), model, TOKENS, ref, TOL)

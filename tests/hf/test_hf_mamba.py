@@ -164,7 +164,7 @@ def test_left_padded_rows_generate_as_they_do_alone(mamba):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     kind, path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == kind and hf["intermediate_size"] == 64 and hf["time_step_rank"] == 6
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

@@ -156,7 +156,7 @@ def test_left_padded_rows_generate_as_they_do_alone(built):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "mamba2" and hf["num_heads"] == 8 and hf["n_groups"] == 2 and hf["chunk_size"] == 4
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

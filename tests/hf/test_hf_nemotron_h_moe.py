@@ -150,7 +150,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["layers_block_type"] == TYPES
     assert (hf["n_routed_experts"], hf["moe_intermediate_size"], hf["moe_shared_expert_intermediate_size"],

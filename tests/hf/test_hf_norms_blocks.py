@@ -75,9 +75,9 @@ def family(tmp_path_factory):
     return lambda name: _build(name, tmp_path_factory)
 
 
-def test_logits_match_on_one_device(built):
+def test_logits_match_on_one_device(built, parity):
     _, path, model, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
+    _, module, _, params = parity.load(path)
     got = apply(module, params, one_device())
     print(f"{model.config.model_type}: max |logit diff| {np.abs(got - ref).max():.2e}")
     np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
@@ -90,7 +90,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     _, path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     kind = model.config.model_type
     assert export_hf(config, params, str(tmp_path), family=kind)["model_type"] == kind
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

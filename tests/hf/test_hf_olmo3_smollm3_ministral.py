@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, MinistralConfig, Olmo3Config, Smo
 from shardzoo.models import ModelError
 from shardzoo.models.arch import FULL, SLIDING, TransformerArch
 from shardzoo.models.hf import HFError, config_to_hf, export_hf, load_hf_config
-from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402
@@ -88,11 +87,11 @@ def test_the_mechanism_matters(built):
 
 
 @pytest.mark.parametrize("built", ["olmo3"], indirect=True)
-def test_logits_match_on_one_device(built):
+def test_logits_match_on_one_device(built, parity):
     """OLMo 3 only recombines components sharded elsewhere (post-norms and projection qk-norm:
     test_hf_models' olmo2; a scanned period of sliding and full layers: test_hf_gemma's gemma3)."""
     path, _, ref = built
-    module, _, params = load_hf(path, mesh=one_device())
+    _, module, _, params = parity.load(path)
     np.testing.assert_allclose(apply(module, params, one_device()), ref, atol=TOL, rtol=0)
 
 
@@ -111,7 +110,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == model.config.model_type
     assert hf["layer_types"] == model.config.layer_types

@@ -61,7 +61,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert (hf["model_type"], hf["num_experts"], hf["norm_topk_prob"]) == ("olmoe", E, False)
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

@@ -91,7 +91,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "phi" and hf["partial_rotary_factor"] == 0.5 and hf["qk_layernorm"] is True
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

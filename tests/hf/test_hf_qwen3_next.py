@@ -191,7 +191,7 @@ def test_left_padded_rows_generate_as_they_do_alone(built):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "qwen3_next" and hf["layer_types"] == LAYERS and hf["mlp_only_layers"] == [0]
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)

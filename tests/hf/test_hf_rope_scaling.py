@@ -95,9 +95,9 @@ def test_the_scaling_matters(built):
     assert np.abs(out - ref).max() > 1e-2
 
 
-def test_export_round_trip_loads_the_same_model(built, tmp_path):
+def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     export_hf(config, params, str(tmp_path), family=model.config.model_type)
     back = fresh(tmp_path)
     assert type(back) is type(model)

@@ -15,7 +15,6 @@ import pytest
 from transformers import AutoModelForCausalLM, Starcoder2Config
 
 from shardzoo.models.hf import export_hf, load_hf_config
-from shardzoo.train.io.hf_io import load_hf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import (  # noqa: E402, F401  (test_logits_match_on_one_device: collected here on its built)
@@ -66,7 +65,7 @@ def test_greedy_generate_matches_transformers(built, parity):
 
 def test_export_round_trip_loads_the_same_model(built, tmp_path, parity):
     path, model, ref = built
-    _, config, params = load_hf(path)
+    _, _, config, params = parity.load(path)
     hf = export_hf(config, params, str(tmp_path))
     assert hf["model_type"] == "starcoder2" and hf["use_bias"] is True and hf["sliding_window"] == 4
     parity.export_matches(tmp_path, model, TOKENS, ref, TOL)
