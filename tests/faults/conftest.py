@@ -41,7 +41,7 @@ LAUNCHER = textwrap.dedent(
 
 STEPS = 8
 # as tests/conftest.py sets for the test process: the same HLO, half the compile time
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"  # tests/conftest.py's
 TINY = ["--model", "llama-tiny", "--override", "hidden_size=32", "--override", "intermediate_size=64",
         "--override", "num_hidden_layers=1", "--override", "num_key_value_heads=4"]
 

@@ -164,18 +164,11 @@ def forward(module, collections: tuple | None = None):
         return _forward.__wrapped__(module, collections)
 
 
-def fast() -> dict:
-    """The harness's compiler options: on the CPU, XLA's older loop emitters in place of its
-    fusion emitters, the same ops and shardings compiled about 3x faster (a tiny model's generate
-    4.3 s -> 1.4 s)."""
-    return {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
-
-
 @functools.lru_cache(maxsize=32)
 def _forward(module, collections):
     if collections is not None:
-        return jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)), compiler_options=fast())
-    return jax.jit(lambda p, t: module.apply({"params": p}, t), compiler_options=fast())
+        return jax.jit(lambda p, t: module.apply({"params": p}, t, mutable=list(collections)))
+    return jax.jit(lambda p, t: module.apply({"params": p}, t))
 
 
 def apply(module, params, mesh, tokens=TOKENS) -> np.ndarray:
@@ -238,7 +231,7 @@ def fsdp_tp_parity(path, ref, q=stacked_q, mesh: str = "data=2,fsdp=2,tensor=2",
 def decoded(module, params, cache, tokens, prefill: int) -> np.ndarray:
     """shardzoo's logits of ``tokens`` decoded from ``cache`` (a fresh one): a prefill of the
     first ``prefill`` tokens, then one step a token."""
-    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos), compiler_options=fast())
+    step = jax.jit(lambda p, c, t, pos: decode_step(module, p, c, t, pos))
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     logits, cache = step(params, cache, tokens[:, :prefill], positions[:, :prefill])
     got = [np.asarray(logits)]

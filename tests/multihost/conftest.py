@@ -45,7 +45,7 @@ LAUNCHER = textwrap.dedent(
 )
 
 # as tests/conftest.py sets for the test process: the same HLO, half the compile time
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"  # tests/conftest.py's
 
 # llama-tiny made smaller: 1 layer, 32 wide (4 heads of 8, 2 kv heads), seq 16, batch 8.
 TINY = ["--model", "llama-tiny", "--override", "hidden_size=32", "--override", "intermediate_size=64",
