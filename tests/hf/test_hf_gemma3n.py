@@ -186,6 +186,6 @@ def test_gemma4_per_layer_inputs_and_kv_sharing_match_transformers(tmp_path_fact
     config = load_hf_config(built4[0])
     assert config.arch.per_layer.double_wide_mlp and [s.shares_kv for s in config.layer_specs()] == [0, 0, 1, 1]
     assert config.num_params() == sum(t.numel() for t in model.parameters())
-    test_logits_match_on_one_device(built4)
+    test_logits_match_on_one_device(built4, parity)
     test_greedy_generate_matches_transformers(built4, parity)
     test_export_round_trip_loads_the_same_model(built4, tmp_path, parity)

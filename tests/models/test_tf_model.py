@@ -82,7 +82,8 @@ def test_scanned_and_unrolled_layers_agree(name):
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "gpt2-tiny"])
 def test_fused_projections_equal_separate_ones(name):
-    """k|v and up|gate as one stacked matmul: same parameters, logits and gradients (1e-5)."""
+    """k|v and up|gate as one stacked matmul: same parameters, logits (1e-5) and gradients (1e-5 and
+    1e-6 relative)."""
     fused, config = get_model(name, fuse_projections=True, **TINY)
     separate, _ = get_model(name, fuse_projections=False, **TINY)
     x = _tokens(3)
@@ -100,7 +101,8 @@ def test_fused_projections_equal_separate_ones(name):
     (lf, gf), (ls, gs) = _jit(lambda p: (logits_and_grads(fused, p), logits_and_grads(separate, p)), params)
     np.testing.assert_allclose(lf, ls, atol=1e-5, rtol=0)
     for got, want in zip(jax.tree.leaves(gf), jax.tree.leaves(gs), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        # gradients reach ~60 here, where 1e-5 is two float32 ulps: relative 1e-6 beside it
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
     text = str(jax.make_jaxpr(lambda p: fused.apply({"params": p}, x))(params))
     assert text.count("dot_general") < str(
         jax.make_jaxpr(lambda p: separate.apply({"params": p}, x))(params)).count("dot_general")
