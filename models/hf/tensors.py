@@ -182,9 +182,9 @@ class SafetensorsReader:
 
     def _get(self, stored: str) -> np.ndarray:
         file = self._where[stored]
-        if self._handle(file).get_slice(stored).get_dtype() in FP8_DTYPES:  # numpy has no float8: ml_dtypes'
-            return _raw_fp8(os.path.join(self.hf_dir, file), stored)
         try:
+            if self._handle(file).get_slice(stored).get_dtype() in FP8_DTYPES:  # numpy has no float8: ml_dtypes'
+                return _raw_fp8(os.path.join(self.hf_dir, file), stored)
             return self._handle(file).get_tensor(stored)
         except HFError:
             raise

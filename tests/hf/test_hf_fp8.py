@@ -97,3 +97,15 @@ def test_a_quantization_shardzoo_does_not_read_is_one_line(fp8_dir, tmp_path, me
     with pytest.raises(HFError, match=f"quant_method='{method}'.*unquantized checkpoint") as e:
         load_hf(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_a_truncated_fp8_file_is_one_line_naming_it(fp8_dir, tmp_path):
+    """An FP8 checkpoint whose file was cut short: one line naming the file, no traceback."""
+    path, _, _ = fp8_dir
+    for name in ("config.json", "model.safetensors"):
+        data = open(os.path.join(path, name), "rb").read()
+        with open(tmp_path / name, "wb") as f:
+            f.write(data if name == "config.json" else data[: len(data) - 4096])
+    with pytest.raises(HFError, match=r"model.safetensors: .*\(truncated or damaged\?\)") as e:
+        load_hf(str(tmp_path))
+    assert "\n" not in str(e.value)
