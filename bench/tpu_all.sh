@@ -8,7 +8,11 @@
 #   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
 #   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
+#   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32,1:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
+#
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
+# Run every part through this script: the machine's PYTHONPATH holds its TPU jax, and a command
+# that replaces PYTHONPATH instead of adding to it silently runs on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/tpu_run}
@@ -25,6 +29,7 @@ for part in "$@"; do
       mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/shardzoo
       export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:/tmp/pkg
       python3 -c "import jax, flax, datasets, pyarrow; print(jax.devices(), jax.__version__, flax.__version__, datasets.__version__, pyarrow.__version__)"
+      python3 -c "import jax; assert jax.default_backend() == 'tpu', 'no TPU: is the machine PYTHONPATH kept?'" || exit 3
       ;;
     tests|tests:*)
       sel=${part#tests}; sel=${sel#:}
@@ -56,6 +61,12 @@ for part in "$@"; do
       flag=""; [ "$kib" != 0 ] && flag="--xla_tpu_scoped_vmem_limit_kib=$kib"
       LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
         --dtype bfloat16 --batches 32 --prompt 128 --new 256 --layers 0 --scan unroll 2>&1 | grep "^| $model" | head -1
+      ;;
+    decodevar:*)  # decodevar:MODEL:BATCHES:VARIANTS -- unrolled decoding, a row per ';'-separated override set
+      IFS=: read -r _ model batches variants <<< "$part"
+      timeout 560 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batches" \
+        --prompt 128 --new 256 --layers 0 --scan unroll --variants "$variants" 2>&1 \
+        | tee "$out/tpu_decodevar_${model}.log" | grep --line-buffered -E "^\| $model|Error"
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
       timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
 from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
+from shardzoo.models.execution import DECODE_TPU_VMEM_KIB
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
@@ -92,6 +93,14 @@ class Decoding:
                 global_array(key, replicated(self.program.mesh)))
         return host_array(fn(params, *args))
 
+    def compiler_options(self) -> dict:
+        """The generate program's compiler options: on a TPU, libtpu's scoped VMEM limit
+        (``execution.decode_vmem_kib``; "auto" DECODE_TPU_VMEM_KIB); none elsewhere."""
+        kib = self.program.config.execution.decode_vmem_kib
+        if self.program.mesh.devices.flat[0].platform != "tpu" or kib == 0:
+            return {}
+        return {"xla_tpu_scoped_vmem_limit_kib": DECODE_TPU_VMEM_KIB if kib == -1 else kib}
+
     def _divisible_sharding(self, shape, names):
         resolved, _ = resolve_array("decode", shape, "int32", names, self.program.rules, self.program.mesh, param=False)
         return NamedSharding(self.program.mesh, resolved.spec)
@@ -115,6 +124,6 @@ class Decoding:
         args = (self.program.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
                 jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows),
                 jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.program.mesh)))
-        fn = self.program.compile(run, *args, out_shardings=tokens,
+        fn = self.program.compile(run, *args, out_shardings=tokens, options=self.compiler_options(),
                                   in_shardings=(self.program.shardings.params, prompt, rows, replicated(self.program.mesh)))
         return fn, (prompt, rows)

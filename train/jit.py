@@ -43,21 +43,25 @@ def with_shardings(abstract_tree, shardings):
                         abstract_tree, shardings)
 
 
-def _compile(lowered, fast: bool = False):
-    """Compile; ``fast`` skips LLVM's optimizations for a program that runs once (init), which
-    on CPU dominate the compile of threefry-heavy init programs (measured 37 s -> 4 s)."""
+def _compile(lowered, fast: bool = False, options=None):
+    """Compile with XLA ``options`` (per compile, as ``XLA_FLAGS`` would set them); ``fast`` skips
+    LLVM's optimizations for a program that runs once (init), which on CPU dominate the compile
+    of threefry-heavy init programs (measured 37 s -> 4 s)."""
+    options = dict(options or {})
     if fast and jax.default_backend() == "cpu":
-        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-    return lowered.compile()
+        options["xla_backend_optimization_level"] = 0
+    return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
-def compile_on(mesh, fn, *args, in_shardings=None, out_shardings=None, donate_argnums=(), fast: bool = False):
+def compile_on(mesh, fn, *args, in_shardings=None, out_shardings=None, donate_argnums=(), fast: bool = False,
+               options=None):
     """The one jit site (``Program.compile``; module level for the few that place arrays without
     a Program: a checkpoint's relayout, a reference's zero adapters): ``fn`` jitted with these
-    shardings, lowered on ``args`` (arrays or ShapeDtypeStructs) under ``mesh``, compiled."""
+    shardings, lowered on ``args`` (arrays or ShapeDtypeStructs) under ``mesh``, compiled with
+    the compiler ``options``."""
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
     with activate(mesh):
-        return _compile(jitted.lower(*args), fast)
+        return _compile(jitted.lower(*args), fast, options)
 
 
 def zeros_on(shapes, shardings):

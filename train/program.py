@@ -231,11 +231,13 @@ class Program:
                                  schedule=self.schedule, grad_accum=self.grad_accum,
                                  skip_nonfinite=self.skip_nonfinite, trains=self.trains)
 
-    def compile(self, fn, *args, in_shardings=None, out_shardings=None, donate_argnums=(), fast: bool = False):
+    def compile(self, fn, *args, in_shardings=None, out_shardings=None, donate_argnums=(), fast: bool = False,
+                options=None):
         """The one jit site: ``fn`` jitted with these shardings, lowered on ``args`` (arrays or
-        ShapeDtypeStructs) under this program's mesh, and compiled (``compile_on``)."""
+        ShapeDtypeStructs) under this program's mesh, and compiled (``compile_on``, with the
+        compiler ``options``)."""
         return compile_on(self.mesh, fn, *args, in_shardings=in_shardings, out_shardings=out_shardings,
-                          donate_argnums=donate_argnums, fast=fast)
+                          donate_argnums=donate_argnums, fast=fast, options=options)
 
     def compiled_train_step(self):
         """The compiled train step (compiled once per Program): ``(state, batch, rng) ->

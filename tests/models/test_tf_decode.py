@@ -316,3 +316,24 @@ def test_a_packed_cache_decodes_as_the_plain_one(decode_layers):
     assert shapes["off"]
     for plain, pack in zip(shapes["off"], shapes["on"], strict=True):
         assert plain[-3:] == (4, L, 32) and pack[-3:] == (1, L, 128), (plain, pack)
+
+
+def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
+    """``decode_vmem_kib`` reaches ``generate``'s compile as libtpu's scoped VMEM limit on a TPU
+    only ("auto": DECODE_TPU_VMEM_KIB; XLA:CPU rejects the option): on this CPU an explicit limit
+    compiles and gives the default's greedy tokens; a negative size other than -1 is one line."""
+    from shardzoo.models import ModelError
+    from shardzoo.models.execution import DECODE_TPU_VMEM_KIB
+
+    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=2)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {k: Program(config.replace(decode_vmem_kib=k), get_rules("dp"), mesh) for k in (-1, 65536)}
+    assert all(p.decoding.compiler_options() == {} for p in programs.values())
+    params = programs[-1].init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
+    prompt = np.asarray(jax.random.randint(jax.random.key(2), (B, PREFILL), 1, config.vocab_size), np.int32)
+    tokens = {k: np.asarray(p.decoding.generate(params, prompt, max_new_tokens=4)) for k, p in programs.items()}
+    np.testing.assert_array_equal(tokens[65536], tokens[-1])
+    assert tokens[-1].shape == (B, PREFILL + 4)
+    assert DECODE_TPU_VMEM_KIB * 1024 <= 128 << 20  # v5e's VMEM
+    with pytest.raises(ModelError, match=r"decode_vmem_kib=-2 must be an integer: -1 \(auto\)"):
+        config.replace(decode_vmem_kib=-2)
