@@ -41,6 +41,11 @@ ROWS = (
     ("llama-bq2048", "llama3.2-1b", "2x2048:save_qkv_mlp", ("splash_block_q=2048",)),
     ("ablation-gmm", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full",
      (*MOE, "moe_dispatch=indexed")),
+    # the tiled loss's gradients fused into its forward (three head matmuls, not four)
+    ("llama-fused", "llama3.2-1b", "2x2048:save_qkv_mlp,2x2048:save_attn_mlp,4x2048:full",
+     ("tiled_loss_backward=fused",)),
+    ("gemma-fused", "gemma-3-1b", "4x2048:full,2x2048:save_qkv_mlp", ("tiled_loss_backward=fused",)),
+    ("qwen-fused", "qwen3-0.6b", "6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ("tiled_loss_backward=fused",)),
     # the candidates the rows above were chosen from
     # adamw's fixed ~21 ms (6% of a 2 x 2048 step) over two microbatches of 2 x 2048
     ("llama-accum2", "llama3.2-1b", "4x2048:save_qkv_mlp", ("--grad-accum=2",)),

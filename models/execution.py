@@ -17,6 +17,7 @@ import jax
 from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.lora import TARGETS as LORA_TARGETS
 from shardzoo.models.lora import check_lora
+from shardzoo.models.tiled_loss import BACKWARDS
 
 # checkpoint_name labels: query, key, value, attn_context, attn_out (attention.py), mlp_gate, mlp_up,
 # mlp_hidden, mlp_out (layers.py).
@@ -81,6 +82,9 @@ class Execution:
     tiled_loss: str = "auto"
     loss_length_chunk: int = 512
     loss_vocab_chunk: int = 8192
+    # the tiled language-model loss's gradients: "recompute" each chunk's logits in the backward,
+    # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll)
+    tiled_loss_backward: str = "recompute"
     lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
     lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -113,7 +117,7 @@ class Execution:
                             "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
                             "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
-                            "kv_cache_packing": ("auto", "on", "off")},
+                            "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")

@@ -15,6 +15,16 @@ every chunk: under tensor parallelism each device computes its own columns' logi
 logits and accumulates the gradients of the hidden states, kernel and bias, so no [tokens, vocab]
 array exists at any time. Its XLA reference path is the untiled computation on full logits
 (``head_logits``), which is also what the model returns when asked for logits.
+
+``weighted_nll`` is the language-model loss ``sum(weights * (lse - target))`` on these
+statistics. With ``backward="fused"`` (``execution.tiled_loss_backward``) its forward computes the
+gradients too, as Liger's fused linear cross-entropy does: the loss's coefficient of every
+token's logits is known in the forward (``weights * (softmax - onehot)``), so each chunk of
+positions takes its logits over the whole vocabulary once, and its hidden-state and kernel
+gradients come from them at once; the backward only scales them by the loss's cotangent. Three
+head matmuls a step instead of the recomputing backward's four, at the cost of a chunk of
+positions' logits over the whole vocabulary (at most FUSED_BYTES) and the kernel's gradient
+held from the forward on.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ from flax import struct
 # execution.tiled_loss == "auto" tiles where the float32 logits of a call would take more
 # than this: one row of 2048 tokens over a 32k vocabulary; below it the untiled head is cheap.
 AUTO_BYTES = 256 * 2**20
+# the fused backward's float32 logits of one chunk of positions over the whole vocabulary
+FUSED_BYTES = 128 * 2**20
+BACKWARDS = ("recompute", "fused")
 
 
 @struct.dataclass
@@ -46,6 +59,7 @@ class HeadInputs:
     length_chunk: int = struct.field(pytree_node=False, default=512)
     vocab_chunk: int = struct.field(pytree_node=False, default=8192)
     vocab: int = struct.field(pytree_node=False, default=0)  # the real columns (0: all); the rest padding
+    backward: str = struct.field(pytree_node=False, default="recompute")  # weighted_nll's: BACKWARDS
 
 
 class TokenStats(NamedTuple):
@@ -113,6 +127,20 @@ def token_stats(outputs, targets) -> TokenStats:
     static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab)
     lse, target, mx, entropy = _tiled(static, h.hidden, h.kernel, h.bias, targets)
     return TokenStats(lse, target, jax.lax.stop_gradient(mx), jax.lax.stop_gradient(entropy))
+
+
+def weighted_nll(outputs, targets, weights):
+    """``(sum(weights * -log p(target)), TokenStats)`` of a model's outputs on ``targets [rows,
+    length]`` with float32 ``weights [rows, length]``: tiled when the model returned
+    ``HeadInputs`` (its ``backward``: "recompute" the logits in the backward, or "fused" into the
+    forward; the stats are then metrics only), else from its logits."""
+    if not (isinstance(outputs, HeadInputs) and outputs.backward == "fused"):
+        stats = token_stats(outputs, targets)
+        return jnp.sum((stats.lse - stats.target) * weights), stats
+    h = outputs
+    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab)
+    loss, stats = _fused(static, h.hidden, h.kernel, h.bias, targets, weights)
+    return loss, TokenStats(*(jax.lax.stop_gradient(x) for x in stats))
 
 
 # ------------------------------------------------------------------------------------- tiled
@@ -239,3 +267,65 @@ def _tiled_bwd(static, res, cotangents):
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+# ------------------------------------------------------------------------------------- fused
+def _fused_forward(static, hidden, kernel, bias, targets, weights):
+    """The loss, its statistics and its gradients by (hidden, kernel, bias): a scan over strided
+    chunks of positions (all rows; at most ``length_chunk`` and FUSED_BYTES of float32 logits),
+    each chunk's logits over the whole vocabulary formed once."""
+    rows, length = targets.shape
+    padded = kernel.shape[1]
+    vocab = static[5] or padded
+    chunk = max(1, min(static[3], length, FUSED_BYTES // (4 * rows * padded)))
+    n_l = -(-length // chunk)
+    hs, ts, ws = (_strided(x, 1, n_l) for x in (hidden, targets, weights.astype(jnp.float32)))
+    cols = jnp.arange(padded)
+    fn = lambda h, k, b: _logits(h, k, b, *static[:3]).astype(jnp.float32)
+
+    def over_length(carry, xs):
+        dk, db = carry
+        h, t, w = xs  # [rows, lc, embed], [rows, lc], [rows, lc]
+        z, vjp = jax.vjp(fn, h, kernel, bias)
+        z = jnp.where(cols < vocab, z, -jnp.inf)
+        m = jnp.max(z, axis=-1)
+        e = jnp.exp(z - m[..., None])
+        s = jnp.sum(e, axis=-1)
+        lse = m + jnp.log(s)
+        p = e / s[..., None]
+        hit = cols == t[..., None]
+        tgt = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+        entropy = lse - jnp.sum(p * jnp.where(cols < vocab, z, 0.0), axis=-1)
+        dh_c, dk_c, db_c = vjp(w[..., None] * (p - hit))  # d loss / d logits = w (softmax - onehot)
+        dk = dk + dk_c.astype(jnp.float32)
+        db = None if db is None else db + db_c.astype(jnp.float32)
+        return (dk, db), (jnp.sum(w * (lse - tgt)), (lse, tgt, m, entropy), dh_c)
+
+    init = (jnp.zeros(kernel.shape, jnp.float32), None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    (dk, db), (losses, stats, dh) = jax.lax.scan(over_length, init, (hs, ts, ws))
+    stats = tuple(_unstrided(x, 1, length) for x in stats)
+    grads = (_unstrided(dh, 1, length).astype(hidden.dtype), dk.astype(kernel.dtype),
+             None if db is None else db.astype(bias.dtype))
+    return jnp.sum(losses), stats, grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, hidden, kernel, bias, targets, weights):
+    loss, stats, _ = _fused_forward(static, hidden, kernel, bias, targets, weights)
+    return loss, stats
+
+
+def _fused_fwd(static, hidden, kernel, bias, targets, weights):
+    loss, stats, grads = _fused_forward(static, hidden, kernel, bias, targets, weights)
+    return (loss, stats), grads
+
+
+def _fused_bwd(static, grads, cotangents):
+    """The forward's gradients scaled by the loss's cotangent (the statistics' are dropped:
+    ``weighted_nll`` returns them as metrics)."""
+    g = cotangents[0]
+    scale = lambda x: None if x is None else (x * g.astype(jnp.float32)).astype(x.dtype)
+    return (*map(scale, grads), None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

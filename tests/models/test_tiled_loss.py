@@ -15,10 +15,12 @@ from shardzoo.models import ModelError, get_model
 from shardzoo.models.tiled_loss import (
     AUTO_BYTES,
     HeadInputs,
+    TokenStats,
     head_logits,
     reference_stats,
     tiles,
     token_stats,
+    weighted_nll,
 )
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
@@ -48,26 +50,28 @@ def _data(seed=0):
 
 
 def _mean_loss(tiled, static, hidden, kernel, bias, targets, weights):
-    head = HeadInputs(hidden, kernel, bias, **static)
-    if tiled:
-        stats = token_stats(head, targets)
-        losses = stats.lse - stats.target
-    else:  # the untiled loss as the lm task computed it before
+    """``tiled``: None (the untiled loss as the lm task computed it before), or the tiled loss's
+    backward ("recompute", "fused")."""
+    if tiled is None:
+        head = HeadInputs(hidden, kernel, bias, **static)
         losses = optax.softmax_cross_entropy_with_integer_labels(head_logits(head).astype(jnp.float32), targets)
-    return jnp.sum(losses * weights) / jnp.sum(weights)
+        return jnp.sum(losses * weights) / jnp.sum(weights)
+    loss, _ = weighted_nll(HeadInputs(hidden, kernel, bias, **static, backward=tiled), targets, weights)
+    return loss / jnp.sum(weights)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("chunks", CHUNKS, ids=str)
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_tiled_loss_and_grads_equal_optax(transform, chunks, use_bias):
+@pytest.mark.parametrize("backward", ["recompute", "fused"])
+def test_tiled_loss_and_grads_equal_optax(transform, chunks, use_bias, backward):
     hidden, kernel, bias, targets, weights = _data()
     bias = bias if use_bias else None
     static = dict(TRANSFORMS[transform], length_chunk=chunks[0], vocab_chunk=chunks[1])
     argnums = (0, 1, 2) if use_bias else (0, 1)
     grad = lambda tiled: jax.jit(jax.value_and_grad(functools.partial(_mean_loss, tiled, static), argnums))(
         hidden, kernel, bias, targets, weights)
-    (got, got_grads), (want, want_grads) = grad(True), grad(False)
+    (got, got_grads), (want, want_grads) = grad(backward), grad(None)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     for name, g, w in zip(("hidden", "kernel", "bias")[:len(argnums)], got_grads, want_grads, strict=True):
         assert float(jnp.max(jnp.abs(w))) > 1e-3, name  # a gradient that is not trivially zero
@@ -89,6 +93,28 @@ def test_every_statistic_equals_the_full_logits():
     greedy = jnp.argmax(logits, -1) == targets
     assert bool(jnp.any(greedy)) and bool(jnp.any(~greedy))  # accuracy is tested on both outcomes
     np.testing.assert_array_equal(got.target >= got.max, greedy)
+
+
+def test_fused_statistics_equal_the_full_logits_with_a_padded_vocabulary():
+    """The fused backward's statistics (metrics) and loss, its position chunks capped by
+    FUSED_BYTES too, over a vocabulary whose last 6 columns are padding (never in the softmax)."""
+    import shardzoo.models.tiled_loss as tl
+
+    hidden, kernel, bias, targets, weights = _data(3)
+    targets = jnp.minimum(targets, VOCAB - 7)
+    full = reference_stats(head_logits(HeadInputs(hidden, kernel, bias, vocab=VOCAB - 6)), targets)
+    for cap in (tl.FUSED_BYTES, 4 * ROWS * VOCAB * 3):  # the cap: chunks of 3 positions (4 chunks of 10)
+        old, tl.FUSED_BYTES = tl.FUSED_BYTES, cap
+        try:
+            head = HeadInputs(hidden, kernel, bias, vocab=VOCAB - 6, length_chunk=8, backward="fused")
+            loss, stats = jax.jit(weighted_nll)(head, targets, weights)
+        finally:
+            tl.FUSED_BYTES = old
+        for name in TokenStats._fields:
+            np.testing.assert_allclose(getattr(stats, name), getattr(full, name), rtol=1e-6, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(loss, jnp.sum((full.lse - full.target) * weights), rtol=1e-6)
+    with pytest.raises(ModelError, match="tiled_loss_backward='later'"):
+        get_model("llama-tiny", tiled_loss_backward="later")
 
 
 def test_auto_tiles_above_the_threshold_and_the_field_is_checked():
@@ -155,10 +181,10 @@ SETTINGS = TrainConfig(batch_size=8, seq_len=16, optimizer="sgd", lr=1.0, warmup
 
 
 @functools.cache
-def _step(tiled: str, rules: str):
+def _step(tiled: str, rules: str, backward: str = "recompute"):
     """The eval step's sums and one SGD step of llama-tiny (fresh init, seed 0) under ``rules``:
     (metrics with the eval sums as ``eval_*``, params after the step)."""
-    _, config = get_model("llama-tiny", **TINY, tiled_loss=tiled)
+    _, config = get_model("llama-tiny", **TINY, tiled_loss=tiled, tiled_loss_backward=backward)
     mesh = make_mesh("", devices=jax.devices()[:1]) if rules == "dp" else make_mesh("fsdp=2,tensor=4")
     program = Program(config, get_rules(rules), mesh, optimizer=functools.partial(make_optimizer, SETTINGS),
                       batch_size=8, seq_len=16)
@@ -171,9 +197,10 @@ def _step(tiled: str, rules: str):
 
 @pytest.mark.parametrize("rules", ["dp", "fsdp_tp"])
 def test_train_step_tiled_equals_untiled_and_one_device(rules):
-    """Vocab on the tensor axis under fsdp_tp: the scan over vocabulary chunks of a sharded head."""
+    """Vocab on the tensor axis under fsdp_tp: the scan over vocabulary chunks of a sharded head
+    (the fused backward: each chunk of positions over the whole sharded vocabulary)."""
     want_m, want_p = _step("off", "dp")
-    for got_m, got_p in (_step("on", rules), _step("off", rules)):
+    for got_m, got_p in (_step("on", rules), _step("on", rules, "fused"), _step("off", rules)):
         for key in ("loss", "grad_norm", "accuracy", "eval_loss", "eval_correct", "eval_weight"):
             np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, atol=1e-5, err_msg=key)
         for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True):

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
-from shardzoo.models.tiled_loss import HeadInputs, head_logits, token_stats
+from shardzoo.models.tiled_loss import HeadInputs, head_logits, weighted_nll
 
 ROWS, LENGTH, EMBED, VOCAB = 4, 2048, 2048, 128256
 
@@ -30,38 +31,43 @@ def _inputs():
     return hidden, kernel, targets, weights
 
 
-def _losses(tiled, hidden, kernel, targets):
-    head = HeadInputs(hidden, kernel, None, length_chunk=512, vocab_chunk=8192)
+def _losses(tiled, hidden, kernel, targets, weights):
+    """Per-token losses and their weighted sum; ``tiled``: None (untiled) or the tiled loss's
+    backward ("recompute", "fused")."""
+    head = HeadInputs(hidden, kernel, None, length_chunk=512, vocab_chunk=8192, backward=tiled or "recompute")
     if tiled:
-        stats = token_stats(head, targets)
-        return stats.lse - stats.target
-    return optax.softmax_cross_entropy_with_integer_labels(head_logits(head).astype(jnp.float32), targets)
+        total, stats = weighted_nll(head, targets, weights)
+        return stats.lse - stats.target, total
+    losses = optax.softmax_cross_entropy_with_integer_labels(head_logits(head).astype(jnp.float32), targets)
+    return losses, jnp.sum(losses * weights)
 
 
 def _mean(tiled, hidden, kernel, targets, weights):
-    return jnp.sum(_losses(tiled, hidden, kernel, targets) * weights) / jnp.sum(weights)
+    return _losses(tiled, hidden, kernel, targets, weights)[1] / jnp.sum(weights)
 
 
 @functools.cache
-def _compiled(tiled: bool):
+def _compiled(tiled):
     fn = jax.jit(jax.value_and_grad(functools.partial(_mean, tiled), (0, 1)))
     return fn.lower(*_inputs()).compile()
 
 
-def test_tiled_loss_and_grads_match_untiled_on_tpu():
+@pytest.mark.parametrize("backward", ["recompute", "fused"])
+def test_tiled_loss_and_grads_match_untiled_on_tpu(backward):
     args = _inputs()
-    (got, got_g), (want, want_g) = (_compiled(t)(*args) for t in (True, False))
+    (got, got_g), (want, want_g) = (_compiled(t)(*args) for t in (backward, None))
     assert abs(float(got) - float(want)) < 1e-3, (float(got), float(want))
     for name, g, w in zip(("hidden", "kernel"), got_g, want_g, strict=True):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel < 2e-2, (name, rel)
-    per_token = [np.asarray(jax.jit(functools.partial(_losses, t))(*args[:3])) for t in (True, False)]
+    per_token = [np.asarray(jax.jit(functools.partial(_losses, t))(*args)[0]) for t in (backward, None)]
     assert float(np.max(np.abs(per_token[0] - per_token[1]))) < 5e-2
 
 
-def test_tiled_loss_needs_a_fraction_of_the_memory_on_tpu():
-    temp = {t: _compiled(t).memory_analysis().temp_size_in_bytes for t in (True, False)}
+@pytest.mark.parametrize("backward", ["recompute", "fused"])
+def test_tiled_loss_needs_a_fraction_of_the_memory_on_tpu(backward):
+    temp = {t: _compiled(t).memory_analysis().temp_size_in_bytes for t in (backward, None)}
     logits_f32 = ROWS * LENGTH * VOCAB * 4  # 4.2 GB
-    print(f"temp bytes: tiled {temp[True] / 1e9:.2f} GB, untiled {temp[False] / 1e9:.2f} GB")
-    assert temp[True] < temp[False] - logits_f32, temp
+    print(f"temp bytes: tiled ({backward}) {temp[backward] / 1e9:.2f} GB, untiled {temp[None] / 1e9:.2f} GB")
+    assert temp[backward] < temp[None] - logits_f32, temp

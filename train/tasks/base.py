@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from shardzoo.errors import UserError
-from shardzoo.models.tiled_loss import HeadInputs, token_stats
+from shardzoo.models.tiled_loss import HeadInputs, weighted_nll
 from shardzoo.sharding import axes as ax
 
 
@@ -106,9 +106,9 @@ class Task:
         """``loss`` (weighted sum of per-example/token losses), ``weight``, and ``correct``."""
         weights = batch["weights"].astype(jnp.float32)
         if isinstance(outputs, HeadInputs):  # the model left its head to the tiled loss
-            stats = token_stats(outputs, batch["targets"])
+            loss, stats = weighted_nll(outputs, batch["targets"], weights)
             correct = (stats.target >= stats.max).astype(jnp.float32)
-            return {"loss": jnp.sum((stats.lse - stats.target) * weights), "weight": jnp.sum(weights),
+            return {"loss": loss, "weight": jnp.sum(weights),
                     "correct": jnp.sum(correct * weights)}
         outputs = outputs.astype(jnp.float32)
         losses = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
