@@ -130,7 +130,7 @@ from shardzoo.models.components import MIXERS, MLPS
 from shardzoo.models.layers import DENSE
 from shardzoo.models.moe_arch import DENSE_AND_MOE, MOE
 from shardzoo.models.norms import norm_params
-from shardzoo.models.tiled_loss import tiles
+from shardzoo.models.tiled_loss import FUSED_BYTES, tiles
 from shardzoo.sharding import axes as ax
 
 BL = (ax.BATCH, ax.LENGTH)
@@ -285,9 +285,14 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
     recompute = largest if policy != "none" else 0
     vocab, length_share = (1 if a.score_head else a.vocab_size), 1.0  # the logits (or scores) that exist at once
-    if tiles(e, tok, a.vocab_size):  # the tiled loss: one chunk of positions x one of the vocabulary
+    fused = tiles(e, tok, a.vocab_size) and e.tiled_loss_backward == "fused" and not a.score_head
+    if tiles(e, tok, a.vocab_size) and not fused:  # the tiled loss: one chunk of positions x one of the vocabulary
         vocab, length_share = min(a.vocab_size, e.loss_vocab_chunk), min(1.0, e.loss_length_chunk / seq_len)
+    if fused:  # its gradients in the forward: a chunk of positions over the whole vocabulary, at most FUSED_BYTES
+        length_share = min(1.0, e.loss_length_chunk / seq_len)
     logits = int(t(vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4) * length_share)
+    if fused:
+        logits = min(logits, FUSED_BYTES)
     others = {
         "batch": t(5, BL, 4),
         "mask": 0,
