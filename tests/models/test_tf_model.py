@@ -179,9 +179,12 @@ def test_every_remat_policy_saves_what_it_says():
     order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full"]
     saved_bytes = [residuals[p]["bytes"] for p in order]
     assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 6, saved_bytes
-    # XLA's compiled scratch memory of the gradient follows (ties allowed in the middle).
+    # XLA's compiled scratch memory of the gradient follows (ties allowed at the end; the two
+    # middle policies, within 3% of each other, in either order: XLA's choice, not the model's).
     temps = [temp[p] for p in order]
-    assert temps == sorted(temps, reverse=True) and temps[0] > temps[1] and temps[-2] >= temps[-1], temps
+    middle = (temp["dots_with_no_batch_dims_saveable"], temp["save_qkv_mlp"])
+    assert temps[0] > temps[1] > max(middle) and min(middle) >= temps[-2] >= temps[-1], temps
+    assert max(middle) < 1.03 * min(middle), temps
     assert temps[0] > 1.5 * temps[-1], temps
 
 
