@@ -36,6 +36,7 @@ from shardzoo.models.attention_kernels import (
     KV_CACHE_AXES,
     attention_kernel,
     attention_mask,
+    causal_attention,
     kv_pack,
     one_query_attention,
     packed,
@@ -225,14 +226,7 @@ class Attention(LatentAttention, nn.Module):
             ctx = ring_attention(q, k, v, segment_ids, placement, sliding_window=window, scale=scale,
                                  strategy=e.context_attention)
         else:
-            mask = None
-            if segment_ids is not None:
-                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-            ctx = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=scale, is_causal=True,
-                local_window_size=(window - 1, 0) if window else None,
-                implementation="xla" if impl == "splash" else impl,
-            )
+            ctx = causal_attention(q, k, v, segment_ids, window, scale, "xla" if impl == "splash" else impl)
         if diff:
             ctx = differential.differential(self, ctx, spec.lambda_init, a.rms_norm_eps, e.param_dtype,
                                             a.initializer_range)

@@ -54,6 +54,45 @@ def softcap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
+@jax.custom_vjp
+def softmax(x):
+    """``jax.nn.softmax`` over the last axis with its backward from the output alone
+    (``y * (g - sum(g * y))``): the probabilities are the one residual a layer keeps (jax's own
+    softmax also keeps its unnormalized exponentials, a second [batch, heads, q_len, k_len]
+    array per layer that a layer scan stacks)."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x):
+    y = softmax(x)
+    return y, y
+
+
+def _softmax_bwd(y, g):
+    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def causal_attention(q, k, v, segment_ids, window, scale, impl):
+    """Causal attention of a training or scoring call (by index, within packed segments and the
+    window): ``jax.nn.dot_product_attention`` (``impl`` "xla" or "cudnn"), except XLA's in float32
+    on a CPU, which runs ``xla_attention``, the same arithmetic with a lighter softmax backward
+    (BENCHMARKS.md, the CPU section). Shapes as ``xla_attention``'s; ``segment_ids`` [batch,
+    length] or None."""
+    if impl == "xla" and q.dtype == jnp.float32 and jax.default_backend() == "cpu":
+        batch, length = q.shape[:2]
+        slots = jnp.broadcast_to(jnp.arange(length), (batch, length))
+        return xla_attention(q, k, v, attention_mask(slots, slots, segment_ids, segment_ids, window), scale)
+    mask = None
+    if segment_ids is not None:
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
+                                        implementation=impl)
+
+
 def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
     """Attention in plain XLA ops, for what ``jax.nn.dot_product_attention`` cannot take
     (soft-capped logits, sinks, ALiBi): scores scaled, biased, capped, masked, softmax in float32
@@ -76,7 +115,7 @@ def xla_attention(q, k, v, mask, scale, logit_cap=None, sinks=None, bias=None):
         scores = softcap(scores, jnp.asarray(logit_cap, scores.dtype))
     scores = jnp.where(mask[:, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        probs = softmax(scores).astype(v.dtype)
     else:  # [batch, kv_heads, group, q_len, k_len + 1]: the sink last, dropped after the softmax
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1),
                                 scores.shape[:-1] + (1,))

@@ -213,8 +213,10 @@ def fused(linears, x):
     x = act_quant(x, first.n_in) if first.bitlinear else x
     y = jnp.tensordot(x, kernel, axes=(
         tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
-    # y: [batch..., n, features...]
-    outs = [jnp.take(y, i, axis=x.ndim - first.n_in) for i in range(len(linears))]
+    # y: [batch..., n, features...]; split (not taken apart by index): the backward concatenates
+    # the outputs' gradients in one pass, where a take's scatter-add padded each and summed them
+    axis = x.ndim - first.n_in
+    outs = [jnp.squeeze(o, axis) for o in jnp.split(y, len(linears), axis=axis)]
     return [adapted(o if b is None else o + b, x, adapter, first.n_in)
             for o, (_, b, adapter) in zip(outs, weights, strict=True)]
 

@@ -12,6 +12,7 @@ import pytest
 from flax import linen as nn
 
 from shardzoo.models import ModelError, get_config, get_model, list_models
+from shardzoo.models.attention_kernels import causal_attention, softmax
 from shardzoo.models.costs import buffers
 from shardzoo.models.execution import REMAT_POLICIES
 from shardzoo.models.hf.registry import PRESETS
@@ -76,7 +77,8 @@ def test_scanned_and_unrolled_layers_agree(name):
     restacked = jax.tree.map(lambda *a: jnp.stack(a), *[grads_u[f"layers_{i}"] for i in range(2)])
     for got, want in zip(jax.tree.leaves(restacked), jax.tree.leaves(grads_s["layers"]), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(grads_u["embed"]["embedding"], grads_s["embed"]["embedding"], atol=1e-5)
+    # also within 1e-6 relative: values near 60, where 1e-5 is under three float32 ulps
+    np.testing.assert_allclose(grads_u["embed"]["embedding"], grads_s["embed"]["embedding"], atol=1e-5, rtol=1e-6)
     assert float(jnp.abs(grads_s["layers"]["attn"]["q"]["kernel"]).max()) > 0
 
 
@@ -115,6 +117,34 @@ def test_swiglu_backward_equals_autodiff():
     np.testing.assert_allclose(out, jax.nn.silu(gate) * up, atol=1e-6, rtol=0)
     for got, ref in zip(vjp(g), want, strict=True):
         np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-6)
+
+
+def test_softmax_backward_equals_autodiff():
+    x, g = (jax.random.normal(jax.random.key(i), (3, 5, 64)) * 4 for i in range(2))
+    want = jax.vjp(lambda a: jax.nn.softmax(a, axis=-1), x)[1](g)[0]
+    out, vjp = jax.vjp(softmax, x)
+    np.testing.assert_allclose(out, jax.nn.softmax(x, axis=-1), atol=1e-7, rtol=0)
+    np.testing.assert_allclose(vjp(g)[0], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_causal_attention_equals_jax_attention(window):
+    """On CPU, causal_attention runs xla_attention: jax.nn.dot_product_attention's values and
+    gradients (causal, packed segments, a window; 4 query heads over 2 kv heads)."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 12, h, 8)) for i, h in ((0, 4), (1, 2), (2, 2)))
+    seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 12])
+
+    def jax_attention(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=seg[:, None, :, None] == seg[:, None, None, :],
+                                            scale=0.3, is_causal=True, implementation="xla",
+                                            local_window_size=(window - 1, 0) if window else None)
+
+    ours = lambda q, k, v: causal_attention(q, k, v, seg, window, 0.3, "xla")  # noqa: E731
+    assert "custom_vjp_call" in str(jax.make_jaxpr(ours)(q, k, v))  # the CPU path, not jax's
+    np.testing.assert_allclose(ours(q, k, v), jax_attention(q, k, v), atol=1e-6, rtol=1e-6)
+    cot = jax.random.normal(jax.random.key(3), q.shape)
+    for got, want in zip(jax.vjp(ours, q, k, v)[1](cot), jax.vjp(jax_attention, q, k, v)[1](cot), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_every_remat_policy_gives_the_same_gradients():
@@ -179,9 +209,12 @@ def test_every_remat_policy_saves_what_it_says():
     order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full"]
     saved_bytes = [residuals[p]["bytes"] for p in order]
     assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 6, saved_bytes
-    # XLA's compiled scratch memory of the gradient follows (ties allowed in the middle).
+    # XLA's compiled scratch memory of the gradient follows (ties allowed at the end; the two
+    # middle policies, within 3% of each other, in either order: XLA's choice, not the model's).
     temps = [temp[p] for p in order]
-    assert temps == sorted(temps, reverse=True) and temps[0] > temps[1] and temps[-2] >= temps[-1], temps
+    middle = (temp["dots_with_no_batch_dims_saveable"], temp["save_qkv_mlp"])
+    assert temps[0] > temps[1] > max(middle) and min(middle) >= temps[-2] >= temps[-1], temps
+    assert max(middle) < 1.03 * min(middle), temps
     assert temps[0] > 1.5 * temps[-1], temps
 
 
