@@ -6,6 +6,7 @@
 #   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
 #   bash bench/tpu_all.sh install decode:llama3.2-1b moe decodeprof:llama3.2-1b:32:scan
 #   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
+#   bash bench/tpu_all.sh install profile:qwen3-30b-a3b:4x2048:save_attn_mlp:num_hidden_layers=4,num_local_experts=32,moe_dispatch=auto
 #   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
 #   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32,1:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
@@ -41,10 +42,12 @@ for part in "$@"; do
         --out "$out/tpu_mfu_${part#mfu:}.md" > "$out/tpu_mfu_${part#mfu:}.log" 2>&1
       cat "$out/tpu_mfu_${part#mfu:}.md"; grep -E "^batch|fits|Error|error" "$out/tpu_mfu_${part#mfu:}.log" | tail -30
       ;;
-    profile:*)  # profile:MODEL:BxS:REMAT -- where the step's device time goes (bench/profile_ops.py)
-      IFS=: read -r _ model shape remat <<< "$part"
+    profile:*)  # profile:MODEL:BxS:REMAT[:K=V,K=V] -- where the step's device time goes (bench/profile_ops.py)
+      IFS=: read -r _ model shape remat kvs <<< "$part"
+      overrides=(); IFS=, read -ra pairs <<< "${kvs:-}"
+      for kv in "${pairs[@]}"; do overrides+=(--override "$kv"); done
       timeout 400 python3 bench/gpu_mfu.py --model "$model" --param-dtype bfloat16 --candidates "$shape:$remat" \
-        --steps 3 --profile /tmp/trace_$model --out "$out/tpu_profile_$model.md" 2>&1 | tail -60
+        "${overrides[@]}" --steps 3 --profile /tmp/trace_$model --out "$out/tpu_profile_$model.md" 2>&1 | tail -60
       ;;
     decode:*)
       timeout 400 python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \
