@@ -43,6 +43,9 @@ def test_cached_decoding_matches_full_forward(name, overrides):
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
     cache = jax.jit(dec.cache_init_fn(module, B, L))(params)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    last = jax.jit(functools.partial(dec.decode_step, last=True), static_argnums=0, compiler_options=FAST)
+    np.testing.assert_allclose(last(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])[0],
+                               full[:, PREFILL - 1:PREFILL], atol=1e-5, rtol=0)  # a prefill's head: one position
     logits, cache = step(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])
     outs = [logits]
     for i in range(PREFILL, L):
@@ -273,6 +276,20 @@ def test_scanned_decoding_writes_the_stacked_cache_in_place_and_compiles_one_lay
         seen[layers] = (compiled.memory_analysis().temp_size_in_bytes - whole, instructions)
     assert seen[8][0] <= seen[4][0] + 8 * 1024, seen  # 4 more layers' cache: 270 KB
     assert seen[8][1] == seen[4][1], seen
+
+
+def test_greedy_is_argmax_with_ties_nans_and_infinities():
+    """The greedy pick (a max, then the first index holding it) is ``jnp.argmax``'s: the first
+    of tied maxima, the first NaN of a row with NaNs, index 0 of a row of -inf."""
+    x = np.array(jax.random.normal(jax.random.key(8), (6, 300)), np.float32)
+    x[0, [5, 9, 200]] = 9.0  # ties
+    x[1, [7, 100]] = np.nan
+    x[2] = -np.inf
+    x[3, 17], x[3, 250] = np.inf, np.inf
+    x[4, 299] = 50.0  # the last
+    got = jax.jit(lambda v: dec.sample_logits(v, None, temperature=0.0))(jnp.asarray(x))
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), -1))
+    np.testing.assert_array_equal(got[:5], [5, 7, 0, 17, 299])
 
 
 def test_top_k_and_top_p_thresholds_equal_sorting():
