@@ -222,7 +222,7 @@ def generate_tokens(module, params, cache, prompt, prompt_lengths, key, *, max_n
     slots = jnp.arange(prompt_len)[None, :]
     segment_ids = (slots >= start[:, None]).astype(jnp.int32)  # 0 on padding
     positions = jnp.maximum(slots - start[:, None], 0)
-    logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids)
+    logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids, last=True)
 
     def tokens_to_logits(token, state):
         cache, position = state
