@@ -33,10 +33,12 @@ from shardzoo.models.attention_costs import (
     params,
 )
 from shardzoo.models.attention_kernels import (
+    KEY_CACHE_T_AXES,
     KV_CACHE_AXES,
     attention_kernel,
     attention_mask,
     causal_attention,
+    keys_transposed,
     kv_pack,
     one_query_attention,
     packed,
@@ -206,7 +208,7 @@ class Attention(LatentAttention, nn.Module):
         if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
             if plain or length > 1:  # the cache's [batch, length, kv_heads, head_dim] as the kernels read it
-                k, v = unpacked(k, hd), unpacked(v, vd)
+                k, v = unpacked(k, hd, keys_transposed(e)), unpacked(v, vd)
         elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)
             # causality (and chunks) by position, restarting per packed segment, which the
             # segment mask separates: right in any token order, also the ring's zig-zag one under cp
@@ -219,7 +221,7 @@ class Attention(LatentAttention, nn.Module):
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:  # over the cache in its own layout
-            ctx = one_query_attention(q, k, v, mask, scale)
+            ctx = one_query_attention(q, k, v, mask, scale, keys_transposed(e))
         elif decode:
             ctx = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
         elif ring and not self.is_initializing():  # context parallelism
@@ -316,22 +318,24 @@ class Attention(LatentAttention, nn.Module):
 
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's keys/values at the cache index; the whole cache's keys and values
-        ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``), its mask, and the slots of
-        the queries and of the cache's keys."""
+        ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``; the keys transposed where
+        ``keys_transposed``), its mask, and the slots of the queries and of the cache's keys."""
         # The cache is created by an init call whose length is the cache length.
         pack = kv_pack(self.config.execution, k.shape[-1], k.shape[2]) if k.shape[-1] == v.shape[-1] else 1
         k, v = packed(k, pack), packed(v, pack)
-        ck = self._cached("cached_key", k.shape, KV_CACHE_AXES, k.dtype)
+        keys_t = keys_transposed(self.config.execution)
+        k = jnp.swapaxes(k, 2, 3) if keys_t else k
+        ck = self._cached("cached_key", k.shape, KEY_CACHE_T_AXES if keys_t else KV_CACHE_AXES, k.dtype)
         cv = self._cached("cached_value", v.shape, KV_CACHE_AXES, v.dtype)
         cseg = self._cached("cached_segment_ids", (batch, length), (ax.BATCH, ax.CACHE_LENGTH), jnp.int32)
         index = self._cached("cache_index", (), (), jnp.int32)  # a scalar (a layers axis when scanned)
         seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
         i = index.value
-        cache_len = ck.value.shape[2]
+        cache_len = cv.value.shape[2]
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, i, 0))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, 0, i) if keys_t else (0, 0, i, 0))
         cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length

@@ -15,6 +15,8 @@ from shardzoo.sharding import axes as ax
 # The decoding cache of keys and values, as a step reads it: per row and kv head, the positions
 # then the features (``one_query_attention`` contracts head_dim, then cache_length, in place).
 KV_CACHE_AXES = (ax.BATCH, ax.KV_HEADS, ax.CACHE_LENGTH, ax.HEAD_DIM)
+# The keys transposed, positions minor (``keys_transposed``: on a CPU).
+KEY_CACHE_T_AXES = (ax.BATCH, ax.KV_HEADS, ax.HEAD_DIM, ax.CACHE_LENGTH)
 
 
 def attention_mask(q_slots, k_slots, q_segments, k_segments, sliding_window, chunk=None):
@@ -136,6 +138,18 @@ def kv_pack(execution, head_dim: int, kv_heads: int) -> int:
     return pack if kv_heads % pack == 0 else 1
 
 
+def keys_transposed(execution) -> bool:
+    """Whether the decoding cache holds its keys transposed, [batch, kv_heads / pack, pack *
+    head_dim, cache_length] (``KEY_CACHE_T_AXES``; ``kv_cache_transposed_keys``: "on", or "auto"
+    on a CPU, the one place this is chosen by backend). A step's scores then sum the features
+    over a major axis, vectorized along the positions: XLA:CPU's batched matmul contracting the
+    keys' minor features (the plain layout) took 3x as long, the largest op of a batch-16 step
+    after the weights' matmuls (``bench/bench_decode.py``). The values keep ``KV_CACHE_AXES``:
+    their product with the probabilities already sums over a major axis."""
+    setting = execution.kv_cache_transposed_keys
+    return setting == "on" or (setting == "auto" and jax.default_backend() == "cpu")
+
+
 def packed(x, pack: int):
     """Keys or values [batch, length, kv_heads, head_dim] as the cache holds them:
     [batch, kv_heads / pack, length, pack * head_dim] (``KV_CACHE_AXES``, ``kv_pack``)."""
@@ -143,13 +157,15 @@ def packed(x, pack: int):
     return jnp.swapaxes(x.reshape(batch, length, heads // pack, pack * dim), 1, 2)
 
 
-def unpacked(x, head_dim: int):
-    """The cache's keys or values back as [batch, length, kv_heads, head_dim] (``packed``'s inverse)."""
+def unpacked(x, head_dim: int, transposed: bool = False):
+    """The cache's keys or values back as [batch, length, kv_heads, head_dim] (``packed``'s
+    inverse; ``transposed``: keys held positions minor, ``keys_transposed``)."""
+    x = jnp.swapaxes(x, 2, 3) if transposed else x
     batch, rows, length, width = x.shape
     return jnp.swapaxes(x, 1, 2).reshape(batch, length, rows * width // head_dim, head_dim)
 
 
-def one_query_attention(q, k, v, mask, scale):
+def one_query_attention(q, k, v, mask, scale, keys_t: bool = False):
     """Attention of one new token per row over the cache (a decoding step), the cache read in its
     own layout (``KV_CACHE_AXES``, ``packed``): batch and kv heads lead, so both products are
     batched matmuls with no transpose of the cache. Scores and softmax in float32. A row of a
@@ -157,16 +173,17 @@ def one_query_attention(q, k, v, mask, scale):
     features (zeros against the other heads' features), and each head's context taken from its
     own block.
 
-    q: [batch, 1, heads, head_dim]; k, v: [batch, kv_heads / pack, k_len, pack * head_dim];
+    q: [batch, 1, heads, head_dim]; k, v: [batch, kv_heads / pack, k_len, pack * head_dim]
+    (``keys_t``: k [batch, kv_heads / pack, pack * head_dim, k_len], ``keys_transposed``);
     mask: bool [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
     """
     batch, _, heads, dim = q.shape
-    rows, pack = k.shape[1], k.shape[-1] // dim
+    rows, pack = v.shape[1], v.shape[-1] // dim
     group = heads // (rows * pack)
     q = q.reshape(batch, rows, pack, group, dim) * jnp.asarray(scale, q.dtype)
     eye = jnp.eye(pack, dtype=q.dtype)
     q = jnp.einsum("bjhgd,hx->bjhgxd", q, eye).reshape(batch, rows, pack * group, pack * dim)
-    scores = jnp.einsum("bjrx,bjmx->bjrm", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bjrx,bjxm->bjrm" if keys_t else "bjrx,bjmx->bjrm", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, 0, None, :], scores, jnp.finfo(jnp.float32).min)  # [batch, rows, pack*group, k_len]
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     ctx = jnp.einsum("bjrm,bjmx->bjrx", probs, v).reshape(batch, rows, pack, group, pack, dim)

@@ -2,7 +2,8 @@
 
 The cache is the model's flax "cache" collection (as in flax's lm1b): every attention layer
 keeps ``cached_key`` / ``cached_value`` [batch, kv_heads, cache_length, head_dim] (the layout a
-decoding step reads, ``attention_kernels.KV_CACHE_AXES``),
+decoding step reads, ``attention_kernels.KV_CACHE_AXES``; on a CPU the keys [batch, kv_heads,
+head_dim, cache_length], ``keys_transposed``),
 ``cached_segment_ids`` [batch, cache_length] and ``cache_index``; with scanned layers each
 leaf has a leading layers axis. ``Program.generate`` runs scanned layers as
 ``execution.decode_layers`` says. "unroll" (the default): the same model with every layer
@@ -32,7 +33,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from shardzoo.models.attention_kernels import KV_CACHE_AXES
+from shardzoo.models.attention_kernels import KEY_CACHE_T_AXES, KV_CACHE_AXES
+from shardzoo.models.tiled_loss import HeadInputs, head_logits
 from shardzoo.sharding import axes as ax
 
 
@@ -65,49 +67,57 @@ def unrolled_params(layout, params):
     return out
 
 
-def cache_writes(old, new, length: int):
+def cache_writes(old, new, length: int, keys_t: bool):
     """What one layer's decoding call of ``length`` tokens wrote into its cache ``old`` (``new``:
     the cache after it): of an attention cache (a subtree with ``cache_index``) the ``length``
     new positions of each [batch, cache_length, ...] array, at the old index, and the new index;
-    every other state (convolutions', recurrences') whole. The layer scan emits these."""
+    every other state (convolutions', recurrences') whole. The layer scan emits these. ``keys_t``:
+    the keys held transposed (``attention_kernels.keys_transposed``)."""
     if not isinstance(new, dict):
         return new
     if "cache_index" not in new:
-        return {k: cache_writes(old[k], v, length) for k, v in new.items()}
+        return {k: cache_writes(old[k], v, length, keys_t) for k, v in new.items()}
     i = old["cache_index"]
-    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=_length_axis(k))
+    return {k: v if k == "cache_index" else jax.lax.dynamic_slice_in_dim(v, i, length, axis=_length_axis(k, keys_t))
             for k, v in new.items()}
 
 
-def write_cache(cache, writes):
+def write_cache(cache, writes, keys_t: bool):
     """The stacked cache (a leading layers axis) with the layer scan's ``writes``
     (``cache_writes``, stacked) in it: an attention cache's new positions written in place at the
     index (every layer's index is the same), the other states replaced."""
     if not isinstance(writes, dict):
         return writes
     if "cache_index" not in writes:
-        return {k: write_cache(cache[k], v) for k, v in writes.items()}
+        return {k: write_cache(cache[k], v, keys_t) for k, v in writes.items()}
     i = cache["cache_index"][0]
-    return {k: v if k == "cache_index" else jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=1 + _length_axis(k))
+    return {k: v if k == "cache_index" else
+            jax.lax.dynamic_update_slice_in_dim(cache[k], v, i, axis=1 + _length_axis(k, keys_t))
             for k, v in writes.items()}
 
 
-def _length_axis(name: str) -> int:
+def _length_axis(name: str, keys_t: bool) -> int:
     """The positions' axis of an attention cache's array: keys and values are
-    [batch, kv_heads, cache_length, head_dim] (``KV_CACHE_AXES``), the rest [batch, cache_length, ...]."""
+    [batch, kv_heads, cache_length, head_dim] (``KV_CACHE_AXES``; the keys ``KEY_CACHE_T_AXES``
+    where ``keys_t``), the rest [batch, cache_length, ...]."""
+    if name == "cached_key" and keys_t:
+        return KEY_CACHE_T_AXES.index(ax.CACHE_LENGTH)
     return KV_CACHE_AXES.index(ax.CACHE_LENGTH) if name in ("cached_key", "cached_value") else 1
 
 
-def decode_step(module, params, cache, tokens, positions, segment_ids=None):
+def decode_step(module, params, cache, tokens, positions, segment_ids=None, last: bool = False):
     """Run ``tokens`` [batch, length] (a prompt or one new token) through the cache.
 
-    Returns (logits [batch, length, vocab], updated cache).
+    Returns (logits [batch, length, vocab], updated cache); ``last``: the last position's logits
+    only, [batch, 1, vocab] (a prefill's: the head reads one position per row, not the prompt's).
     """
-    logits, variables = module.apply(
+    out, variables = module.apply(
         {"params": params, "cache": cache}, tokens, positions=positions, segment_ids=segment_ids,
-        decode=True, mutable=["cache"],
+        decode=True, mutable=["cache"], head=not last,
     )
-    return logits, variables["cache"]
+    if last:
+        out = head_logits(out, out.hidden[:, -1:]) if isinstance(out, HeadInputs) else out[:, -1:]
+    return out, variables["cache"]
 
 
 # ------------------------------------------------------------------------------------ sampler
@@ -129,13 +139,22 @@ def _largest_key(keys, enough):
     return jax.lax.fori_loop(0, 32, step, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
 
 
+def _argmax(logits):
+    """``jnp.argmax`` over the last axis (the first largest; the first NaN where there is one) as
+    a max and a min over the indices holding it: two plain reductions where argmax's is one of
+    (value, index) pairs, which XLA:CPU ran 4x slower over a [16, 8192] step's logits."""
+    top = logits.max(-1, keepdims=True)
+    at = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(at, jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape[-1]), -1)
+
+
 def sample_logits(logits, key, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """One token per row from logits [batch, vocab]; greedy (argmax) when temperature is 0.
 
     Top-k keeps the tokens at least as likely as the k-th; top-p then keeps each token whose
     more likely tokens (among those kept) hold less than ``top_p`` of the mass."""
     if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return _argmax(logits)
     logits = logits.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
     keys = _order_keys(logits) if top_k or top_p < 1.0 else None
@@ -203,7 +222,7 @@ def generate_tokens(module, params, cache, prompt, prompt_lengths, key, *, max_n
     slots = jnp.arange(prompt_len)[None, :]
     segment_ids = (slots >= start[:, None]).astype(jnp.int32)  # 0 on padding
     positions = jnp.maximum(slots - start[:, None], 0)
-    logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids)
+    logits, cache = decode_step(module, params, cache, prompt, positions, segment_ids, last=True)
 
     def tokens_to_logits(token, state):
         cache, position = state

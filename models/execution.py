@@ -108,6 +108,9 @@ class Execution:
     # nothing elsewhere), 0 the compiler's default. Raised, XLA stops staging each layer's whole
     # cache in VMEM to write one position (v5e, qwen3-0.6b batch 32: 57% -> 73% of the bound)
     decode_vmem_kib: int = -1
+    # the decoding cache's keys held transposed, positions minor ("auto": on a CPU, where a step's
+    # scores then reduce over a major axis; attention_kernels.keys_transposed)
+    kv_cache_transposed_keys: str = "auto"
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -117,7 +120,8 @@ class Execution:
                             "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
                             "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
-                            "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS},
+                            "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS,
+                            "kv_cache_transposed_keys": ("auto", "on", "off")},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")

@@ -26,7 +26,12 @@ from shardzoo.models import ModelError
 from shardzoo.models.attention import Attention
 from shardzoo.models.attention_costs import BHL, BLHD, BLKD
 from shardzoo.models.attention_costs import flops as attention_flops
-from shardzoo.models.attention_kernels import attention_mask, unpacked, xla_attention
+from shardzoo.models.attention_kernels import (
+    attention_mask,
+    keys_transposed,
+    unpacked,
+    xla_attention,
+)
 from shardzoo.models.component import SubRecord
 from shardzoo.models.layers import ACTIVATIONS, Linear, constrain, linear_kw
 from shardzoo.models.norms import make_norm, norm_params
@@ -159,7 +164,7 @@ class SharedAttention(Attention):
         batch, length = x.shape[:2]
         if decode:
             k, v, mask, _ = self._update_cache(k, v, segment_ids, batch, length, None)
-            k, v = unpacked(k, q.shape[-1]), unpacked(v, q.shape[-1])
+            k, v = unpacked(k, q.shape[-1], keys_transposed(self.config.execution)), unpacked(v, q.shape[-1])
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, None)
         ctx = xla_attention(q, k, v, mask, a.attention_scale)  # [batch, length, heads, head_dim]

@@ -21,6 +21,7 @@ from flax import linen as nn
 
 from shardzoo.models import ModelError, splash
 from shardzoo.models.arch import MOE, LayerSpec, TransformerArch, nest
+from shardzoo.models.attention_kernels import keys_transposed
 from shardzoo.models.blocks import BLE, BLOCK_FORMS, LayerScalar
 from shardzoo.models.components import RECORDS
 from shardzoo.models.config import ModelConfig, type_hints
@@ -369,14 +370,14 @@ class Transformer(nn.Module):
             layer = Block(cfg, period[0], placement, decode=True, parent=None)
         else:
             layer = PeriodBlock(cfg, period, placement, decode=True, parent=None)
-        length = x.shape[1]
+        length, keys_t = x.shape[1], keys_transposed(cfg.execution)
 
         def step(x, xs):
             p, c = xs  # this layer's params and cache
             x, new = layer.apply({"params": p, "cache": c}, x, positions, segment_ids, mutable=["cache"])
             x = x[0] if isinstance(x, tuple) else x  # PeriodBlock returns (x, None)
-            return x, cache_writes(c, new["cache"], length)
+            return x, cache_writes(c, new["cache"], length, keys_t)
 
         x, writes = jax.lax.scan(step, x, (params, cache))
-        self.put_variable("cache", "layers", write_cache(cache, writes))
+        self.put_variable("cache", "layers", write_cache(cache, writes, keys_t))
         return x

@@ -131,7 +131,8 @@ def test_decoding_from_the_cache_equals_the_full_forward(built):
     cache = jax.jit(cache_init_fn(module, TOKENS.shape[0], TOKENS.shape[1]))(params)
     for i in range(2):
         assert cache[f"layers_{i}"]["mamba"]["ssm_state"].value.shape == (4, 6, 8, 8)
-        assert cache[f"layers_{i}"]["attn"]["cached_key"].value.shape == (4, 2, 11, 12)
+        assert cache[f"layers_{i}"]["attn"]["cached_key"].value.shape == (4, 2, 12, 11)  # transposed on a CPU
+        assert cache[f"layers_{i}"]["attn"]["cached_value"].value.shape == (4, 2, 11, 12)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(nn.meta.unbox(cache)))
     assert decode_cache_bytes(config.arch, 4, 11, 4) == {"attention+mamba": nbytes}
     got = decoded(module, params, cache, TOKENS, prefill=6)

@@ -43,6 +43,9 @@ def test_cached_decoding_matches_full_forward(name, overrides):
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
     cache = jax.jit(dec.cache_init_fn(module, B, L))(params)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    last = jax.jit(functools.partial(dec.decode_step, last=True), static_argnums=0, compiler_options=FAST)
+    np.testing.assert_allclose(last(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])[0],
+                               full[:, PREFILL - 1:PREFILL], atol=1e-5, rtol=0)  # a prefill's head: one position
     logits, cache = step(module, params, cache, x[:, :PREFILL], pos[:, :PREFILL])
     outs = [logits]
     for i in range(PREFILL, L):
@@ -147,25 +150,34 @@ def test_sample_loop_honours_temperature_top_k_and_top_p_at_every_step():
 
 
 def test_cache_carries_logical_axes_and_shards_under_the_rules():
+    """The cache's arrays carry logical axes (on a CPU the keys transposed, positions minor:
+    ``kv_cache_transposed_keys="auto"``) and are created sharded as the rules say."""
     _, config = get_model("llama-tiny", **TINY)
+    assert jax.default_backend() == "cpu"
     one = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     boxed = jax.eval_shape(dec.cache_init_fn(one.module, 4, 16), one.params_target())
     specs = nn.get_partition_spec(boxed)["layers"]["attn"]
-    assert specs["cached_key"] == P("layers", "batch", "kv_heads", "cache_length", "head_dim")
+    assert specs["cached_key"] == P("layers", "batch", "kv_heads", "head_dim", "cache_length")
+    assert specs["cached_value"] == P("layers", "batch", "kv_heads", "cache_length", "head_dim")
     assert specs["cached_segment_ids"] == P("layers", "batch", "cache_length")
+    plain = Program(config.replace(kv_cache_transposed_keys="off"), get_rules("dp"), one.mesh)
+    boxed = jax.eval_shape(dec.cache_init_fn(plain.module, 4, 16), plain.params_target())
+    assert nn.get_partition_spec(boxed)["layers"]["attn"]["cached_key"] == P(
+        "layers", "batch", "kv_heads", "cache_length", "head_dim")
     mesh = make_mesh("data=4,tensor=2")
     program = Program(config, get_rules("tp"), mesh)
     cache = program.decoding.new_cache(4, 16)  # decoding's: one per layer (decode_layers="unroll")
     assert sorted(cache) == ["layers_0", "layers_1"]
-    key = cache["layers_1"]["attn"]["cached_key"]
-    assert key.shape == (4, 2, 16, 8)
-    assert key.addressable_shards[0].data.shape == (1, 1, 16, 8)  # batch/4, kv_heads/2
+    key, value = cache["layers_1"]["attn"]["cached_key"], cache["layers_1"]["attn"]["cached_value"]
+    assert key.shape == (4, 2, 8, 16) and value.shape == (4, 2, 16, 8)
+    assert key.addressable_shards[0].data.shape == (1, 1, 8, 16)  # batch/4, kv_heads/2
+    assert value.addressable_shards[0].data.shape == (1, 1, 16, 8)
     scan = Program(config.replace(decode_layers="scan"), get_rules("tp"), mesh)
     cache = scan.decoding.new_cache(4, 16)  # the scanned layers' stacked
     assert sorted(cache) == ["layers"]
     key = cache["layers"]["attn"]["cached_key"]
-    assert key.shape == (2, 4, 2, 16, 8)
-    assert key.addressable_shards[0].data.shape == (2, 1, 1, 16, 8)
+    assert key.shape == (2, 4, 2, 8, 16)
+    assert key.addressable_shards[0].data.shape == (2, 1, 1, 8, 16)
 
 
 SAMPLING = (dict(), dict(temperature=1.0, top_k=20, seed=7))  # greedy, then sampled
@@ -200,7 +212,8 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_la
     cache = program.decoding.new_cache(4, 12)
     for name in ("cached_key", "cached_value", "cached_segment_ids"):
         assert cache[layer]["attn"][name].sharding == attn[name], name
-    assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 1, 12, 8)
+    assert cache[layer]["attn"]["cached_key"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 1, 8, 12)
+    assert cache[layer]["attn"]["cached_value"].addressable_shards[0].data.shape == (2,) * len(lead) + (1, 1, 12, 8)
 
 
 def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
@@ -265,6 +278,20 @@ def test_scanned_decoding_writes_the_stacked_cache_in_place_and_compiles_one_lay
     assert seen[8][1] == seen[4][1], seen
 
 
+def test_greedy_is_argmax_with_ties_nans_and_infinities():
+    """The greedy pick (a max, then the first index holding it) is ``jnp.argmax``'s: the first
+    of tied maxima, the first NaN of a row with NaNs, index 0 of a row of -inf."""
+    x = np.array(jax.random.normal(jax.random.key(8), (6, 300)), np.float32)
+    x[0, [5, 9, 200]] = 9.0  # ties
+    x[1, [7, 100]] = np.nan
+    x[2] = -np.inf
+    x[3, 17], x[3, 250] = np.inf, np.inf
+    x[4, 299] = 50.0  # the last
+    got = jax.jit(lambda v: dec.sample_logits(v, None, temperature=0.0))(jnp.asarray(x))
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), -1))
+    np.testing.assert_array_equal(got[:5], [5, 7, 0, 17, 299])
+
+
 def test_top_k_and_top_p_thresholds_equal_sorting():
     """The sampler's thresholds come from bisections over the logits' bits (no sort of the
     vocabulary): the k-th largest and the top-p cut of sorted rows, negatives, ties and -0 too."""
@@ -285,17 +312,25 @@ def test_top_k_and_top_p_thresholds_equal_sorting():
         np.testing.assert_array_equal(np.asarray(keys >= cut), above < p)
 
 
+CACHE_LAYOUTS = {"plain": dict(kv_cache_packing="off", kv_cache_transposed_keys="off"),
+                 "packed": dict(kv_cache_packing="on", kv_cache_transposed_keys="off"),  # a TPU's "auto"
+                 "transposed": dict(kv_cache_packing="off", kv_cache_transposed_keys="on"),  # a CPU's "auto"
+                 "both": dict(kv_cache_packing="on", kv_cache_transposed_keys="on")}
+
+
 @pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
-def test_a_packed_cache_decodes_as_the_plain_one(decode_layers):
+def test_packed_and_transposed_caches_decode_as_the_plain_one(decode_layers):
     """``kv_cache_packing="on"`` (a TPU's "auto"): head_dim 32 puts four kv heads (two query
-    heads each) in each 128-wide row of the cache; the prefill and every one-token step give the
-    plain cache's logits (1e-5), and the cache holds [batch, kv_heads / 4, length, 128]."""
+    heads each) in each 128-wide row of the cache; ``kv_cache_transposed_keys="on"`` (a CPU's
+    "auto") holds the keys positions minor; either, and both, give the plain cache's logits
+    (1e-5) at the prefill and every one-token step, the keys held [batch, kv_heads / 4, length,
+    128] packed, [batch, kv_heads, 32, length] transposed, and the values never transposed."""
     _, config = get_model("llama-tiny", hidden_size=256, intermediate_size=128, vocab_size=512,
                           num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
                           decode_layers=decode_layers)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    programs = {p: Program(config.replace(kv_cache_packing=p), get_rules("dp"), mesh) for p in ("off", "on")}
-    params = programs["off"].init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
+    programs = {p: Program(config.replace(**kw), get_rules("dp"), mesh) for p, kw in CACHE_LAYOUTS.items()}
+    params = programs["plain"].init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
     x = np.asarray(jax.random.randint(jax.random.key(4), (B, L), 0, config.vocab_size))
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
@@ -304,18 +339,23 @@ def test_a_packed_cache_decodes_as_the_plain_one(decode_layers):
         module, weights = program.decoding.decoder, program.decoding.decoding_params(params)
         cache = program.decoding.new_cache(B, L)
         flat = jax.tree_util.tree_flatten_with_path(cache)[0]
-        shapes[p] = [v.shape for k, v in flat if jax.tree_util.keystr(k).endswith("['cached_key']")]
+        shapes[p] = {name: [v.shape for k, v in flat if jax.tree_util.keystr(k).endswith(f"['{name}']")]
+                     for name in ("cached_key", "cached_value")}
         out, cache = step(module, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
         outs = [out]
         for i in range(PREFILL, L):
             out, cache = step(module, weights, cache, x[:, i:i + 1], pos[:, i:i + 1])
             outs.append(out)
         logits[p] = np.asarray(jnp.concatenate(outs, axis=1))
-    np.testing.assert_allclose(logits["on"], logits["off"], atol=1e-5, rtol=0)
-    assert np.abs(logits["off"]).max() > 0.1
-    assert shapes["off"]
-    for plain, pack in zip(shapes["off"], shapes["on"], strict=True):
-        assert plain[-3:] == (4, L, 32) and pack[-3:] == (1, L, 128), (plain, pack)
+    for p in ("packed", "transposed", "both"):
+        np.testing.assert_allclose(logits[p], logits["plain"], atol=1e-5, rtol=0, err_msg=p)
+    assert np.abs(logits["plain"]).max() > 0.1
+    want = {"plain": ((4, L, 32), (4, L, 32)), "packed": ((1, L, 128), (1, L, 128)),
+            "transposed": ((4, 32, L), (4, L, 32)), "both": ((1, 128, L), (1, L, 128))}
+    for p, (key, value) in want.items():
+        assert len(shapes[p]["cached_key"]) == (1 if decode_layers == "scan" else 2), shapes[p]
+        assert all(s[-3:] == key for s in shapes[p]["cached_key"]), (p, shapes[p])
+        assert all(s[-3:] == value for s in shapes[p]["cached_value"]) and shapes[p]["cached_value"], (p, shapes[p])
 
 
 def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
