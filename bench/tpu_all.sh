@@ -9,7 +9,7 @@
 #   bash bench/tpu_all.sh install profile:qwen3-30b-a3b:4x2048:save_attn_mlp:num_hidden_layers=4,num_local_experts=32,moe_dispatch=auto
 #   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
-#   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32,1:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
+#   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32:scan:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
 #
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
 # Run every part through this script: the machine's PYTHONPATH holds its TPU jax, and a command
@@ -65,10 +65,10 @@ for part in "$@"; do
       LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
         --dtype bfloat16 --batches 32 --prompt 128 --new 256 --layers 0 --scan unroll 2>&1 | grep "^| $model" | head -1
       ;;
-    decodevar:*)  # decodevar:MODEL:BATCHES:VARIANTS -- unrolled decoding, a row per ';'-separated override set
-      IFS=: read -r _ model batches variants <<< "$part"
+    decodevar:*)  # decodevar:MODEL:BATCHES:scan|unroll|both:VARIANTS -- a row per ';'-separated override set
+      IFS=: read -r _ model batches mode variants <<< "$part"
       timeout 560 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batches" \
-        --prompt 128 --new 256 --layers 0 --scan unroll --variants "$variants" 2>&1 \
+        --prompt 128 --new 256 --layers 0 --scan "$mode" --variants "$variants" 2>&1 \
         | tee "$out/tpu_decodevar_${model}.log" | grep --line-buffered -E "^\| $model|Error"
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
