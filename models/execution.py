@@ -43,7 +43,7 @@ AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
-DECODE_TPU_VMEM_KIB = 114688  # decode_vmem_kib "auto" on a TPU (v5e has 128 MiB of VMEM)
+DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,8 @@ class Execution:
     # where one position's write per step touches its own tiles only
     kv_cache_packing: str = "auto"
     # libtpu's scoped on-chip memory (VMEM) limit for the compiled ``generate``, in KiB
-    # (``--xla_tpu_scoped_vmem_limit_kib``, per compile): -1 "auto" (DECODE_TPU_VMEM_KIB on a TPU,
-    # nothing elsewhere), 0 the compiler's default. Raised, XLA stops staging each layer's whole
+    # (``--xla_tpu_scoped_vmem_limit_kib``, per compile): -1 "auto" (DECODE_VMEM_SHARE of the TPU's
+    # VMEM, nothing elsewhere), 0 the compiler's default. Raised, XLA stops staging each layer's whole
     # cache in VMEM to write one position (v5e, qwen3-0.6b batch 32: 57% -> 73% of the bound)
     decode_vmem_kib: int = -1
     # the decoding cache's keys held transposed, positions minor ("auto": on a CPU, where a step's

@@ -15,11 +15,17 @@ from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
 from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
-from shardzoo.models.execution import DECODE_TPU_VMEM_KIB
+from shardzoo.models.execution import DECODE_VMEM_SHARE
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
 from shardzoo.train.jit import global_array, host_array, per_device_bytes, zeros_on
+
+
+def auto_vmem_kib(vmem_bytes: int) -> int:
+    """``decode_vmem_kib`` "auto" for a chip of ``vmem_bytes`` of VMEM: DECODE_VMEM_SHARE of it,
+    in KiB (v5e's 128 MiB: 114,688, the limit measured there)."""
+    return int(vmem_bytes * DECODE_VMEM_SHARE) // 1024
 
 
 class Decoding:
@@ -95,11 +101,19 @@ class Decoding:
 
     def compiler_options(self) -> dict:
         """The generate program's compiler options: on a TPU, libtpu's scoped VMEM limit
-        (``execution.decode_vmem_kib``; "auto" DECODE_TPU_VMEM_KIB); none elsewhere."""
+        (``execution.decode_vmem_kib``; "auto": ``auto_vmem_kib`` of the chip's VMEM, as Pallas
+        knows it); none elsewhere, nor on a chip Pallas does not know."""
         kib = self.program.config.execution.decode_vmem_kib
         if self.program.mesh.devices.flat[0].platform != "tpu" or kib == 0:
             return {}
-        return {"xla_tpu_scoped_vmem_limit_kib": DECODE_TPU_VMEM_KIB if kib == -1 else kib}
+        if kib == -1:
+            from jax.experimental.pallas import tpu as pltpu  # noqa: I001 - lazily: Pallas on a TPU only
+
+            try:
+                kib = auto_vmem_kib(pltpu.get_tpu_info().vmem_capacity_bytes)
+            except ValueError:  # a TPU this jax does not describe: the compiler's default
+                return {}
+        return {"xla_tpu_scoped_vmem_limit_kib": kib}
 
     def _divisible_sharding(self, shape, names):
         resolved, _ = resolve_array("decode", shape, "int32", names, self.program.rules, self.program.mesh, param=False)

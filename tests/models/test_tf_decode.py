@@ -360,10 +360,10 @@ def test_packed_and_transposed_caches_decode_as_the_plain_one(decode_layers):
 
 def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
     """``decode_vmem_kib`` reaches ``generate``'s compile as libtpu's scoped VMEM limit on a TPU
-    only ("auto": DECODE_TPU_VMEM_KIB; XLA:CPU rejects the option): on this CPU an explicit limit
+    only ("auto": 7/8 of the chip's VMEM; XLA:CPU rejects the option): on this CPU an explicit limit
     compiles and gives the default's greedy tokens; a negative size other than -1 is one line."""
     from shardzoo.models import ModelError
-    from shardzoo.models.execution import DECODE_TPU_VMEM_KIB
+    from shardzoo.train.decoding import auto_vmem_kib
 
     _, config = get_model("llama-tiny", **TINY, num_hidden_layers=2)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
@@ -374,6 +374,7 @@ def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
     tokens = {k: np.asarray(p.decoding.generate(params, prompt, max_new_tokens=4)) for k, p in programs.items()}
     np.testing.assert_array_equal(tokens[65536], tokens[-1])
     assert tokens[-1].shape == (B, PREFILL + 4)
-    assert DECODE_TPU_VMEM_KIB * 1024 <= 128 << 20  # v5e's VMEM
+    assert auto_vmem_kib(128 << 20) == 114688  # v5e and v6e: the limit measured on v5e
+    assert auto_vmem_kib(16 << 20) == 14336  # v4's 16 MiB: under the chip's own
     with pytest.raises(ModelError, match=r"decode_vmem_kib=-2 must be an integer: -1 \(auto\)"):
         config.replace(decode_vmem_kib=-2)
