@@ -112,17 +112,28 @@ Errors: every bad input raises ``DataError`` (a ``UserError``) naming the file, 
 spec or tokenizer.
 """
 
-from shardzoo.data.batches import BatchIterator, LabelledBatchIterator
-from shardzoo.data.errors import DataError
-from shardzoo.data.loader import (
-    DataConfig,
-    make_datasets,
-    make_eval_dataset,
-    make_labelled_datasets,
-    make_preference_eval_dataset,
-)
-from shardzoo.data.sources import load_source
-from shardzoo.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+import importlib
+
+# name -> the submodule that defines it, imported on first use: a command that only touches one
+# submodule (generate, export, plan) does not pay for ``datasets`` and pyarrow (~0.7 s)
+_WHERE = {
+    "BatchIterator": "batches", "LabelledBatchIterator": "batches", "DataError": "errors",
+    "DataConfig": "loader", "make_datasets": "loader", "make_eval_dataset": "loader",
+    "make_labelled_datasets": "loader", "make_preference_eval_dataset": "loader",
+    "load_source": "sources", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_WHERE))
+
 
 __all__ = [
     "BatchIterator",
