@@ -285,10 +285,10 @@ def transformer_activations(cfg, batch_size, seq_len, shards, pipeline=None) -> 
     layers = sum(n * _saved(terms_, policy) for terms_, n in kinds.values())
     recompute = largest if policy != "none" else 0
     vocab, length_share = (1 if a.score_head else a.vocab_size), 1.0  # the logits (or scores) that exist at once
-    fused = tiles(e, tok, a.vocab_size) and e.tiled_loss_backward == "fused" and not a.score_head
-    if tiles(e, tok, a.vocab_size) and not fused:  # the tiled loss: one chunk of positions x one of the vocabulary
-        vocab, length_share = min(a.vocab_size, e.loss_vocab_chunk), min(1.0, e.loss_length_chunk / seq_len)
-    if fused:  # its gradients in the forward: a chunk of positions over the whole vocabulary, at most FUSED_BYTES
+    tiled = tiles(e, tok, a.vocab_size)
+    fused = tiled and e.tiled_loss_backward == "fused" and not a.score_head
+    if tiled:  # the tiled loss: one chunk of positions x one of the vocabulary (fused: all of it, <= FUSED_BYTES)
+        vocab = vocab if fused else min(a.vocab_size, e.loss_vocab_chunk)
         length_share = min(1.0, e.loss_length_chunk / seq_len)
     logits = int(t(vocab, (ax.BATCH, ax.LENGTH, ax.VOCAB), 4) * length_share)
     if fused:

@@ -287,19 +287,14 @@ def _fused_forward(static, hidden, kernel, bias, targets, weights):
         dk, db = carry
         h, t, w = xs  # [rows, lc, embed], [rows, lc], [rows, lc]
         z, vjp = jax.vjp(fn, h, kernel, bias)
-        z = jnp.where(cols < vocab, z, -jnp.inf)
-        m = jnp.max(z, axis=-1)
-        e = jnp.exp(z - m[..., None])
-        s = jnp.sum(e, axis=-1)
-        lse = m + jnp.log(s)
-        p = e / s[..., None]
+        z = jnp.where(cols < vocab, z, jnp.finfo(jnp.float32).min)  # padding as head_logits leaves it
+        stats = reference_stats(z, t)
+        p = jnp.exp(z - stats.lse[..., None])  # the padding's: 0
         hit = cols == t[..., None]
-        tgt = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
-        entropy = lse - jnp.sum(p * jnp.where(cols < vocab, z, 0.0), axis=-1)
         dh_c, dk_c, db_c = vjp(w[..., None] * (p - hit))  # d loss / d logits = w (softmax - onehot)
         dk = dk + dk_c.astype(jnp.float32)
         db = None if db is None else db + db_c.astype(jnp.float32)
-        return (dk, db), (jnp.sum(w * (lse - tgt)), (lse, tgt, m, entropy), dh_c)
+        return (dk, db), (jnp.sum(w * (stats.lse - stats.target)), tuple(stats), dh_c)
 
     init = (jnp.zeros(kernel.shape, jnp.float32), None if bias is None else jnp.zeros(bias.shape, jnp.float32))
     (dk, db), (losses, stats, dh) = jax.lax.scan(over_length, init, (hs, ts, ws))

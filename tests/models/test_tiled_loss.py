@@ -96,8 +96,8 @@ def test_every_statistic_equals_the_full_logits():
 
 
 def test_fused_statistics_equal_the_full_logits_with_a_padded_vocabulary():
-    """The fused backward's statistics (metrics) and loss, its position chunks capped by
-    FUSED_BYTES too, over a vocabulary whose last 6 columns are padding (never in the softmax)."""
+    """The fused backward's statistics (metrics), loss and gradients, its position chunks capped
+    by FUSED_BYTES too, over a vocabulary whose last 6 columns are padding (never in the softmax)."""
     import shardzoo.models.tiled_loss as tl
 
     hidden, kernel, bias, targets, weights = _data(3)
@@ -113,6 +113,16 @@ def test_fused_statistics_equal_the_full_logits_with_a_padded_vocabulary():
         for name in TokenStats._fields:
             np.testing.assert_allclose(getattr(stats, name), getattr(full, name), rtol=1e-6, atol=1e-5, err_msg=name)
         np.testing.assert_allclose(loss, jnp.sum((full.lse - full.target) * weights), rtol=1e-6)
+    # the gradients over the padded vocabulary: those of the recomputing backward (which equals optax)
+    grads = {}
+    for backward in ("recompute", "fused"):
+        total = lambda h, k, b, backward=backward: weighted_nll(HeadInputs(h, k, b, vocab=VOCAB - 6, length_chunk=4,
+                                                                                   vocab_chunk=16, backward=backward),
+                                                                        targets, weights)[0]
+        grads[backward] = jax.jit(jax.grad(total, argnums=(0, 1, 2)))(hidden, kernel, bias)
+    for name, g, w in zip(("hidden", "kernel", "bias"), grads["fused"], grads["recompute"], strict=True):
+        assert float(jnp.max(jnp.abs(w))) > 1e-3, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
     with pytest.raises(ModelError, match="tiled_loss_backward='later'"):
         get_model("llama-tiny", tiled_loss_backward="later")
 
