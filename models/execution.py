@@ -44,6 +44,10 @@ CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
 DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
+# decode_vmem_kib "auto" raises the limit only for unrolled layers whose cache is at least this share of the
+# weights (v5e: qwen3-0.6b batch 32, cache 1.18x the weights, 57% -> 74% of the bound; llama3.2-1b batch 1,
+# 0.005x, 82% -> 78%; scanned qwen batch 32 47% -> 36%)
+DECODE_VMEM_CACHE_SHARE = 1 / 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +109,9 @@ class Execution:
     kv_cache_packing: str = "auto"
     # libtpu's scoped on-chip memory (VMEM) limit for the compiled ``generate``, in KiB
     # (``--xla_tpu_scoped_vmem_limit_kib``, per compile): -1 "auto" (DECODE_VMEM_SHARE of the TPU's
-    # VMEM, nothing elsewhere), 0 the compiler's default. Raised, XLA stops staging each layer's whole
-    # cache in VMEM to write one position (v5e, qwen3-0.6b batch 32: 57% -> 73% of the bound)
+    # VMEM where the layers are unrolled and the cache weighs DECODE_VMEM_CACHE_SHARE of the weights;
+    # nothing elsewhere), 0 the compiler's default. Raised, XLA stops staging each layer's whole
+    # cache in VMEM to write one position (v5e, qwen3-0.6b batch 32: 57% -> 74% of the bound)
     decode_vmem_kib: int = -1
     # the decoding cache's keys held transposed, positions minor ("auto": on a CPU, where a step's
     # scores then reduce over a major axis; attention_kernels.keys_transposed)

@@ -15,16 +15,20 @@ from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
 from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
-from shardzoo.models.execution import DECODE_VMEM_SHARE
+from shardzoo.models.execution import DECODE_VMEM_CACHE_SHARE, DECODE_VMEM_SHARE
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
 from shardzoo.train.jit import global_array, host_array, per_device_bytes, zeros_on
 
 
-def auto_vmem_kib(vmem_bytes: int) -> int:
-    """``decode_vmem_kib`` "auto" for a chip of ``vmem_bytes`` of VMEM: DECODE_VMEM_SHARE of it,
-    in KiB (v5e's 128 MiB: 114,688, the limit measured there)."""
+def auto_vmem_kib(vmem_bytes: int, *, scanned: bool, cache_bytes: int, weight_bytes: int) -> int:
+    """``decode_vmem_kib`` "auto" for a chip of ``vmem_bytes`` of VMEM, in KiB (0: the compiler's
+    default): DECODE_VMEM_SHARE of it (v5e's 128 MiB: 114,688, the limit measured there) where the
+    layers are unrolled and the cache weighs at least DECODE_VMEM_CACHE_SHARE of the weights, the
+    cases it was measured to help (models/execution.py); the default elsewhere."""
+    if scanned or cache_bytes < DECODE_VMEM_CACHE_SHARE * weight_bytes:
+        return 0
     return int(vmem_bytes * DECODE_VMEM_SHARE) // 1024
 
 
@@ -99,10 +103,11 @@ class Decoding:
                 global_array(key, replicated(self.program.mesh)))
         return host_array(fn(params, *args))
 
-    def compiler_options(self) -> dict:
-        """The generate program's compiler options: on a TPU, libtpu's scoped VMEM limit
-        (``execution.decode_vmem_kib``; "auto": ``auto_vmem_kib`` of the chip's VMEM, as Pallas
-        knows it); none elsewhere, nor on a chip Pallas does not know."""
+    def compiler_options(self, batch_size: int, max_length: int) -> dict:
+        """The options of generate's compile for ``batch_size`` rows of ``max_length`` positions:
+        on a TPU, libtpu's scoped VMEM limit (``execution.decode_vmem_kib``; "auto": ``auto_vmem_kib``
+        of the chip's VMEM as Pallas knows it, by this cache's and the weights' bytes); none
+        elsewhere, nor on a chip Pallas does not know."""
         kib = self.program.config.execution.decode_vmem_kib
         if self.program.mesh.devices.flat[0].platform != "tpu" or kib == 0:
             return {}
@@ -110,10 +115,13 @@ class Decoding:
             from jax.experimental.pallas import tpu as pltpu  # noqa: I001 - lazily: Pallas on a TPU only
 
             try:
-                kib = auto_vmem_kib(pltpu.get_tpu_info().vmem_capacity_bytes)
+                vmem = pltpu.get_tpu_info().vmem_capacity_bytes
             except ValueError:  # a TPU this jax does not describe: the compiler's default
                 return {}
-        return {"xla_tpu_scoped_vmem_limit_kib": kib}
+            weights = per_device_bytes(self.program.abstract.params, self.program.shardings.params)
+            kib = auto_vmem_kib(vmem, scanned=self._scan_decoding, cache_bytes=self.cache_bytes(batch_size, max_length),
+                                weight_bytes=weights)
+        return {"xla_tpu_scoped_vmem_limit_kib": kib} if kib else {}
 
     def _divisible_sharding(self, shape, names):
         resolved, _ = resolve_array("decode", shape, "int32", names, self.program.rules, self.program.mesh, param=False)
@@ -138,6 +146,7 @@ class Decoding:
         args = (self.program.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
                 jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows),
                 jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(self.program.mesh)))
-        fn = self.program.compile(run, *args, out_shardings=tokens, options=self.compiler_options(),
+        options = self.compiler_options(batch, prompt_len + max_new_tokens)
+        fn = self.program.compile(run, *args, out_shardings=tokens, options=options,
                                   in_shardings=(self.program.shardings.params, prompt, rows, replicated(self.program.mesh)))
         return fn, (prompt, rows)

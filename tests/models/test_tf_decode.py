@@ -360,21 +360,27 @@ def test_packed_and_transposed_caches_decode_as_the_plain_one(decode_layers):
 
 def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
     """``decode_vmem_kib`` reaches ``generate``'s compile as libtpu's scoped VMEM limit on a TPU
-    only ("auto": 7/8 of the chip's VMEM; XLA:CPU rejects the option): on this CPU an explicit limit
-    compiles and gives the default's greedy tokens; a negative size other than -1 is one line."""
+    only ("auto": 7/8 of the chip's VMEM for unrolled layers whose cache weighs a quarter of the
+    weights, as measured on v5e; XLA:CPU rejects the option): on this CPU an explicit limit compiles
+    and gives the default's greedy tokens; a negative size other than -1 is one line."""
     from shardzoo.models import ModelError
     from shardzoo.train.decoding import auto_vmem_kib
 
     _, config = get_model("llama-tiny", **TINY, num_hidden_layers=2)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     programs = {k: Program(config.replace(decode_vmem_kib=k), get_rules("dp"), mesh) for k in (-1, 65536)}
-    assert all(p.decoding.compiler_options() == {} for p in programs.values())
+    assert all(p.decoding.compiler_options(B, PREFILL + 4) == {} for p in programs.values())
     params = programs[-1].init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
     prompt = np.asarray(jax.random.randint(jax.random.key(2), (B, PREFILL), 1, config.vocab_size), np.int32)
     tokens = {k: np.asarray(p.decoding.generate(params, prompt, max_new_tokens=4)) for k, p in programs.items()}
     np.testing.assert_array_equal(tokens[65536], tokens[-1])
     assert tokens[-1].shape == (B, PREFILL + 4)
-    assert auto_vmem_kib(128 << 20) == 114688  # v5e and v6e: the limit measured on v5e
-    assert auto_vmem_kib(16 << 20) == 14336  # v4's 16 MiB: under the chip's own
+    big = {"scanned": False, "cache_bytes": 1410, "weight_bytes": 1192}  # qwen3-0.6b, batch 32 (MB)
+    assert auto_vmem_kib(128 << 20, **big) == 114688  # v5e and v6e: the limit measured on v5e
+    assert auto_vmem_kib(16 << 20, **big) == 14336  # v4's 16 MiB: under the chip's own
+    assert auto_vmem_kib(128 << 20, **{**big, "scanned": True}) == 0  # scanned: 47% -> 36% with it
+    assert auto_vmem_kib(128 << 20, scanned=False, cache_bytes=13, weight_bytes=2472) == 0  # llama batch 1
+    assert auto_vmem_kib(128 << 20, scanned=False, cache_bytes=250, weight_bytes=1000) == 114688
+    assert auto_vmem_kib(128 << 20, scanned=False, cache_bytes=249, weight_bytes=1000) == 0
     with pytest.raises(ModelError, match=r"decode_vmem_kib=-2 must be an integer: -1 \(auto\)"):
         config.replace(decode_vmem_kib=-2)
