@@ -87,7 +87,9 @@ class Execution:
     loss_length_chunk: int = 512
     loss_vocab_chunk: int = 8192
     # the tiled language-model loss's gradients: "recompute" each chunk's logits in the backward,
-    # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll)
+    # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll): 1.46x
+    # on a CPU, but 0.67x on a v5e chip at a 262k vocabulary, where every chunk of positions reads
+    # and writes the kernel gradient's float32 accumulator (BENCHMARKS.md)
     tiled_loss_backward: str = "recompute"
     lora_rank: int = 0  # > 0: LoRA adapters on lora_targets, the only params a run trains
     lora_alpha: float | None = None  # scale alpha / lora_rank; None: lora_rank
