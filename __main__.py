@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from shardzoo import interrupt
+from shardzoo import host_memory, interrupt
 
 EXIT_GRACE_S = 5  # how long background threads may hold up a command that has succeeded
 
@@ -65,6 +65,7 @@ def guard_streams() -> None:
 
 def run() -> None:
     guard_streams()
+    host_memory.keep_freed_memory()  # before jax's threads take arenas of their own
     # before cli's imports start jax's threads, so that no thread but the watcher receives SIGINT
     interrupt.watch(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "")
     from shardzoo.cli import main

@@ -7,7 +7,8 @@ compile), every variant from the same initial state; torch's ``LlamaForCausalLM`
 them. Interleaved rounds (every row once per round), medians of wall and CPU seconds per step;
 then one traced step of the default and of torch, CPU milliseconds per op class (XLA:CPU's
 thunks from a ``jax.profiler`` trace; ``torch.profiler``'s self CPU time by aten op). Each
-variant's first losses are checked against the default's (the numbers must not move).
+variant's first losses are checked against the default's (the numbers must not move). glibc's
+malloc is set up as ``python -m shardzoo`` sets it (``host_memory``), for both libraries.
 
     python bench/bench_cpu.py [--rounds 7] [--out bench/results/cpu.md]
 """
@@ -23,6 +24,10 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from shardzoo.host_memory import keep_freed_memory  # noqa: E402
+
+KEPT = keep_freed_memory()  # as ``shardzoo train`` runs, before jax starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
              f"CPU: **{model}**, {os.cpu_count()} CPUs (load average at the end {os.getloadavg()[0]:.1f}); "
              f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads). Llama hidden "
              f"{CONFIG.hidden_size}, {CONFIG.num_hidden_layers} layers, vocab {CONFIG.vocab_size}, batch {BATCH} x "
-             f"{LENGTH}, float32, adamw; {args.rounds} interleaved rounds after a warm-up, medians.", "",
+             f"{LENGTH}, float32, adamw; {args.rounds} interleaved rounds after a warm-up, medians; glibc's malloc "
+             f"{'keeping freed memory (host_memory)' if KEPT else 'as the environment left it'}.", "",
              "| step | wall s | CPU s | vs transformers (CPU s) | vs default (CPU s) | max loss change vs default |",
              "|---|---:|---:|---:|---:|---:|"]
     for n in runs:

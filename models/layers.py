@@ -115,6 +115,26 @@ def act_quant(x, n_in: int = 1):
 
 
 # ------------------------------------------------------------------------------- linear, embed
+def flat_tokens() -> bool:
+    """Whether ``project`` runs its matmul over the leading dims flattened into one ([batch x
+    length, inputs]): on a CPU with one device, the one place this is chosen. jax's backward of a
+    matmul contracting several leading dims transposes the output's gradient into a copy
+    ([outputs, batch, length]) before the weight gradient, which XLA:CPU keeps; over one
+    flattened dim the weight gradient is a plain matmul of the two as they lie (BENCHMARKS.md,
+    the CPU section). Elsewhere the leading dims stay apart, each keeping its own sharding."""
+    return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().size <= 1
+
+
+def project(x, kernel, n_in: int = 1):
+    """``jnp.tensordot(x, kernel, n_in)``: ``x``'s last ``n_in`` dims against ``kernel``'s first;
+    a 2-D matmul of the flattened dims where ``flat_tokens``."""
+    lead, inner = x.shape[:x.ndim - n_in], kernel.shape[n_in:]
+    if len(lead) < 2 or not flat_tokens():
+        return jnp.tensordot(x, kernel, axes=n_in)
+    y = jnp.dot(x.reshape(math.prod(lead), -1), kernel.reshape(math.prod(kernel.shape[:n_in]), -1))
+    return y.reshape(*lead, *inner)
+
+
 def padded(init, real: int, axis: int):
     """``init`` drawn with ``real`` entries along ``axis`` (0: all), then zero-padded to the
     whole shape: a padded vocabulary starts from the numbers the unpadded model draws."""
@@ -180,7 +200,7 @@ class Linear(nn.Module):
         kernel, bias, adapter = self.weights(x.shape[x.ndim - self.n_in:])
         x = x.astype(dtype_of(self.dtype))
         x = act_quant(x, self.n_in) if self.bitlinear else x
-        y = jnp.tensordot(x, kernel, axes=self.n_in)
+        y = project(x, kernel, self.n_in)
         y = y if bias is None else y + bias
         return adapted(y, x, adapter, self.n_in)
 
@@ -208,11 +228,14 @@ def fused(linears, x):
     if len(lead) >= 2 and lead[-1] == 1:
         return [lin(x) for lin in linears]
     weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
-    kernel = jnp.stack([k for k, _, _ in weights])  # [n, inputs..., features...]
-    x = x.astype(kernel.dtype)
+    kernels = [k for k, _, _ in weights]
+    x = x.astype(kernels[0].dtype)
     x = act_quant(x, first.n_in) if first.bitlinear else x
-    y = jnp.tensordot(x, kernel, axes=(
-        tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
+    if flat_tokens():  # [inputs..., n, features...]: one 2-D matmul, no transposed kernel
+        y = project(x, jnp.stack(kernels, axis=first.n_in), first.n_in)
+    else:
+        y = jnp.tensordot(x, jnp.stack(kernels), axes=(  # [n, inputs..., features...]
+            tuple(range(x.ndim - first.n_in, x.ndim)), tuple(range(1, first.n_in + 1))))
     # y: [batch..., n, features...]; split (not taken apart by index): the backward concatenates
     # the outputs' gradients in one pass, where a take's scatter-add padded each and summed them
     axis = x.ndim - first.n_in

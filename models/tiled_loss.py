@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from shardzoo.models.layers import project
+
 # execution.tiled_loss == "auto" tiles where the float32 logits of a call would take more
 # than this: one row of 2048 tokens over a 32k vocabulary; below it the untiled head is cheap.
 AUTO_BYTES = 256 * 2**20
@@ -86,7 +88,7 @@ def tiles(execution, tokens: int, vocab: int) -> bool:
 
 def _logits(h, kernel, bias, scaling, scale, softcap):
     """The head on ``h [..., embed]``, in the kernel's dtype: the model's own arithmetic."""
-    logits = jnp.tensordot(h.astype(kernel.dtype), kernel, axes=1)
+    logits = project(h.astype(kernel.dtype), kernel)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
     if scaling != 1.0:  # Granite

@@ -16,10 +16,10 @@ from shardzoo.models.attention_kernels import causal_attention, softmax
 from shardzoo.models.costs import buffers
 from shardzoo.models.execution import REMAT_POLICIES
 from shardzoo.models.hf.registry import PRESETS
-from shardzoo.models.layers import swiglu
+from shardzoo.models.layers import project, swiglu
 from shardzoo.models.rope import apply_rope, rope_inv_freq
 from shardzoo.sharding import axes as ax
-from shardzoo.sharding import get_rules, make_abstract_mesh
+from shardzoo.sharding import get_rules, make_abstract_mesh, make_mesh
 from shardzoo.sharding.partition import logical_shardings
 
 TINY = dict(hidden_size=32, intermediate_size=64, vocab_size=128, max_position_embeddings=32)
@@ -108,6 +108,37 @@ def test_fused_projections_equal_separate_ones(name):
     text = str(jax.make_jaxpr(lambda p: fused.apply({"params": p}, x))(params))
     assert text.count("dot_general") < str(
         jax.make_jaxpr(lambda p: separate.apply({"params": p}, x))(params)).count("dot_general")
+
+
+@pytest.mark.parametrize("n_in, kernel_shape", [(1, (32, 4, 24)), (2, (4, 8, 24))])
+def test_project_is_a_flat_matmul_on_one_cpu_device(n_in, kernel_shape):
+    """project: tensordot's values and gradients (1e-5, and 1e-6 relative: gradients near 20); on
+    one CPU device one 2-D matmul over the flattened tokens whose compiled backward copies and
+    transposes nothing (tensordot's transposes the output's gradient and the kernel); on a mesh
+    of several devices the leading dims stay apart."""
+    x = jax.random.normal(jax.random.key(0), (2, 16) + kernel_shape[:n_in])
+    kernel = jax.random.normal(jax.random.key(1), kernel_shape)
+    cot = jax.random.normal(jax.random.key(2), (2, 16) + kernel_shape[n_in:])
+    want = lambda x, k: jnp.tensordot(x, k, axes=n_in)  # noqa: E731
+    np.testing.assert_allclose(project(x, kernel, n_in), want(x, kernel), atol=1e-5, rtol=0)
+    for got, ref in zip(jax.vjp(lambda x, k: project(x, k, n_in), x, kernel)[1](cot),
+                        jax.vjp(want, x, kernel)[1](cot), strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-6)
+
+    def dots(fn):
+        eqns = jax.make_jaxpr(fn)(x, kernel).eqns
+        return [e.invars[0].aval.ndim for e in eqns if e.primitive.name == "dot_general"]
+
+    assert dots(lambda x, k: project(x, k, n_in)) == [2]
+    with jax.set_mesh(make_mesh("data=2", devices=jax.devices()[:2])):
+        assert dots(lambda x, k: project(x, k, n_in)) == [x.ndim]
+
+    def layout_ops(fn):  # the compiled backward's copies and transposes
+        text = jax.jit(lambda x, k, g: jax.vjp(fn, x, k)[1](g)).lower(x, kernel, cot).compile().as_text()
+        return re.findall(r"%(\S*(?:copy|transpose)\S*) = ", text[text.index("ENTRY"):])
+
+    assert layout_ops(lambda x, k: project(x, k, n_in)) == []
+    assert layout_ops(want)  # what the flat matmul spares
 
 
 def test_swiglu_backward_equals_autodiff():
@@ -200,10 +231,11 @@ def test_every_remat_policy_saves_what_it_says():
     assert stacked["save_attn_mlp"] == {block_in, attn_context, mlp_hidden}  # exactly the two names
     kv = (n, b, length, cfg.arch.kv_heads, cfg.head_size)
     assert stacked["save_qkv_mlp"] == {block_in, attn_context, kv, mlp_hidden}  # q, k = v, gate = up
-    # Matmul outputs: projections (no batch dims) under both dots policies; the attention
-    # scores [..., length, length] (a dot with batch dims) only under dots_saveable.
+    # Matmul outputs: projections (no batch dims; on one CPU device over the tokens flattened,
+    # layers.project) under both dots policies; the attention scores [..., length, length] (a
+    # dot with batch dims) only under dots_saveable.
     assert stacked["dots_with_no_batch_dims_saveable"] < stacked["dots_saveable"]
-    assert attn_context in stacked["dots_with_no_batch_dims_saveable"]
+    assert (n, b * length, cfg.num_attention_heads * cfg.head_size) in stacked["dots_with_no_batch_dims_saveable"]
     scores = [s for s in stacked["dots_saveable"] if s.count(length) == 2]  # [.., length, .., length]
     assert scores and not any(s.count(length) == 2 for s in stacked["dots_with_no_batch_dims_saveable"])
     order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full"]
