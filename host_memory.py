@@ -43,10 +43,20 @@ def user_set_malloc() -> bool:
     return "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(k.startswith("MALLOC_") for k in os.environ)
 
 
+_applied = False
+
+
 def keep_freed_memory() -> bool:
     """Apply ``KEEP`` with ``mallopt`` on Linux with glibc, when jax will run on the CPU and the
     user has not set malloc up; whether it was applied."""
+    global _applied
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc" or user_set_malloc() or not cpu_only():
         return False
     mallopt = ctypes.CDLL("libc.so.6").mallopt
-    return all(mallopt(param, value) == 1 for param, value in KEEP)
+    _applied = all(mallopt(param, value) == 1 for param, value in KEEP)
+    return _applied
+
+
+def setting() -> str:
+    """What this process's malloc does, as a run records it (run.json's ``host_malloc``)."""
+    return "keeps freed memory (one arena, no mmap, no trim)" if _applied else "default"

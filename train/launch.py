@@ -16,7 +16,7 @@ import sys
 import jax
 import numpy as np
 
-from shardzoo import interrupt
+from shardzoo import host_memory, interrupt
 from shardzoo.errors import UserError
 from shardzoo.models import apply_overrides, get_model, parse_overrides
 from shardzoo.sharding.mesh import describe_mesh
@@ -365,7 +365,8 @@ def _run(cfg: TrainConfig, hooks, xla_flags: str, log) -> RunResult:
             orphans = None if p.resume_step is not None or cfg.restart else set_aside_orphans(p.out)
             _write_json(os.path.join(p.out, "run.json"), {
                 **meta, "mesh": describe_mesh(p.mesh), "devices": jax.device_count(),
-                "processes": jax.process_count(), "xla_flags": xla_flags, "settings": cfg.to_sections(),
+                "processes": jax.process_count(), "xla_flags": xla_flags, "host_malloc": host_memory.setting(),
+                "settings": cfg.to_sections(),
             })
     reference_params = None  # dpo: --reference, else --init-from (on a resume too), else the seed's init
     component = run_task(cfg)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -67,3 +68,7 @@ def test_the_preset_reaches_the_training_process_and_run_json(tmp_path):
     assert set(XLA_PRESETS["gpu-overlap"]) <= set(flags)
     assert "--xla_force_host_platform_device_count=2" in flags
     assert run["settings"]["runtime"]["xla_preset"] == "gpu-overlap"
+    # host_memory on jax's CPU: glibc's malloc keeps freed memory unless the environment sets malloc
+    kept = (platform.libc_ver()[0] == "glibc" and "glibc.malloc" not in env.get("GLIBC_TUNABLES", "")
+            and not any(k.startswith("MALLOC_") for k in env))
+    assert run["host_malloc"] == ("keeps freed memory (one arena, no mmap, no trim)" if kept else "default")
