@@ -14,7 +14,14 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
+from shardzoo.models.decode import (
+    cache_init_fn,
+    cache_segments,
+    generate_tokens,
+    grow_cache,
+    segment_ends,
+    unrolled_params,
+)
 from shardzoo.models.execution import DECODE_VMEM_CACHE_SHARE, DECODE_VMEM_SHARE
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
@@ -129,18 +136,25 @@ class Decoding:
 
     def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
         batch, prompt_len = shape
-        shapes, cache_shardings = self.cache_shardings(batch, prompt_len + max_new_tokens)
+        # the sampling loop's stretches, each over a cache of the positions filled by its end
+        ends = segment_ends(max_new_tokens, cache_segments(self.program.config.execution))
+        caches = [self.cache_shardings(batch, prompt_len + end) for end in ends]  # (shapes, shardings)
         # rows split as the rules say when they divide (a batch of one prompt: replicated)
         tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))
         rows = self._divisible_sharding((batch,), ("batch",))
 
+        def placed(cache, shardings):
+            return jax.tree.map(jax.lax.with_sharding_constraint, cache, shardings)
+
         def run(params, prompt, lengths, key_data):
-            cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
-                                 shapes, cache_shardings)
+            shapes, shardings = caches[0]
+            cache = placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), shardings)
+            grow = [(end, lambda c, s=s, sh=sh: placed(grow_cache(c, s), sh))
+                    for end, (s, sh) in zip(ends[:-1], caches[1:], strict=True)]
             return generate_tokens(self.decoder, self.decoding_params(params), cache, prompt, lengths,
                                    jax.random.wrap_key_data(key_data),
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)
+                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id, grow=grow)
 
         prompt = self._divisible_sharding(shape, ("batch", None))
         args = (self.program.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),
