@@ -106,6 +106,15 @@ def cache_segments(execution) -> int:
     return n if n != -1 else 4 if jax.default_backend() == "cpu" else 1
 
 
+def prefill_fuses(execution) -> bool:
+    """Whether decoding's prefill runs ``fuse_projections``' one wide matmul per k|v and up|gate
+    (``layers.fused`` stacks their kernels every call, a copy of them): as the execution says,
+    except on a CPU (the one place this is chosen by backend), where a prefill's few hundred
+    tokens do not repay the copy (batch 16 x 32 tokens, ``bench/bench_decode.py``'s model: 0.212
+    -> 0.191 s a prefill). A decoding step (one token per row) runs them apart anyway."""
+    return execution.fuse_projections and jax.default_backend() != "cpu"
+
+
 def segment_ends(max_new_tokens: int, segments: int) -> list[int]:
     """The new-token counts at which each stretch of the sampling loop ends: ``segments`` of
     near-equal length (fewer when there are fewer tokens), the last at ``max_new_tokens``. A

@@ -19,6 +19,7 @@ from shardzoo.models.decode import (
     cache_segments,
     generate_tokens,
     grow_cache,
+    prefill_fuses,
     segment_ends,
     unrolled_params,
 )
@@ -53,8 +54,13 @@ class Decoding:
     @functools.cached_property
     def decoder(self):
         """The module decoding runs: with ``decode_layers="unroll"`` this model with its layers
-        unrolled (``models.decode.unrolled_params``), with "scan" the model as built."""
-        return self.program.module if self._scan_decoding else self.program.config.replace(scan_layers=False).build(self.program.placement)
+        unrolled (``models.decode.unrolled_params``), with "scan" the model as built; its
+        projections fused in the prefill as ``models.decode.prefill_fuses`` says (the same params)."""
+        config, fuse = self.program.config, prefill_fuses(self.program.config.execution)
+        if self._scan_decoding and fuse == config.execution.fuse_projections:
+            return self.program.module
+        return config.replace(scan_layers=config.execution.scan_layers and self._scan_decoding,
+                              fuse_projections=fuse).build(self.program.placement)
 
     def decoding_params(self, params):
         """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""

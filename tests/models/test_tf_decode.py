@@ -392,6 +392,31 @@ def test_sampling_loop_in_stretches_grows_the_cache_and_keeps_the_tokens(decode_
         config.replace(decode_cache_segments=0)
 
 
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_prefill_runs_the_projections_apart_on_a_cpu(decode_layers, monkeypatch):
+    """On a CPU (``decode.prefill_fuses``) decoding's prefill runs up and gate (and k and v) as
+    matmuls of their own: no stacked [2, hidden, intermediate] kernel in the compiled ``generate``,
+    where ``fuse_projections``' prefill stacks one per layer, and the same greedy tokens."""
+    from shardzoo.train import decoding
+
+    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=3, decode_layers=decode_layers)  # params [3, ...]
+    assert config.execution.fuse_projections and not dec.prefill_fuses(config.execution)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    stacked = f"f32[2,{TINY['hidden_size']},{TINY['intermediate_size']}]"
+    params = prompt = None
+    texts, tokens = {}, {}
+    for fuse in (False, True):
+        monkeypatch.setattr(decoding, "prefill_fuses", lambda e, fuse=fuse: fuse)
+        program = Program(config, get_rules("dp"), mesh)
+        if params is None:
+            params = program.init(np.asarray(jax.random.PRNGKey(11), np.uint32)).params
+            prompt = np.asarray(jax.random.randint(jax.random.key(12), (B, PREFILL), 1, config.vocab_size), np.int32)
+        tokens[fuse] = program.decoding.generate(params, prompt, max_new_tokens=3)
+        texts[fuse] = program.decoding._compiled[((B, PREFILL), 3, 0.0, 0, 1.0, (), 0)][0].as_text()
+    assert stacked in texts[True] and stacked not in texts[False]
+    np.testing.assert_array_equal(tokens[False], tokens[True])
+
+
 def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
     """``decode_vmem_kib`` reaches ``generate``'s compile as libtpu's scoped VMEM limit on a TPU
     only ("auto": 7/8 of the chip's VMEM for unrolled layers whose cache weighs a quarter of the
