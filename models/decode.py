@@ -110,8 +110,8 @@ def prefill_fuses(execution) -> bool:
     """Whether decoding's prefill runs ``fuse_projections``' one wide matmul per k|v and up|gate
     (``layers.fused`` stacks their kernels every call, a copy of them): as the execution says,
     except on a CPU (the one place this is chosen by backend), where a prefill's few hundred
-    tokens do not repay the copy (batch 16 x 32 tokens, ``bench/bench_decode.py``'s model: 0.212
-    -> 0.191 s a prefill). A decoding step (one token per row) runs them apart anyway."""
+    tokens do not repay the copy (batch 16 x 32 tokens, ``bench/bench_decode.py``'s model: 0.199
+    -> 0.190 s a prefill and one step). A decoding step (one token per row) runs them apart anyway."""
     return execution.fuse_projections and jax.default_backend() != "cpu"
 
 
