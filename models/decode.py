@@ -96,6 +96,42 @@ def write_cache(cache, writes, keys_t: bool):
             for k, v in writes.items()}
 
 
+def cache_segments(execution) -> int:
+    """How many stretches the sampling loop runs in (``decode_cache_segments``; "auto": 4 on a
+    CPU, the one place this is chosen by backend, else 1). On a CPU a step's attention reads the
+    whole cache single-threaded; over the positions filled by each stretch's end instead, batch
+    16's 128 new tokens after a 32-token prompt read 112 positions on average, not 160
+    (``bench/bench_decode.py``)."""
+    n = execution.decode_cache_segments
+    return n if n != -1 else 4 if jax.default_backend() == "cpu" else 1
+
+
+def prefill_fuses(execution) -> bool:
+    """Whether decoding's prefill runs ``fuse_projections``' one wide matmul per k|v and up|gate
+    (``layers.fused`` stacks their kernels every call, a copy of them): as the execution says,
+    except on a CPU (the one place this is chosen by backend), where a prefill's few hundred
+    tokens do not repay the copy (batch 16 x 32 tokens, ``bench/bench_decode.py``'s model: 0.199
+    -> 0.190 s a prefill and one step). A decoding step (one token per row) runs them apart anyway."""
+    return execution.fuse_projections and jax.default_backend() != "cpu"
+
+
+def segment_ends(max_new_tokens: int, segments: int) -> list[int]:
+    """The new-token counts at which each stretch of the sampling loop ends: ``segments`` of
+    near-equal length (fewer when there are fewer tokens), the last at ``max_new_tokens``. A
+    stretch ending at ``n`` needs a cache of the prompt's length plus ``n`` positions."""
+    return sorted({-(-max_new_tokens * k // segments) for k in range(1, segments + 1)} - {0}) or [max_new_tokens]
+
+
+def grow_cache(cache, shapes):
+    """``cache`` with each array padded at its end to the longer ``shapes`` (a tree of
+    ``.shape``s: the cache of more positions, ``cache_init_fn``'s): the new positions zeros, as an
+    empty cache holds them, and states that do not grow with the length as they are."""
+    def pad(x, shape):
+        return x if x.shape == shape.shape else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape.shape, strict=True)])
+
+    return jax.tree.map(pad, cache, shapes)
+
+
 def _length_axis(name: str, keys_t: bool) -> int:
     """The positions' axis of an attention cache's array: keys and values are
     [batch, kv_heads, cache_length, head_dim] (``KV_CACHE_AXES``; the keys ``KEY_CACHE_T_AXES``
@@ -179,12 +215,15 @@ def sample_loop(
     top_p: float = 1.0,
     eos_ids: Sequence[int] = (),
     pad_id: int = 0,
+    grow: Sequence[tuple[int, Callable]] = (),
 ):
     """Sample ``max_new_tokens`` tokens per row, stopping early once every row has ended.
 
     ``tokens_to_logits(tokens [batch], state) -> (logits [batch, vocab], state)`` feeds the
     last sampled token; ``first_logits`` [batch, vocab] predicts the first new token. A row ends
-    at its first token in ``eos_ids`` (kept); later slots hold ``pad_id``.
+    at its first token in ``eos_ids`` (kept); later slots hold ``pad_id``. ``grow``: ``(step,
+    fn)`` pairs, steps ascending: the loop stops before new token ``step`` and goes on with
+    ``fn(state)`` (decoding: the cache given more positions), each stretch a loop of its own.
     Returns (tokens int32 [batch, max_new_tokens], state).
     """
     batch = first_logits.shape[0]
@@ -205,18 +244,23 @@ def sample_loop(
 
     out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
     carry = (jnp.int32(0), out, first_logits, jnp.zeros((batch,), bool), state)
-    _, out, _, _, state = jax.lax.while_loop(cond, body, carry)
-    return out, state
+    for end, fn in (*grow, (max_new_tokens, None)):
+        carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
+        if fn is not None:
+            carry = (*carry[:4], fn(carry[4]))
+    return carry[1], carry[4]
 
 
 # ----------------------------------------------------------------------------------- generate
 def generate_tokens(module, params, cache, prompt, prompt_lengths, key, *, max_new_tokens: int,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    eos_ids: Sequence[int] = (), pad_id: int = 0):
+                    eos_ids: Sequence[int] = (), pad_id: int = 0, grow: Sequence[tuple[int, Callable]] = ()):
     """Prefill ``prompt`` int32 [batch, prompt_len] (left-padded: row r's last
     ``prompt_lengths[r]`` slots) into the empty ``cache``, then sample ``max_new_tokens``;
     returns int32 [batch, prompt_len + max_new_tokens]. Pure: the Program jits it with the
-    params', cache's and batch's shardings."""
+    params', cache's and batch's shardings. ``grow``: ``(step, fn)`` pairs (``sample_loop``'s):
+    before new token ``step`` is fed, the cache becomes ``fn(cache)`` (``grow_cache``: a cache
+    only as long as each stretch of steps needs, ``segment_ends``)."""
     batch, prompt_len = prompt.shape
     start = prompt_len - prompt_lengths  # left padding of each row
     slots = jnp.arange(prompt_len)[None, :]
@@ -234,5 +278,6 @@ def generate_tokens(module, params, cache, prompt, prompt_lengths, key, *, max_n
     new, _ = sample_loop(
         tokens_to_logits, (cache, prompt_lengths), logits[:, -1], max_new_tokens, key,
         temperature, top_k, top_p, eos_ids, pad_id,
+        [(step, lambda state, fn=fn: (fn(state[0]), state[1])) for step, fn in grow],
     )
     return jnp.concatenate([prompt, new], axis=1)

@@ -118,6 +118,11 @@ class Execution:
     # the decoding cache's keys held transposed, positions minor ("auto": on a CPU, where a step's
     # scores then reduce over a major axis; attention_kernels.keys_transposed)
     kv_cache_transposed_keys: str = "auto"
+    # the sampling loop in so many stretches of near-equal length, each a loop over a cache only
+    # as long as the positions filled by its end (models/decode.py segment_ends): a step attends
+    # over the positions written so far, not the whole cache; -1 "auto" (decode.cache_segments:
+    # 4 on a CPU, 1 elsewhere), 1 one loop over the whole cache
+    decode_cache_segments: int = -1
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -150,6 +155,10 @@ class Execution:
         if isinstance(vmem, bool) or not isinstance(vmem, int) or vmem < -1:
             raise ModelError(f"decode_vmem_kib={vmem!r} must be an integer: -1 (auto), 0 (the compiler's default) "
                              "or the KiB of on-chip memory each op of decoding may use")
+        segments = self.decode_cache_segments
+        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 and segments != -1:
+            raise ModelError(f"decode_cache_segments={segments!r} must be an integer: -1 (auto) or the number "
+                             "(>= 1) of stretches the sampling loop runs in, each over the cache filled by its end")
         block = self.splash_block_q
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 128 or block % 128):
             raise ModelError(f"splash_block_q={block!r} must be a multiple of 128 (the kernel's lanes), or null: "

@@ -14,7 +14,15 @@ from flax import linen as nn
 from jax.sharding import NamedSharding
 
 from shardzoo.errors import UserError
-from shardzoo.models.decode import cache_init_fn, generate_tokens, unrolled_params
+from shardzoo.models.decode import (
+    cache_init_fn,
+    cache_segments,
+    generate_tokens,
+    grow_cache,
+    prefill_fuses,
+    segment_ends,
+    unrolled_params,
+)
 from shardzoo.models.execution import DECODE_VMEM_CACHE_SHARE, DECODE_VMEM_SHARE
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
@@ -46,8 +54,13 @@ class Decoding:
     @functools.cached_property
     def decoder(self):
         """The module decoding runs: with ``decode_layers="unroll"`` this model with its layers
-        unrolled (``models.decode.unrolled_params``), with "scan" the model as built."""
-        return self.program.module if self._scan_decoding else self.program.config.replace(scan_layers=False).build(self.program.placement)
+        unrolled (``models.decode.unrolled_params``), with "scan" the model as built; its
+        projections fused in the prefill as ``models.decode.prefill_fuses`` says (the same params)."""
+        config, fuse = self.program.config, prefill_fuses(self.program.config.execution)
+        if self._scan_decoding and fuse == config.execution.fuse_projections:
+            return self.program.module
+        return config.replace(scan_layers=config.execution.scan_layers and self._scan_decoding,
+                              fuse_projections=fuse).build(self.program.placement)
 
     def decoding_params(self, params):
         """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""
@@ -129,18 +142,25 @@ class Decoding:
 
     def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
         batch, prompt_len = shape
-        shapes, cache_shardings = self.cache_shardings(batch, prompt_len + max_new_tokens)
+        # the sampling loop's stretches, each over a cache of the positions filled by its end
+        ends = segment_ends(max_new_tokens, cache_segments(self.program.config.execution))
+        caches = [self.cache_shardings(batch, prompt_len + end) for end in ends]  # (shapes, shardings)
         # rows split as the rules say when they divide (a batch of one prompt: replicated)
         tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))
         rows = self._divisible_sharding((batch,), ("batch",))
 
+        def placed(cache, shardings):
+            return jax.tree.map(jax.lax.with_sharding_constraint, cache, shardings)
+
         def run(params, prompt, lengths, key_data):
-            cache = jax.tree.map(lambda s, sh: jax.lax.with_sharding_constraint(jnp.zeros(s.shape, s.dtype), sh),
-                                 shapes, cache_shardings)
+            shapes, shardings = caches[0]
+            cache = placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), shardings)
+            grow = [(end, lambda c, s=s, sh=sh: placed(grow_cache(c, s), sh))
+                    for end, (s, sh) in zip(ends[:-1], caches[1:], strict=True)]
             return generate_tokens(self.decoder, self.decoding_params(params), cache, prompt, lengths,
                                    jax.random.wrap_key_data(key_data),
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id)
+                                   top_p=top_p, eos_ids=eos_ids, pad_id=pad_id, grow=grow)
 
         prompt = self._divisible_sharding(shape, ("batch", None))
         args = (self.program.abstract.params, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=prompt),

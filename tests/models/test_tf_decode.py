@@ -249,9 +249,11 @@ def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
 
 def _generate_hlo(layers):
     """The compiled ``generate`` (``decode_layers="scan"``) of a scanned llama-tiny of ``layers``
-    layers (2 rows, a 16-token prompt, 240 new tokens), its stacked key cache's shape and the whole cache's bytes."""
+    layers (2 rows, a 16-token prompt, 240 new tokens), its stacked key cache's shape and the whole cache's bytes.
+    One loop over the whole cache (``decode_cache_segments=1``): growing it between stretches holds
+    two caches at once."""
     _, config = get_model("llama-tiny", **dict(TINY, max_position_embeddings=256), num_hidden_layers=layers,
-                          decode_layers="scan")
+                          decode_layers="scan", decode_cache_segments=1)
     program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
     compiled, _ = program.decoding._compile_generate((2, 16), 240, 0.0, 0, 1.0, (), 0)
     shapes, _ = program.decoding.cache_shardings(2, 256)
@@ -356,6 +358,63 @@ def test_packed_and_transposed_caches_decode_as_the_plain_one(decode_layers):
         assert len(shapes[p]["cached_key"]) == (1 if decode_layers == "scan" else 2), shapes[p]
         assert all(s[-3:] == key for s in shapes[p]["cached_key"]), (p, shapes[p])
         assert all(s[-3:] == value for s in shapes[p]["cached_value"]) and shapes[p]["cached_value"], (p, shapes[p])
+
+
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_sampling_loop_in_stretches_grows_the_cache_and_keeps_the_tokens(decode_layers):
+    """``decode_cache_segments=3`` (a CPU's "auto" is 4): 7 new tokens in stretches ending at 3, 5
+    and 7, each a loop over a cache of the prompt's length plus its end (the keys of each length in
+    the compiled program), give one loop's greedy and sampled tokens on LFM2 (convolution layers,
+    whose states do not grow, between attention layers), a left-padded row included."""
+    from shardzoo.models import ModelError
+
+    _, config = get_model("lfm2-tiny", **TINY, decode_layers=decode_layers)
+    assert dec.segment_ends(7, 3) == [3, 5, 7] and dec.segment_ends(2, 4) == [1, 2] and dec.segment_ends(0, 4) == [0]
+    assert dec.cache_segments(config.execution) == 4  # "auto" on this CPU
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {n: Program(config.replace(decode_cache_segments=n), get_rules("dp"), mesh) for n in (1, 3)}
+    params = programs[1].init(np.asarray(jax.random.PRNGKey(9), np.uint32)).params
+    leaves, tree = jax.tree.flatten(params)  # wide random weights: tokens that change from step to step
+    params = tree.unflatten([jax.random.normal(jax.random.key(i), x.shape, x.dtype) * 0.5 for i, x in enumerate(leaves)])
+    prompt = np.asarray(jax.random.randint(jax.random.key(10), (B, PREFILL), 1, config.vocab_size), np.int32)
+    lengths = np.array([PREFILL, PREFILL - 2], np.int32)
+    for kw in SAMPLING:
+        got = {n: p.decoding.generate(params, prompt, lengths, max_new_tokens=7, **kw) for n, p in programs.items()}
+        np.testing.assert_array_equal(got[3], got[1])
+        assert all(len(set(row.tolist())) > 3 for row in got[1][:, PREFILL:]), got[1]  # not one repeated token
+    text = programs[3].decoding._compiled[((B, PREFILL), 7, 0.0, 0, 1.0, (), 0)][0].as_text()  # the greedy one
+    for end in (3, 5, 7):
+        shapes, _ = programs[3].decoding.cache_shardings(B, PREFILL + end)
+        key = [x.shape for k, x in jax.tree_util.tree_flatten_with_path(shapes)[0] if "cached_key" in jax.tree_util.keystr(k)]
+        assert key and all(s[-1] == PREFILL + end for s in key), key  # positions minor (transposed keys)
+        assert all("f32[" + ",".join(map(str, s)) + "]" in text for s in key), (end, key)
+    with pytest.raises(ModelError, match=r"decode_cache_segments=0 must be an integer: -1 \(auto\)"):
+        config.replace(decode_cache_segments=0)
+
+
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_prefill_runs_the_projections_apart_on_a_cpu(decode_layers, monkeypatch):
+    """On a CPU (``decode.prefill_fuses``) decoding's prefill runs up and gate (and k and v) as
+    matmuls of their own: no stacked [2, hidden, intermediate] kernel in the compiled ``generate``,
+    where ``fuse_projections``' prefill stacks one per layer, and the same greedy tokens."""
+    from shardzoo.train import decoding
+
+    _, config = get_model("llama-tiny", **TINY, num_hidden_layers=3, decode_layers=decode_layers)  # params [3, ...]
+    assert config.execution.fuse_projections and not dec.prefill_fuses(config.execution)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    stacked = f"f32[2,{TINY['hidden_size']},{TINY['intermediate_size']}]"
+    params = prompt = None
+    texts, tokens = {}, {}
+    for fuse in (False, True):
+        monkeypatch.setattr(decoding, "prefill_fuses", lambda e, fuse=fuse: fuse)
+        program = Program(config, get_rules("dp"), mesh)
+        if params is None:
+            params = program.init(np.asarray(jax.random.PRNGKey(11), np.uint32)).params
+            prompt = np.asarray(jax.random.randint(jax.random.key(12), (B, PREFILL), 1, config.vocab_size), np.int32)
+        tokens[fuse] = program.decoding.generate(params, prompt, max_new_tokens=3)
+        texts[fuse] = program.decoding._compiled[((B, PREFILL), 3, 0.0, 0, 1.0, (), 0)][0].as_text()
+    assert stacked in texts[True] and stacked not in texts[False]
+    np.testing.assert_array_equal(tokens[False], tokens[True])
 
 
 def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
