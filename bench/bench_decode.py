@@ -12,7 +12,8 @@ medians and their ratio, in wall time and in CPU time (all of the process's thre
 fairer measure where the two use different thread counts). Model FLOPs per generated token: 2 x matmul params + q.k and probs.v
 over the keys it attends (``models.costs.decode_flops``); their rate as a fraction of the
 matmul peak (jnp.dot 2048x2048 float32) measured in the same run. Greedy tokens are compared
-with transformers' (the same model, so they must agree).
+with transformers' (the same model, so they must agree). glibc's malloc is set up as ``python -m
+shardzoo`` sets it (``host_memory``), for both libraries.
 
     python bench/bench_decode.py [--rounds 3] [--quick] [--out bench/results/decode.md]
 """
@@ -28,6 +29,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from shardzoo.host_memory import keep_freed_memory  # noqa: E402
+
+KEPT = keep_freed_memory()  # as ``shardzoo generate`` runs, before jax starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -173,7 +178,8 @@ def main() -> None:
         "transformers, ...) after a warm-up each; medians of the whole call (prompt in, tokens out). "
         f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores of an **{cpu_model()}** (a shared machine: the ratios are the figure, "
-        "absolute times are noisy).", "",
+        "absolute times are noisy); glibc's malloc "
+        f"{'keeping freed memory (host_memory), as the CLI sets it' if KEPT else 'as the environment left it'}.", "",
         "| batch | decoding | shardzoo (s) | tokens/s | transformers (s) | tokens/s | speed-up | "
         "shardzoo CPU s | transformers CPU s | speed-up in CPU time | model FLOP/s | of matmul peak | "
         "of matmul peak, CPU time | greedy tokens equal |",
