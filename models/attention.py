@@ -46,6 +46,7 @@ from shardzoo.models.attention_kernels import (
     xla_attention,
 )
 from shardzoo.models.component import Mixer, SubRecord
+from shardzoo.models.decode_attention import kernel_for, one_query_pallas
 from shardzoo.models.latent_attention import LatentAttention, LatentAttentionArch, out_bias
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
@@ -204,10 +205,14 @@ class Attention(LatentAttention, nn.Module):
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
+        # the decoding kernel caps logits and reads chunks from the mask; not sinks, ALiBi, pairs of
+        # values, narrower values, nor keys shared between layers (their layout is the XLA path's)
+        unserved = sinks is not None or alibi or diff or vd != hd or shared_kv is not None or self.returns_kv
+        use_kernel = decode and kernel_for(e, length=length, unserved=unserved, placement=placement) == "pallas"
         q_pos = k_pos = positions
         if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
-            if plain or length > 1:  # the cache's [batch, length, kv_heads, head_dim] as the kernels read it
+            if (plain or length > 1) and not use_kernel:  # the cache's [batch, length, kv_heads, head_dim]
                 k, v = unpacked(k, hd, keys_transposed(e)), unpacked(v, vd)
         elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)
             # causality (and chunks) by position, restarting per packed segment, which the
@@ -218,6 +223,9 @@ class Attention(LatentAttention, nn.Module):
         if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
+        elif use_kernel:  # one token over the cache left in HBM, its blocks up to the query's slot
+            ctx = one_query_pallas(q, k, v, mask, q_pos[0, 0], scale, keys_t=keys_transposed(e), window=window,
+                                   chunk=chunk, logit_cap=cap)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:  # over the cache in its own layout

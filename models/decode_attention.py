@@ -1,0 +1,159 @@
+"""A Pallas TPU kernel for one decoding query per row over the KV cache (``execution.decode_attention``).
+
+``one_query_pallas`` computes what ``attention_kernels.one_query_attention`` does (and soft-capped
+logits), with the cache left in HBM: its blocks of positions are moved into on-chip memory by
+the kernel's own pipeline, and only the blocks from the first the query may see (its window or
+chunk) to the one holding the query's slot: the block index map clamps the rest onto those
+two, so they are neither fetched again nor computed (``pl.when``). The softmax runs online over
+the blocks, its statistics in float32. A kv head's query heads are one matmul against its keys
+(GQA/MQA); a packed cache row (``kv_pack``: 128 // head_dim kv heads side by side) meets its
+query heads block-diagonally (``grouped_queries``), as in the XLA path.
+
+Why: XLA's memory-space assignment staged each layer's whole cache in on-chip memory around the
+step's one-position write and copied it back, and its attention read every slot of the cache
+(BENCHMARKS.md, the TPU decoding sections); a Pallas call's operands stay in HBM.
+
+The mask is the XLA path's own (``attention_mask``: causality, windows, chunks, a left-padded
+row's segments), read per block beside the cache; the window and chunk only narrow which blocks
+are read. ``kernel_for`` chooses, in one place, which layers run it: not attention sinks, ALiBi,
+differential attention or values narrower than the keys (those stay in ``xla_attention``), and
+only on one device (a Pallas call has no GSPMD partitioning). Off a TPU it runs in Pallas'
+interpret mode (tests; slow).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from shardzoo.models.attention_kernels import grouped_queries, own_heads
+
+_BLOCKS = (512, 256, 128)  # positions per block: a multiple of 128 lanes, or the whole cache
+BLOCK_BYTES = 1 << 20  # keys and values of one grid step (both buffered twice in on-chip memory)
+_LANES = 128
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def kernel_for(execution, *, length: int, unserved: bool, placement) -> str:
+    """"pallas" or "xla" for a decoding call of ``length`` tokens: "pallas" where
+    ``execution.decode_attention`` asks for it, the call decodes one token, the layer has
+    nothing the kernel lacks (``unserved``: it has) and the program runs on one device."""
+    one_device = placement is None or placement.mesh.size == 1
+    ok = execution.decode_attention == "pallas" and length == 1 and not unserved and one_device
+    return "pallas" if ok else "xla"
+
+
+def block_k(length: int) -> int:
+    """Positions per block: the largest of 512, 256, 128 dividing the cache length, else all of it."""
+    return next((b for b in _BLOCKS if length % b == 0), length)
+
+
+def block_b(batch: int, rows: int, block: int, width: int, itemsize: int) -> int:
+    """Batch rows per grid step: the most dividing ``batch`` whose keys and values of a block fit
+    BLOCK_BYTES (at least one): fewer, larger steps, each step's fixed cost ~0.35 us on a TPU."""
+    per_row = 2 * rows * block * width * itemsize
+    return max([b for b in range(1, batch + 1) if batch % b == 0 and b * per_row <= BLOCK_BYTES] or [1])
+
+
+def block_bounds(index, block: int, window=None, chunk=None):
+    """int32 [3]: the first and last blocks the query at slot ``index`` may see, and ``index``.
+    Only needs to be no later than the mask's first visible slot (the mask is exact)."""
+    start = jnp.int32(0)
+    if window:
+        start = jnp.maximum(start, index - window + 1)
+    if chunk:
+        start = jnp.maximum(start, index // chunk * chunk)
+    return jnp.stack([start // block, index // block, index]).astype(jnp.int32)
+
+
+def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *, block, keys_t, cap):
+    """One grid step: batch rows ``program_id(0)``, cache block ``program_id(1)``. q [bb, rows, r,
+    width]; k, v [bb, rows, block, width] (k [bb, rows, width, block] where ``keys_t``); valid
+    [bb, 1, block]; m, l [bb, rows, r, 128] and acc [bb, rows, r, width] float32 across blocks."""
+    kb = pl.program_id(1)
+    first, last, index = bounds[0], bounds[1], bounds[2]
+    heads = q_ref.shape[0] * q_ref.shape[1]
+
+    @pl.when(kb == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def attend(holds_query):
+        def head(n, carry):
+            b, j = n // q_ref.shape[1], n % q_ref.shape[1]
+            q, k, v = q_ref[b, j], k_ref[b, j], v_ref[b, j]
+            s = jax.lax.dot_general(q, k, (((1,), (0 if keys_t else 1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)  # [r, block]
+            if cap:
+                s = cap * jnp.tanh(s / cap)
+            s = jnp.where(valid_ref[b] != 0, s, _NEG)
+            m_prev = m_ref[b, j]
+            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # [r, 128]
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, :1])
+            l_ref[b, j] = alpha * l_ref[b, j] + p.sum(axis=1, keepdims=True)
+            m_ref[b, j] = m_next
+            if holds_query:  # the slots past the query's are unwritten (anything, NaN too): 0 * NaN is NaN
+                slot = kb * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+                v = jnp.where(slot <= index, v, jnp.zeros_like(v))
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            acc_ref[b, j] = alpha[:, :1] * acc_ref[b, j] + pv
+            return carry
+
+        jax.lax.fori_loop(0, heads, head, 0)
+
+    pl.when((kb >= first) & (kb < last))(lambda: attend(False))
+    pl.when(kb == last)(lambda: attend(True))
+
+    @pl.when(kb == pl.num_programs(1) - 1)
+    def _out():
+        o_ref[...] = (acc_ref[...] / l_ref[...][..., :1]).astype(o_ref.dtype)
+
+
+def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, window=None, chunk=None, logit_cap=None,
+                     block=None, batch_block=None, interpret=None):
+    """``one_query_attention`` (shapes and ``keys_t`` as there) by the Pallas kernel; ``index``:
+    the query's cache slot (int32 scalar, every row's), ``window``/``chunk`` what the mask holds
+    (only to skip blocks), ``logit_cap`` the soft-cap of the scaled logits. ``block`` positions
+    and ``batch_block`` rows per grid step (None: ``block_k``, ``block_b``). ``interpret``: None
+    runs Pallas' interpreter anywhere but on a TPU."""
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    batch, _, heads, dim = q.shape
+    rows, length, width = v.shape[1], v.shape[2], v.shape[3]
+    block = block or block_k(length)
+    bb = batch_block or block_b(batch, rows, block, width, v.dtype.itemsize)
+    qg = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, width // dim)  # [batch, rows, r, width]
+    r = qg.shape[2]
+    sublanes = 32 // q.dtype.itemsize  # a full tile of rows (8 float32, 16 bfloat16): zero queries pad it
+    rp = -(-r // sublanes) * sublanes
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+    valid = mask[:, 0].astype(jnp.int32)  # [batch, 1, k_len]
+    bounds = block_bounds(jnp.asarray(index, jnp.int32), block, window, chunk)
+
+    def seen(kb, bounds):  # blocks before the first or past the last repeat them: not fetched again
+        return jnp.minimum(jnp.maximum(kb, bounds[0]), bounds[1])
+
+    rows_spec = pl.BlockSpec((bb, rows, rp, width), lambda b, kb, bounds: (b, 0, 0, 0))
+    k_spec = (pl.BlockSpec((bb, rows, width, block), lambda b, kb, bounds: (b, 0, 0, seen(kb, bounds))) if keys_t
+              else pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0)))
+    v_spec = pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0))
+    valid_spec = pl.BlockSpec((bb, 1, block), lambda b, kb, bounds: (b, 0, seen(kb, bounds)))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(batch // bb, length // block),
+        in_specs=[rows_spec, k_spec, v_spec, valid_spec], out_specs=rows_spec,
+        scratch_shapes=[pltpu.VMEM((bb, rows, rp, _LANES), jnp.float32)] * 2
+        + [pltpu.VMEM((bb, rows, rp, width), jnp.float32)])
+    out = pl.pallas_call(
+        functools.partial(_kernel, block=block, keys_t=keys_t, cap=logit_cap),
+        grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(bounds, qg, k, v, valid)
+    return own_heads(out[:, :, :r], dim)  # [batch, 1, heads, head_dim]
