@@ -205,13 +205,14 @@ class Attention(LatentAttention, nn.Module):
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
-        # the decoding kernel caps logits and reads chunks from the mask; not sinks, ALiBi, pairs of
-        # values, narrower values, nor keys shared between layers (their layout is the XLA path's)
-        unserved = sinks is not None or alibi or diff or vd != hd or shared_kv is not None or self.returns_kv
-        use_kernel = decode and kernel_for(e, length=length, unserved=unserved, placement=placement) == "pallas"
-        q_pos = k_pos = positions
+        q_pos, k_pos, use_kernel = positions, positions, False
         if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
             k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            # the decoding kernel caps logits and reads chunks from the mask; not sinks, ALiBi, pairs of
+            # values, narrower values, nor keys another layer reads (their layout is the XLA path's)
+            unserved = sinks is not None or alibi or diff or vd != hd or self.returns_kv
+            use_kernel = kernel_for(e, length=length, unserved=unserved, placement=placement,
+                                    cache_length=v.shape[2], keys_t=keys_transposed(e)) == "pallas"
             if (plain or length > 1) and not use_kernel:  # the cache's [batch, length, kv_heads, head_dim]
                 k, v = unpacked(k, hd, keys_transposed(e)), unpacked(v, vd)
         elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)

@@ -32,24 +32,31 @@ from jax.experimental.pallas import tpu as pltpu
 
 from shardzoo.models.attention_kernels import grouped_queries, own_heads
 
-_BLOCKS = (512, 256, 128)  # positions per block: a multiple of 128 lanes, or the whole cache
+MAX_BLOCK = 512  # positions per block at most (``block_k``)
 BLOCK_BYTES = 1 << 20  # keys and values of one grid step (both buffered twice in on-chip memory)
 _LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def kernel_for(execution, *, length: int, unserved: bool, placement) -> str:
+def kernel_for(execution, *, length: int, unserved: bool, placement, cache_length: int, keys_t: bool) -> str:
     """"pallas" or "xla" for a decoding call of ``length`` tokens: "pallas" where
     ``execution.decode_attention`` asks for it, the call decodes one token, the layer has
-    nothing the kernel lacks (``unserved``: it has) and the program runs on one device."""
+    nothing the kernel lacks (``unserved``: it has), the program runs on one device and the
+    cache's length has a block (``block_k``)."""
     one_device = placement is None or placement.mesh.size == 1
     ok = execution.decode_attention == "pallas" and length == 1 and not unserved and one_device
-    return "pallas" if ok else "xla"
+    return "pallas" if ok and block_k(cache_length, keys_t) else "xla"
 
 
-def block_k(length: int) -> int:
-    """Positions per block: the largest of 512, 256, 128 dividing the cache length, else all of it."""
-    return next((b for b in _BLOCKS if length % b == 0), length)
+def block_k(length: int, keys_t: bool = False) -> int | None:
+    """Positions per block of a cache of ``length``: 128 (a TPU's lanes) where it divides, else
+    the largest multiple of 16 (a bfloat16 tile's rows) up to MAX_BLOCK that does, else the whole
+    cache up to MAX_BLOCK; transposed keys (positions on the lanes) take 128 or the whole cache.
+    None: no block fits."""
+    if length % 128 == 0:
+        return 128
+    fits = [b for b in range(16, MAX_BLOCK + 1, 16) if length % b == 0 and not keys_t]
+    return fits[-1] if fits else (length if length <= MAX_BLOCK else None)
 
 
 def block_b(batch: int, rows: int, block: int, width: int, itemsize: int) -> int:
@@ -86,7 +93,7 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
 
     def attend(holds_query):
         def head(n, carry):
-            b, j = n // q_ref.shape[1], n % q_ref.shape[1]
+            b, j = jax.lax.div(n, q_ref.shape[1]), jax.lax.rem(n, q_ref.shape[1])  # (jnp's // lowers a sign)
             q, k, v = q_ref[b, j], k_ref[b, j], v_ref[b, j]
             s = jax.lax.dot_general(q, k, (((1,), (0 if keys_t else 1,)), ((), ())),
                                     preferred_element_type=jnp.float32)  # [r, block]
@@ -100,8 +107,8 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
             l_ref[b, j] = alpha * l_ref[b, j] + p.sum(axis=1, keepdims=True)
             m_ref[b, j] = m_next
             if holds_query:  # the slots past the query's are unwritten (anything, NaN too): 0 * NaN is NaN
-                slot = kb * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
-                v = jnp.where(slot <= index, v, jnp.zeros_like(v))
+                slot = kb * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)  # (select in float32:
+                v = jnp.where(slot <= index, v.astype(jnp.float32), 0.0).astype(v.dtype)  # a 32-bit mask)
             pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             acc_ref[b, j] = alpha[:, :1] * acc_ref[b, j] + pv
             return carry
@@ -127,14 +134,14 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
         interpret = jax.default_backend() != "tpu"
     batch, _, heads, dim = q.shape
     rows, length, width = v.shape[1], v.shape[2], v.shape[3]
-    block = block or block_k(length)
+    block = block or block_k(length, keys_t)
     bb = batch_block or block_b(batch, rows, block, width, v.dtype.itemsize)
     qg = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, width // dim)  # [batch, rows, r, width]
     r = qg.shape[2]
     sublanes = 32 // q.dtype.itemsize  # a full tile of rows (8 float32, 16 bfloat16): zero queries pad it
     rp = -(-r // sublanes) * sublanes
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
-    valid = mask[:, 0].astype(jnp.int32)  # [batch, 1, k_len]
+    valid = mask.astype(jnp.int32).reshape(batch, length // block, 1, block)  # a block's on the lanes, whole
     bounds = block_bounds(jnp.asarray(index, jnp.int32), block, window, chunk)
 
     def seen(kb, bounds):  # blocks before the first or past the last repeat them: not fetched again
@@ -144,7 +151,7 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
     k_spec = (pl.BlockSpec((bb, rows, width, block), lambda b, kb, bounds: (b, 0, 0, seen(kb, bounds))) if keys_t
               else pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0)))
     v_spec = pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0))
-    valid_spec = pl.BlockSpec((bb, 1, block), lambda b, kb, bounds: (b, 0, seen(kb, bounds)))
+    valid_spec = pl.BlockSpec((bb, None, 1, block), lambda b, kb, bounds: (b, seen(kb, bounds), 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(batch // bb, length // block),
         in_specs=[rows_spec, k_spec, v_spec, valid_spec], out_specs=rows_spec,

@@ -106,7 +106,8 @@ def test_an_off_by_one_kernel_fails_the_comparison(monkeypatch):
 
 
 def test_block_sizes_and_bounds():
-    assert (da.block_k(384), da.block_k(1024), da.block_k(640), da.block_k(12)) == (128, 512, 128, 12)
+    assert [da.block_k(n) for n in (384, 1024, 12, 96, 2000, 300, 2001)] == [128, 128, 12, 96, 400, 300, None]
+    assert [da.block_k(n, keys_t=True) for n in (384, 96, 2000)] == [128, 96, None]  # positions on the lanes
     # qwen3-0.6b at batch 32: 8 kv heads x 128 x 128 bf16, keys and values: 512 KiB a row
     assert da.block_b(32, 8, 128, 128, 2) == 2 and da.block_b(3, 8, 128, 128, 2) == 1
     assert da.block_bounds(jnp.int32(300), 128).tolist() == [0, 2, 300]
@@ -170,11 +171,32 @@ def test_decode_steps_with_the_kernel_equal_xla_logits(name, overrides, kernel_c
 
 
 def test_kernel_for_chooses_xla_where_the_kernel_cannot_serve():
-    _, config = get_model("llama-tiny", decode_attention="pallas")
-    e = config.execution
-    assert da.kernel_for(e, length=1, unserved=False, placement=None) == "pallas"
-    assert da.kernel_for(e, length=5, unserved=False, placement=None) == "xla"  # a prefill
-    assert da.kernel_for(e, length=1, unserved=True, placement=None) == "xla"  # sinks, ALiBi, ...
-    assert da.kernel_for(get_model("llama-tiny")[1].execution, length=1, unserved=False, placement=None) == "xla"
-    with pytest.raises(ModelError, match=r"^model 'llama-tiny': Execution.decode_attention='triton' is not one of xla, pallas$"):
+    e = get_model("llama-tiny", decode_attention="pallas")[1].execution
+    kw = dict(unserved=False, placement=None, cache_length=384, keys_t=False)
+    assert da.kernel_for(e, length=1, **kw) == "pallas"
+    assert da.kernel_for(e, length=5, **kw) == "xla"  # a prefill
+    assert da.kernel_for(e, length=1, **{**kw, "unserved": True}) == "xla"  # sinks, ALiBi, ...
+    assert da.kernel_for(e, length=1, **{**kw, "cache_length": 2001}) == "xla"  # no block divides it
+    assert da.kernel_for(get_model("llama-tiny")[1].execution, length=1, **kw) == "xla"  # the default
+    with pytest.raises(ModelError, match=r"^model 'llama-tiny': Execution.decode_attention='triton' is not one of "
+                                         r"xla, pallas$"):
         get_model("llama-tiny", decode_attention="triton")
+
+
+@pytest.mark.parametrize("shape", [
+    (32, 16, 8, 128, 1, 384, False),  # qwen3-0.6b at batch 32: 3 blocks of 128
+    (1, 32, 8, 64, 2, 384, False),  # llama3.2-1b at batch 1, two kv heads a row
+    (4, 8, 2, 64, 2, 300, True),  # one whole block, the keys transposed
+])
+def test_kernel_lowers_for_a_tpu(shape):
+    """Pallas' TPU lowering (to Mosaic, without libtpu: ``jax.export`` for the "tpu" platform) of
+    the kernel in bfloat16; what the chip's compiler then says is tests/tpu's."""
+    batch, heads, kv, dim, pack, length, keys_t = shape
+    rows, width = kv // pack, pack * dim
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in (
+        ((batch, 1, heads, dim), jnp.bfloat16), ((batch, rows) + ((width, length) if keys_t else (length, width)),
+                                                 jnp.bfloat16),
+        ((batch, rows, length, width), jnp.bfloat16), ((batch, 1, 1, length), jnp.bool_), ((), jnp.int32))]
+    fn = jax.jit(lambda q, k, v, mask, index: da.one_query_pallas(q, k, v, mask, index, 0.125, keys_t=keys_t,
+                                                                  window=100, logit_cap=30.0, interpret=False))
+    assert "tpu_custom_call" in jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
