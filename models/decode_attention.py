@@ -38,13 +38,20 @@ _LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def kernel_for(execution, *, length: int, unserved: bool, placement, cache_length: int, keys_t: bool) -> str:
-    """"pallas" or "xla" for a decoding call of ``length`` tokens: "pallas" where
-    ``execution.decode_attention`` asks for it, the call decodes one token, the layer has
-    nothing the kernel lacks (``unserved``: it has), the program runs on one device and the
-    cache's length has a block (``block_k``)."""
+def reads_stack(execution, length: int, placement) -> bool:
+    """Whether scanned decoding hands each attention layer the stack's keys and values whole and
+    its index in them (models/decode.py ``split_kv``): where ``execution.decode_attention`` is
+    "pallas", the call decodes one token and the program runs on one device; so no layer's cache
+    is sliced out of the stack (a copy of it), the kernel reading its own in place."""
     one_device = placement is None or placement.mesh.size == 1
-    ok = execution.decode_attention == "pallas" and length == 1 and not unserved and one_device
+    return execution.decode_attention == "pallas" and length == 1 and one_device
+
+
+def kernel_for(execution, *, length: int, unserved: bool, placement, cache_length: int, keys_t: bool) -> str:
+    """"pallas" or "xla" for a decoding call of ``length`` tokens: "pallas" where ``reads_stack``
+    (the call asks for it, one token, one device), the layer has nothing the kernel lacks
+    (``unserved``: it has) and the cache's length has a block (``block_k``)."""
+    ok = reads_stack(execution, length, placement) and not unserved
     return "pallas" if ok and block_k(cache_length, keys_t) else "xla"
 
 
@@ -67,7 +74,8 @@ def block_b(batch: int, rows: int, block: int, width: int, itemsize: int) -> int
 
 
 def block_bounds(index, block: int, window=None, chunk=None):
-    """int32 [3]: the first and last blocks the query at slot ``index`` may see, and ``index``.
+    """int32 [3]: the first and last blocks the query at slot ``index`` may see, and ``index``
+    (the kernel's scalars; a stack's layer a fourth).
     Only needs to be no later than the mask's first visible slot (the mask is exact)."""
     start = jnp.int32(0)
     if window:
@@ -124,16 +132,17 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
 
 
 def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, window=None, chunk=None, logit_cap=None,
-                     block=None, batch_block=None, interpret=None):
+                     layer=None, block=None, batch_block=None, interpret=None):
     """``one_query_attention`` (shapes and ``keys_t`` as there) by the Pallas kernel; ``index``:
     the query's cache slot (int32 scalar, every row's), ``window``/``chunk`` what the mask holds
-    (only to skip blocks), ``logit_cap`` the soft-cap of the scaled logits. ``block`` positions
-    and ``batch_block`` rows per grid step (None: ``block_k``, ``block_b``). ``interpret``: None
-    runs Pallas' interpreter anywhere but on a TPU."""
+    (only to skip blocks), ``logit_cap`` the soft-cap of the scaled logits. ``layer``: k and v
+    are a scanned stack's, a leading layers axis, and this layer's is read in place (int32
+    scalar). ``block`` positions and ``batch_block`` rows per grid step (None: ``block_k``,
+    ``block_b``). ``interpret``: None runs Pallas' interpreter anywhere but on a TPU."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     batch, _, heads, dim = q.shape
-    rows, length, width = v.shape[1], v.shape[2], v.shape[3]
+    rows, length, width = v.shape[-3:]
     block = block or block_k(length, keys_t)
     bb = batch_block or block_b(batch, rows, block, width, v.dtype.itemsize)
     qg = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, width // dim)  # [batch, rows, r, width]
@@ -143,14 +152,22 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
     valid = mask.astype(jnp.int32).reshape(batch, length // block, 1, block)  # a block's on the lanes, whole
     bounds = block_bounds(jnp.asarray(index, jnp.int32), block, window, chunk)
+    stacked = layer is not None
+    if stacked:
+        bounds = jnp.concatenate([bounds, jnp.asarray(layer, jnp.int32)[None]])
 
     def seen(kb, bounds):  # blocks before the first or past the last repeat them: not fetched again
         return jnp.minimum(jnp.maximum(kb, bounds[0]), bounds[1])
 
+    def cache_spec(shape, at):  # a stack's layer (bounds[3]) squeezed out
+        if not stacked:
+            return pl.BlockSpec(shape, at)
+        return pl.BlockSpec((None,) + shape, lambda b, kb, bounds: (bounds[3],) + at(b, kb, bounds))
+
     rows_spec = pl.BlockSpec((bb, rows, rp, width), lambda b, kb, bounds: (b, 0, 0, 0))
-    k_spec = (pl.BlockSpec((bb, rows, width, block), lambda b, kb, bounds: (b, 0, 0, seen(kb, bounds))) if keys_t
-              else pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0)))
-    v_spec = pl.BlockSpec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0))
+    k_spec = (cache_spec((bb, rows, width, block), lambda b, kb, bounds: (b, 0, 0, seen(kb, bounds))) if keys_t
+              else cache_spec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0)))
+    v_spec = cache_spec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0))
     valid_spec = pl.BlockSpec((bb, None, 1, block), lambda b, kb, bounds: (b, seen(kb, bounds), 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(batch // bb, length // block),

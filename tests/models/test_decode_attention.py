@@ -10,6 +10,8 @@ path the kernel replaces, where the logits are not capped). Then ``Program.gener
 times the reference's largest magnitude (at least 1).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +95,16 @@ def test_kernel_equals_xla_and_never_reads_past_the_fill(case, batch_block):
         close(got, one_query_attention(q, k, v, mask, 0.7, kw["keys_t"]), f"{case}: one_query_attention")
 
 
+@pytest.mark.parametrize("case", ["packed_gqa", "sliding_window", "keys_transposed"])
+def test_kernel_reads_its_layer_of_a_stack_and_nothing_else(case):
+    """``layer``: k and v with a leading layers axis (a scanned stack's), the other layers NaN."""
+    q, k, v, k_in, v_in, mask, index, kw = _case(case)
+    stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+    fn = lambda q, k, v, mask, layer: da.one_query_pallas(q, k, v, mask, index, 0.7, block=BLOCK, layer=layer,  # noqa: E731
+                                                          interpret=True, **kw)
+    close(jax.jit(fn)(q, stack(k_in), stack(v_in), mask, jnp.int32(1)), _reference(q, k, v, mask, kw), case)
+
+
 def test_an_off_by_one_kernel_fails_the_comparison(monkeypatch):
     """The comparison above catches a kernel that stops one slot short (the query's own slot is
     the first of its block here: a last block one too early, its value zeroed)."""
@@ -130,8 +142,11 @@ def kernel_calls(monkeypatch):
 
 @pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
 def test_generate_with_the_kernel_gives_the_xla_tokens(decode_layers, kernel_calls):
-    """Greedy ``generate`` of a tiny llama (2 layers), two rows left-padded: the same tokens."""
-    _, config = get_model("llama-tiny", **TINY, decode_layers=decode_layers)
+    """Greedy ``generate`` of a tiny llama, two rows left-padded: the same tokens. Its 6 layers: an
+    unrolled first, two scanned periods of two (the kernel reading the stacks in place), an
+    unrolled last."""
+    _, config = get_model("llama-tiny", **TINY, decode_layers=decode_layers, num_hidden_layers=6,
+                          scan_layout=(1, 2, 2))
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     programs = {d: Program(config.replace(decode_attention=d), get_rules("dp"), mesh) for d in ("xla", "pallas")}
     params = programs["xla"].init(np.asarray(jax.random.PRNGKey(3), np.uint32)).params
@@ -140,7 +155,31 @@ def test_generate_with_the_kernel_gives_the_xla_tokens(decode_layers, kernel_cal
               for d, p in programs.items()}
     np.testing.assert_array_equal(tokens["pallas"], tokens["xla"])
     assert len(np.unique(tokens["xla"][:, 5:])) > 4
-    assert len(kernel_calls) == (1 if decode_layers == "scan" else 2)  # traced once per layer (scan: one body)
+    assert len(kernel_calls) == (4 if decode_layers == "scan" else 6)  # traced once a layer (scanned: a period)
+
+
+def _step_hlo(decode_attention):
+    """The compiled one-token ``decode_step`` of a 3-layer scanned llama-tiny (a 256-slot cache: two
+    blocks of 128), and its stacked key cache's shape."""
+    _, config = get_model("llama-tiny", **{**TINY, "max_position_embeddings": 256}, num_hidden_layers=3,
+                          decode_layers="scan", decode_attention=decode_attention, kv_cache_transposed_keys="off")
+    program = Program(config, get_rules("dp"), make_mesh("data=1", devices=jax.devices()[:1]))
+    params = program.init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
+    cache = program.decoding.new_cache(2, 256)
+    token = jnp.zeros((2, 1), jnp.int32)
+    step = jax.jit(dec.decode_step, static_argnums=0, donate_argnums=2)
+    text = step.lower(program.decoding.decoder, params, cache, token, token).compile().as_text()
+    return text, cache["layers"]["attn"]["cached_key"].shape
+
+
+def test_scanned_decoding_with_the_kernel_never_slices_a_layers_cache_out():
+    """With the kernel the layer scan carries the stacked keys and values whole (each layer writes
+    its position in place and the kernel reads its layer there): no array of one layer's cache
+    shape anywhere in the step; the XLA path slices each layer's out (so this check can fail)."""
+    for mode, sliced in (("pallas", False), ("xla", True)):
+        text, shape = _step_hlo(mode)
+        one_layer = "f32[" + ",".join(map(str, shape[1:])) + "]"
+        assert (re.search(r"= " + re.escape(one_layer) + r"\{", text) is not None) == sliced, mode
 
 
 @pytest.mark.parametrize("name,overrides", [
@@ -184,19 +223,23 @@ def test_kernel_for_chooses_xla_where_the_kernel_cannot_serve():
 
 
 @pytest.mark.parametrize("shape", [
-    (32, 16, 8, 128, 1, 384, False),  # qwen3-0.6b at batch 32: 3 blocks of 128
-    (1, 32, 8, 64, 2, 384, False),  # llama3.2-1b at batch 1, two kv heads a row
-    (4, 8, 2, 64, 2, 300, True),  # one whole block, the keys transposed
+    (32, 16, 8, 128, 1, 384, False, 0),  # qwen3-0.6b at batch 32: 3 blocks of 128
+    (32, 16, 8, 128, 1, 384, False, 28),  # the same, its layer of a scanned stack
+    (1, 32, 8, 64, 2, 384, False, 0),  # llama3.2-1b at batch 1, two kv heads a row
+    (4, 8, 2, 64, 2, 300, True, 0),  # one whole block, the keys transposed
 ])
 def test_kernel_lowers_for_a_tpu(shape):
     """Pallas' TPU lowering (to Mosaic, without libtpu: ``jax.export`` for the "tpu" platform) of
     the kernel in bfloat16; what the chip's compiler then says is tests/tpu's."""
-    batch, heads, kv, dim, pack, length, keys_t = shape
-    rows, width = kv // pack, pack * dim
+    batch, heads, kv, dim, pack, length, keys_t, layers = shape
+    rows, width, lead = kv // pack, pack * dim, (layers,) if layers else ()
     args = [jax.ShapeDtypeStruct(s, t) for s, t in (
-        ((batch, 1, heads, dim), jnp.bfloat16), ((batch, rows) + ((width, length) if keys_t else (length, width)),
-                                                 jnp.bfloat16),
-        ((batch, rows, length, width), jnp.bfloat16), ((batch, 1, 1, length), jnp.bool_), ((), jnp.int32))]
-    fn = jax.jit(lambda q, k, v, mask, index: da.one_query_pallas(q, k, v, mask, index, 0.125, keys_t=keys_t,
-                                                                  window=100, logit_cap=30.0, interpret=False))
-    assert "tpu_custom_call" in jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+        ((batch, 1, heads, dim), jnp.bfloat16),
+        (lead + (batch, rows) + ((width, length) if keys_t else (length, width)), jnp.bfloat16),
+        (lead + (batch, rows, length, width), jnp.bfloat16), ((batch, 1, 1, length), jnp.bool_), ((), jnp.int32))]
+
+    def fn(q, k, v, mask, index):
+        return da.one_query_pallas(q, k, v, mask, index, 0.125, keys_t=keys_t, window=100, logit_cap=30.0,
+                                   layer=index % 7 if layers else None, interpret=False)
+
+    assert "tpu_custom_call" in jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
