@@ -9,11 +9,14 @@ bfloat16 inputs; the kernel's largest error at most twice XLA's plus 2e-3 (its p
 rounded to bfloat16 before normalising, XLA's after).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shardzoo.models import decode as dec
 from shardzoo.models import get_model
 from shardzoo.models.attention_kernels import attention_mask, one_query_attention
 from shardzoo.models.decode_attention import one_query_pallas
@@ -81,3 +84,28 @@ def test_generate_with_the_kernel_gives_the_xla_tokens(decode_layers):
     same = (tokens["pallas"][:, 64:] == tokens["xla"][:, 64:]).mean()
     assert same >= 0.97, same
     assert len(np.unique(tokens["xla"][:, 64:])) > 8  # a real continuation, not one repeated token
+
+
+def test_the_scanned_step_reads_and_writes_the_stack_in_place():
+    """The chip's compiled one-token step, scanned layers, bf16: with the kernel no array of one
+    layer's cache shape (none sliced out of the stack) and no copy of a stacked one; the XLA
+    path's program is printed beside it for the record."""
+    _, config = get_model("llama-tiny", hidden_size=512, intermediate_size=1024, vocab_size=1024,
+                          num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+                          max_position_embeddings=256, decode_layers="scan", dtype="bfloat16",
+                          param_dtype="bfloat16")
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    for mode in ("xla", "pallas"):
+        program = Program(config.replace(decode_attention=mode), get_rules("dp"), mesh)
+        params = program.init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
+        cache = program.decoding.new_cache(32, 256)
+        shape = cache["layers"]["attn"]["cached_key"].shape
+        token = jnp.zeros((32, 1), jnp.int32)
+        step = jax.jit(dec.decode_step, static_argnums=0, donate_argnums=2)
+        text = step.lower(program.decoding.decoder, params, cache, token, token).compile().as_text()
+        one, whole = ("bf16[" + ",".join(map(str, s)) + "]" for s in (shape[1:], shape))
+        sliced = len(re.findall(r"= " + re.escape(one) + r"\{", text))
+        copies = len(re.findall(r"= " + re.escape(whole) + r"\{[^}]*\} copy(?:-start)?\(", text))
+        print(f"{mode}: stacked keys {shape}, one-layer arrays {sliced}, copies of a stack {copies}")
+        if mode == "pallas":
+            assert (sliced, copies) == (0, 0), (sliced, copies)
