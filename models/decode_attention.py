@@ -13,6 +13,9 @@ Why: XLA's memory-space assignment staged each layer's whole cache in on-chip me
 step's one-position write and copied it back, and its attention read every slot of the cache
 (BENCHMARKS.md, the TPU decoding sections); a Pallas call's operands stay in HBM.
 
+Scanned decoding hands it a stack's keys and values whole with the layer's index (``layer``,
+scalar-prefetched; models/decode.py ``split_kv``), so no layer's cache is sliced out of the stack.
+
 The mask is the XLA path's own (``attention_mask``: causality, windows, chunks, a left-padded
 row's segments), read per block beside the cache; the window and chunk only narrow which blocks
 are read. ``kernel_for`` chooses, in one place, which layers run it: not attention sinks, ALiBi,
