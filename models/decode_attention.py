@@ -96,6 +96,13 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
     first, last, index = bounds[0], bounds[1], bounds[2]
     heads = q_ref.shape[0] * q_ref.shape[1]
 
+    def each_head(body):  # body(row, kv head) over the step's (jnp's // would lower a sign op)
+        def step(n, carry):
+            body(jax.lax.div(n, q_ref.shape[1]), jax.lax.rem(n, q_ref.shape[1]))
+            return carry
+
+        jax.lax.fori_loop(0, heads, step, 0)
+
     @pl.when(kb == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
@@ -103,35 +110,43 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def attend(holds_query):
-        def head(n, carry):
-            b, j = jax.lax.div(n, q_ref.shape[1]), jax.lax.rem(n, q_ref.shape[1])  # (jnp's // lowers a sign)
+        def head(b, j):
             q, k, v = q_ref[b, j], k_ref[b, j], v_ref[b, j]
             s = jax.lax.dot_general(q, k, (((1,), (0 if keys_t else 1,)), ((), ())),
                                     preferred_element_type=jnp.float32)  # [r, block]
             if cap:
                 s = cap * jnp.tanh(s / cap)
-            s = jnp.where(valid_ref[b] != 0, s, _NEG)
+            s = jnp.where(jnp.broadcast_to(valid_ref[b], s.shape) != 0, s, _NEG)
             m_prev = m_ref[b, j]
-            m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # [r, 128]
+            m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])  # [r, 128]
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
-            l_ref[b, j] = alpha * l_ref[b, j] + p.sum(axis=1, keepdims=True)
+            p = jnp.exp(s - _lanes(m_next, s.shape[-1]))
+            l_ref[b, j] = alpha * l_ref[b, j] + jax.lax.broadcast_in_dim(p.sum(axis=-1), m_prev.shape, (0,))
             m_ref[b, j] = m_next
             if holds_query:  # the slots past the query's are unwritten (anything, NaN too): 0 * NaN is NaN
                 slot = kb * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)  # (select in float32:
                 v = jnp.where(slot <= index, v.astype(jnp.float32), 0.0).astype(v.dtype)  # a 32-bit mask)
             pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            acc_ref[b, j] = alpha[:, :1] * acc_ref[b, j] + pv
-            return carry
+            acc_ref[b, j] = _lanes(alpha, pv.shape[-1]) * acc_ref[b, j] + pv
 
-        jax.lax.fori_loop(0, heads, head, 0)
+        each_head(head)
 
     pl.when((kb >= first) & (kb < last))(lambda: attend(False))
     pl.when(kb == last)(lambda: attend(True))
 
     @pl.when(kb == pl.num_programs(1) - 1)
     def _out():
-        o_ref[...] = (acc_ref[...] / l_ref[...][..., :1]).astype(o_ref.dtype)
+        def head(b, j):
+            o_ref[b, j] = (acc_ref[b, j] / _lanes(l_ref[b, j], o_ref.shape[-1])).astype(o_ref.dtype)
+
+        each_head(head)
+
+
+def _lanes(x, n: int):
+    """Per-row statistics [r, 128] (each row's value on every lane) as [r, n], as splash widens them."""
+    if n % _LANES == 0:
+        return jnp.tile(x, (1, n // _LANES))
+    return x[:, :n] if n < _LANES else x[:, :1]
 
 
 def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, window=None, chunk=None, logit_cap=None,

@@ -105,6 +105,21 @@ def test_kernel_reads_its_layer_of_a_stack_and_nothing_else(case):
     close(jax.jit(fn)(q, stack(k_in), stack(v_in), mask, jnp.int32(1)), _reference(q, k, v, mask, kw), case)
 
 
+def test_kernel_with_its_own_blocks_of_128():
+    """The default block (``block_k``: 128 of a 384-slot cache) and rows (``block_b``), 128-wide
+    rows (four packed kv heads of 32), as on the chip; NaN past the query's slot."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 32)), jnp.float32)
+    k, v = (rng.normal(size=(2, 1, 384, 128)).astype(np.float32) for _ in range(2))
+    mask = attention_mask(jnp.full((2, 1), 300), jnp.broadcast_to(jnp.arange(384), (2, 384)), jnp.ones((2, 1), jnp.int32),
+                          jnp.asarray(np.arange(384)[None, :] >= np.array([[0], [40]]), jnp.int32), None)
+    unwritten = np.arange(384)[None, None, :, None] > 300
+    got = jax.jit(lambda q, k, v, m: da.one_query_pallas(q, k, v, m, 300, 0.3, interpret=True))(
+        q, *(jnp.asarray(np.where(unwritten, np.nan, x)) for x in (k, v)), mask)
+    k, v = (jnp.asarray(np.where(unwritten, 0.0, x)) for x in (k, v))
+    close(got, one_query_attention(q, k, v, mask, 0.3))
+
+
 def test_an_off_by_one_kernel_fails_the_comparison(monkeypatch):
     """The comparison above catches a kernel that stops one slot short (the query's own slot is
     the first of its block here: a last block one too early, its value zeroed)."""
