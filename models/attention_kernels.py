@@ -171,6 +171,8 @@ def grouped_queries(q, rows: int, pack: int):
     block-diagonally over its features in the row (zeros against the other heads' features)."""
     batch, _, heads, dim = q.shape
     group = heads // (rows * pack)
+    if pack == 1:
+        return q.reshape(batch, rows, group, dim)
     q = q.reshape(batch, rows, pack, group, dim)
     eye = jnp.eye(pack, dtype=q.dtype)
     return jnp.einsum("bjhgd,hx->bjhgxd", q, eye).reshape(batch, rows, pack * group, pack * dim)
@@ -181,6 +183,8 @@ def own_heads(ctx, dim: int):
     each head's own block, [batch, 1, heads, head_dim]."""
     batch, rows, width = ctx.shape[0], ctx.shape[1], ctx.shape[-1]
     pack = width // dim
+    if pack == 1:
+        return ctx.reshape(batch, 1, -1, dim)
     ctx = ctx.reshape(batch, rows, pack, -1, pack, dim)
     ctx = jnp.einsum("bjhgxd,hx->bjhgd", ctx, jnp.eye(pack, dtype=ctx.dtype))
     return ctx.reshape(batch, 1, -1, dim)
