@@ -199,25 +199,29 @@ def test_scanned_decoding_with_the_kernel_never_slices_a_layers_cache_out():
 
 @pytest.mark.parametrize("name,overrides", [
     ("gemma2-tiny", dict(sliding_window=4)),  # soft-capped logits, windows shorter than the cache, GQA
+    ("gemma2-tiny", dict(sliding_window=4, decode_layers="scan")),  # a scanned period: sliding, full
     ("llama-tiny", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, kv_cache_packing="on",
                         kv_cache_transposed_keys="off", num_hidden_layers=2)),  # head_dim 32: four kv heads a row
 ])
 def test_decode_steps_with_the_kernel_equal_xla_logits(name, overrides, kernel_calls):
-    """``decode_step`` logits, the prefill then one token a step over a 12-slot cache, two rows."""
+    """``decode_step`` logits, the prefill then one token a step over a 12-slot cache, two rows
+    (the second's first three tokens padding)."""
     _, config = get_model(name, **{**TINY, **overrides})
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     x = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, config.vocab_size))
-    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    pad = np.array([[0], [3]])
+    seg = jnp.asarray(np.arange(12)[None, :] >= pad, jnp.int32)
+    pos = jnp.asarray(np.maximum(np.arange(12)[None, :] - pad, 0))
     step = jax.jit(dec.decode_step, static_argnums=0)
     logits = {}
     for d in ("xla", "pallas"):
         program = Program(config.replace(decode_attention=d), get_rules("dp"), mesh)
         params = program.init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
         module, weights = program.decoding.decoder, program.decoding.decoding_params(params)
-        out, cache = step(module, weights, program.decoding.new_cache(2, 12), x[:, :5], pos[:, :5])
+        out, cache = step(module, weights, program.decoding.new_cache(2, 12), x[:, :5], pos[:, :5], seg[:, :5])
         outs = [out]
         for i in range(5, 12):
-            out, cache = step(module, weights, cache, x[:, i:i + 1], pos[:, i:i + 1])
+            out, cache = step(module, weights, cache, x[:, i:i + 1], pos[:, i:i + 1], seg[:, i:i + 1])
             outs.append(out)
         logits[d] = np.asarray(jnp.concatenate(outs, axis=1))
     close(logits["pallas"], logits["xla"], name)
