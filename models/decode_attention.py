@@ -88,20 +88,23 @@ def block_bounds(index, block: int, window=None, chunk=None):
     return jnp.stack([start // block, index // block, index]).astype(jnp.int32)
 
 
-def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *, block, keys_t, cap):
-    """One grid step: batch rows ``program_id(0)``, cache block ``program_id(1)``. q [bb, rows, r,
-    width]; k, v [bb, rows, block, width] (k [bb, rows, width, block] where ``keys_t``); valid
-    [bb, 1, block]; m, l [bb, rows, r, 128] and acc [bb, rows, r, width] float32 across blocks."""
+def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *, block, keys_t, cap, group):
+    """One grid step: batch rows ``program_id(0)``, cache block ``program_id(1)``. q [bb, heads,
+    width] (a row's query heads, ``group`` a kv head, then zero rows to a whole tile); k, v [bb,
+    kv rows, block, width] (k [bb, rows, width, block] where ``keys_t``); valid [bb, 1, block];
+    m, l [bb, rows, heads, 128] and acc [bb, rows, heads, width] float32 across blocks. Every
+    query head attends every kv row of its cache row (the matmul's rows cost the same up to a
+    tile); each head's own kv row is picked at the end."""
     kb = pl.program_id(1)
     first, last, index = bounds[0], bounds[1], bounds[2]
-    heads = q_ref.shape[0] * q_ref.shape[1]
+    rows = v_ref.shape[1]
 
-    def each_head(body):  # body(row, kv head) over the step's (jnp's // would lower a sign op)
+    def each_head(body):  # body(row, kv row) over the step's (jnp's // would lower a sign op)
         def step(n, carry):
-            body(jax.lax.div(n, q_ref.shape[1]), jax.lax.rem(n, q_ref.shape[1]))
+            body(jax.lax.div(n, rows), jax.lax.rem(n, rows))
             return carry
 
-        jax.lax.fori_loop(0, heads, step, 0)
+        jax.lax.fori_loop(0, v_ref.shape[0] * rows, step, 0)
 
     @pl.when(kb == 0)
     def _init():
@@ -111,14 +114,14 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
 
     def attend(holds_query):
         def head(b, j):
-            q, k, v = q_ref[b, j], k_ref[b, j], v_ref[b, j]
+            q, k, v = q_ref[b], k_ref[b, j], v_ref[b, j]
             s = jax.lax.dot_general(q, k, (((1,), (0 if keys_t else 1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)  # [r, block]
+                                    preferred_element_type=jnp.float32)  # [heads, block]
             if cap:
                 s = cap * jnp.tanh(s / cap)
             s = jnp.where(jnp.broadcast_to(valid_ref[b], s.shape) != 0, s, _NEG)
             m_prev = m_ref[b, j]
-            m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])  # [r, 128]
+            m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])  # [heads, 128]
             alpha = jnp.exp(m_prev - m_next)
             p = jnp.exp(s - _lanes(m_next, s.shape[-1]))
             l_ref[b, j] = alpha * l_ref[b, j] + jax.lax.broadcast_in_dim(p.sum(axis=-1), m_prev.shape, (0,))
@@ -136,10 +139,17 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
 
     @pl.when(kb == pl.num_programs(1) - 1)
     def _out():
-        def head(b, j):
-            o_ref[b, j] = (acc_ref[b, j] / _lanes(l_ref[b, j], o_ref.shape[-1])).astype(o_ref.dtype)
+        head = jax.lax.broadcasted_iota(jnp.int32, o_ref.shape[1:], 0)
 
-        each_head(head)
+        def row(b, carry):
+            def own(j, out):  # the heads of kv row j: its context
+                ctx = acc_ref[b, j] / _lanes(l_ref[b, j], out.shape[-1])
+                return jnp.where((head >= j * group) & (head < (j + 1) * group), ctx, out)
+
+            o_ref[b] = jax.lax.fori_loop(0, rows, own, jnp.zeros(o_ref.shape[1:], jnp.float32)).astype(o_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, o_ref.shape[0], row, 0)
 
 
 def _lanes(x, n: int):
@@ -166,8 +176,8 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
     qg = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, width // dim)  # [batch, rows, r, width]
     r = qg.shape[2]
     sublanes = 32 // q.dtype.itemsize  # a full tile of rows (8 float32, 16 bfloat16): zero queries pad it
-    rp = -(-r // sublanes) * sublanes
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rp - r), (0, 0)))
+    hp = -(-rows * r // sublanes) * sublanes
+    qg = jnp.pad(qg.reshape(batch, rows * r, width), ((0, 0), (0, hp - rows * r), (0, 0)))  # [batch, hp, width]
     valid = mask.astype(jnp.int32).reshape(batch, length // block, 1, block)  # a block's on the lanes, whole
     bounds = block_bounds(jnp.asarray(index, jnp.int32), block, window, chunk)
     stacked = layer is not None
@@ -182,7 +192,7 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
             return pl.BlockSpec(shape, at)
         return pl.BlockSpec((None,) + shape, lambda b, kb, bounds: (bounds[3],) + at(b, kb, bounds))
 
-    rows_spec = pl.BlockSpec((bb, rows, rp, width), lambda b, kb, bounds: (b, 0, 0, 0))
+    rows_spec = pl.BlockSpec((bb, hp, width), lambda b, kb, bounds: (b, 0, 0))
     k_spec = (cache_spec((bb, rows, width, block), lambda b, kb, bounds: (b, 0, 0, seen(kb, bounds))) if keys_t
               else cache_spec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0)))
     v_spec = cache_spec((bb, rows, block, width), lambda b, kb, bounds: (b, 0, seen(kb, bounds), 0))
@@ -190,12 +200,12 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(batch // bb, length // block),
         in_specs=[rows_spec, k_spec, v_spec, valid_spec], out_specs=rows_spec,
-        scratch_shapes=[pltpu.VMEM((bb, rows, rp, _LANES), jnp.float32)] * 2
-        + [pltpu.VMEM((bb, rows, rp, width), jnp.float32)])
+        scratch_shapes=[pltpu.VMEM((bb, rows, hp, _LANES), jnp.float32)] * 2
+        + [pltpu.VMEM((bb, rows, hp, width), jnp.float32)])
     out = pl.pallas_call(
-        functools.partial(_kernel, block=block, keys_t=keys_t, cap=logit_cap),
+        functools.partial(_kernel, block=block, keys_t=keys_t, cap=logit_cap, group=r),
         grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(bounds, qg, k, v, valid)
-    return own_heads(out[:, :, :r], dim)  # [batch, 1, heads, head_dim]
+    return own_heads(out[:, :rows * r].reshape(batch, rows, r, width), dim)  # [batch, 1, heads, head_dim]
