@@ -5,9 +5,10 @@ logits), with the cache left in HBM: its blocks of positions are moved into on-c
 the kernel's own pipeline, and only the blocks from the first the query may see (its window or
 chunk) to the one holding the query's slot: the block index map clamps the rest onto those
 two, so they are neither fetched again nor computed (``pl.when``). The softmax runs online over
-the blocks, its statistics in float32. A kv head's query heads are one matmul against its keys
-(GQA/MQA); a packed cache row (``kv_pack``: 128 // head_dim kv heads side by side) meets its
-query heads block-diagonally (``grouped_queries``), as in the XLA path.
+the blocks, its statistics in float32. A batch row's query heads are one tile of the matmul
+against each kv head's keys, each head keeping its own kv head's context (GQA/MQA); a packed
+cache row (``kv_pack``: 128 // head_dim kv heads side by side) meets its query heads
+block-diagonally (``grouped_queries``), as in the XLA path.
 
 Why: XLA's memory-space assignment staged each layer's whole cache in on-chip memory around the
 step's one-position write and copied it back, and its attention read every slot of the cache
@@ -19,9 +20,9 @@ scalar-prefetched; models/decode.py ``split_kv``), so no layer's cache is sliced
 The mask is the XLA path's own (``attention_mask``: causality, windows, chunks, a left-padded
 row's segments), read per block beside the cache; the window and chunk only narrow which blocks
 are read. ``kernel_for`` chooses, in one place, which layers run it: not attention sinks, ALiBi,
-differential attention or values narrower than the keys (those stay in ``xla_attention``), and
-only on one device (a Pallas call has no GSPMD partitioning). Off a TPU it runs in Pallas'
-interpret mode (tests; slow).
+differential attention, values narrower than the keys or keys another layer reads (those stay
+in XLA), only on one device (a Pallas call has no GSPMD partitioning) and for caches with a block
+(``block_k``). Off a TPU it runs in Pallas' interpret mode (tests; slow).
 """
 
 from __future__ import annotations
