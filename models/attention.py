@@ -46,6 +46,7 @@ from shardzoo.models.attention_kernels import (
     xla_attention,
 )
 from shardzoo.models.component import Mixer, SubRecord
+from shardzoo.models.decode_attention import kernel_for, one_query_pallas
 from shardzoo.models.latent_attention import LatentAttention, LatentAttentionArch, out_bias
 from shardzoo.models.layers import (
     NO_MULTIPLIERS,
@@ -204,10 +205,16 @@ class Attention(LatentAttention, nn.Module):
         impl = attention_kernel(self.config, dt, length)
         # not under context parallelism (the XLA ring below), nor decoding, nor at init (same params)
         use_splash = impl == "splash" and not (decode or ring or self.is_initializing() or diff)
-        q_pos = k_pos = positions
+        q_pos, k_pos, use_kernel = positions, positions, False
         if decode and shared_kv is None:  # ALiBi by cache slot: each row's offset is the same for its query and keys
-            k, v, mask, (q_pos, k_pos) = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
-            if plain or length > 1:  # the cache's [batch, length, kv_heads, head_dim] as the kernels read it
+            k, v, mask, (q_pos, k_pos), layer = self._update_cache(k, v, segment_ids, batch, length, window, chunk)
+            # the decoding kernel caps logits and reads chunks from the mask; not sinks, ALiBi, pairs of
+            # values, narrower values, nor keys another layer reads (their layout is the XLA path's)
+            unserved = sinks is not None or alibi or diff or vd != hd or self.returns_kv
+            use_kernel = kernel_for(e, length=length, unserved=unserved, placement=placement,
+                                    cache_length=v.shape[-2], keys_t=keys_transposed(e)) == "pallas"
+            k, v = (k, v) if use_kernel else own_layer(k, v, layer)
+            if (plain or length > 1) and not use_kernel:  # the cache's [batch, length, kv_heads, head_dim]
                 k, v = unpacked(k, hd, keys_transposed(e)), unpacked(v, vd)
         elif plain and not use_splash and mask is None:  # (a shared mask: the cache's, decoding)
             # causality (and chunks) by position, restarting per packed segment, which the
@@ -218,6 +225,9 @@ class Attention(LatentAttention, nn.Module):
         if use_splash:  # windows, chunks and capped logits in the kernel; by position within segments
             ctx = splash_attention(q, k, v, segment_ids, positions, scale=scale, sliding_window=window,
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
+        elif use_kernel:  # one token over the cache left in HBM, its blocks up to the query's slot
+            ctx = one_query_pallas(q, k, v, mask, q_pos[0, 0], scale, keys_t=keys_transposed(e), window=window,
+                                   chunk=chunk, logit_cap=cap, layer=layer)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:  # over the cache in its own layout
@@ -319,7 +329,9 @@ class Attention(LatentAttention, nn.Module):
     def _update_cache(self, k, v, segment_ids, batch, length, window, chunk=None):
         """Write this chunk's keys/values at the cache index; the whole cache's keys and values
         ([batch, kv_heads, cache_length, head_dim]: ``KV_CACHE_AXES``; the keys transposed where
-        ``keys_transposed``), its mask, and the slots of the queries and of the cache's keys."""
+        ``keys_transposed``), its mask, the slots of the queries and of the cache's keys, and the
+        layer: None, or where the keys and values are a scanned stack's (``cache_layer``, models/decode.py
+        ``stacked_kv``), written and returned whole, this layer's index in it."""
         # The cache is created by an init call whose length is the cache length.
         pack = kv_pack(self.config.execution, k.shape[-1], k.shape[2]) if k.shape[-1] == v.shape[-1] else 1
         k, v = packed(k, pack), packed(v, pack)
@@ -331,16 +343,26 @@ class Attention(LatentAttention, nn.Module):
         index = self._cached("cache_index", (), (), jnp.int32)  # a scalar (a layers axis when scanned)
         seg = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids
         i = index.value
-        cache_len = cv.value.shape[2]
+        cache_len = cv.value.shape[-2]
         q_slots = jnp.broadcast_to(i + jnp.arange(length), (batch, length))
         k_slots = jnp.broadcast_to(jnp.arange(cache_len), (batch, cache_len))
         # Causality also hides the slots not yet written (j >= i + length).
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, 0, 0, i) if keys_t else (0, 0, i, 0))
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, 0, i, 0))
+        layer = self.get_variable("cache", "cache_layer")  # None but in a stack (models/decode.py)
+        at = () if layer is None else (layer,)
+        k, v = (t if layer is None else t[None] for t in (k, v))
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k, at + ((0, 0, 0, i) if keys_t else (0, 0, i, 0)))
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v, at + (0, 0, i, 0))
         cseg.value = jax.lax.dynamic_update_slice(cseg.value, seg.astype(jnp.int32), (0, i))
         index.value = i + length
         mask = attention_mask(q_slots, k_slots, seg, cseg.value, window, chunk)
-        return ck.value, cv.value, mask, (q_slots, k_slots)
+        return ck.value, cv.value, mask, (q_slots, k_slots), layer
+
+
+def own_layer(k, v, layer):
+    """A scanned stack's keys and values (``_update_cache``'s ``layer`` not None): this layer's."""
+    if layer is None:
+        return k, v
+    return tuple(jax.lax.dynamic_index_in_dim(t, layer, keepdims=False) for t in (k, v))
 
 
 # ------------------------------------------------------------------------------ the component

@@ -165,27 +165,47 @@ def unpacked(x, head_dim: int, transposed: bool = False):
     return jnp.swapaxes(x, 1, 2).reshape(batch, length, rows * width // head_dim, head_dim)
 
 
+def grouped_queries(q, rows: int, pack: int):
+    """One decoding query per row [batch, 1, heads, head_dim] as the rows of a packed cache meet
+    it: [batch, rows, pack * group, pack * head_dim], each kv head's query heads laid
+    block-diagonally over its features in the row (zeros against the other heads' features)."""
+    batch, _, heads, dim = q.shape
+    group = heads // (rows * pack)
+    if pack == 1:
+        return q.reshape(batch, rows, group, dim)
+    q = q.reshape(batch, rows, pack, group, dim)
+    eye = jnp.eye(pack, dtype=q.dtype)
+    return jnp.einsum("bjhgd,hx->bjhgxd", q, eye).reshape(batch, rows, pack * group, pack * dim)
+
+
+def own_heads(ctx, dim: int):
+    """``grouped_queries``' inverse for the context [batch, rows, pack * group, pack * head_dim]:
+    each head's own block, [batch, 1, heads, head_dim]."""
+    batch, rows, width = ctx.shape[0], ctx.shape[1], ctx.shape[-1]
+    pack = width // dim
+    if pack == 1:
+        return ctx.reshape(batch, 1, -1, dim)
+    ctx = ctx.reshape(batch, rows, pack, -1, pack, dim)
+    ctx = jnp.einsum("bjhgxd,hx->bjhgd", ctx, jnp.eye(pack, dtype=ctx.dtype))
+    return ctx.reshape(batch, 1, -1, dim)
+
+
 def one_query_attention(q, k, v, mask, scale, keys_t: bool = False):
     """Attention of one new token per row over the cache (a decoding step), the cache read in its
     own layout (``KV_CACHE_AXES``, ``packed``): batch and kv heads lead, so both products are
     batched matmuls with no transpose of the cache. Scores and softmax in float32. A row of a
     packed cache holds ``pack`` kv heads: their query heads are laid block-diagonally over its
-    features (zeros against the other heads' features), and each head's context taken from its
-    own block.
+    features (``grouped_queries``), and each head's context taken from its own block.
 
     q: [batch, 1, heads, head_dim]; k, v: [batch, kv_heads / pack, k_len, pack * head_dim]
     (``keys_t``: k [batch, kv_heads / pack, pack * head_dim, k_len], ``keys_transposed``);
-    mask: bool [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim].
+    mask: bool [batch, 1, 1, k_len]. Returns [batch, 1, heads, head_dim]. The Pallas kernel of
+    the same step: ``models/decode_attention.py``.
     """
-    batch, _, heads, dim = q.shape
+    dim = q.shape[-1]
     rows, pack = v.shape[1], v.shape[-1] // dim
-    group = heads // (rows * pack)
-    q = q.reshape(batch, rows, pack, group, dim) * jnp.asarray(scale, q.dtype)
-    eye = jnp.eye(pack, dtype=q.dtype)
-    q = jnp.einsum("bjhgd,hx->bjhgxd", q, eye).reshape(batch, rows, pack * group, pack * dim)
+    q = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, pack)
     scores = jnp.einsum("bjrx,bjxm->bjrm" if keys_t else "bjrx,bjmx->bjrm", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, :, 0, None, :], scores, jnp.finfo(jnp.float32).min)  # [batch, rows, pack*group, k_len]
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    ctx = jnp.einsum("bjrm,bjmx->bjrx", probs, v).reshape(batch, rows, pack, group, pack, dim)
-    ctx = jnp.einsum("bjhgxd,hx->bjhgd", ctx, eye.astype(ctx.dtype))  # each head's own block
-    return ctx.reshape(batch, 1, heads, dim)
+    return own_heads(jnp.einsum("bjrm,bjmx->bjrx", probs, v), dim)

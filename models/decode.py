@@ -132,6 +132,32 @@ def grow_cache(cache, shapes):
     return jax.tree.map(pad, cache, shapes)
 
 
+KV = ("cached_key", "cached_value")
+
+
+def split_kv(cache):
+    """(the keys and values of every attention cache in ``cache``, the rest), two trees (the
+    first None where there are none). With ``decode_attention="pallas"`` the layer scan carries a
+    stack's keys and values whole, each layer writing and reading its own in place (index
+    ``cache_layer``: ``join_kv``), where slicing them out as the scan's inputs copied every
+    layer's; its other arrays go through the scan as before."""
+    if not isinstance(cache, dict):
+        return None, cache
+    if "cached_key" in cache:
+        return {k: cache[k] for k in KV}, {k: v for k, v in cache.items() if k not in KV + ("cache_layer",)}
+    pairs = {k: split_kv(v) for k, v in cache.items()}
+    return {k: kv for k, (kv, _) in pairs.items() if kv} or None, {k: rest for k, (_, rest) in pairs.items()}
+
+
+def join_kv(rest, kv, layer=None):
+    """``split_kv``'s inverse; ``layer`` (not None): each attention cache's ``cache_layer`` too."""
+    if not kv:
+        return rest
+    if "cached_key" in kv:
+        return {**rest, **kv, **({} if layer is None else {"cache_layer": layer})}
+    return {k: join_kv(v, kv.get(k), layer) for k, v in rest.items()}
+
+
 def _length_axis(name: str, keys_t: bool) -> int:
     """The positions' axis of an attention cache's array: keys and values are
     [batch, kv_heads, cache_length, head_dim] (``KV_CACHE_AXES``; the keys ``KEY_CACHE_T_AXES``

@@ -43,6 +43,7 @@ AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
+DECODE_ATTENTIONS = ("xla", "pallas")
 DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
 # decode_vmem_kib "auto" raises the limit only for unrolled layers whose cache is at least this share of the
 # weights (v5e: qwen3-0.6b batch 32, cache 1.18x the weights, 57% -> 74% of the bound; llama3.2-1b batch 1,
@@ -123,6 +124,10 @@ class Execution:
     # over the positions written so far, not the whole cache; -1 "auto" (decode.cache_segments:
     # 4 on a CPU, 1 elsewhere), 1 one loop over the whole cache
     decode_cache_segments: int = -1
+    # a decoding step's attention over the cache: "xla" (one_query_attention) or "pallas" (a
+    # kernel reading the cache in HBM, only its blocks up to the query's slot; interpreted off a
+    # TPU; layers it cannot serve stay in XLA: models/decode_attention.py kernel_for)
+    decode_attention: str = "xla"
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -133,7 +138,8 @@ class Execution:
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
                             "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
                             "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS,
-                            "kv_cache_transposed_keys": ("auto", "on", "off")},
+                            "kv_cache_transposed_keys": ("auto", "on", "off"),
+                            "decode_attention": DECODE_ATTENTIONS},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")

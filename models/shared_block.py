@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from shardzoo.models import ModelError
-from shardzoo.models.attention import Attention
+from shardzoo.models.attention import Attention, own_layer
 from shardzoo.models.attention_costs import BHL, BLHD, BLKD
 from shardzoo.models.attention_costs import flops as attention_flops
 from shardzoo.models.attention_kernels import (
@@ -163,7 +163,8 @@ class SharedAttention(Attention):
         q = constrain(q, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), placement)
         batch, length = x.shape[:2]
         if decode:
-            k, v, mask, _ = self._update_cache(k, v, segment_ids, batch, length, None)
+            k, v, mask, _, layer = self._update_cache(k, v, segment_ids, batch, length, None)
+            k, v = own_layer(k, v, layer)
             k, v = unpacked(k, q.shape[-1], keys_transposed(self.config.execution)), unpacked(v, q.shape[-1])
         else:
             mask = attention_mask(positions, positions, segment_ids, segment_ids, None)

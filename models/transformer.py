@@ -26,7 +26,8 @@ from shardzoo.models.blocks import BLE, BLOCK_FORMS, LayerScalar
 from shardzoo.models.components import RECORDS
 from shardzoo.models.config import ModelConfig, type_hints
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
-from shardzoo.models.decode import cache_writes, write_cache
+from shardzoo.models.decode import cache_writes, join_kv, split_kv, write_cache
+from shardzoo.models.decode_attention import reads_stack
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import ACTIVATIONS, Embed, Linear, constrain, dtype_of
 from shardzoo.models.layout import Layout, layout_of
@@ -362,7 +363,9 @@ class Transformer(nn.Module):
         """Decoding through the scanned layers (``models/decode.py``): the stacked cache is read
         only inside the layer scan, each layer giving back what it wrote (``cache_writes``), and
         written once after it (``write_cache``): a new token's keys and values land in place, where
-        nn.scan's per-layer cache outputs would build a new stacked cache every step."""
+        nn.scan's per-layer cache outputs would build a new stacked cache every step. For the
+        Pallas decoding kernel the keys and values go through the scan whole instead (``split_kv``):
+        each layer writes its position into the stack and the kernel reads its layer there."""
         cfg, placement = self.config, self.placement
         params = nn.meta.unbox(self.variables["params"]["layers"])
         cache = nn.meta.unbox(self.variables["cache"]["layers"])
@@ -371,13 +374,19 @@ class Transformer(nn.Module):
         else:
             layer = PeriodBlock(cfg, period, placement, decode=True, parent=None)
         length, keys_t = x.shape[1], keys_transposed(cfg.execution)
+        # the keys and values whole, carried and written in place, where the decoding kernel reads them
+        kv, cache = split_kv(cache) if reads_stack(cfg.execution, length, placement) else (None, cache)
+        index = jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
 
-        def step(x, xs):
-            p, c = xs  # this layer's params and cache
-            x, new = layer.apply({"params": p, "cache": c}, x, positions, segment_ids, mutable=["cache"])
+        def step(carry, xs):
+            x, kv = carry
+            p, c, i = xs  # this layer's params, cache and index
+            x, new = layer.apply({"params": p, "cache": join_kv(c, kv, i)}, x, positions, segment_ids,
+                                 mutable=["cache"])
             x = x[0] if isinstance(x, tuple) else x  # PeriodBlock returns (x, None)
-            return x, cache_writes(c, new["cache"], length, keys_t)
+            kv, new = split_kv(new["cache"]) if kv else (None, new["cache"])
+            return (x, kv), cache_writes(c, new, length, keys_t)
 
-        x, writes = jax.lax.scan(step, x, (params, cache))
-        self.put_variable("cache", "layers", write_cache(cache, writes, keys_t))
+        (x, kv), writes = jax.lax.scan(step, (x, kv), (params, cache, index))
+        self.put_variable("cache", "layers", join_kv(write_cache(cache, writes, keys_t), kv))
         return x
