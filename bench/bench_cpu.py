@@ -10,7 +10,14 @@ thunks from a ``jax.profiler`` trace; ``torch.profiler``'s self CPU time by aten
 variant's first losses are checked against the default's (the numbers must not move). glibc's
 malloc is set up as ``python -m shardzoo`` sets it (``host_memory``), for both libraries.
 
-    python bench/bench_cpu.py [--rounds 7] [--out bench/results/cpu.md]
+With ``--easydel PYTHON`` (an EasyDeL virtual environment's interpreter) each round also runs
+bench_easydel.py in a fresh process under it: EasyDeL's own Llama and trainer step at the same
+shapes, timed inside that process after its warm-up, so process startup and compilation stay out
+of its figures as they do out of the in-process rows'. Its EASYDEL_STEPS timed steps are one
+round's median; the in-process rows then also run EASYDEL_STEPS consecutive steps a round, timed
+the same way.
+
+    python bench/bench_cpu.py [--rounds 7] [--out bench/results/cpu.md] [--easydel /tmp/edl_venv/bin/python]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_easydel  # noqa: E402
 from bench_transformer import BATCH, CONFIG, LENGTH, jax_program, torch_train_step  # noqa: E402
 from profile_ops import summarize_cpu  # noqa: E402
 from program_step import cpu_model, packed_batch  # noqa: E402
@@ -47,6 +55,8 @@ VARIANTS = {
     "concurrency-optimized scheduler": {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"},
     "loop emitters (no fusion emitters)": {"xla_cpu_use_fusion_emitters": False},
 }
+EASYDEL = "EasyDeL"
+EASYDEL_WARMUP, EASYDEL_STEPS = 2, 3  # per fresh EasyDeL process, i.e. per round
 TORCH_CLASSES = (
     (("mm", "bmm", "addmm", "matmul", "linear", "_scaled_dot_product", "_efficient_attention", "_flash"), "matmul"),
     (("copy_", "clone", "contiguous", "t", "transpose", "view", "reshape", "expand", "cat", "slice", "index",
@@ -101,6 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu.md"))
+    parser.add_argument("--easydel", metavar="PYTHON", default=None,
+                        help="an EasyDeL environment's python: adds EasyDeL's train step (bench_easydel.py)")
     args = parser.parse_args(argv)
     names = [n for n in VARIANTS if not args.only or n == "default" or n in args.only.split(",")]
 
@@ -126,14 +138,24 @@ def main(argv=None) -> int:
 
     for run in runs.values():  # warm-up
         run()
-    wall = {n: [] for n in runs}
-    cpu = {n: [] for n in runs}
+    per_round = EASYDEL_STEPS if args.easydel else 1
+    wall = {n: [] for n in [*runs, *([EASYDEL] if args.easydel else [])]}
+    cpu = {n: [] for n in wall}
+    easydel = None
     for _ in range(args.rounds):
         for name, run in runs.items():
-            t, c = time.perf_counter(), cpu_seconds()
-            run()
-            wall[name].append(time.perf_counter() - t)
-            cpu[name].append(cpu_seconds() - c)
+            w, c = [], []
+            for _ in range(per_round):
+                t0, c0 = time.perf_counter(), cpu_seconds()
+                run()
+                w.append(time.perf_counter() - t0)
+                c.append(cpu_seconds() - c0)
+            wall[name].append(statistics.median(w))
+            cpu[name].append(statistics.median(c))
+        if args.easydel:
+            easydel = bench_easydel.run(args.easydel, EASYDEL_WARMUP, EASYDEL_STEPS)
+            wall[EASYDEL].append(easydel["wall_s"])
+            cpu[EASYDEL].append(easydel["cpu_s"])
     med_wall = {n: statistics.median(v) for n, v in wall.items()}
     med_cpu = {n: statistics.median(v) for n, v in cpu.items()}
     ref = losses["default"]
@@ -149,18 +171,29 @@ def main(argv=None) -> int:
 
     hf = "transformers (torch)"
     model = cpu_model()
-    lines = [f"`python bench/bench_cpu.py --rounds {args.rounds}`", "",
+    command = f"python bench/bench_cpu.py --rounds {args.rounds}" + (f" --only {args.only}" if args.only else "")
+    if args.easydel:
+        command += f" --easydel {args.easydel}"
+    lines = [f"`{command}`", "",
              f"CPU: **{model}**, {os.cpu_count()} CPUs (load average at the end {os.getloadavg()[0]:.1f}); "
              f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads). Llama hidden "
              f"{CONFIG.hidden_size}, {CONFIG.num_hidden_layers} layers, vocab {CONFIG.vocab_size}, batch {BATCH} x "
-             f"{LENGTH}, float32, adamw; {args.rounds} interleaved rounds after a warm-up, medians; glibc's malloc "
-             f"{'keeping freed memory (host_memory)' if KEPT else 'as the environment left it'}.", "",
+             f"{LENGTH}, float32, adamw; {args.rounds} interleaved rounds after a warm-up, medians"
+             + (f" (each round's figure the median of {per_round} consecutive steps)" if per_round > 1 else "")
+             + f"; glibc's malloc {'keeping freed memory (host_memory)' if KEPT else 'as the environment left it'}."
+             + (f" {EASYDEL}: easydel {easydel['easydel']} on jax {easydel['jax']} (its own environment), "
+                f"{easydel['attn_mechanism']} attention, a fresh process each round ({EASYDEL_WARMUP} warm-up steps)."
+                if easydel else ""), "",
              "| step | wall s | CPU s | vs transformers (CPU s) | vs default (CPU s) | max loss change vs default |",
              "|---|---:|---:|---:|---:|---:|"]
-    for n in runs:
+    for n in wall:
         change = f"{moved[n]:.1e}" if n in moved else "-"
         lines.append(f"| {n} | {med_wall[n]:.3f} | {med_cpu[n]:.3f} | {med_cpu[hf] / med_cpu[n]:.2f}x | "
                      f"{med_cpu['default'] / med_cpu[n]:.2f}x | {change} |")
+    if easydel:
+        per = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(cpu["default"], cpu[EASYDEL], strict=True))
+        lines += ["", f"shardzoo's default step against EasyDeL's: **{med_cpu[EASYDEL] / med_cpu['default']:.2f}x** "
+                  f"by CPU seconds (issue 39's target: >= 1.2x); CPU s per round, default / EasyDeL: {per}."]
     lines += ["", "CPU milliseconds per step by op class (one traced step; XLA:CPU thunks summed over threads, "
               "torch's self CPU time of aten ops):", "", "| op class | shardzoo (default) | transformers | ratio |",
               "|---|---:|---:|---:|"]
