@@ -96,14 +96,21 @@ def write_cache(cache, writes, keys_t: bool):
             for k, v in writes.items()}
 
 
-def cache_segments(execution) -> int:
-    """How many stretches the sampling loop runs in (``decode_cache_segments``; "auto": 4 on a
-    CPU, the one place this is chosen by backend, else 1). On a CPU a step's attention reads the
-    whole cache single-threaded; over the positions filled by each stretch's end instead, batch
-    16's 128 new tokens after a 32-token prompt read 112 positions on average, not 160
-    (``bench/bench_decode.py``)."""
+# decode_cache_segments "auto": a stretch of the sampling loop is a loop of its own to compile
+# (a tiny llama's generate: 1.9 s in one loop, 3.5 s in four), so each must cover this many steps
+STRETCH_STEPS = 32
+
+
+def cache_segments(execution, max_new_tokens: int) -> int:
+    """How many stretches the sampling loop runs in (``decode_cache_segments``; "auto": on a CPU,
+    the one place this is chosen by backend, up to 4 of at least STRETCH_STEPS new tokens each,
+    else 1). On a CPU a step's attention reads the whole cache single-threaded; over the positions
+    filled by each stretch's end instead, batch 16's 128 new tokens after a 32-token prompt read
+    112 positions on average, not 160 (``bench/bench_decode.py``)."""
     n = execution.decode_cache_segments
-    return n if n != -1 else 4 if jax.default_backend() == "cpu" else 1
+    if n != -1:
+        return n
+    return max(1, min(4, max_new_tokens // STRETCH_STEPS)) if jax.default_backend() == "cpu" else 1
 
 
 def prefill_fuses(execution) -> bool:

@@ -122,7 +122,8 @@ class Execution:
     # the sampling loop in so many stretches of near-equal length, each a loop over a cache only
     # as long as the positions filled by its end (models/decode.py segment_ends): a step attends
     # over the positions written so far, not the whole cache; -1 "auto" (decode.cache_segments:
-    # 4 on a CPU, 1 elsewhere), 1 one loop over the whole cache
+    # on a CPU up to 4 of at least 32 new tokens each, each stretch a loop to compile; 1 elsewhere),
+    # 1 one loop over the whole cache
     decode_cache_segments: int = -1
     # a decoding step's attention over the cache: "xla" (one_query_attention) or "pallas" (a
     # kernel reading the cache in HBM, only its blocks up to the query's slot; interpreted off a

@@ -143,7 +143,7 @@ class Decoding:
     def _compile_generate(self, shape, max_new_tokens, temperature, top_k, top_p, eos_ids, pad_id):
         batch, prompt_len = shape
         # the sampling loop's stretches, each over a cache of the positions filled by its end
-        ends = segment_ends(max_new_tokens, cache_segments(self.program.config.execution))
+        ends = segment_ends(max_new_tokens, cache_segments(self.program.config.execution, max_new_tokens))
         caches = [self.cache_shardings(batch, prompt_len + end) for end in ends]  # (shapes, shardings)
         # rows split as the rules say when they divide (a batch of one prompt: replicated)
         tokens = self._divisible_sharding((batch, prompt_len + max_new_tokens), ("batch", None))

@@ -362,7 +362,7 @@ def test_packed_and_transposed_caches_decode_as_the_plain_one(decode_layers):
 
 @pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
 def test_sampling_loop_in_stretches_grows_the_cache_and_keeps_the_tokens(decode_layers):
-    """``decode_cache_segments=3`` (a CPU's "auto" is 4): 7 new tokens in stretches ending at 3, 5
+    """``decode_cache_segments=3`` (a CPU's "auto" is up to 4 of at least 32 new tokens each): 7 new tokens in stretches ending at 3, 5
     and 7, each a loop over a cache of the prompt's length plus its end (the keys of each length in
     the compiled program), give one loop's greedy and sampled tokens on LFM2 (convolution layers,
     whose states do not grow, between attention layers), a left-padded row included."""
@@ -370,7 +370,9 @@ def test_sampling_loop_in_stretches_grows_the_cache_and_keeps_the_tokens(decode_
 
     _, config = get_model("lfm2-tiny", **TINY, decode_layers=decode_layers)
     assert dec.segment_ends(7, 3) == [3, 5, 7] and dec.segment_ends(2, 4) == [1, 2] and dec.segment_ends(0, 4) == [0]
-    assert dec.cache_segments(config.execution) == 4  # "auto" on this CPU
+    # "auto" on this CPU: a stretch of at least STRETCH_STEPS (32) new tokens, at most 4
+    assert [dec.cache_segments(config.execution, n) for n in (7, 63, 64, 128, 1000)] == [1, 1, 2, 4, 4]
+    assert dec.cache_segments(config.replace(decode_cache_segments=3).execution, 7) == 3  # as asked
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     programs = {n: Program(config.replace(decode_cache_segments=n), get_rules("dp"), mesh) for n in (1, 3)}
     params = programs[1].init(np.asarray(jax.random.PRNGKey(9), np.uint32)).params
