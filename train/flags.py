@@ -240,6 +240,10 @@ def _load_yaml(path: str) -> dict:
     return out
 
 
+# settings whose string "none" is one of their values (a remat policy), not a missing value
+NONE_IS_A_VALUE = frozenset({"remat"})
+
+
 def _coerce(name: str, value, where: str):
     if name == "override":  # a list of KEY=VALUE strings, or a mapping of them
         if isinstance(value, dict):
@@ -249,6 +253,8 @@ def _coerce(name: str, value, where: str):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where}: expected a list of KEY=VALUE strings")
         return tuple(value)
+    if name in NONE_IS_A_VALUE and isinstance(value, str) and value.strip().lower() == "none":
+        return "none"  # --remat none: the policy that saves everything, not "not given" (which is auto)
     return coerce(value, typing.get_type_hints(TrainConfig)[name], where, ConfigError)
 
 

@@ -177,6 +177,9 @@ BAD = {
     "missing config file": (["--config", "nope.yaml"], "--config nope.yaml"),
     "batch not divisible": (["--batch-size", "12"], "not divisible by the 8 devices"),
     "bad remat": (["--remat", "fast"], "--remat 'fast': choose auto or one of"),
+    # "none" is a policy, not a missing value (it was read as "not given": auto on the chip, 2026-12-07)
+    "remat none against an override": (["--remat", "none", "--override", "remat_policy=full"],
+                                       "--remat none and --override remat_policy=full disagree"),
     "bad device memory": (["--device-memory", "lots"], "device memory 'lots'"),
     # a resume to a later step whose compiled step does not fit: the fit is decided before any write
     "step does not fit": (["--device-memory", "10kB", "--steps", str(STEPS + 1)],
@@ -214,6 +217,28 @@ def test_a_step_that_does_not_fit_is_one_line_and_creates_no_out_dir(files, tmp_
     assert len(lines) == 1 and "remat none " in lines[0] and "remat full " in lines[0], lines
     assert "one device has 10.00 kB (--device-memory 10kB; a step may use 9.70 kB)" in lines[0]
     assert not out.exists()
+
+
+def test_remat_none_is_the_policy_on_an_accelerator_too(files, tmp_path):
+    """``--remat none`` asks for that policy: only it is checked against the device's memory, where
+    a run without --remat tries every policy (auto, the accelerator's default)."""
+    import argparse
+
+    from shardzoo.models import get_model
+    from shardzoo.train import fit
+    from shardzoo.train.flags import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def requested(*flags):
+        cfg = config_from_args(parser.parse_args(["--out", str(tmp_path / "x"), *flags]))
+        _, config = get_model(cfg.model)
+        return fit.requested_remat(cfg, config, accelerator=True)
+
+    assert requested("--remat", "none") == "none"
+    assert requested("--remat", "None") == "none"
+    assert requested() == "auto"
 
 
 @pytest.mark.parametrize("fresh", [True, False])
