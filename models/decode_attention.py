@@ -5,8 +5,8 @@ logits), with the cache left in HBM: its blocks of positions are moved into on-c
 the kernel's own pipeline, and only the blocks from the first the query may see (its window or
 chunk) to the one holding the query's slot: the block index map clamps the rest onto those
 two, so they are neither fetched again nor computed (``pl.when``). The softmax runs online over
-the blocks, its statistics in float32. A batch row's query heads are one tile of the matmul
-against each kv head's keys, each head keeping its own kv head's context (GQA/MQA); a packed
+the blocks, its statistics in float32. A batch row's query heads meet all its kv rows' keys of
+a block in one matmul, each head's scores outside its own kv row masked (GQA/MQA); a packed
 cache row (``kv_pack``: 128 // head_dim kv heads side by side) meets its query heads
 block-diagonally (``grouped_queries``), as in the XLA path.
 
@@ -91,21 +91,20 @@ def block_bounds(index, block: int, window=None, chunk=None):
 
 def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *, block, keys_t, cap, group):
     """One grid step: batch rows ``program_id(0)``, cache block ``program_id(1)``. q [bb, heads,
-    width] (a row's query heads, ``group`` a kv head, then zero rows to a whole tile); k, v [bb,
+    width] (a row's query heads, ``group`` a kv row, then zero rows to a whole tile); k, v [bb,
     kv rows, block, width] (k [bb, rows, width, block] where ``keys_t``); valid [bb, 1, block];
-    m, l [bb, rows, heads, 128] and acc [bb, rows, heads, width] float32 across blocks. Every
-    query head attends every kv row of its cache row (the matmul's rows cost the same up to a
-    tile); each head's own kv row is picked at the end."""
+    m, l [bb, heads, 128] and acc [bb, heads, width] float32 across blocks.
+
+    A batch row's kv rows are one matrix of ``rows * block`` positions: one matmul of every query
+    head against all of them, the columns of other kv rows masked (``own``), then one matmul of
+    the probabilities against the values; so a step is two matmuls a batch row, not two a kv row
+    (the MXU's fixed cost per matmul, not its width, is what a one-query step pays)."""
     kb = pl.program_id(1)
     first, last, index = bounds[0], bounds[1], bounds[2]
-    rows = v_ref.shape[1]
-
-    def each_head(body):  # body(row, kv row) over the step's (jnp's // would lower a sign op)
-        def step(n, carry):
-            body(jax.lax.div(n, rows), jax.lax.rem(n, rows))
-            return carry
-
-        jax.lax.fori_loop(0, v_ref.shape[0] * rows, step, 0)
+    rows, width = v_ref.shape[1], v_ref.shape[-1]
+    heads, n = q_ref.shape[1], rows * block
+    own = (jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (heads, n), 0), group)
+           == jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (heads, n), 1), block))
 
     @pl.when(kb == 0)
     def _init():
@@ -114,40 +113,41 @@ def _kernel(bounds, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def attend(holds_query):
-        def head(b, j):
-            q, k, v = q_ref[b], k_ref[b, j], v_ref[b, j]
+        def row(b, carry):
+            q = q_ref[b]
+            if keys_t:  # [width, rows * block]: the kv rows side by side on the lanes
+                k = jnp.concatenate([k_ref[b, j] for j in range(rows)], axis=1)
+            else:
+                k = k_ref[b].reshape(n, width)
+            v = v_ref[b].reshape(n, width)
             s = jax.lax.dot_general(q, k, (((1,), (0 if keys_t else 1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)  # [heads, block]
+                                    preferred_element_type=jnp.float32)  # [heads, rows * block]
             if cap:
                 s = cap * jnp.tanh(s / cap)
-            s = jnp.where(jnp.broadcast_to(valid_ref[b], s.shape) != 0, s, _NEG)
-            m_prev = m_ref[b, j]
+            valid = jnp.tile(valid_ref[b], (1, rows)) != 0  # [1, rows * block]
+            s = jnp.where(own & valid, s, _NEG)
+            m_prev = m_ref[b]
             m_next = jnp.maximum(m_prev, s.max(axis=-1)[:, None])  # [heads, 128]
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - _lanes(m_next, s.shape[-1]))
-            l_ref[b, j] = alpha * l_ref[b, j] + jax.lax.broadcast_in_dim(p.sum(axis=-1), m_prev.shape, (0,))
-            m_ref[b, j] = m_next
+            p = jnp.exp(s - _lanes(m_next, n))
+            l_ref[b] = alpha * l_ref[b] + jax.lax.broadcast_in_dim(p.sum(axis=-1), m_prev.shape, (0,))
+            m_ref[b] = m_next
             if holds_query:  # the slots past the query's are unwritten (anything, NaN too): 0 * NaN is NaN
-                slot = kb * block + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)  # (select in float32:
-                v = jnp.where(slot <= index, v.astype(jnp.float32), 0.0).astype(v.dtype)  # a 32-bit mask)
+                slot = kb * block + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, v.shape, 0), block)
+                v = jnp.where(slot <= index, v.astype(jnp.float32), 0.0).astype(v.dtype)  # (a 32-bit select)
             pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            acc_ref[b, j] = _lanes(alpha, pv.shape[-1]) * acc_ref[b, j] + pv
+            acc_ref[b] = _lanes(alpha, width) * acc_ref[b] + pv
+            return carry
 
-        each_head(head)
+        jax.lax.fori_loop(0, v_ref.shape[0], row, 0)
 
     pl.when((kb >= first) & (kb < last))(lambda: attend(False))
     pl.when(kb == last)(lambda: attend(True))
 
     @pl.when(kb == pl.num_programs(1) - 1)
     def _out():
-        head = jax.lax.broadcasted_iota(jnp.int32, o_ref.shape[1:], 0)
-
         def row(b, carry):
-            def own(j, out):  # the heads of kv row j: its context
-                ctx = acc_ref[b, j] / _lanes(l_ref[b, j], out.shape[-1])
-                return jnp.where((head >= j * group) & (head < (j + 1) * group), ctx, out)
-
-            o_ref[b] = jax.lax.fori_loop(0, rows, own, jnp.zeros(o_ref.shape[1:], jnp.float32)).astype(o_ref.dtype)
+            o_ref[b] = (acc_ref[b] / _lanes(l_ref[b], width)).astype(o_ref.dtype)
             return carry
 
         jax.lax.fori_loop(0, o_ref.shape[0], row, 0)
@@ -201,8 +201,7 @@ def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, windo
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(batch // bb, length // block),
         in_specs=[rows_spec, k_spec, v_spec, valid_spec], out_specs=rows_spec,
-        scratch_shapes=[pltpu.VMEM((bb, rows, hp, _LANES), jnp.float32)] * 2
-        + [pltpu.VMEM((bb, rows, hp, width), jnp.float32)])
+        scratch_shapes=[pltpu.VMEM((bb, hp, _LANES), jnp.float32)] * 2 + [pltpu.VMEM((bb, hp, width), jnp.float32)])
     out = pl.pallas_call(
         functools.partial(_kernel, block=block, keys_t=keys_t, cap=logit_cap, group=r),
         grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
