@@ -211,7 +211,7 @@ class Attention(LatentAttention, nn.Module):
             # the decoding kernel caps logits and reads chunks from the mask; not sinks, ALiBi, pairs of
             # values, narrower values, nor keys another layer reads (their layout is the XLA path's)
             unserved = sinks is not None or alibi or diff or vd != hd or self.returns_kv
-            use_kernel = kernel_for(e, length=length, unserved=unserved, placement=placement,
+            use_kernel = kernel_for(e, length=length, batch=batch, unserved=unserved, placement=placement,
                                     cache_length=v.shape[-2], keys_t=keys_transposed(e)) == "pallas"
             k, v = (k, v) if use_kernel else own_layer(k, v, layer)
             if (plain or length > 1) and not use_kernel:  # the cache's [batch, length, kv_heads, head_dim]
@@ -227,7 +227,7 @@ class Attention(LatentAttention, nn.Module):
                                    chunk=chunk, logit_cap=cap, placement=placement, block_q=e.splash_block_q)
         elif use_kernel:  # one token over the cache left in HBM, its blocks up to the query's slot
             ctx = one_query_pallas(q, k, v, mask, q_pos[0, 0], scale, keys_t=keys_transposed(e), window=window,
-                                   chunk=chunk, logit_cap=cap, layer=layer)
+                                   chunk=chunk, logit_cap=cap, layer=layer, block_bytes=e.decode_block_kib * 1024)
         elif plain:  # jax.nn.dot_product_attention can neither cap the logits, add a sink nor chunk
             ctx = xla_attention(q, k, v, mask, scale, cap, sinks, alibi_bias(nh, q_pos, k_pos) if alibi else None)
         elif decode and length == 1:  # over the cache in its own layout

@@ -42,20 +42,34 @@ _LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def reads_stack(execution, length: int, placement) -> bool:
+AUTO_MIN_BATCH = 8  # decode_attention "auto": the kernel from this batch (v5e: 0.99x at 1, 1.15-1.48x at 32)
+
+
+def wants_kernel(execution, batch: int) -> bool:
+    """``execution.decode_attention`` resolved for a call of ``batch`` rows: "pallas", or "auto"
+    on a TPU with scanned decoding layers and at least AUTO_MIN_BATCH rows."""
+    mode = execution.decode_attention
+    if mode == "auto":
+        return (jax.default_backend() == "tpu" and execution.decode_layers == "scan"
+                and batch >= AUTO_MIN_BATCH)
+    return mode == "pallas"
+
+
+def reads_stack(execution, length: int, placement, batch: int) -> bool:
     """Whether scanned decoding hands each attention layer the stack's keys and values whole and
-    its index in them (models/decode.py ``split_kv``): where ``execution.decode_attention`` is
-    "pallas", the call decodes one token and the program runs on one device; so no layer's cache
-    is sliced out of the stack (a copy of it), the kernel reading its own in place."""
+    its index in them (models/decode.py ``split_kv``): where the kernel is wanted
+    (``wants_kernel``), the call decodes one token and the program runs on one device; so no
+    layer's cache is sliced out of the stack (a copy of it), the kernel reading its own in place."""
     one_device = placement is None or placement.mesh.size == 1
-    return execution.decode_attention == "pallas" and length == 1 and one_device
+    return wants_kernel(execution, batch) and length == 1 and one_device
 
 
-def kernel_for(execution, *, length: int, unserved: bool, placement, cache_length: int, keys_t: bool) -> str:
-    """"pallas" or "xla" for a decoding call of ``length`` tokens: "pallas" where ``reads_stack``
-    (the call asks for it, one token, one device), the layer has nothing the kernel lacks
-    (``unserved``: it has) and the cache's length has a block (``block_k``)."""
-    ok = reads_stack(execution, length, placement) and not unserved
+def kernel_for(execution, *, length: int, batch: int, unserved: bool, placement, cache_length: int,
+               keys_t: bool) -> str:
+    """"pallas" or "xla" for a decoding call of ``length`` tokens and ``batch`` rows: "pallas"
+    where ``reads_stack`` (the kernel wanted, one token, one device), the layer has nothing the
+    kernel lacks (``unserved``: it has) and the cache's length has a block (``block_k``)."""
+    ok = reads_stack(execution, length, placement, batch) and not unserved
     return "pallas" if ok and block_k(cache_length, keys_t) else "xla"
 
 
@@ -70,11 +84,11 @@ def block_k(length: int, keys_t: bool = False) -> int | None:
     return fits[-1] if fits else (length if length <= MAX_BLOCK else None)
 
 
-def block_b(batch: int, rows: int, block: int, width: int, itemsize: int) -> int:
+def block_b(batch: int, rows: int, block: int, width: int, itemsize: int, block_bytes: int = BLOCK_BYTES) -> int:
     """Batch rows per grid step: the most dividing ``batch`` whose keys and values of a block fit
-    BLOCK_BYTES (at least one): fewer, larger steps, each step's fixed cost ~0.35 us on a TPU."""
+    ``block_bytes`` (at least one): fewer, larger steps, each step's fixed cost ~0.35 us on a TPU."""
     per_row = 2 * rows * block * width * itemsize
-    return max([b for b in range(1, batch + 1) if batch % b == 0 and b * per_row <= BLOCK_BYTES] or [1])
+    return max([b for b in range(1, batch + 1) if batch % b == 0 and b * per_row <= block_bytes] or [1])
 
 
 def block_bounds(index, block: int, window=None, chunk=None):
@@ -161,19 +175,19 @@ def _lanes(x, n: int):
 
 
 def one_query_pallas(q, k, v, mask, index, scale, *, keys_t: bool = False, window=None, chunk=None, logit_cap=None,
-                     layer=None, block=None, batch_block=None, interpret=None):
+                     layer=None, block=None, batch_block=None, block_bytes=BLOCK_BYTES, interpret=None):
     """``one_query_attention`` (shapes and ``keys_t`` as there) by the Pallas kernel; ``index``:
     the query's cache slot (int32 scalar, every row's), ``window``/``chunk`` what the mask holds
     (only to skip blocks), ``logit_cap`` the soft-cap of the scaled logits. ``layer``: k and v
     are a scanned stack's, a leading layers axis, and this layer's is read in place (int32
     scalar). ``block`` positions and ``batch_block`` rows per grid step (None: ``block_k``,
-    ``block_b``). ``interpret``: None runs Pallas' interpreter anywhere but on a TPU."""
+    ``block_b`` of ``block_bytes``). ``interpret``: None runs Pallas' interpreter anywhere but on a TPU."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     batch, _, heads, dim = q.shape
     rows, length, width = v.shape[-3:]
     block = block or block_k(length, keys_t)
-    bb = batch_block or block_b(batch, rows, block, width, v.dtype.itemsize)
+    bb = batch_block or block_b(batch, rows, block, width, v.dtype.itemsize, block_bytes)
     qg = grouped_queries(q * jnp.asarray(scale, q.dtype), rows, width // dim)  # [batch, rows, r, width]
     r = qg.shape[2]
     sublanes = 32 // q.dtype.itemsize  # a full tile of rows (8 float32, 16 bfloat16): zero queries pad it

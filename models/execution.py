@@ -43,7 +43,7 @@ AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
-DECODE_ATTENTIONS = ("xla", "pallas")
+DECODE_ATTENTIONS = ("auto", "xla", "pallas")
 DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
 # decode_vmem_kib "auto" raises the limit only for unrolled layers whose cache is at least this share of the
 # weights (v5e: qwen3-0.6b batch 32, cache 1.18x the weights, 57% -> 74% of the bound; llama3.2-1b batch 1,
@@ -127,8 +127,14 @@ class Execution:
     decode_cache_segments: int = -1
     # a decoding step's attention over the cache: "xla" (one_query_attention) or "pallas" (a
     # kernel reading the cache in HBM, only its blocks up to the query's slot; interpreted off a
-    # TPU; layers it cannot serve stay in XLA: models/decode_attention.py kernel_for)
-    decode_attention: str = "xla"
+    # TPU; layers it cannot serve stay in XLA: models/decode_attention.py kernel_for); "auto":
+    # the kernel on a TPU for scanned layers (decode_layers="scan") at batch >= 8, else XLA
+    # (v5e, batch 32 scanned: qwen3-0.6b 47% -> 70% of the bound, llama3.2-1b 65% -> 74%;
+    # batch 1: 0.99x; unrolled layers: not measured with this kernel)
+    decode_attention: str = "auto"
+    # the decoding kernel's keys and values per grid step, in KiB (batch rows of a block of
+    # positions: decode_attention.block_b); each is buffered twice in on-chip memory
+    decode_block_kib: int = 1024
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -162,6 +168,10 @@ class Execution:
         if isinstance(vmem, bool) or not isinstance(vmem, int) or vmem < -1:
             raise ModelError(f"decode_vmem_kib={vmem!r} must be an integer: -1 (auto), 0 (the compiler's default) "
                              "or the KiB of on-chip memory each op of decoding may use")
+        kib = self.decode_block_kib
+        if isinstance(kib, bool) or not isinstance(kib, int) or not 16 <= kib <= 16384:
+            raise ModelError(f"decode_block_kib={kib!r} must be an integer from 16 to 16384 (KiB of keys and values "
+                             "the decoding kernel moves per grid step)")
         segments = self.decode_cache_segments
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1 and segments != -1:
             raise ModelError(f"decode_cache_segments={segments!r} must be an integer: -1 (auto) or the number "
