@@ -93,14 +93,15 @@ def test_generate_with_the_kernel_gives_the_xla_tokens(decode_layers):
 
 def test_the_scanned_step_reads_and_writes_the_stack_in_place():
     """The chip's compiled one-token step, scanned layers, bf16: with the kernel no array of one
-    layer's cache shape (none sliced out of the stack) and no copy of a stacked one; the XLA
-    path's program is printed beside it for the record."""
+    layer's cache shape (none sliced out of the stack) and no copy of a stacked one, and the
+    default ("auto") the same; the XLA path's program is printed beside it for the record."""
     _, config = get_model("llama-tiny", hidden_size=512, intermediate_size=1024, vocab_size=1024,
                           num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
                           max_position_embeddings=256, decode_layers="scan", dtype="bfloat16",
                           param_dtype="bfloat16")
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    for mode in ("xla", "pallas"):
+    counts = {}
+    for mode in ("xla", "pallas", "auto"):
         program = Program(config.replace(decode_attention=mode), get_rules("dp"), mesh)
         params = program.init(np.asarray(jax.random.PRNGKey(1), np.uint32)).params
         cache = program.decoding.new_cache(32, 256)
@@ -112,5 +113,6 @@ def test_the_scanned_step_reads_and_writes_the_stack_in_place():
         sliced = len(re.findall(r"= " + re.escape(one) + r"\{", text))
         copies = len(re.findall(r"= " + re.escape(whole) + r"\{[^}]*\} copy(?:-start)?\(", text))
         print(f"{mode}: stacked keys {shape}, one-layer arrays {sliced}, copies of a stack {copies}")
-        if mode == "pallas":
-            assert (sliced, copies) == (0, 0), (sliced, copies)
+        counts[mode] = (sliced, copies)
+    assert counts["pallas"] == (0, 0), counts
+    assert counts["auto"] == counts["pallas"], counts  # the default takes the kernel: scanned, batch 32, a TPU
