@@ -387,6 +387,6 @@ class Transformer(nn.Module):
             kv, new = split_kv(new["cache"]) if kv else (None, new["cache"])
             return (x, kv), cache_writes(c, new, length, keys_t)
 
-        (x, kv), writes = jax.lax.scan(step, (x, kv), (params, cache, index))
+        (x, kv), writes = jax.lax.scan(step, (x, kv), (params, cache, index), unroll=cfg.execution.decode_scan_unroll)
         self.put_variable("cache", "layers", join_kv(write_cache(cache, writes, keys_t), kv))
         return x

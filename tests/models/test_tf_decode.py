@@ -217,25 +217,30 @@ def test_decoding_under_fsdp_tp_shards_the_cache_and_equals_one_device(decode_la
 
 
 def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
-    """``decode_layers="scan"`` (the layer scan over the stacked cache) and "unroll" (every layer
-    its own weights and cache) on the same params of an unrolled first layer, two scanned
-    periods of two layers and an unrolled last layer: the same greedy tokens from ``generate``,
-    and the same logits (1e-5) at the prefill and every one-token step."""
+    """``decode_layers="scan"`` (the layer scan over the stacked cache; also two periods a loop
+    iteration, ``decode_scan_unroll``) and "unroll" (every layer its own weights and cache) on
+    the same params of an unrolled first layer, two scanned periods of two layers and an
+    unrolled last layer: the same greedy tokens from ``generate``, and the same logits (1e-5) at
+    the prefill and every one-token step."""
     _, config = get_model("llama-tiny", **TINY, num_hidden_layers=6, scan_layout=(1, 2, 2))
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    programs = {d: Program(config.replace(decode_layers=d), get_rules("dp"), mesh) for d in ("unroll", "scan")}
+    variants = {"unroll": dict(decode_layers="unroll"), "scan": dict(decode_layers="scan"),
+                "scan, 2 a loop": dict(decode_layers="scan", decode_scan_unroll=2)}
+    programs = {d: Program(config.replace(**kw), get_rules("dp"), mesh) for d, kw in variants.items()}
     params = programs["scan"].init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
     assert sorted(params) == ["embed", "final_norm", "layers", "layers_0", "layers_5", "lm_head"]
     prompt = np.asarray(jax.random.randint(jax.random.key(6), (B, PREFILL), 0, config.vocab_size))
     tokens = {d: p.decoding.generate(params, prompt, max_new_tokens=L - PREFILL) for d, p in programs.items()}
     np.testing.assert_array_equal(tokens["scan"], tokens["unroll"])
+    np.testing.assert_array_equal(tokens["scan, 2 a loop"], tokens["unroll"])
     step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
     pos = jnp.broadcast_to(jnp.arange(L), (B, L))
     x = tokens["unroll"]
     logits = {}
     for d, program in programs.items():
         module, weights, cache = program.decoding.decoder, program.decoding.decoding_params(params), program.decoding.new_cache(B, L)
-        assert sorted(cache) == (["layers", "layers_0", "layers_5"] if d == "scan" else [f"layers_{i}" for i in range(6)])
+        assert sorted(cache) == (["layers", "layers_0", "layers_5"] if d.startswith("scan")
+                                 else [f"layers_{i}" for i in range(6)])
         out, cache = step(module, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
         outs = [out]
         for i in range(PREFILL, L):
@@ -243,6 +248,7 @@ def test_scan_and_unroll_decoding_give_the_same_tokens_and_logits():
             outs.append(out)
         logits[d] = np.asarray(jnp.concatenate(outs, axis=1))
     np.testing.assert_allclose(logits["scan"], logits["unroll"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits["scan, 2 a loop"], logits["unroll"], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.argmax(logits["scan"][:, PREFILL - 1:-1], -1), x[:, PREFILL:])  # greedy
     assert np.abs(logits["unroll"]).max() > 0.1  # not all zeros
 
