@@ -212,7 +212,7 @@ class Attention(LatentAttention, nn.Module):
             # values, narrower values, nor keys another layer reads (their layout is the XLA path's)
             unserved = sinks is not None or alibi or diff or vd != hd or self.returns_kv
             use_kernel = kernel_for(e, length=length, batch=batch, unserved=unserved, placement=placement,
-                                    cache_length=v.shape[-2], keys_t=keys_transposed(e)) == "pallas"
+                                    cache_length=v.shape[-2], keys_t=keys_transposed(e), kv_rows=v.shape[-3]) == "pallas"
             k, v = (k, v) if use_kernel else own_layer(k, v, layer)
             if (plain or length > 1) and not use_kernel:  # the cache's [batch, length, kv_heads, head_dim]
                 k, v = unpacked(k, hd, keys_transposed(e)), unpacked(v, vd)

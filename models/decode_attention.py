@@ -43,34 +43,47 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 AUTO_MIN_BATCH = 8  # decode_attention "auto": the kernel from this batch (v5e: 0.99x at 1, 1.15-1.48x at 32)
+# ... and for caches of at most this many kv rows (as measured: qwen3-0.6b 8, llama3.2-1b 4 packed): every
+# query head meets every kv row's keys (``_kernel``), so a many-headed MHA cache multiplies the step's work
+AUTO_MAX_KV_ROWS = 8
 
 
-def wants_kernel(execution, batch: int) -> bool:
-    """``execution.decode_attention`` resolved for a call of ``batch`` rows: "pallas", or "auto"
-    on a TPU with scanned decoding layers and at least AUTO_MIN_BATCH rows."""
+def wants_kernel(execution, batch: int, kv_rows: int | None = None) -> bool:
+    """``execution.decode_attention`` resolved for a call of ``batch`` rows over a cache of
+    ``kv_rows`` (None: not known yet): "pallas", or "auto" on a TPU with scanned decoding layers,
+    at least AUTO_MIN_BATCH rows and at most AUTO_MAX_KV_ROWS kv rows."""
     mode = execution.decode_attention
     if mode == "auto":
         return (jax.default_backend() == "tpu" and execution.decode_layers == "scan"
-                and batch >= AUTO_MIN_BATCH)
+                and batch >= AUTO_MIN_BATCH and (kv_rows is None or kv_rows <= AUTO_MAX_KV_ROWS))
     return mode == "pallas"
 
 
-def reads_stack(execution, length: int, placement, batch: int) -> bool:
+def reads_stack(execution, length: int, placement, batch: int, kv_rows: int | None = None) -> bool:
     """Whether scanned decoding hands each attention layer the stack's keys and values whole and
     its index in them (models/decode.py ``split_kv``): where the kernel is wanted
     (``wants_kernel``), the call decodes one token and the program runs on one device; so no
     layer's cache is sliced out of the stack (a copy of it), the kernel reading its own in place."""
     one_device = placement is None or placement.mesh.size == 1
-    return wants_kernel(execution, batch) and length == 1 and one_device
+    return wants_kernel(execution, batch, kv_rows) and length == 1 and one_device
 
 
 def kernel_for(execution, *, length: int, batch: int, unserved: bool, placement, cache_length: int,
-               keys_t: bool) -> str:
-    """"pallas" or "xla" for a decoding call of ``length`` tokens and ``batch`` rows: "pallas"
-    where ``reads_stack`` (the kernel wanted, one token, one device), the layer has nothing the
-    kernel lacks (``unserved``: it has) and the cache's length has a block (``block_k``)."""
-    ok = reads_stack(execution, length, placement, batch) and not unserved
+               keys_t: bool, kv_rows: int | None = None) -> str:
+    """"pallas" or "xla" for a decoding call of ``length`` tokens and ``batch`` rows over a cache
+    of ``kv_rows``: "pallas" where ``reads_stack`` (the kernel wanted, one token, one device), the
+    layer has nothing the kernel lacks (``unserved``: it has) and the cache's length has a block
+    (``block_k``)."""
+    ok = reads_stack(execution, length, placement, batch, kv_rows) and not unserved
     return "pallas" if ok and block_k(cache_length, keys_t) else "xla"
+
+
+def cache_kv_rows(cache) -> int | None:
+    """The most kv rows of any attention cache in ``cache`` (its values' ``[..., rows, length,
+    width]``); None where it holds none."""
+    rows = [leaf.shape[-3] for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]
+            if getattr(path[-1], "key", None) == "cached_value"]
+    return max(rows, default=None)
 
 
 def block_k(length: int, keys_t: bool = False) -> int | None:

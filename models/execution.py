@@ -128,7 +128,8 @@ class Execution:
     # a decoding step's attention over the cache: "xla" (one_query_attention) or "pallas" (a
     # kernel reading the cache in HBM, only its blocks up to the query's slot; interpreted off a
     # TPU; layers it cannot serve stay in XLA: models/decode_attention.py kernel_for); "auto":
-    # the kernel on a TPU for scanned layers (decode_layers="scan") at batch >= 8, else XLA
+    # the kernel on a TPU for scanned layers (decode_layers="scan") at batch >= 8 over caches of at
+    # most 8 kv rows (decode_attention.AUTO_MAX_KV_ROWS), else XLA
     # (v5e, batch 32 scanned: qwen3-0.6b 47% -> 70% of the bound, llama3.2-1b 65% -> 74%;
     # batch 1: 0.99x; unrolled layers: not measured with this kernel)
     decode_attention: str = "auto"

@@ -27,7 +27,7 @@ from shardzoo.models.components import RECORDS
 from shardzoo.models.config import ModelConfig, type_hints
 from shardzoo.models.costs import transformer_activations, transformer_flops, transformer_params
 from shardzoo.models.decode import cache_writes, join_kv, split_kv, write_cache
-from shardzoo.models.decode_attention import reads_stack
+from shardzoo.models.decode_attention import cache_kv_rows, reads_stack
 from shardzoo.models.execution import REMAT_POLICIES, Execution
 from shardzoo.models.layers import ACTIVATIONS, Embed, Linear, constrain, dtype_of
 from shardzoo.models.layout import Layout, layout_of
@@ -375,7 +375,7 @@ class Transformer(nn.Module):
             layer = PeriodBlock(cfg, period, placement, decode=True, parent=None)
         length, keys_t = x.shape[1], keys_transposed(cfg.execution)
         # the keys and values whole, carried and written in place, where the decoding kernel reads them
-        kv, cache = split_kv(cache) if reads_stack(cfg.execution, length, placement, x.shape[0]) else (None, cache)
+        kv, cache = split_kv(cache) if reads_stack(cfg.execution, length, placement, x.shape[0], cache_kv_rows(cache)) else (None, cache)
         index = jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
 
         def step(carry, xs):

@@ -256,6 +256,14 @@ def test_auto_takes_the_kernel_on_a_tpu_for_scanned_layers_from_batch_8(monkeypa
     assert da.kernel_for(unroll, batch=32, **kw) == "xla"
     assert da.kernel_for(dataclasses.replace(scan, decode_attention="xla"), batch=32, **kw) == "xla"
     assert da.reads_stack(scan, 1, None, 32) and not da.reads_stack(scan, 1, None, 4)
+    # measured up to 8 kv rows; a many-headed MHA cache (every head against every row) stays in XLA
+    assert [da.kernel_for(scan, batch=32, kv_rows=r, **kw) for r in (4, 8, 9, 32)] == ["pallas"] * 2 + ["xla"] * 2
+    assert not da.reads_stack(scan, 1, None, 32, 32)
+    assert da.kernel_for(dataclasses.replace(scan, decode_attention="pallas"), batch=32, kv_rows=32, **kw) == "pallas"
+    cache = {"layers": {"attn": {"cached_key": jnp.zeros((2, 4, 6, 16, 8)), "cached_value": jnp.zeros((2, 4, 6, 16, 8)),
+                                 "cache_index": jnp.zeros((2,), jnp.int32)}},
+             "layers_0": {"attn": {"cached_value": jnp.zeros((4, 3, 16, 8))}}, "mamba": {"ssm_state": jnp.zeros(3)}}
+    assert da.cache_kv_rows(cache) == 6 and da.cache_kv_rows({"mamba": {"ssm_state": jnp.zeros(3)}}) is None
 
 
 def test_decode_block_kib_sets_the_rows_per_grid_step():
