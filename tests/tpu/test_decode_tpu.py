@@ -2,7 +2,8 @@
 (``execution.decode_vmem_kib``, which measured 57% -> 74% of the bandwidth bound for qwen3-0.6b at
 batch 32 unrolled on v5e) gives the compiler default's greedy tokens, scanned and unrolled, the
 packed cache included (head_dim 64 on a TPU); "auto" gives it to unrolled layers with a cache of a
-quarter of the weights or more, the case it was measured to help. Skips off a TPU.
+quarter of the weights or more, the case it was measured to help; and ``decode_scan_unroll`` keeps
+the tokens. Skips off a TPU.
 
     JAX_PLATFORMS=tpu python3 -m pytest -q -p no:cacheprovider tests/tpu/test_decode_tpu.py
 """
@@ -40,3 +41,24 @@ def test_generate_with_the_vmem_limit_gives_the_default_tokens(decode_layers):
     same = (tokens[limit][:, 32:] == tokens[0][:, 32:]).mean()
     assert same >= 0.99, same
     assert len(np.unique(tokens[0][:, 32:])) > 8  # a real continuation, not one repeated token
+
+
+def test_scanned_decoding_unrolled_by_two_and_four_gives_the_same_tokens():
+    """``decode_scan_unroll`` (layers per iteration of the decoding layer scan) on the chip, batch
+    64 (so the decoding kernel too, as ``auto`` takes it): the same greedy tokens as one layer an
+    iteration, float32 matmuls at "highest" (the rounding of the chip's default float32 matmuls
+    could differ where XLA fuses across the unrolled iterations); at least 99% must agree."""
+    _, config = get_model("llama-tiny", hidden_size=512, intermediate_size=1024, vocab_size=1024,
+                          num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+                          max_position_embeddings=256, decode_layers="scan")
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {u: Program(config.replace(decode_scan_unroll=u), get_rules("dp"), mesh) for u in (1, 2, 4)}
+    params = programs[1].init(np.asarray(jax.random.PRNGKey(0), np.uint32)).params
+    prompt = np.random.default_rng(0).integers(1, config.vocab_size, (64, 32)).astype(np.int32)
+    with jax.default_matmul_precision("highest"):
+        tokens = {u: np.asarray(p.decoding.generate(params, prompt, max_new_tokens=64)) for u, p in programs.items()}
+    for u in (2, 4):
+        same = (tokens[u][:, 32:] == tokens[1][:, 32:]).mean()
+        print(f"decode_scan_unroll={u}: {same:.4f} of the new tokens agree with 1")
+        assert same >= 0.99, (u, same)
+    assert len(np.unique(tokens[1][:, 32:])) > 8
