@@ -22,7 +22,8 @@ row's segments), read per block beside the cache; the window and chunk only narr
 are read. ``kernel_for`` chooses, in one place, which layers run it: not attention sinks, ALiBi,
 differential attention, values narrower than the keys or keys another layer reads (those stay
 in XLA), only on one device (a Pallas call has no GSPMD partitioning) and for caches with a block
-(``block_k``). Off a TPU it runs in Pallas' interpret mode (tests; slow).
+(``block_k``); ``wants_kernel`` resolves "auto" (the default) to where the chip measured it faster.
+Off a TPU it runs in Pallas' interpret mode (tests; slow).
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ MAX_BLOCK = 512  # positions per block at most (``block_k``)
 BLOCK_BYTES = 1 << 20  # keys and values of one grid step (both buffered twice in on-chip memory)
 _LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
-
-
 AUTO_MIN_BATCH = 8  # decode_attention "auto": the kernel from this batch (v5e: 0.99x at 1, 1.15-1.48x at 32)
 # ... and for caches of at most this many kv rows (as measured: qwen3-0.6b 8, llama3.2-1b 4 packed): every
 # query head meets every kv row's keys (``_kernel``), so a many-headed MHA cache multiplies the step's work

@@ -375,7 +375,9 @@ class Transformer(nn.Module):
             layer = PeriodBlock(cfg, period, placement, decode=True, parent=None)
         length, keys_t = x.shape[1], keys_transposed(cfg.execution)
         # the keys and values whole, carried and written in place, where the decoding kernel reads them
-        kv, cache = split_kv(cache) if reads_stack(cfg.execution, length, placement, x.shape[0], cache_kv_rows(cache)) else (None, cache)
+        kv = None
+        if reads_stack(cfg.execution, length, placement, x.shape[0], cache_kv_rows(cache)):
+            kv, cache = split_kv(cache)
         index = jnp.arange(jax.tree.leaves(params)[0].shape[0], dtype=jnp.int32)
 
         def step(carry, xs):
