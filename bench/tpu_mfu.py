@@ -24,6 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (name, model, candidates, overrides)
+ATTN = "--policy=save_qkv=query+key+value+attn_kernel"  # a policy of its own (gpu_mfu.py --policy)
 MOE = ("num_hidden_layers=4", "num_local_experts=32")  # qwen3-30b-a3b's layers, 1.3 B params: fits one chip
 ROWS = (
     ("llama", "llama3.2-1b", "2x2048:save_qkv_mlp,4x2048:full", ()),
@@ -57,6 +58,11 @@ ROWS = (
      ("env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=98304",)),
     ("moe-vmem80", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp",
      (*MOE, "moe_dispatch=auto", "env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=81920")),
+    # MoE layers' expert gate and up under the MLP's checkpoint names: save_qkv_mlp keeps them (no expert matmul rerun)
+    ("moe-qkv", "qwen3-30b-a3b", "4x2048:save_qkv_mlp,4x2048:save_attn_mlp", (*MOE, "moe_dispatch=auto")),
+    # attention's inputs and splash's residuals kept, the MLP recomputed: full remat's batch without rerunning attention
+    ("gemma-attn", "gemma-3-1b", "4x2048:save_qkv,4x2048:full", (ATTN,)),
+    ("llama-attn", "llama3.2-1b", "3x2048:save_qkv,2x2048:save_qkv_mlp", (ATTN,)),
     ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("gemma-qkv", "gemma-3-1b", "3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),

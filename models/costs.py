@@ -144,7 +144,9 @@ POLICY_TERMS = {
     "dots_saveable": _DOTS + ("scores", "attn_context"),
     "dots_with_no_batch_dims_saveable": _DOTS,
     "save_attn_mlp": ("block_input", "attn_context", "mamba_context", "mlp_hidden", "shared_hidden"),
-    "save_qkv_mlp": ("block_input", "query", "key", "value", "attn_kernel", "mlp_gate", "mlp_up"),
+    # the experts' gate and up (expert_proj) and the shared expert's carry the MLP's names
+    "save_qkv_mlp": ("block_input", "query", "key", "value", "attn_kernel", "mlp_gate", "mlp_up", "expert_proj",
+                     "shared_gate", "shared_up"),
 }
 # Terms that only a remat policy saves (autodiff without remat does not keep them).
 _POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")

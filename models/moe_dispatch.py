@@ -43,6 +43,7 @@ import math
 import einops
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardzoo.models import ModelError
@@ -110,6 +111,12 @@ def capacity_masks(top_idx, top_p, num_experts: int, capacity: int, token_mask=N
     return dispatch, combine, dropped
 
 
+def _named(gate, up):
+    """The experts' gate and up projections under the dense MLP's checkpoint names, so that
+    save_qkv_mlp keeps them in MoE layers too (the backward then reruns no expert matmul)."""
+    return None if gate is None else checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+
+
 def expert_ffn(xe, wi_gate, wi_up, wo, glu, placement=None, biases=None):
     """Every expert's MLP on its own buffer: xe [expert, batch, capacity, embed].
 
@@ -123,6 +130,7 @@ def expert_ffn(xe, wi_gate, wi_up, wo, glu, placement=None, biases=None):
     gate = None if wi_gate is None else jnp.einsum("ebcd,edm->ebcm", xe, wi_gate)
     if biases is not None:
         gate, up = gate + biases[0][:, None, None], up + biases[1][:, None, None]
+    gate, up = _named(gate, up)
     h = constrain(glu(gate, up), (ax.EXPERT, ax.BATCH, ax.CAPACITY, ax.MLP), placement)
     out = jnp.einsum("ebcm,emd->ebcd", h, wo)  # [expert, batch, capacity, embed]
     return out if biases is None else out + biases[2][:, None, None]
@@ -260,7 +268,7 @@ def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, sca
 
     biases = biases or (None,) * 3
     up = project(xs, wi_up, biases[1])
-    gate = None if wi_gate is None else project(xs, wi_gate, biases[0])
+    gate, up = _named(None if wi_gate is None else project(xs, wi_gate, biases[0]), up)
     ys = project(act(gate, up), wo, biases[2])[:n]  # [batch*length*k, embed]
     ys = einops.rearrange(ys[jnp.argsort(order)], "(b l k) d -> b l k d", b=b, l=length)  # token order
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))

@@ -179,3 +179,35 @@ def test_tiny_moe_model_train_steps_equal_indexed():
             losses[dispatch].append(float(metrics["loss"]))
     np.testing.assert_allclose(losses["gmm"], losses["indexed"], rtol=0, atol=1e-5)
     assert losses["gmm"][1] < losses["gmm"][0] - 1e-3  # the first step moved the params
+
+
+@pytest.mark.parametrize("dispatch", ["indexed", "gmm"])
+def test_save_qkv_mlp_keeps_the_experts_gate_and_up_and_changes_no_gradient(dispatch, x):
+    """The experts' gate and up projections carry the dense MLP's checkpoint names, so save_qkv_mlp
+    keeps them (the backward reruns no expert matmul) and save_attn_mlp does not; the plan counts them."""
+    import contextlib
+    import io
+
+    from shardzoo.models.costs import POLICY_TERMS
+    from shardzoo.models.execution import REMAT_POLICIES
+
+    cfg = dataclasses.replace(BASE, dispatch=dispatch)
+    params = make_params(cfg)
+
+    def loss(p, x):
+        y, state = MoeMLP(cfg).apply({"params": p}, x, mutable=["losses", "metrics"])
+        return jnp.sum(y * jnp.cos(x)) + state["losses"]["moe_aux_loss"][0]
+
+    saved, grads = {}, {}
+    for policy in ("save_qkv_mlp", "save_attn_mlp"):
+        f = jax.checkpoint(loss, policy=REMAT_POLICIES[policy])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(f, params, x)
+        saved[policy] = sorted(line.split(" named ")[1].split("'")[1] for line in out.getvalue().splitlines()
+                               if " named " in line)
+        grads[policy] = jit(jax.grad(f, argnums=(0, 1)))(params, x)
+    assert saved == {"save_qkv_mlp": ["mlp_gate", "mlp_up"], "save_attn_mlp": []}
+    assert_trees_close(grads["save_qkv_mlp"], jit(jax.grad(loss, argnums=(0, 1)))(params, x))
+    assert_trees_close(grads["save_attn_mlp"], grads["save_qkv_mlp"])
+    assert "expert_proj" in POLICY_TERMS["save_qkv_mlp"] and "expert_proj" not in POLICY_TERMS["save_attn_mlp"]
