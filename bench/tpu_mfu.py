@@ -63,6 +63,11 @@ ROWS = (
     # attention's inputs and splash's residuals kept, the MLP recomputed: full remat's batch without rerunning attention
     ("gemma-attn", "gemma-3-1b", "4x2048:save_qkv,4x2048:full", (ATTN,)),
     ("llama-attn", "llama3.2-1b", "3x2048:save_qkv,2x2048:save_qkv_mlp", (ATTN,)),
+    # the MLP's gate kept, its up projection recomputed: save_qkv_mlp's speed at a batch between
+    ("gemma-gate3", "gemma-3-1b", "3x2048:save_qkv_mlp,3x2048:save_qkv_gate,4x2048:save_qkv",
+     (ATTN, ATTN.replace("save_qkv=", "save_qkv_gate=") + "+mlp_gate")),
+    # the gate and up projections (and k, v) as separate matmuls: no split of a stacked output
+    ("llama-unfused", "llama3.2-1b", "2x2048:save_qkv_mlp", ("fuse_projections=false",)),
     ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("gemma-qkv", "gemma-3-1b", "3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
