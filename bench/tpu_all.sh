@@ -72,6 +72,9 @@ for part in "$@"; do
         --prompt 128 --new 256 --layers 0 --scan "$mode" --variants "$variants" 2>&1 \
         | tee "$out/tpu_decodevar_${model}.log" | grep --line-buffered -E "^\| $model|Error"
       ;;
+    gather)  # the MoE sorted dispatch's row gathers and their gradients, written several ways (bench/tpu_gather.py)
+      timeout 200 python3 bench/tpu_gather.py --tokens 8192 --k 8 --embed 2048 2>&1 | tee "$out/tpu_gather.log" | tail -12
+      ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
       timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4
       ;;
