@@ -54,6 +54,7 @@ from shardzoo.models.layers import (
     constrain,
     dtype_of,
     fused,
+    fuses,
     linear_kw,
     positive,
     scaled,
@@ -288,7 +289,7 @@ class Attention(LatentAttention, nn.Module):
         if a.attention_k_eq_v:  # Gemma 4: the keys' projection serves as the values
             k = v = kv[0](x)
         else:
-            k, v = fused(kv, x) if e.fuse_projections and vd == hd else (kv[0](x), kv[1](x))
+            k, v = fused(kv, x) if fuses(e) and vd == hd else (kv[0](x), kv[1](x))
         if a.clip_qkv:  # OLMo 1, MPT: the projections' outputs clipped to [-clip_qkv, clip_qkv]
             q, k, v = (jnp.clip(t, -a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         k = scaled(k, (a.multipliers or NO_MULTIPLIERS).key)  # Falcon-H1: the k projection's output (bias included)

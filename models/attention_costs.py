@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from shardzoo.models.attention_kernels import attention_kernel
+from shardzoo.models.layers import fuses
 from shardzoo.models.norms import norm_params
 from shardzoo.models.splash import padded_width
 from shardzoo.sharding import axes as ax
@@ -83,7 +84,7 @@ def activations(cost, spec=None) -> dict:
     if cost.ring > 1:  # its blocks keep only their float32 numerators, of the visible block pairs
         scores, probs = 0, probs if cost.gathered else int(probs * (cost.ring + 1) / (2 * cost.ring))
     out = {"query": t(h * dq, BLHD), "key": t(k * dq, BLKD), "value": t(k * dv, BLKD),
-           "kv_proj": t(k * dh, BLKD) if e.fuse_projections and not a.latent and dv == dh else 0,  # fused's
+           "kv_proj": t(k * dh, BLKD) if fuses(e) and not a.latent and dv == dh else 0,  # fused's
            "scores": scores, "probs": probs, "attn_context": t(h * dv, BLHD)}
     if _flash(cost) and attention_kernel(cost.config, jnp.dtype(e.dtype), length) == "splash":
         # the kernel's output (head_dim as it gets it) and float32 log-sum-exp (splash.RESIDUALS)

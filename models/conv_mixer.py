@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from shardzoo.models import ModelError
 from shardzoo.models.component import Mixer, SubRecord
 from shardzoo.models.features import feature
-from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, fuses, linear_kw
 from shardzoo.models.ring_attention import other_axes, spec_of
 from shardzoo.sharding import axes as ax
 
@@ -152,7 +152,7 @@ class ShortConv(nn.Module):
         a, e, placement = self.config.arch, self.config.execution, self.placement
         d, w, kw = a.hidden_size, a.conv.kernel, linear_kw(self.config)
         ins = [Linear((d,), (ax.EMBED, ax.CONV_CHANNELS), a.conv.bias, name=f"in_{n}", **kw) for n in "bcx"]
-        b, c, x = fused(ins, h) if e.fuse_projections else [lin(h) for lin in ins]  # [batch, length, conv_channels]
+        b, c, x = fused(ins, h) if fuses(e) else [lin(h) for lin in ins]  # [batch, length, conv_channels]
         bx = checkpoint_name(constrain(b * x, BLC, placement), "conv_input")
         pdt = dtype_of(e.param_dtype)
         kernel = self.param("kernel", nn.with_logical_partitioning(

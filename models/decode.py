@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from shardzoo.models.attention_kernels import KEY_CACHE_T_AXES, KV_CACHE_AXES
+from shardzoo.models.layers import fuses
 from shardzoo.models.tiled_loss import HeadInputs, head_logits
 from shardzoo.sharding import axes as ax
 
@@ -119,7 +120,7 @@ def prefill_fuses(execution) -> bool:
     except on a CPU (the one place this is chosen by backend), where a prefill's few hundred
     tokens do not repay the copy (batch 16 x 32 tokens, ``bench/bench_decode.py``'s model: 0.199
     -> 0.190 s a prefill and one step). A decoding step (one token per row) runs them apart anyway."""
-    return execution.fuse_projections and jax.default_backend() != "cpu"
+    return fuses(execution) and jax.default_backend() != "cpu"
 
 
 def segment_ends(max_new_tokens: int, segments: int) -> list[int]:

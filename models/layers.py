@@ -214,6 +214,14 @@ def adapted(y, x, adapter, n_in: int):
     return y + jnp.tensordot(h, b, axes=1)
 
 
+def fuses(execution) -> bool:
+    """Whether ``execution.fuse_projections`` runs k|v and up|gate as one matmul here: as it says,
+    except on a TPU, where two matmuls beat one wide one and the split of its stacked output
+    (llama3.2-1b's train step on a v5e chip, 2 x 2048, save_qkv_mlp: 308.7 ms fused, 296.1 apart,
+    BENCHMARKS.md). The parameters are the same either way."""
+    return execution.fuse_projections and jax.default_backend() != "tpu"
+
+
 def fused(linears, x):
     """``[lin(x) for lin in linears]`` as one matmul; the linears must have equal shapes.
 
@@ -421,7 +429,7 @@ class MLP(nn.Module):
         gate_scale, down_scale = (a.multipliers or NO_MULTIPLIERS).mlp  # Falcon-H1's (1, 1 elsewhere)
         if a.mlp_type == "gated":
             up, gate = linear("up"), linear("gate")
-            up, gate = fused([up, gate], x) if self.config.execution.fuse_projections else (up(x), gate(x))
+            up, gate = fused([up, gate], x) if fuses(self.config.execution) else (up(x), gate(x))
             if gate_scale != 1.0:
                 gate = gate * jnp.asarray(gate_scale, gate.dtype)
             if self.sparsity:  # (per_layer.py imports this module)
@@ -468,7 +476,7 @@ def _activations(cost) -> dict:
     a, e, t, f = cost.config.arch, cost.config.execution, cost.t, cost.config.arch.intermediate_size
     out = {"mlp_up": t(f, BLF), "mlp_hidden": t(f, BLF)}
     if a.mlp_type == "gated":
-        out.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if e.fuse_projections else 0)
+        out.update(mlp_gate=t(f, BLF), mlp_proj=t(f, BLF) if fuses(e) else 0)
         if a.hidden_act not in ("silu", "swish"):  # no hand-written backward (swiglu's)
             out["mlp_act"] = t(f, BLF)
     if a.hidden_act == "xielu":  # its residuals: alpha_p x, expm1's derivative, both branches' sums

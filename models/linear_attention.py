@@ -39,7 +39,7 @@ from shardzoo.models.delta_rule import (
     ring_gated_delta,
 )
 from shardzoo.models.features import feature
-from shardzoo.models.layers import Linear, constrain, dtype_of, fused, linear_kw, positive
+from shardzoo.models.layers import Linear, constrain, dtype_of, fused, fuses, linear_kw, positive
 from shardzoo.sharding import axes as ax
 
 LINEAR = "linear_attention"  # its name in layer_types
@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
         pairs = [[Linear(shape, (ax.EMBED, *axes), name=n, **kw) for n in names]
                  for names, shape, axes in (("qk", (nk, dk), key_axes), ("vz", (nv, dv), value_axes),
                                             ("ba", (nv,), (ax.LINEAR_HEADS,)))]
-        project = fused if e.fuse_projections else lambda lins, x: [lin(x) for lin in lins]
+        project = fused if fuses(e) else lambda lins, x: [lin(x) for lin in lins]
         (q, k), (v, z), (b, a_) = (project(p, x) for p in pairs)
         # q, k: [batch, length, key_heads, key_dim]; v, z: [batch, length, heads, value_dim]; b, a: [batch, length, heads]
         seg = self.segments(x, segment_ids, decode)

@@ -30,7 +30,16 @@ from flax import linen as nn
 
 from shardzoo.models import DTYPES, ModelError, check_fields
 from shardzoo.models.component import Mlp
-from shardzoo.models.layers import ACTIVATIONS, BLF, MLP, Linear, constrain, linear_kw, mlp_params
+from shardzoo.models.layers import (
+    ACTIVATIONS,
+    BLF,
+    MLP,
+    Linear,
+    constrain,
+    fuses,
+    linear_kw,
+    mlp_params,
+)
 from shardzoo.models.layers import MLP_KIND as DENSE_MLP_KIND
 from shardzoo.models.moe_arch import DENSE_AND_MOE, EXPERT_TYPES, MOE, ROUTERS, MoeArch
 from shardzoo.models.moe_dispatch import (
@@ -326,7 +335,7 @@ def _activations(cost) -> dict:
     if fs:  # a dense MLP's terms at its width (its gate: 1 per token)
         out.update(shared_up=t(fs, BLF), shared_hidden=t(fs, BLF))
         if a.mlp_type == "gated":
-            out.update(shared_gate=t(fs, BLF), shared_proj=t(fs, BLF) if e.fuse_projections else 0)
+            out.update(shared_gate=t(fs, BLF), shared_proj=t(fs, BLF) if fuses(e) else 0)
     return out
 
 

@@ -24,6 +24,7 @@ from shardzoo.models.decode import (
     unrolled_params,
 )
 from shardzoo.models.execution import DECODE_VMEM_CACHE_SHARE, DECODE_VMEM_SHARE
+from shardzoo.models.layers import fuses
 from shardzoo.models.rope import check_rope_decoding
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
@@ -57,7 +58,7 @@ class Decoding:
         unrolled (``models.decode.unrolled_params``), with "scan" the model as built; its
         projections fused in the prefill as ``models.decode.prefill_fuses`` says (the same params)."""
         config, fuse = self.program.config, prefill_fuses(self.program.config.execution)
-        if self._scan_decoding and fuse == config.execution.fuse_projections:
+        if self._scan_decoding and fuse == fuses(config.execution):
             return self.program.module
         return config.replace(scan_layers=config.execution.scan_layers and self._scan_decoding,
                               fuse_projections=fuse).build(self.program.placement)

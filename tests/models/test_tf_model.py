@@ -82,6 +82,26 @@ def test_scanned_and_unrolled_layers_agree(name):
     assert float(jnp.abs(grads_s["layers"]["attn"]["q"]["kernel"]).max()) > 0
 
 
+def test_fused_projections_run_apart_on_a_tpu(monkeypatch):
+    """``fuse_projections`` stacks k|v and up|gate off a TPU only (layers.fuses; measured faster apart
+    there): the trace on a "tpu" backend has no stacked kernel, and the plan counts no fused output."""
+    from shardzoo.models.costs import transformer_activations
+    from shardzoo.models.layers import fuses
+
+    module, config = get_model("llama-tiny", attention_impl="xla", **TINY)
+    x = _tokens(3)
+    params = _init(module, x)
+    jaxpr = lambda: str(jax.make_jaxpr(lambda p: module.apply({"params": p}, x))(params))  # noqa: E731
+    terms = lambda: transformer_activations(config, B, L, lambda names: 1).terms  # noqa: E731
+    fused = jaxpr()
+    assert fuses(config.execution) and terms()["kv_proj"] > 0 and terms()["mlp_proj"] > 0
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert config.execution.fuse_projections and not fuses(config.execution)
+    apart = jaxpr()  # a scanned layer's body: two more matmuls (k and v, up and gate), no stacked kernel
+    assert apart.count("dot_general") == fused.count("dot_general") + 2, (apart.count("dot_general"), fused.count("dot_general"))
+    assert terms()["kv_proj"] == 0 and terms()["mlp_proj"] == 0
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "gpt2-tiny"])
 def test_fused_projections_equal_separate_ones(name):
     """k|v and up|gate as one stacked matmul: same parameters, logits (1e-5) and gradients (1e-5 and
