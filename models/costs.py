@@ -147,6 +147,7 @@ POLICY_TERMS = {
     # the experts' gate and up (expert_proj) and the shared expert's carry the MLP's names
     "save_qkv_mlp": ("block_input", "query", "key", "value", "attn_kernel", "mlp_gate", "mlp_up", "expert_proj",
                      "shared_gate", "shared_up"),
+    "save_qkv": ("block_input", "query", "key", "value", "attn_kernel"),
 }
 # Terms that only a remat policy saves (autodiff without remat does not keep them).
 _POLICY_ONLY = ("attn_out", "mlp_out", "router_logits")

@@ -33,13 +33,21 @@ REMAT_POLICIES = {
     # save_qkv_proj and save_dot_except_mlp between them)
     "save_qkv_mlp": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_kernel", "mlp_gate",
                                                                   "mlp_up"),
+    # save_qkv_mlp less the MLP's gate and up: the backward reruns those two matmuls, never
+    # attention's projections nor splash's forward. It recomputes a subset of save_attn_mlp's and
+    # keeps less than it where 2 x kv_heads x head_dim < the MLP's width (every family here):
+    # gemma-3-1b at 4 x 2048 on a v5e chip, 458.6 ms against full remat's 470.9 (BENCHMARKS.md)
+    "save_qkv": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attn_kernel"),
 }
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 # What ``shardzoo train --remat auto`` tries, fastest first: by the FLOPs each recomputes per
 # token (``train/advise.py``: none 0; dots_with_no_batch_dims_saveable and save_qkv_mlp
-# attention's batched matmuls; save_attn_mlp those and most projections; full the whole forward). Memory falls
-# the other way (TPU.md: llama3.2-1b at 2 x 2048 needed 19.1 GB with dots_..., 16.3 with save_attn_mlp).
-AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full")
+# attention's batched matmuls; save_qkv those and the MLP's gate and up; save_attn_mlp those and
+# attention's projections; full the whole forward). Memory falls the other way, but for save_qkv,
+# which keeps less than save_attn_mlp (TPU.md: llama3.2-1b at 2 x 2048 needed 19.1 GB with dots_...,
+# 16.3 with save_attn_mlp): save_attn_mlp comes after it for what save_qkv cannot fit and it can
+# (a family whose MLP is narrower than its keys and values).
+AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_qkv", "save_attn_mlp", "full")
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")

@@ -12,6 +12,8 @@ attention part, the FLOPs that grow with the sequence):
     dots_with_no_batch_dims_saveable    A / 3 (attention's batched matmuls are recomputed)
     save_qkv_mlp                        A / 3 (keeps q, k, v and the MLP's gate and up: only
                                         attention and elementwise work are recomputed)
+    save_qkv                            A / 3 + 0.55 (F - A) / 3: save_qkv_mlp's and the MLP's
+                                        gate and up (0.55 of a Llama layer's matmuls)
     save_attn_mlp                       A / 3 + 0.65 (F - A) / 3: every projection but the
                                         attention output and the MLP down projection, whose
                                         inputs it keeps (0.65 of a Llama layer's matmuls)
@@ -34,6 +36,7 @@ from shardzoo.train.program import Program
 
 DEFAULT_TABLES = ("dp", "fsdp", "tp", "fsdp_tp", "sp", "ep", "cp", "cp_fsdp", "pp")
 _SAVE_ATTN_MLP_SHARE = 0.65
+_SAVE_QKV_SHARE = 0.55
 
 
 def default_tables() -> list[str]:
@@ -52,6 +55,7 @@ def variants(config, seq_len, pinned: bool) -> list[Variant]:
     recompute = {
         "none": 0.0, "dots_saveable": 0.0, "dots_with_no_batch_dims_saveable": attention / 3,
         "save_qkv_mlp": attention / 3,
+        "save_qkv": attention / 3 + _SAVE_QKV_SHARE * (flops - attention) / 3,
         "save_attn_mlp": attention / 3 + _SAVE_ATTN_MLP_SHARE * (flops - attention) / 3,
         "full": flops / 3,
     }

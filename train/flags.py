@@ -156,7 +156,7 @@ HELP = {
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
     "remat": "the remat policy of the train step: auto (the fastest of none, dots_with_no_batch_dims_saveable, "
-             "save_attn_mlp, full whose compiled step fits the device's memory; the run records the one chosen) "
+             "save_qkv_mlp, save_qkv, save_attn_mlp, full whose compiled step fits the device's memory; the run records the one chosen) "
              "or one of them (default: auto on a TPU or GPU, the model's own, none, on CPU)",
     "device_memory": "the memory one device may use, e.g. 16GB, 80GiB, or h100, v5e: the compiled train step "
                      "must fit it (and --remat auto chooses by it); default: the accelerator's own limit, "

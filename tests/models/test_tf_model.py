@@ -251,6 +251,7 @@ def test_every_remat_policy_saves_what_it_says():
     assert stacked["save_attn_mlp"] == {block_in, attn_context, mlp_hidden}  # exactly the two names
     kv = (n, b, length, cfg.arch.kv_heads, cfg.head_size)
     assert stacked["save_qkv_mlp"] == {block_in, attn_context, kv, mlp_hidden}  # q, k = v, gate = up
+    assert stacked["save_qkv"] == {block_in, attn_context, kv}  # q, k = v: the MLP recomputed
     # Matmul outputs: projections (no batch dims; on one CPU device over the tokens flattened,
     # layers.project) under both dots policies; the attention scores [..., length, length] (a
     # dot with batch dims) only under dots_saveable.
@@ -258,9 +259,11 @@ def test_every_remat_policy_saves_what_it_says():
     assert (n, b * length, cfg.num_attention_heads * cfg.head_size) in stacked["dots_with_no_batch_dims_saveable"]
     scores = [s for s in stacked["dots_saveable"] if s.count(length) == 2]  # [.., length, .., length]
     assert scores and not any(s.count(length) == 2 for s in stacked["dots_with_no_batch_dims_saveable"])
-    order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "full"]
+    # save_qkv keeps less than save_attn_mlp: q, k and v against attention's context and the MLP's width
+    order = ["none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_attn_mlp", "save_qkv",
+             "full"]
     saved_bytes = [residuals[p]["bytes"] for p in order]
-    assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 6, saved_bytes
+    assert saved_bytes == sorted(saved_bytes, reverse=True) and len(set(saved_bytes)) == 7, saved_bytes
     # XLA's compiled scratch memory of the gradient follows (ties allowed at the end; the two
     # middle policies, within 3% of each other, in either order: XLA's choice, not the model's).
     temps = [temp[p] for p in order]
