@@ -24,13 +24,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # (name, model, candidates, overrides)
-ATTN = "--policy=save_qkv=query+key+value+attn_kernel"  # a policy of its own (gpu_mfu.py --policy)
 MOE = ("num_hidden_layers=4", "num_local_experts=32")  # qwen3-30b-a3b's layers, 1.3 B params: fits one chip
 ROWS = (
     ("llama", "llama3.2-1b", "2x2048:save_qkv_mlp,4x2048:full", ()),
-    ("gemma", "gemma-3-1b", "4x2048:full", ()),
+    ("gemma", "gemma-3-1b", "4x2048:save_qkv,4x2048:full", ()),
     ("qwen", "qwen3-0.6b", "6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),
-    ("moe", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full", (*MOE, "moe_dispatch=auto")),
+    ("moe", "qwen3-30b-a3b", "4x2048:save_qkv_mlp,4x2048:save_attn_mlp,2x2048:save_attn_mlp,2x2048:full",
+     (*MOE, "moe_dispatch=auto")),
     # each piece switched back alone, everything else as in the llama row (the MoE row for gmm)
     ("ablation-splash", "llama3.2-1b", "2x2048:save_qkv_mlp,2x2048:save_attn_mlp,2x2048:full",
      ("attention_impl=xla",)),
@@ -58,16 +58,16 @@ ROWS = (
      ("env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=98304",)),
     ("moe-vmem80", "qwen3-30b-a3b", "4x2048:save_attn_mlp,2x2048:save_attn_mlp",
      (*MOE, "moe_dispatch=auto", "env:LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=81920")),
-    # MoE layers' expert gate and up under the MLP's checkpoint names: save_qkv_mlp keeps them (no expert matmul rerun)
-    ("moe-qkv", "qwen3-30b-a3b", "4x2048:save_qkv_mlp,4x2048:save_attn_mlp", (*MOE, "moe_dispatch=auto")),
-    # attention's inputs and splash's residuals kept, the MLP recomputed: full remat's batch without rerunning attention
-    ("gemma-attn", "gemma-3-1b", "4x2048:save_qkv,4x2048:full", (ATTN,)),
-    ("llama-attn", "llama3.2-1b", "3x2048:save_qkv,2x2048:save_qkv_mlp", (ATTN,)),
+    # the MoE row before its experts' gate and up were kept (save_attn_mlp, as the fifth session ran it)
+    ("ablation-moe-qkv", "qwen3-30b-a3b", "4x2048:save_attn_mlp", (*MOE, "moe_dispatch=auto")),
+    # gemma at full remat, the row before save_qkv
+    ("ablation-gemma-qkv", "gemma-3-1b", "4x2048:full", ()),
+    ("llama-attn", "llama3.2-1b", "3x2048:save_qkv,2x2048:save_qkv_mlp", ()),
+    # the tiled loss's vocabulary chunks cut from the tied embedding in place, not copied into strided chunks
+    ("llama-contiguous", "llama3.2-1b", "2x2048:save_qkv_mlp", ("loss_vocab_chunks=contiguous",)),
     # the MLP's gate kept, its up projection recomputed: save_qkv_mlp's speed at a batch between
     ("gemma-gate3", "gemma-3-1b", "3x2048:save_qkv_mlp,3x2048:save_qkv_gate,4x2048:save_qkv",
-     (ATTN, ATTN.replace("save_qkv=", "save_qkv_gate=") + "+mlp_gate")),
-    # the gate and up projections (and k, v) as separate matmuls: no split of a stacked output
-    ("llama-unfused", "llama3.2-1b", "2x2048:save_qkv_mlp", ("fuse_projections=false",)),
+     ("--policy=save_qkv_gate=query+key+value+attn_kernel+mlp_gate",)),
     ("llama-qkv", "llama3.2-1b", "4x2048:save_qkv_mlp,3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("gemma-qkv", "gemma-3-1b", "3x2048:save_qkv_mlp,2x2048:save_qkv_mlp", ()),
     ("qwen-qkv", "qwen3-0.6b", "8x2048:save_qkv_mlp,6x2048:save_qkv_mlp,4x2048:save_qkv_mlp", ()),

@@ -51,6 +51,7 @@ AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
+VOCAB_CHUNKS = ("strided", "contiguous")
 DECODE_ATTENTIONS = ("auto", "xla", "pallas")
 DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
 # decode_vmem_kib "auto" raises the limit only for unrolled layers whose cache is at least this share of the
@@ -95,6 +96,12 @@ class Execution:
     tiled_loss: str = "auto"
     loss_length_chunk: int = 512
     loss_vocab_chunk: int = 8192
+    # the tiled loss's vocabulary chunks: "strided" (chunk i holds columns i, i + n, ...: a sharded
+    # vocabulary stays sharded in each chunk, but the head's kernel is copied into that layout every
+    # step), or "contiguous" (chunk i is rows i*c... of the [vocab, embed] kernel, read in place: a
+    # tied embedding is never copied; for a vocabulary no mesh axis shards). On a v5e chip the
+    # strided copies take ~6 ms of llama3.2-1b's 296 ms step (BENCHMARKS.md, eighth session)
+    loss_vocab_chunks: str = "strided"
     # the tiled language-model loss's gradients: "recompute" each chunk's logits in the backward,
     # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll): 1.46x
     # on a CPU, but 0.67x on a v5e chip at a 262k vocabulary, where every chunk of positions reads
@@ -158,6 +165,7 @@ class Execution:
                             "attention_impl": ATTENTION_IMPLS,
                             "context_attention": CONTEXT_STRATEGIES, "moe_dispatch": MOE_DISPATCHES,
                             "tiled_loss": ("auto", "on", "off"), "decode_layers": DECODE_LAYERS,
+                            "loss_vocab_chunks": VOCAB_CHUNKS,
                             "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS,
                             "kv_cache_transposed_keys": ("auto", "on", "off"),
                             "decode_attention": DECODE_ATTENTIONS},

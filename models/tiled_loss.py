@@ -62,6 +62,7 @@ class HeadInputs:
     vocab_chunk: int = struct.field(pytree_node=False, default=8192)
     vocab: int = struct.field(pytree_node=False, default=0)  # the real columns (0: all); the rest padding
     backward: str = struct.field(pytree_node=False, default="recompute")  # weighted_nll's: BACKWARDS
+    contiguous: bool = struct.field(pytree_node=False, default=False)  # vocabulary chunks (execution.loss_vocab_chunks)
 
 
 class TokenStats(NamedTuple):
@@ -126,7 +127,7 @@ def token_stats(outputs, targets) -> TokenStats:
     if not isinstance(outputs, HeadInputs):
         return reference_stats(outputs, targets)
     h = outputs
-    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab)
+    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab, h.contiguous)
     lse, target, mx, entropy = _tiled(static, h.hidden, h.kernel, h.bias, targets)
     return TokenStats(lse, target, jax.lax.stop_gradient(mx), jax.lax.stop_gradient(entropy))
 
@@ -140,7 +141,7 @@ def weighted_nll(outputs, targets, weights):
         stats = token_stats(outputs, targets)
         return jnp.sum((stats.lse - stats.target) * weights), stats
     h = outputs
-    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab)
+    static = (h.logits_scaling, h.logit_scale, h.softcap, h.length_chunk, h.vocab_chunk, h.vocab, h.contiguous)
     loss, stats = _fused(static, h.hidden, h.kernel, h.bias, targets, weights)
     return loss, TokenStats(*(jax.lax.stop_gradient(x) for x in stats))
 
@@ -173,12 +174,39 @@ def _layout(static, hidden, kernel, bias, targets):
     """Chunked views: hidden ``[n_l, rows, lc, embed]`` and targets ``[n_l, rows, lc]`` (strided
     positions), kernel ``[n_v, embed, vc]`` and bias ``[n_v, vc]`` (strided vocabulary columns:
     a vocabulary sharded over devices stays sharded within each chunk; no device computes
-    another's columns)."""
+    another's columns), or with ``static[6]`` (contiguous) the kernel's rows ``[n_v, vc, embed]``
+    (``kernel.T``, a tied embedding as it is, cut in place) and the bias ``[n_v, vc]`` in order;
+    and each chunk's column ids, ``cols(v)``."""
     n_l = -(-hidden.shape[1] // min(static[3], hidden.shape[1]))
-    n_v = -(-kernel.shape[1] // min(static[4], kernel.shape[1]))
-    hs, ts, ks = _strided(hidden, 1, n_l), _strided(targets, 1, n_l), _strided(kernel, 1, n_v)
+    vocab = kernel.shape[1]
+    n_v = -(-vocab // min(static[4], vocab))
+    hs, ts = _strided(hidden, 1, n_l), _strided(targets, 1, n_l)
+    vc = -(-vocab // n_v)
+    if static[6]:
+        ks = _pad(kernel.T, 0, n_v * vc).reshape(n_v, vc, kernel.shape[0])
+        bs = None if bias is None else _pad(bias, 0, n_v * vc).reshape(n_v, vc)
+        return hs, ts, ks, bs, n_v, lambda v: jnp.arange(vc) + v * vc
+    ks = _strided(kernel, 1, n_v)
     bs = None if bias is None else _strided(bias, 0, n_v)
-    return hs, ts, ks, bs, n_v
+    return hs, ts, ks, bs, n_v, lambda v: jnp.arange(vc) * n_v + v
+
+
+def _as_kernel(static, k):
+    """A chunk of ``_layout``'s kernel as ``[embed, vc]``."""
+    return k.T if static[6] else k
+
+
+def _unchunked_kernel(static, dks, shape):
+    """The kernel's gradient ``shape`` ([embed, vocab]) from its chunks' (in ``_layout``'s form)."""
+    if static[6]:
+        return dks.reshape(-1, shape[0])[:shape[1]].T
+    return _unstrided(dks, 1, shape[1])
+
+
+def _unchunked_bias(static, dbs, vocab):
+    if static[6]:
+        return dbs.reshape(-1)[:vocab]
+    return _unstrided(dbs, 0, vocab)
 
 
 def _chunk_logits(static, h, k, b, cols, vocab):
@@ -189,8 +217,7 @@ def _chunk_logits(static, h, k, b, cols, vocab):
 
 def _forward(static, hidden, kernel, bias, targets):
     vocab, length = static[5] or kernel.shape[1], hidden.shape[1]  # padded columns masked
-    hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
-    vocab_ids = jnp.arange(ks.shape[-1]) * n_v  # chunk v's columns: these + v
+    hs, ts, ks, bs, n_v, columns = _layout(static, hidden, kernel, bias, targets)
 
     def over_length(_, xs):
         h, t = xs  # [rows, lc, embed], [rows, lc]
@@ -198,8 +225,8 @@ def _forward(static, hidden, kernel, bias, targets):
         def over_vocab(carry, xs):
             m, s, u, tgt = carry
             k, b, v = xs
-            cols = vocab_ids + v
-            z = _chunk_logits(static, h, k, b, cols, vocab)  # [rows, lc, vc]
+            cols = columns(v)
+            z = _chunk_logits(static, h, _as_kernel(static, k), b, cols, vocab)  # [rows, lc, vc]
             m_new = jnp.maximum(m, jnp.max(z, axis=-1))
             e = jnp.exp(z - m_new[..., None])
             decay = jnp.exp(m - m_new)
@@ -235,15 +262,14 @@ def _tiled_bwd(static, res, cotangents):
     hidden, kernel, bias, targets, lse = res
     g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents[:2])
     length, vocab = hidden.shape[1], static[5] or kernel.shape[1]  # padded columns masked
-    hs, ts, ks, bs, n_v = _layout(static, hidden, kernel, bias, targets)
+    hs, ts, ks, bs, n_v, columns = _layout(static, hidden, kernel, bias, targets)
     n_l = hs.shape[0]
     lses, g_lses, g_tgts = (_strided(x, 1, n_l) for x in (lse, g_lse, g_tgt))
-    vocab_ids = jnp.arange(ks.shape[-1]) * n_v
-    fn = lambda h, k, b: _logits(h, k, b, *static[:3]).astype(jnp.float32)
+    fn = lambda h, k, b: _logits(h, _as_kernel(static, k), b, *static[:3]).astype(jnp.float32)
 
     def over_vocab(dh, xs):
         k, b, v = xs
-        cols = vocab_ids + v
+        cols = columns(v)
 
         def over_length(carry, xs):
             dk, db = carry
@@ -263,8 +289,8 @@ def _tiled_bwd(static, res, cotangents):
     dh0 = jnp.zeros(hs.shape, jnp.float32)
     dh, (dks, dbs) = jax.lax.scan(over_vocab, dh0, (ks, bs, jnp.arange(n_v)))
     dh = _unstrided(dh, 1, length).astype(hidden.dtype)
-    dk = _unstrided(dks, 1, kernel.shape[1])
-    db = None if dbs is None else _unstrided(dbs, 0, kernel.shape[1])
+    dk = _unchunked_kernel(static, dks, kernel.shape)
+    db = None if dbs is None else _unchunked_bias(static, dbs, kernel.shape[1])
     return dh, dk, db, None
 
 

@@ -324,7 +324,8 @@ class Transformer(nn.Module):
             kernel, bias, _ = Linear((cfg.padded_vocab,), (ax.EMBED, ax.VOCAB), a.lm_head_bias, name="lm_head",
                                      real_out=a.vocab_size, **kw).weights((a.hidden_size,))
         out = HeadInputs(x, kernel, bias, a.logits_scaling, a.logit_scale, a.final_logit_softcapping or 0.0,
-                         e.loss_length_chunk, e.loss_vocab_chunk, a.vocab_size, e.tiled_loss_backward)
+                         e.loss_length_chunk, e.loss_vocab_chunk, a.vocab_size, e.tiled_loss_backward,
+                         contiguous=e.loss_vocab_chunks == "contiguous")
         if not head:  # the loss tiles the head itself (models/tiled_loss.py)
             return out.replace(hidden=constrain(x, BLE, placement))
         return constrain(head_logits(out), (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]

@@ -35,8 +35,9 @@ from shardzoo.train.tasks.registry import get_task
 ROWS, LENGTH, EMBED, VOCAB = 3, 10, 16, 70
 TRANSFORMS = {"plain": {}, "softcap": dict(softcap=4.0),
               "granite_cohere": dict(logits_scaling=2.5, logit_scale=1.5, softcap=6.0)}
-# (length chunk, vocab chunk): dividing both, dividing neither, one chunk longer than the axis
-CHUNKS = [(5, 35), (4, 16), (16, 128)]
+# (length chunk, vocab chunk): dividing both, dividing neither, 3 vocabulary chunks of 24 (2 columns
+# of padding), one chunk longer than the axis
+CHUNKS = [(5, 35), (4, 16), (4, 32), (16, 128)]
 
 
 def _data(seed=0):
@@ -51,19 +52,21 @@ def _data(seed=0):
 
 def _mean_loss(tiled, static, hidden, kernel, bias, targets, weights):
     """``tiled``: None (the untiled loss as the lm task computed it before), or the tiled loss's
-    backward ("recompute", "fused")."""
+    backward ("recompute", "fused"; "contiguous": recompute over contiguous vocabulary chunks)."""
     if tiled is None:
         head = HeadInputs(hidden, kernel, bias, **static)
         losses = optax.softmax_cross_entropy_with_integer_labels(head_logits(head).astype(jnp.float32), targets)
         return jnp.sum(losses * weights) / jnp.sum(weights)
-    loss, _ = weighted_nll(HeadInputs(hidden, kernel, bias, **static, backward=tiled), targets, weights)
+    backward, contiguous = ("recompute", True) if tiled == "contiguous" else (tiled, False)
+    loss, _ = weighted_nll(HeadInputs(hidden, kernel, bias, **static, backward=backward, contiguous=contiguous),
+                           targets, weights)
     return loss / jnp.sum(weights)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("chunks", CHUNKS, ids=str)
 @pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("backward", ["recompute", "fused"])
+@pytest.mark.parametrize("backward", ["recompute", "fused", "contiguous"])
 def test_tiled_loss_and_grads_equal_optax(transform, chunks, use_bias, backward):
     hidden, kernel, bias, targets, weights = _data()
     bias = bias if use_bias else None
@@ -79,9 +82,10 @@ def test_tiled_loss_and_grads_equal_optax(transform, chunks, use_bias, backward)
     assert float(jnp.max(jnp.abs(got_grads[0] * (1 - weights[..., None])))) == 0.0  # masked tokens: none
 
 
-def test_every_statistic_equals_the_full_logits():
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_every_statistic_equals_the_full_logits(contiguous):
     hidden, kernel, bias, targets, _ = _data(1)
-    head = HeadInputs(hidden, kernel, bias, softcap=5.0, length_chunk=4, vocab_chunk=16)
+    head = HeadInputs(hidden, kernel, bias, softcap=5.0, length_chunk=4, vocab_chunk=32, contiguous=contiguous)
     logits = head_logits(head).astype(jnp.float32)
     targets = targets.at[0].set(jnp.argmax(logits[0], -1))  # one row of greedy guesses
     got, want = token_stats(head, targets), reference_stats(logits, targets)
@@ -137,6 +141,8 @@ def test_auto_tiles_above_the_threshold_and_the_field_is_checked():
         config.replace(tiled_loss="maybe")
     with pytest.raises(ModelError, match="loss_vocab_chunk=0"):
         config.replace(loss_vocab_chunk=0)
+    with pytest.raises(ModelError, match="loss_vocab_chunks='rows'"):
+        config.replace(loss_vocab_chunks="rows")
 
 
 # ------------------------------------------------------------------------------ the model
@@ -156,11 +162,13 @@ def _lm_batch(rows=8, length=16, vocab=512, seed=0):
             "weights": (rng.random((rows, length)) > 0.2).astype(np.float32)}
 
 
+@pytest.mark.parametrize("chunks", ["strided", "contiguous"])
 @pytest.mark.parametrize("head", HEADS)
-def test_model_head_off_gives_the_same_loss_and_param_grads(head):
+def test_model_head_off_gives_the_same_loss_and_param_grads(head, chunks):
     """``head=False`` returns the normed hidden states and the head's weights (the params'
-    names unchanged); the lm task's sums and their gradients wrt every param equal the logits'."""
-    module, config = get_model("llama-tiny", **TINY, **HEADS[head])
+    names unchanged); the lm task's sums and their gradients wrt every param equal the logits',
+    over either layout of vocabulary chunks (``loss_vocab_chunks``; 100 of 512 columns: padded)."""
+    module, config = get_model("llama-tiny", **TINY, **HEADS[head], loss_vocab_chunks=chunks)
     batch = jax.tree.map(jnp.asarray, _lm_batch())
     params = nn.meta.unbox(jax.jit(module.init)(jax.random.PRNGKey(0), batch["inputs"])["params"])
     if head == "tied_bias_softcap":  # the tied head's zero-initialised bias, made to matter
@@ -175,6 +183,10 @@ def test_model_head_off_gives_the_same_loss_and_param_grads(head):
     def loss(params, tiled):
         s = sums(params, tiled)
         return s["loss"] / s["weight"], s
+
+    args, kw = task.model_args(batch)
+    assert jax.eval_shape(lambda p: module.apply({"params": p}, *args, **kw, head=False), params).contiguous == (
+        chunks == "contiguous")
 
     (got, got_sums), got_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, True)
     (want, want_sums), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, False)
