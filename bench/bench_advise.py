@@ -48,6 +48,7 @@ def speed(memory: str) -> dict:
 
 def versus_compiled(model: str, preset: str) -> dict:
     from shardzoo.models import get_config
+    from shardzoo.models.layers import fuses
     from shardzoo.sharding import get_rules, make_mesh
     from shardzoo.sharding.advise import KINDS, collectives
     from shardzoo.train.advise import hlo_collective_bytes
@@ -59,7 +60,7 @@ def versus_compiled(model: str, preset: str) -> dict:
     sizes = dict(zip(program.mesh.axis_names, program.mesh.axis_sizes, strict=True))
     est = dict.fromkeys(KINDS, 0.0)
     pipeline = getattr(program.plan(), "pipeline", None)
-    for t in collectives(program.report, sizes, fused=config.fuse_projections, pipeline=pipeline):
+    for t in collectives(program.report, sizes, fused=fuses(config.execution), pipeline=pipeline):
         est[t.kind] += t.bytes
     got = hlo_collective_bytes(program.compiled_train_step().as_text())
     for d in (est, got):

@@ -211,7 +211,7 @@ class MoeMLP(nn.Module):
         if kind in ("dropless", "gmm"):
             route = sorted_dispatch if kind == "dropless" else functools.partial(gmm_dispatch, placement=self.placement)
             y = route(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=biases, scale_input=scale_input,
-                      token_mask=token_mask)
+                      token_mask=token_mask, whole=False if identity is not None else None)  # zero experts: apart
             dropped = jnp.zeros((), jnp.float32)
         elif kind == "indexed":
             source, slot, dropped = indexed_slots(top_idx, num_experts, cfg.capacity(length), token_mask)

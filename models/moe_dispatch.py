@@ -233,8 +233,12 @@ def grouped_linear(rows, experts, w, matmul=jax.lax.ragged_dot):
     return matmul(rows[order], w, sizes)[jnp.argsort(order)]
 
 
-def _keeps_zero(act, gated: bool, dtype) -> bool:
-    """Whether ``act`` maps zero rows to zero (silu, relu2, gelu, GPT-OSS's clamped SwiGLU: yes)."""
+def whole_groups(act, gated: bool, biases, dtype) -> bool:
+    """Whether the experts map a zero row to zero (no biases; silu, relu2, gelu, GPT-OSS's clamped
+    SwiGLU: act(0) = 0), so that ``sorted_dispatch`` may compute padding's zero rows in a group.
+    Asked outside any ``shard_map`` (it evaluates ``act`` on a constant)."""
+    if biases is not None:
+        return False
     with jax.ensure_compile_time_eval():
         z = jnp.zeros((1,), dtype)
         return bool(jnp.all(act(z if gated else None, z) == 0))
@@ -278,17 +282,18 @@ _permuted.defvjp(_permuted_fwd, _permuted_bwd)
 
 
 def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False, token_mask=None,
-                    matmul=jax.lax.ragged_dot, row_multiple=1):
+                    matmul=jax.lax.ragged_dot, row_multiple=1, whole=None):
     """Tokens sorted by expert, each expert's rows through ``matmul(rows, weights [expert, in,
     out], group_sizes)``; no capacity, nothing dropped (``scale_input``: each assignment's input
     weighted, the outputs summed).
 
     Padding (``token_mask`` false) sorts after every expert and gives 0; the rows are padded to a
-    multiple of ``row_multiple`` (the kernel's row tile). Padding's rows enter the matmuls as
-    zeros. Where the experts map a zero row to zero (no biases, an activation with act(0) = 0)
-    they join the last expert's group, so every row is computed and none needs masking; else
-    they stay outside every group (a kernel may leave them unwritten) and each is masked where
-    it leaves a matmul, in the forward and, by ``where``, in the backward.
+    multiple of ``row_multiple`` (the kernel's row tile). ``whole`` (None: ``whole_groups``):
+    padding's rows join the last expert's group, as zeros, so every row is computed and none
+    needs masking; else they stay outside every group (a kernel may leave them unwritten, in the
+    forward and the backward) and each is masked where it enters and leaves a matmul. Choices
+    of a zero expert (index ``num_experts``, LongCat-Flash's) sort with padding: their callers
+    pass ``whole=False``, so they are never computed.
     """
     b, length, d = x.shape
     k, num_experts = top_idx.shape[-1], wo.shape[0]
@@ -310,9 +315,11 @@ def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, sca
         xs = xs * top_p.reshape(-1)[order][:, None].astype(xs.dtype)
         top_p = jnp.ones_like(top_p)
     xs = jnp.pad(xs, ((0, pad), (0, 0))) if pad else xs  # [rows, embed]
-    whole = biases is None and _keeps_zero(act, wi_gate is not None, xs.dtype)
+    whole = whole_groups(act, wi_gate is not None, biases, xs.dtype) if whole is None else whole
     if whole:  # padding's rows in the last group: computed, zero
         sizes = sizes.at[-1].add(n + pad - jnp.sum(sizes))
+    else:  # rows outside every group: their gradients too, which the kernel leaves unwritten
+        xs = jnp.where(valid, xs, 0)
 
     def project(h, w, bias):  # [rows, in] -> [rows, out], padding's rows 0
         y = matmul(h, w, sizes)
@@ -363,17 +370,19 @@ def gmm_matmul(tiling: GmmTiling, interpret: bool):
 
 
 def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=None, scale_input=False,
-                 token_mask=None, tiling=None, interpret=None):
+                 token_mask=None, tiling=None, interpret=None, whole=None):
     """``sorted_dispatch`` by megablox's grouped matmul; on a mesh, inside a ``shard_map`` over the
     mesh axes of the tokens' ``batch`` and ``length`` (where they divide them), every expert's
     weights whole on each device. ``interpret`` None: Pallas' interpret mode off a TPU."""
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     tiling = tiling or GmmTiling(cols=1024 if x.dtype.itemsize < 4 else 512)
+    whole = whole_groups(act, wi_gate is not None, biases, x.dtype) if whole is None else whole  # not in shard_map
 
     def local(x, top_idx, top_p, token_mask, weights, biases):
         matmul = gmm_matmul(tiling, interpret)
         multiple = tiling.row_multiple(top_idx.size)
-        return sorted_dispatch(x, top_idx, top_p, *weights, act, biases, scale_input, token_mask, matmul, multiple)
+        return sorted_dispatch(x, top_idx, top_p, *weights, act, biases, scale_input, token_mask, matmul, multiple,
+                               whole)
 
     weights = (wi_gate, wi_up, wo)
     token_mask = jnp.ones(x.shape[:2], bool) if token_mask is None else token_mask

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 
+from shardzoo.models.layers import fuses
 from shardzoo.sharding.advise import KINDS, Advice, AdviseError, Variant, advise, get_device
 from shardzoo.sharding.mesh import make_abstract_mesh
 from shardzoo.sharding.rules import get_rules
@@ -90,7 +91,7 @@ def advise_model(config, *, name: str, num_devices: int, device_memory: str,
         program.boxed_params, program.boxed_opt_state, program.activation_sites,
         variants(config, seq_len, pinned_remat), tables=tables, num_devices=num_devices,
         device=device, batch_size=batch, seq_len=seq_len if lm else None, flops_per_token=flops,
-        headroom=headroom, fused=bool(getattr(config.execution, "fuse_projections", False)), name=name,
+        headroom=headroom, fused=hasattr(config.execution, "fuse_projections") and fuses(config.execution), name=name,
     )
 
 
