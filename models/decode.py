@@ -146,9 +146,10 @@ KV = ("cached_key", "cached_value")
 def split_kv(cache):
     """(the keys and values of every attention cache in ``cache``, the rest), two trees (the
     first None where there are none). Where the decoding kernel reads the stack
-    (``decode_attention.reads_stack``) the layer scan carries a stack's keys and values whole, each layer writing and reading its own in place (index
-    ``cache_layer``: ``join_kv``), where slicing them out as the scan's inputs copied every
-    layer's; its other arrays go through the scan as before."""
+    (``decode_attention.reads_stack``) the layer scan carries a stack's keys and values whole,
+    each layer writing and reading its own in place (index ``cache_layer``: ``join_kv``), where
+    slicing them out as the scan's inputs copied every layer's; its other arrays go through the
+    scan as before."""
     if not isinstance(cache, dict):
         return None, cache
     if "cached_key" in cache:

@@ -99,8 +99,9 @@ class Execution:
     # the tiled loss's vocabulary chunks: "strided" (chunk i holds columns i, i + n, ...: a sharded
     # vocabulary stays sharded in each chunk, but the head's kernel is copied into that layout every
     # step), or "contiguous" (chunk i is rows i*c... of the [vocab, embed] kernel, read in place: a
-    # tied embedding is never copied; for a vocabulary no mesh axis shards). On a v5e chip the
-    # strided copies take ~6 ms of llama3.2-1b's 296 ms step (BENCHMARKS.md, eighth session)
+    # tied embedding is never copied, where the chunks divide the vocabulary (llama3.2-1b's 128,256 =
+    # 16 x 8,016; else the kernel is padded, a copy); for a vocabulary no mesh axis shards). On a v5e
+    # chip the strided copies take ~6 ms of llama3.2-1b's 296 ms step (BENCHMARKS.md, eighth session)
     loss_vocab_chunks: str = "strided"
     # the tiled language-model loss's gradients: "recompute" each chunk's logits in the backward,
     # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll): 1.46x

@@ -204,6 +204,7 @@ def _unchunked_kernel(static, dks, shape):
 
 
 def _unchunked_bias(static, dbs, vocab):
+    """The bias's gradient ``[vocab]`` from its chunks'."""
     if static[6]:
         return dbs.reshape(-1)[:vocab]
     return _unstrided(dbs, 0, vocab)

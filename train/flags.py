@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import typing
 
+from shardzoo.models.execution import AUTO_REMAT
 from shardzoo.train.config import (
     OPTIMIZERS,
     SCHEDULES,
@@ -155,8 +156,8 @@ HELP = {
     "distributed": "multi-host: call jax.distributed.initialize() with cluster auto-detection",
     "distributed_timeout": "multi-host: seconds to wait for every process to join before failing",
     "heartbeat_timeout": "multi-host: seconds without a peer's heartbeat before every process stops",
-    "remat": "the remat policy of the train step: auto (the fastest of none, dots_with_no_batch_dims_saveable, "
-             "save_qkv_mlp, save_qkv, save_attn_mlp, full whose compiled step fits the device's memory; the run records the one chosen) "
+    "remat": f"the remat policy of the train step: auto (the fastest of {', '.join(AUTO_REMAT)} whose compiled "
+             "step fits the device's memory; the run records the one chosen) "
              "or one of them (default: auto on a TPU or GPU, the model's own, none, on CPU)",
     "device_memory": "the memory one device may use, e.g. 16GB, 80GiB, or h100, v5e: the compiled train step "
                      "must fit it (and --remat auto chooses by it); default: the accelerator's own limit, "
