@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from shardzoo.models.attention_kernels import grouped_queries, own_heads
 
 MAX_BLOCK = 512  # positions per block at most (``block_k``)
-BLOCK_BYTES = 1 << 20  # keys and values of one grid step (both buffered twice in on-chip memory)
+BLOCK_BYTES = 2 << 20  # keys and values of one grid step (both buffered twice in on-chip memory)
 _LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
 AUTO_MIN_BATCH = 8  # decode_attention "auto": the kernel from this batch (v5e: 0.99x at 1, 1.15-1.48x at 32)

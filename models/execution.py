@@ -51,7 +51,7 @@ AUTO_REMAT = ("none", "dots_with_no_batch_dims_saveable", "save_qkv_mlp", "save_
 CONTEXT_STRATEGIES = ("ring", "all_gather")
 MOE_DISPATCHES = ("indexed", "capacity", "dropless", "gmm", "shard_map", "auto")  # models/moe.py
 DECODE_LAYERS = ("unroll", "scan")
-VOCAB_CHUNKS = ("strided", "contiguous")
+VOCAB_CHUNKS = ("auto", "strided", "contiguous")
 DECODE_ATTENTIONS = ("auto", "xla", "pallas")
 DECODE_VMEM_SHARE = 7 / 8  # decode_vmem_kib "auto" on a TPU: of the chip's VMEM (v5e: 112 of 128 MiB)
 # decode_vmem_kib "auto" raises the limit only for unrolled layers whose cache is at least this share of the
@@ -98,11 +98,13 @@ class Execution:
     loss_vocab_chunk: int = 8192
     # the tiled loss's vocabulary chunks: "strided" (chunk i holds columns i, i + n, ...: a sharded
     # vocabulary stays sharded in each chunk, but the head's kernel is copied into that layout every
-    # step), or "contiguous" (chunk i is rows i*c... of the [vocab, embed] kernel, read in place: a
-    # tied embedding is never copied, where the chunks divide the vocabulary (llama3.2-1b's 128,256 =
-    # 16 x 8,016; else the kernel is padded, a copy); for a vocabulary no mesh axis shards). On a v5e
-    # chip the strided copies take ~6 ms of llama3.2-1b's 296 ms step (BENCHMARKS.md, eighth session)
-    loss_vocab_chunks: str = "strided"
+    # step), "contiguous" (chunk i is rows i*c... of the [vocab, embed] kernel, read in place: a
+    # tied embedding is never copied where the chunks divide the vocabulary, llama3.2-1b's 128,256 =
+    # 16 x 8,016; else the kernel is padded, a copy), or "auto": contiguous where that reads the
+    # kernel in place (the chunks divide the vocabulary and no mesh axis of size > 1 holds it),
+    # strided elsewhere (tiled_loss.contiguous_chunks).
+    # On a v5e chip, llama3.2-1b 2 x 2048: 295.9 ms strided, 291.8 contiguous (BENCHMARKS.md)
+    loss_vocab_chunks: str = "auto"
     # the tiled language-model loss's gradients: "recompute" each chunk's logits in the backward,
     # or "fused" into the forward (one head matmul fewer; models/tiled_loss.py weighted_nll): 1.46x
     # on a CPU, but 0.67x on a v5e chip at a 262k vocabulary, where every chunk of positions reads
@@ -155,8 +157,10 @@ class Execution:
     # bound, unrolled 88%, on v5e)
     decode_scan_unroll: int = 1
     # the decoding kernel's keys and values per grid step, in KiB (batch rows of a block of
-    # positions: decode_attention.block_b); each is buffered twice in on-chip memory
-    decode_block_kib: int = 1024
+    # positions: decode_attention.block_b); each is buffered twice in on-chip memory. v5e, batch 32
+    # scanned: 2048 against 1024 against 512, qwen3-0.6b 70.7% / 69.9% / 66.6% of the bound,
+    # llama3.2-1b 74.7% / 74.1% (BENCHMARKS.md, ninth session)
+    decode_block_kib: int = 2048
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from shardzoo.models.layers import project
+from shardzoo.sharding import axes as ax
 
 # execution.tiled_loss == "auto" tiles where the float32 logits of a call would take more
 # than this: one row of 2048 tokens over a 32k vocabulary; below it the untiled head is cheap.
@@ -85,6 +86,17 @@ def tiles(execution, tokens: int, vocab: int) -> bool:
     if execution.tiled_loss == "auto":
         return tokens * vocab * 4 > AUTO_BYTES
     return execution.tiled_loss == "on"
+
+
+def contiguous_chunks(execution, vocab: int, placement=None) -> bool:
+    """Whether the ``vocab`` columns' chunks are contiguous (``execution.loss_vocab_chunks``):
+    "auto" where they read the kernel in place, i.e. the chunks divide the vocabulary and no mesh
+    axis of size > 1 holds it (one device, data or FSDP tables); strided elsewhere, where a
+    contiguous kernel would be padded (a copy, as strided's) or a chunk would sit on few devices."""
+    if execution.loss_vocab_chunks != "auto":
+        return execution.loss_vocab_chunks == "contiguous"
+    n_v = -(-vocab // min(execution.loss_vocab_chunk, vocab))
+    return vocab % n_v == 0 and (placement is None or not placement.mesh_axes(ax.VOCAB))
 
 
 def _logits(h, kernel, bias, scaling, scale, softcap):

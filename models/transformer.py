@@ -38,7 +38,7 @@ from shardzoo.models.pipeline import PipelineError, make_schedule, pipeline, pla
 from shardzoo.models.positions import add_positions
 from shardzoo.models.ring_attention import enter_ring, unzigzag
 from shardzoo.models.shared_block import check_layout, shared_inputs
-from shardzoo.models.tiled_loss import HeadInputs, head_logits, tiles
+from shardzoo.models.tiled_loss import HeadInputs, contiguous_chunks, head_logits, tiles
 from shardzoo.sharding import axes as ax
 
 # the parameters whose rows are the vocabulary, and that axis: padded to ``padded_vocab``
@@ -325,7 +325,7 @@ class Transformer(nn.Module):
                                      real_out=a.vocab_size, **kw).weights((a.hidden_size,))
         out = HeadInputs(x, kernel, bias, a.logits_scaling, a.logit_scale, a.final_logit_softcapping or 0.0,
                          e.loss_length_chunk, e.loss_vocab_chunk, a.vocab_size, e.tiled_loss_backward,
-                         contiguous=e.loss_vocab_chunks == "contiguous")
+                         contiguous=contiguous_chunks(e, cfg.padded_vocab, placement))
         if not head:  # the loss tiles the head itself (models/tiled_loss.py)
             return out.replace(hidden=constrain(x, BLE, placement))
         return constrain(head_logits(out), (ax.BATCH, ax.LENGTH, ax.VOCAB), placement)  # [batch, length, vocab]

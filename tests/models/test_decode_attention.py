@@ -137,7 +137,8 @@ def test_block_sizes_and_bounds():
     assert [da.block_k(n) for n in (384, 1024, 12, 96, 2000, 300, 2001)] == [128, 128, 12, 96, 400, 300, None]
     assert [da.block_k(n, keys_t=True) for n in (384, 96, 2000)] == [128, 96, None]  # positions on the lanes
     # qwen3-0.6b at batch 32: 8 kv heads x 128 x 128 bf16, keys and values: 512 KiB a row
-    assert da.block_b(32, 8, 128, 128, 2) == 2 and da.block_b(3, 8, 128, 128, 2) == 1
+    assert da.block_b(32, 8, 128, 128, 2) == 4 and da.block_b(3, 8, 128, 128, 2) == 3
+    assert da.block_b(3, 8, 128, 128, 2, 1 << 20) == 1  # 2 rows fit 1 MiB but do not divide 3
     assert da.block_bounds(jnp.int32(300), 128).tolist() == [0, 2, 300]
     assert da.block_bounds(jnp.int32(300), 128, window=100).tolist() == [1, 2, 300]
     assert da.block_bounds(jnp.int32(300), 128, window=100, chunk=256).tolist() == [2, 2, 300]
@@ -268,9 +269,10 @@ def test_auto_takes_the_kernel_on_a_tpu_for_scanned_layers_from_batch_8(monkeypa
 
 def test_decode_block_kib_sets_the_rows_per_grid_step():
     """qwen3-0.6b's batch-32 cache (8 kv rows, 128 positions, 128 wide, bf16: 512 KiB a row):
-    1 MiB (the default) holds 2 rows, 4 MiB 8; the field is checked."""
+    1 MiB holds 2 rows, 2 MiB (the default) 4, 4 MiB 8; the field is checked."""
     assert da.block_b(32, 8, 128, 128, 2, 1024 * 1024) == 2 and da.block_b(32, 8, 128, 128, 2, 4096 * 1024) == 8
-    assert get_model("llama-tiny")[1].execution.decode_block_kib == 1024
+    assert da.block_b(32, 8, 128, 128, 2, 2048 * 1024) == 4 == da.block_b(32, 8, 128, 128, 2)
+    assert get_model("llama-tiny")[1].execution.decode_block_kib == 2048 == da.BLOCK_BYTES // 1024
     with pytest.raises(ModelError, match=r"decode_block_kib=8 must be an integer from 16 to 16384"):
         get_model("llama-tiny", decode_block_kib=8)
 

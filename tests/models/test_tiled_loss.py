@@ -16,6 +16,7 @@ from shardzoo.models.tiled_loss import (
     AUTO_BYTES,
     HeadInputs,
     TokenStats,
+    contiguous_chunks,
     head_logits,
     reference_stats,
     tiles,
@@ -195,6 +196,37 @@ def test_model_head_off_gives_the_same_loss_and_param_grads(head, chunks):
     for path, g in jax.tree_util.tree_leaves_with_path(got_g):
         w = dict(jax.tree_util.tree_leaves_with_path(want_g))[path]
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_auto_vocabulary_chunks_are_contiguous_where_they_read_the_kernel_in_place():
+    """``loss_vocab_chunks="auto"`` (the default): contiguous where the chunks divide the vocabulary
+    (llama3.2-1b's 128,256 = 16 x 8,016) on one device and under tables that leave the vocabulary
+    whole (dp, fsdp); strided where a mesh axis of size > 1 holds it (tp over tensor=2) or the
+    chunks do not divide it (qwen's 151,936 = 2^7 x 1,187 in chunks of at most 8,192: padded);
+    and the model's HeadInputs carry that choice."""
+    from shardzoo.sharding.partition import Placement
+
+    _, config = get_model("llama-tiny", **TINY)  # 100-column chunks
+    e = config.execution
+    assert e.loss_vocab_chunks == "auto" and contiguous_chunks(e, 500) and contiguous_chunks(e, 500, None)
+    assert not contiguous_chunks(e, 512)  # 6 chunks of 86: padded
+    big = config.replace(loss_vocab_chunk=8192).execution
+    assert contiguous_chunks(big, 128_256) and contiguous_chunks(big, 262_144) and not contiguous_chunks(big, 151_936)
+    devices = jax.devices()[:2]
+    assert contiguous_chunks(e, 500, Placement(make_mesh("data=2", devices=devices), get_rules("dp")))
+    assert contiguous_chunks(e, 500, Placement(make_mesh("data=2", devices=devices), get_rules("fsdp")))
+    tp = Placement(make_mesh("tensor=2", devices=devices), get_rules("tp"))
+    assert not contiguous_chunks(e, 500, tp)
+    assert contiguous_chunks(e, 500, Placement(make_mesh("tensor=1", devices=devices[:1]), get_rules("tp")))
+    assert contiguous_chunks(config.replace(loss_vocab_chunks="contiguous").execution, 512, tp)
+    assert not contiguous_chunks(config.replace(loss_vocab_chunks="strided").execution, 500, None)
+    batch = jax.tree.map(jnp.asarray, _lm_batch(vocab=500))
+    args, kw = get_task("lm").model_args(batch)
+    for vocab, placement, want in ((500, None, True), (500, tp, False), (512, None, False)):
+        module = config.replace(vocab_size=vocab).build(placement)
+        params = jax.eval_shape(module.init, jax.random.PRNGKey(0), batch["inputs"])["params"]
+        head = jax.eval_shape(lambda p, m=module: m.apply({"params": p}, *args, **kw, head=False), params)
+        assert head.contiguous == want, (vocab, placement)
 
 
 # SGD at lr 1: the params after the step differ by the gradients' difference. (Adam's first

@@ -35,9 +35,12 @@ def test_generate_with_the_vmem_limit_gives_the_default_tokens(decode_layers):
     assert programs[0].decoding.compiler_options(64, 96) == {}
     params = programs[0].init(np.asarray(jax.random.PRNGKey(0), np.uint32)).params
     prompt = np.random.default_rng(0).integers(1, config.vocab_size, (64, 32)).astype(np.int32)
-    tokens = {k: np.asarray(programs[k].decoding.generate(params, prompt, max_new_tokens=64)) for k in (limit, 0)}
-    # float32 weights and the same compiled arithmetic: the limit moves buffers, not numbers;
-    # a near-tie could still flip a token, so at least 99% of the new tokens must agree
+    # float32 weights and matmuls at "highest": the limit moves buffers, not numbers (at the
+    # chip's default float32 precision, which rounds the inputs to bfloat16 where XLA fuses, a
+    # random model's near-ties flipped 1.5% of the tokens: ninth session); a near-tie could still
+    # flip a token, so at least 99% of the new tokens must agree
+    with jax.default_matmul_precision("highest"):
+        tokens = {k: np.asarray(programs[k].decoding.generate(params, prompt, max_new_tokens=64)) for k in (limit, 0)}
     same = (tokens[limit][:, 32:] == tokens[0][:, 32:]).mean()
     assert same >= 0.99, same
     assert len(np.unique(tokens[0][:, 32:])) > 8  # a real continuation, not one repeated token
