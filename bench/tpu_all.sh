@@ -10,6 +10,7 @@
 #   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
 #   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32:scan:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
+#   bash bench/tpu_all.sh install "decodeflags:llama3.2-1b:1:unroll:default;--xla_tpu_sliced_prefetch_max_slices=0"
 #
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
 # Run every part through this script: the machine's PYTHONPATH holds its TPU jax, and a command
@@ -65,6 +66,19 @@ for part in "$@"; do
       flag=""; [ "$kib" != 0 ] && flag="--xla_tpu_scoped_vmem_limit_kib=$kib"
       LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
         --dtype bfloat16 --batches 32 --prompt 128 --new 256 --layers 0 --scan unroll 2>&1 | grep "^| $model" | head -1
+      ;;
+    decodeflags:*)  # decodeflags:MODEL:BATCHES:scan|unroll:SET;SET -- libtpu flag sets A/B (a fresh process each;
+      # a set's flags are space-separated, "default" for none), e.g. the memory-bound loop optimizer:
+      # "decodeflags:llama3.2-1b:1:unroll:default;--xla_tpu_memory_bound_loop_optimizer_options=enabled:true"
+      IFS=: read -r _ model batches mode sets <<< "$part"
+      IFS=';' read -ra flagsets <<< "$sets"
+      for set in "${flagsets[@]}"; do
+        [ "$set" = default ] && set=""
+        echo "flags: ${set:-none (the defaults)}"
+        LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $set" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
+          --dtype bfloat16 --batches "$batches" --prompt 128 --new 256 --layers 0 --scan "$mode" 2>&1 \
+          | grep -E "^\| $model|Error" | awk '!seen[$0]++'
+      done
       ;;
     decodevar:*)  # decodevar:MODEL:BATCHES:scan|unroll|both:VARIANTS -- a row per ';'-separated override set
       IFS=: read -r _ model batches mode variants <<< "$part"

@@ -154,7 +154,9 @@ class Execution:
     # decode_layers="scan": layers per iteration of the decoding layer scan (jax.lax.scan's
     # ``unroll``): fewer iterations, each loop's fixed cost paid less often, a compile that grows
     # with it (a small model's step is short beside that cost: qwen3-0.6b batch 1 scanned 71% of the
-    # bound, unrolled 88%, on v5e)
+    # bound, unrolled 88%, on v5e). Measured slower on v5e: 2 and 4 layers an iteration ran
+    # qwen3-0.6b at 0.71x and 0.68x (batch 1) and 0.88x and 0.85x (batch 32), llama3.2-1b batch 1 at
+    # 0.56x and 0.40x of 1 (BENCHMARKS.md, ninth session)
     decode_scan_unroll: int = 1
     # the decoding kernel's keys and values per grid step, in KiB (batch rows of a block of
     # positions: decode_attention.block_b); each is buffered twice in on-chip memory. v5e, batch 32
