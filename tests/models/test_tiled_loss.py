@@ -235,10 +235,11 @@ SETTINGS = TrainConfig(batch_size=8, seq_len=16, optimizer="sgd", lr=1.0, warmup
 
 
 @functools.cache
-def _step(tiled: str, rules: str, backward: str = "recompute"):
+def _step(tiled: str, rules: str, backward: str = "recompute", chunks: str = "auto"):
     """The eval step's sums and one SGD step of llama-tiny (fresh init, seed 0) under ``rules``:
     (metrics with the eval sums as ``eval_*``, params after the step)."""
-    _, config = get_model("llama-tiny", **TINY, tiled_loss=tiled, tiled_loss_backward=backward)
+    _, config = get_model("llama-tiny", **TINY, tiled_loss=tiled, tiled_loss_backward=backward,
+                          loss_vocab_chunks=chunks)
     mesh = make_mesh("", devices=jax.devices()[:1]) if rules == "dp" else make_mesh("fsdp=2,tensor=4")
     program = Program(config, get_rules(rules), mesh, optimizer=functools.partial(make_optimizer, SETTINGS),
                       batch_size=8, seq_len=16)
@@ -252,9 +253,11 @@ def _step(tiled: str, rules: str, backward: str = "recompute"):
 @pytest.mark.parametrize("rules", ["dp", "fsdp_tp"])
 def test_train_step_tiled_equals_untiled_and_one_device(rules):
     """Vocab on the tensor axis under fsdp_tp: the scan over vocabulary chunks of a sharded head
-    (the fused backward: each chunk of positions over the whole sharded vocabulary)."""
+    (the fused backward: each chunk of positions over the whole sharded vocabulary); both layouts
+    of the chunks (contiguous ones of a sharded vocabulary too, where "auto" would not take them)."""
     want_m, want_p = _step("off", "dp")
-    for got_m, got_p in (_step("on", rules), _step("on", rules, "fused"), _step("off", rules)):
+    for got_m, got_p in (_step("on", rules), _step("on", rules, "fused"), _step("off", rules),
+                         _step("on", rules, chunks="contiguous"), _step("on", rules, chunks="strided")):
         for key in ("loss", "grad_norm", "accuracy", "eval_loss", "eval_correct", "eval_weight"):
             np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, atol=1e-5, err_msg=key)
         for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True):
@@ -277,19 +280,20 @@ def test_tiled_train_step_needs_less_temporary_memory():
 
 
 # ------------------------------------------------------------------------------ DPO, GRPO
-def _head(rows, seed=2):
+def _head(rows, seed=2, contiguous=False):
     hidden, kernel, bias, _, _ = _data(seed)
     hidden = jnp.tile(hidden, (rows // ROWS + 1, 1, 1))[:rows]
-    return HeadInputs(hidden, kernel, bias, softcap=5.0, length_chunk=3, vocab_chunk=32)
+    return HeadInputs(hidden, kernel, bias, softcap=5.0, length_chunk=3, vocab_chunk=32, contiguous=contiguous)
 
 
 def _logits_or_tiled(head, tiled):
     return head if tiled else head_logits(head)
 
 
-def test_dpo_sequence_logps_and_loss_grads_equal():
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_dpo_sequence_logps_and_loss_grads_equal(contiguous):
     pairs = 2
-    head = _head(2 * pairs)
+    head = _head(2 * pairs, contiguous=contiguous)
     rng = np.random.default_rng(0)
     batch = {"targets": jnp.asarray(rng.integers(0, VOCAB, (pairs, 2, LENGTH)), jnp.int32),
              "loss_mask": jnp.asarray(rng.random((pairs, 2, LENGTH)) > 0.4, jnp.float32),
@@ -308,9 +312,10 @@ def test_dpo_sequence_logps_and_loss_grads_equal():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_grpo_token_logps_entropy_and_loss_grads_equal():
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_grpo_token_logps_entropy_and_loss_grads_equal(contiguous):
     rows = 4
-    head = _head(rows, seed=3)
+    head = _head(rows, seed=3, contiguous=contiguous)
     rng = np.random.default_rng(1)
     targets = jnp.asarray(rng.integers(0, VOCAB, (rows, LENGTH)), jnp.int32)
     (got_lp, got_h), (want_lp, want_h) = (token_logps(_logits_or_tiled(head, t), targets) for t in (True, False))
