@@ -83,7 +83,7 @@ def measure(name: str, overrides: dict, batch: int, prompt_len: int, new: int, h
         from profile_ops import profile_ops
 
         print(profile_ops(lambda: program.decoding.generate(params, prompt, max_new_tokens=new), steps=1,
-                          trace_dir=profile, top=30), flush=True)
+                          trace_dir=profile, top=80), flush=True)
     cache, _ = program.decoding.cache_shardings(batch, prompt_len + new)
     step_bytes = nbytes(params) + nbytes(cache)
     bound = batch * hbm / step_bytes  # tokens/s if each step only read weights and cache once
