@@ -68,6 +68,27 @@ def unrolled_params(layout, params):
     return out
 
 
+# the logical axes a kernel onto heads ends with (q, k, v; Qwen3-Next's output gate)
+HEAD_KERNEL_AXES = ((ax.EMBED, ax.HEADS, ax.HEAD_DIM), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+
+
+def flat_head_kernels(params, boxed, head_dims: Callable[[int], bool]):
+    """``params`` with every Linear kernel onto heads (a ``kernel`` whose logical axes in
+    ``boxed``, the same tree with its ``nn.Partitioned`` boxes, end in embed, heads or kv_heads,
+    head_dim) of a head_dim ``head_dims`` takes, stored flat: ``[..., embed, heads x head_dim]``
+    (the stacked layers' leading axis kept). ``layers.Linear`` reads a kernel so stored and shapes
+    its output back, so the numbers are the same; decoding's layout: a TPU pads an array's minor
+    dim to its 128 lanes, so a head_dim of 64 doubles those kernels' bytes in memory and every
+    decoding step read the padding (``execution.decode_flat_heads``)."""
+    def one(path, x, box):
+        names = tuple(getattr(box, "names", ()) or ())
+        if getattr(path[-1], "key", None) == "kernel" and names[-3:] in HEAD_KERNEL_AXES and head_dims(x.shape[-1]):
+            return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, params, boxed)
+
+
 def cache_writes(old, new, length: int, keys_t: bool):
     """What one layer's decoding call of ``length`` tokens wrote into its cache ``old`` (``new``:
     the cache after it): of an attention cache (a subtree with ``cache_index``) the ``length``

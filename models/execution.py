@@ -163,6 +163,13 @@ class Execution:
     # scanned: 2048 against 1024 against 512, qwen3-0.6b 70.7% / 69.9% / 66.6% of the bound,
     # llama3.2-1b 74.7% / 74.1% (BENCHMARKS.md, ninth session)
     decode_block_kib: int = 2048
+    # decoding's q, k and v kernels ([embed, heads, head_dim]) stored flat, [embed, heads x head_dim],
+    # once per generate call (models.decode.flat_head_kernels; the numbers are the same): a TPU
+    # pads an array's minor dim to its 128 lanes, so a head_dim of 64 (llama3.2-1b) doubles those
+    # kernels' bytes, 8% of the model's, and every step read the padding. "auto": on a TPU where
+    # head_dim is not a multiple of 128 and no mesh axis holds the heads; "on": every such kernel;
+    # "off". (Not yet measured on a chip: BENCHMARKS.md's ninth session.)
+    decode_flat_heads: str = "auto"
 
     def __post_init__(self):
         for name in ("scan_layout", "lora_targets"):
@@ -175,7 +182,7 @@ class Execution:
                             "loss_vocab_chunks": VOCAB_CHUNKS,
                             "kv_cache_packing": ("auto", "on", "off"), "tiled_loss_backward": BACKWARDS,
                             "kv_cache_transposed_keys": ("auto", "on", "off"),
-                            "decode_attention": DECODE_ATTENTIONS},
+                            "decode_attention": DECODE_ATTENTIONS, "decode_flat_heads": ("auto", "on", "off")},
                      ("pipeline_repeats", "linear_attention_chunk", "loss_length_chunk", "loss_vocab_chunk"))
         if self.pipeline_microbatches < 0:
             raise ModelError(f"pipeline_microbatches={self.pipeline_microbatches} must be >= 0 (0: one per stage)")

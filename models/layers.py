@@ -176,8 +176,10 @@ class Linear(nn.Module):
         contracted dims; the adapter is ``(A, B, scale)``."""
         pdt, dt = dtype_of(self.param_dtype), dtype_of(self.dtype)
         shape = tuple(in_shape) + tuple(self.features)
-        init = padded(nn.initializers.normal(stddev=self.init_std), self.real_out, len(shape) - 1)
-        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape, pdt)
+        kernel = self._stored_flat(len(in_shape))
+        if kernel is None:
+            init = padded(nn.initializers.normal(stddev=self.init_std), self.real_out, len(shape) - 1)
+            kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes), shape, pdt)
         bias = None
         if self.use_bias:
             bias = self.param(
@@ -196,11 +198,24 @@ class Linear(nn.Module):
             adapter = (a.astype(dt), b.astype(dt), scale)
         return (weight_quant(kernel) if self.bitlinear else kernel).astype(dt), bias, adapter
 
+    def _stored_flat(self, n_in: int):
+        """The kernel as decoding may store one with several output dims: flat,
+        ``[inputs..., prod(features)]`` (``models.decode.flat_head_kernels``: q, k and v onto
+        heads of a head_dim a TPU pads), or None (the kernel as declared, or none yet)."""
+        if len(self.features) < 2 or not self.has_variable("params", "kernel"):
+            return None
+        kernel = self.get_variable("params", "kernel")
+        if isinstance(kernel, nn.meta.AxisMetadata):  # boxed with its axes (an init's own): as declared
+            return None
+        return kernel if kernel.ndim == n_in + 1 else None
+
     def __call__(self, x):
         kernel, bias, adapter = self.weights(x.shape[x.ndim - self.n_in:])
         x = x.astype(dtype_of(self.dtype))
         x = act_quant(x, self.n_in) if self.bitlinear else x
         y = project(x, kernel, self.n_in)
+        if kernel.ndim != self.n_in + len(self.features):  # stored flat: the output's dims again
+            y = y.reshape(y.shape[:-1] + tuple(self.features))
         y = y if bias is None else y + bias
         return adapted(y, x, adapter, self.n_in)
 
@@ -237,6 +252,8 @@ def fused(linears, x):
         return [lin(x) for lin in linears]
     weights = [lin.weights(x.shape[x.ndim - first.n_in:]) for lin in linears]
     kernels = [k for k, _, _ in weights]
+    if any(k.ndim != first.n_in + len(first.features) for k in kernels):  # stored flat (decoding)
+        return [lin(x) for lin in linears]
     x = x.astype(kernels[0].dtype)
     x = act_quant(x, first.n_in) if first.bitlinear else x
     if flat_tokens():  # [inputs..., n, features...]: one 2-D matmul, no transposed kernel

@@ -17,6 +17,7 @@ from shardzoo.errors import UserError
 from shardzoo.models.decode import (
     cache_init_fn,
     cache_segments,
+    flat_head_kernels,
     generate_tokens,
     grow_cache,
     prefill_fuses,
@@ -26,6 +27,7 @@ from shardzoo.models.decode import (
 from shardzoo.models.execution import DECODE_VMEM_CACHE_SHARE, DECODE_VMEM_SHARE
 from shardzoo.models.layers import fuses
 from shardzoo.models.rope import check_rope_decoding
+from shardzoo.sharding import axes as ax
 from shardzoo.sharding.partition import activate, replicated
 from shardzoo.sharding.validate import check, resolve_array
 from shardzoo.train.jit import global_array, host_array, per_device_bytes, zeros_on
@@ -63,8 +65,23 @@ class Decoding:
         return config.replace(scan_layers=config.execution.scan_layers and self._scan_decoding,
                               fuse_projections=fuse).build(self.program.placement)
 
+    @functools.cached_property
+    def _flat_head_dims(self):
+        """Which head_dims decoding stores the q, k and v kernels flat for
+        (``execution.decode_flat_heads``; ``models.decode.flat_head_kernels``), or None."""
+        mode = self.program.config.execution.decode_flat_heads
+        if mode != "auto":
+            return (lambda dim: True) if mode == "on" else None
+        placement = self.program.placement
+        held = placement is not None and any(placement.mesh_axes(n) for n in (ax.HEADS, ax.KV_HEADS, ax.HEAD_DIM))
+        tpu = self.program.mesh.devices.flat[0].platform == "tpu"
+        return (lambda dim: dim % 128 != 0) if tpu and not held else None
+
     def decoding_params(self, params):
-        """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they are)."""
+        """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they
+        are; the kernels onto heads flat where ``_flat_head_dims`` says)."""
+        if self._flat_head_dims is not None:
+            params = flat_head_kernels(params, self.program.boxed_params, self._flat_head_dims)
         return params if self._scan_decoding else unrolled_params(self.program.config.layout(), params)
 
     def cache_shardings(self, batch_size: int, max_length: int):

@@ -453,3 +453,70 @@ def test_decode_vmem_limit_is_a_tpu_compile_option_and_checked():
     assert auto_vmem_kib(128 << 20, scanned=False, cache_bytes=249, weight_bytes=1000) == 0
     with pytest.raises(ModelError, match=r"decode_vmem_kib=-2 must be an integer: -1 \(auto\)"):
         config.replace(decode_vmem_kib=-2)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("llama-tiny", dict(num_hidden_layers=6, scan_layout=(1, 2, 2))),  # GQA; unrolled and scanned layers
+    ("qwen2-tiny", dict(lora_rank=2)),  # q, k and v biases, and LoRA adapters beside the flat kernels
+    ("qwen3-next-tiny", {}),  # the attention's output gate (a kernel onto heads too), linear attention beside
+])
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_flat_head_kernels_give_the_same_tokens_and_logits(name, overrides, decode_layers):
+    """``decode_flat_heads="on"``: decoding takes every kernel onto heads (q, k, v, the output
+    gate) as ``[embed, heads x head_dim]`` (``models.decode.flat_head_kernels``; what "auto" does on
+    a TPU for a head_dim below 128 lanes) and gives "off"'s greedy tokens and, step by step, its
+    logits (1e-5); "auto" keeps them as declared off a TPU; nothing else is reshaped."""
+    _, config = get_model(name, **TINY, **overrides, decode_layers=decode_layers)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {f: Program(config.replace(decode_flat_heads=f), get_rules("dp"), mesh) for f in ("on", "off", "auto")}
+    params = programs["off"].init(np.asarray(jax.random.PRNGKey(5), np.uint32)).params
+    if config.execution.lora_rank:  # the zero-initialised B made to matter
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.1 if jax.tree_util.keystr(p).endswith("['lora_b']") else x, params)
+    assert programs["auto"].decoding._flat_head_dims is None and programs["off"].decoding._flat_head_dims is None
+    shapes = {f: {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(
+        jax.eval_shape(programs[f].decoding.decoding_params, params))} for f in ("on", "off")}
+    changed = {k for k in shapes["on"] if shapes["on"][k] != shapes["off"][k]}
+    assert changed and all(re.search(r"\['(q|k|v|gate)'\]\['kernel'\]$", k) for k in changed), changed
+    for k in changed:
+        assert shapes["on"][k] == shapes["off"][k][:-2] + (shapes["off"][k][-2] * shapes["off"][k][-1],), k
+    prompt = np.asarray(jax.random.randint(jax.random.key(6), (B, PREFILL), 0, config.vocab_size))
+    tokens = {f: programs[f].decoding.generate(params, prompt, max_new_tokens=L - PREFILL) for f in ("on", "off")}
+    np.testing.assert_array_equal(tokens["on"], tokens["off"])
+    step = jax.jit(dec.decode_step, static_argnums=0, compiler_options=FAST)
+    pos = jnp.broadcast_to(jnp.arange(L), (B, L))
+    x, logits = tokens["off"], {}
+    for f in ("on", "off"):
+        d = programs[f].decoding
+        weights, cache = d.decoding_params(params), d.new_cache(B, L)
+        out, cache = step(d.decoder, weights, cache, x[:, :PREFILL], pos[:, :PREFILL])
+        outs = [out]
+        for i in range(PREFILL, L):
+            out, cache = step(d.decoder, weights, cache, x[:, i:i + 1], pos[:, i:i + 1])
+            outs.append(out)
+        logits[f] = np.asarray(jnp.concatenate(outs, axis=1))
+    np.testing.assert_allclose(logits["on"], logits["off"], atol=1e-5, rtol=0)
+    assert np.abs(logits["off"]).max() > 0.1
+
+
+def test_auto_flat_head_kernels_on_a_tpu_where_the_lanes_pad_head_dim():
+    """"auto" takes a head_dim the TPU's 128 lanes pad (64, 80) and not one they hold (128, 256),
+    on a TPU only and only where no mesh axis holds the heads (tp over tensor=2: None)."""
+    from types import SimpleNamespace
+
+    from shardzoo.sharding.partition import Placement
+    from shardzoo.train.decoding import Decoding
+
+    _, config = get_model("llama-tiny", **TINY)
+    devices = jax.devices()[:2]
+
+    def dims(platform, placement):
+        mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
+        return Decoding(SimpleNamespace(config=config, placement=placement, mesh=mesh))._flat_head_dims
+
+    one = Placement(make_mesh("data=1", devices=devices[:1]), get_rules("dp"))
+    tpu = dims("tpu", one)
+    assert [tpu(d) for d in (64, 80, 128, 256)] == [True, True, False, False]
+    assert dims("cpu", one) is None and dims("gpu", one) is None
+    assert dims("tpu", Placement(make_mesh("data=2", devices=devices), get_rules("fsdp"))) is not None
+    assert dims("tpu", Placement(make_mesh("tensor=2", devices=devices), get_rules("tp"))) is None

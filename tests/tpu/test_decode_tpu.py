@@ -65,3 +65,24 @@ def test_scanned_decoding_unrolled_by_two_and_four_gives_the_same_tokens():
         print(f"decode_scan_unroll={u}: {same:.4f} of the new tokens agree with 1")
         assert same >= 0.99, (u, same)
     assert len(np.unique(tokens[1][:, 32:])) > 8
+
+
+@pytest.mark.parametrize("decode_layers", ["unroll", "scan"])
+def test_flat_head_kernels_give_the_declared_kernels_tokens(decode_layers):
+    """``decode_flat_heads`` on the chip: head_dim 64 (padded to the 128 lanes where a kernel
+    holds it minor), so "auto" stores q, k and v flat; the same greedy tokens as "off" at batch 1
+    and 64 (float32 weights, matmuls at "highest"); at least 99% must agree."""
+    _, config = get_model("llama-tiny", hidden_size=512, intermediate_size=1024, vocab_size=1024,
+                          num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+                          max_position_embeddings=256, decode_layers=decode_layers)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    programs = {f: Program(config.replace(decode_flat_heads=f), get_rules("dp"), mesh) for f in ("auto", "off")}
+    assert programs["auto"].decoding._flat_head_dims(64) and programs["off"].decoding._flat_head_dims is None
+    params = programs["off"].init(np.asarray(jax.random.PRNGKey(0), np.uint32)).params
+    for rows in (1, 64):
+        prompt = np.random.default_rng(rows).integers(1, config.vocab_size, (rows, 32)).astype(np.int32)
+        with jax.default_matmul_precision("highest"):
+            tokens = {f: np.asarray(p.decoding.generate(params, prompt, max_new_tokens=64)) for f, p in programs.items()}
+        same = (tokens["auto"][:, 32:] == tokens["off"][:, 32:]).mean()
+        print(f"batch {rows}: {same:.4f} of the new tokens agree")
+        assert same >= 0.99, (rows, same)
