@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding
 
 from shardzoo.errors import UserError
 from shardzoo.models.decode import (
@@ -74,8 +74,9 @@ class Decoding:
             return (lambda dim: True) if mode == "on" else None
         placement = self.program.placement
         held = placement is not None and any(placement.mesh_axes(n) for n in (ax.HEADS, ax.KV_HEADS, ax.HEAD_DIM))
-        tpu = self.program.mesh.devices.flat[0].platform == "tpu"
-        return (lambda dim: dim % 128 != 0) if tpu and not held else None
+        mesh = self.program.mesh  # an AbstractMesh (a plan) has no devices: then this machine's backend
+        platform = jax.default_backend() if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
+        return (lambda dim: dim % 128 != 0) if platform == "tpu" and not held else None
 
     def decoding_params(self, params):
         """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they

@@ -520,3 +520,19 @@ def test_auto_flat_head_kernels_on_a_tpu_where_the_lanes_pad_head_dim():
     assert dims("cpu", one) is None and dims("gpu", one) is None
     assert dims("tpu", Placement(make_mesh("data=2", devices=devices), get_rules("fsdp"))) is not None
     assert dims("tpu", Placement(make_mesh("tensor=2", devices=devices), get_rules("tp"))) is None
+
+
+def test_a_sampling_task_plans_on_an_abstract_mesh():
+    """GRPO's plan counts its rollouts' cache (``rollout_bytes``, through decoding's params) on a
+    mesh larger than this machine: an AbstractMesh has no devices to ask for their platform."""
+    from shardzoo.sharding.mesh import make_abstract_mesh
+    from shardzoo.train.tasks.registry import get_task
+
+    _, config = get_model("llama-tiny", **TINY)
+    programs = {f: Program(config.replace(decode_flat_heads=f), get_rules("dp"), make_abstract_mesh("data=16"),
+                           task=get_task("grpo"), batch_size=16, seq_len=16) for f in ("auto", "off")}
+    assert programs["auto"].decoding._flat_head_dims is None  # this machine's backend: a CPU
+    cache = {f: p.decoding.cache_bytes(16, 16) for f, p in programs.items()}
+    assert cache["auto"] == cache["off"] > 0
+    plans = {f: p.plan() for f, p in programs.items()}
+    assert plans["auto"].totals == plans["off"].totals and plans["auto"].totals["total"] > 0

@@ -23,6 +23,7 @@ from shardzoo.models.tiled_loss import (
     token_stats,
     weighted_nll,
 )
+from shardzoo.sharding import axes as ax
 from shardzoo.sharding import get_rules, make_mesh
 from shardzoo.train.config import TrainConfig
 from shardzoo.train.optim import make_optimizer
@@ -218,6 +219,12 @@ def test_auto_vocabulary_chunks_are_contiguous_where_they_read_the_kernel_in_pla
     tp = Placement(make_mesh("tensor=2", devices=devices), get_rules("tp"))
     assert not contiguous_chunks(e, 500, tp)
     assert contiguous_chunks(e, 500, Placement(make_mesh("tensor=1", devices=devices[:1]), get_rules("tp")))
+    # a table whose vocabulary the rules resolve to tensor only beside embed (first match wins)
+    from shardzoo.sharding.rules import Rules
+
+    odd = Rules((("embed", "data"), ("vocab", "data"), ("vocab", "tensor")))
+    mesh = make_mesh("data=1,tensor=2", devices=devices)
+    assert Placement(mesh, odd).mesh_axes(ax.VOCAB) == () and not contiguous_chunks(e, 500, Placement(mesh, odd))
     assert contiguous_chunks(config.replace(loss_vocab_chunks="contiguous").execution, 512, tp)
     assert not contiguous_chunks(config.replace(loss_vocab_chunks="strided").execution, 500, None)
     batch = jax.tree.map(jnp.asarray, _lm_batch(vocab=500))
