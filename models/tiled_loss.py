@@ -96,15 +96,8 @@ def contiguous_chunks(execution, vocab: int, placement=None) -> bool:
     if execution.loss_vocab_chunks != "auto":
         return execution.loss_vocab_chunks == "contiguous"
     n_v = -(-vocab // min(execution.loss_vocab_chunk, vocab))
-    return vocab % n_v == 0 and (placement is None or not (_holds(placement, (ax.VOCAB, ax.EMBED), 0)
-                                                           or _holds(placement, (ax.EMBED, ax.VOCAB), 1)))
-
-
-def _holds(placement, names, i) -> bool:
-    """Whether mesh axes of more than one device hold dim ``i`` of an array named ``names`` (as
-    the rules resolve the whole array: a table's vocabulary, a head's)."""
-    entry = (tuple(placement.spec(names)) + (None,) * len(names))[i]
-    return placement.size((entry,) if isinstance(entry, str) else tuple(entry or ())) > 1
+    return vocab % n_v == 0 and (placement is None or not any(  # the table's vocabulary, the head's
+        placement.mesh_axes(ax.VOCAB, within) for within in ((ax.VOCAB, ax.EMBED), (ax.EMBED, ax.VOCAB))))
 
 
 def _logits(h, kernel, bias, scaling, scale, softcap):

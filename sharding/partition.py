@@ -55,12 +55,13 @@ def activate(mesh):
             yield
 
 
-def mesh_axes_of(logical_name: str, rules, mesh=None) -> tuple[str, ...]:
-    """The mesh axes a logical name maps to when alone in an array (empty when replicated).
+def mesh_axes_of(logical_name: str, rules, mesh=None, within=None) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to when alone in an array (empty when replicated), or
+    in an array named ``within`` (the rules' first match over the whole array).
 
     With ``mesh``, axes of size 1 are dropped."""
-    (match,) = match_dims((logical_name,), rules)
-    names = match.mesh_axes
+    within = (logical_name,) if within is None else tuple(within)
+    names = match_dims(within, rules)[within.index(logical_name)].mesh_axes
     if mesh is not None:
         sizes = mesh_sizes(mesh)
         names = tuple(n for n in names if sizes.get(n, 1) > 1)
@@ -99,9 +100,10 @@ class Placement:
     def sharding(self, names) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names))
 
-    def mesh_axes(self, logical_name: str) -> tuple[str, ...]:
-        """The mesh axes of size > 1 that hold ``logical_name`` alone in an array."""
-        return mesh_axes_of(logical_name, self.rules, self.mesh)
+    def mesh_axes(self, logical_name: str, within=None) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that hold ``logical_name`` alone in an array, or in an array
+        named ``within``."""
+        return mesh_axes_of(logical_name, self.rules, self.mesh, within)
 
     def size(self, mesh_axes) -> int:
         return math.prod(self.sizes[a] for a in mesh_axes)

@@ -97,6 +97,17 @@ def _error(tree, rules, mesh=MESH, **kw):
     return e.value
 
 
+def test_placement_mesh_axes_alone_and_within_an_array():
+    """``Placement.mesh_axes(name, within)``: where the rules put ``name`` in an array of those
+    names (the first match over the whole array), axes of size 1 dropped; alone by default."""
+    rules = Rules((("embed", "data"), ("vocab", "data"), ("vocab", "tensor")))
+    placement = Placement(make_abstract_mesh("data=2,tensor=4"), rules)
+    assert placement.mesh_axes("vocab") == ("data",)
+    assert placement.mesh_axes("vocab", ("vocab", "embed")) == ("tensor",)  # embed took data
+    assert placement.mesh_axes("embed", ("vocab", "embed")) == ("data",)
+    assert Placement(make_abstract_mesh("data=2,tensor=1"), rules).mesh_axes("vocab", ("embed", "vocab")) == ()
+
+
 def test_name_outside_the_vocabulary():
     err = _error(_abstract(Named(("embed", "bogus"), (4, 4))), PRESETS["fsdp"])
     [p] = err.problems
