@@ -19,10 +19,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # jax's persistent compilation cache, one per test session: tests (and the command-line runs
 # they start, which inherit the environment) that build the same program compile it once.
+# The process that makes it (pytest's controller under xdist; its workers inherit the variable)
+# removes it when it exits: each session's cache is ~160 MB, and /tmp kept every one of them.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardzoo-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
