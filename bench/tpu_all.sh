@@ -84,7 +84,7 @@ for part in "$@"; do
       IFS=: read -r _ model batches mode variants <<< "$part"
       timeout 560 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batches" \
         --prompt 128 --new 256 --layers 0 --scan "$mode" --variants "$variants" 2>&1 \
-        | tee "$out/tpu_decodevar_${model}.log" | grep --line-buffered -E "^\| $model|Error"
+        | tee "$out/tpu_decodevar_${model}_${batches//,/-}_${mode}.log" | grep --line-buffered -E "^\| $model|Error"
       ;;
     gather)  # the MoE sorted dispatch's row gathers and their gradients, written several ways (bench/tpu_gather.py)
       timeout 200 python3 bench/tpu_gather.py --tokens 8192 --k 8 --embed 2048 2>&1 | tee "$out/tpu_gather.log" | tail -12

@@ -168,7 +168,8 @@ class Execution:
     # pads an array's minor dim to its 128 lanes, so a head_dim of 64 (llama3.2-1b) doubles those
     # kernels' bytes, 8% of the model's, and every step read the padding. "auto": on a TPU where
     # head_dim is not a multiple of 128 and no mesh axis holds the heads; "on": every such kernel;
-    # "off". (Not yet measured on a chip: BENCHMARKS.md's ninth session.)
+    # "off". v5e, llama3.2-1b (head_dim 64) batch 1: 79.1% -> 86.6% of the bound unrolled, 78.6% ->
+    # 85.4% scanned; batch 32 scanned 74.7% / 74.3% (BENCHMARKS.md, tenth session)
     decode_flat_heads: str = "auto"
 
     def __post_init__(self):
