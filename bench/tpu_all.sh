@@ -3,6 +3,7 @@
 # 10-minute limit); results go to $OUT (or bench/results/tpu_run/) as they finish.
 #
 #   bash bench/tpu_all.sh install tests              # the machine's install, then tests/tpu
+#   bash bench/tpu_all.sh install train              # a tiny `shardzoo train` run, its output kept
 #   bash bench/tpu_all.sh install mfu:llama,gemma     # rows of bench/tpu_mfu.py
 #   bash bench/tpu_all.sh install decode:llama3.2-1b moe decodeprof:llama3.2-1b:32:scan
 #   bash bench/tpu_all.sh install profile:llama3.2-1b:2x2048:save_qkv_mlp
@@ -37,6 +38,11 @@ for part in "$@"; do
       sel=${part#tests}; sel=${sel#:}
       JAX_PLATFORMS=tpu timeout 540 python3 -m pytest -q -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
         | tee "$out/tpu_tests.log" | tail -60
+      ;;
+    train)  # a tiny `shardzoo train` run as a user starts it, its whole output kept (issue 34 asks for it in the note)
+      rm -rf /tmp/tiny_run
+      timeout 300 python3 -m shardzoo train --out /tmp/tiny_run --model llama-tiny --override dtype=bfloat16 \
+        --steps 20 --batch-size 16 --seq-len 128 --log-every 2 --eval-every 0 2>&1 | tee "$out/tpu_train_tiny.log" | tail -45
       ;;
     mfu:*)  # files named without commas: the device tool returns no file with one in its name
       rows=${part#mfu:}; name=${rows//,/_}

@@ -56,6 +56,7 @@ def test_tiny_bf16_run_chooses_its_remat_and_records_it(tmp_path):
     recorded = json.loads((out / "run.json").read_text())
     assert recorded["settings"]["model"]["remat"] == chosen.group(1)  # the policy, never "auto"
     assert recorded["config"]["execution"]["remat_policy"] == chosen.group(1)
+    print(run.stdout)  # the run's whole output, in pytest -rA's report of what passed
 
 
 def test_a_step_larger_than_the_chip_is_one_line_and_writes_nothing(tmp_path):
