@@ -209,7 +209,8 @@ class MoeMLP(nn.Module):
         if kind == "gmm" and self.is_initializing():  # the same numbers without the kernel (or a mesh)
             kind = "dropless"
         if kind in ("dropless", "gmm"):
-            route = sorted_dispatch if kind == "dropless" else functools.partial(gmm_dispatch, placement=self.placement)
+            route = sorted_dispatch if kind == "dropless" else functools.partial(
+                gmm_dispatch, placement=self.placement, wide_hidden=cfg.swiglu_limit is not None)
             y = route(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=biases, scale_input=scale_input,
                       token_mask=token_mask, whole=False if identity is not None else None)  # zero experts: apart
             dropped = jnp.zeros((), jnp.float32)

@@ -282,7 +282,7 @@ _permuted.defvjp(_permuted_fwd, _permuted_bwd)
 
 
 def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, scale_input=False, token_mask=None,
-                    matmul=jax.lax.ragged_dot, row_multiple=1, whole=None):
+                    matmul=jax.lax.ragged_dot, row_multiple=1, whole=None, hidden_matmul=None):
     """Tokens sorted by expert, each expert's rows through ``matmul(rows, weights [expert, in,
     out], group_sizes)``; no capacity, nothing dropped (``scale_input``: each assignment's input
     weighted, the outputs summed).
@@ -293,7 +293,8 @@ def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, sca
     needs masking; else they stay outside every group (a kernel may leave them unwritten, in the
     forward and the backward) and each is masked where it enters and leaves a matmul. Choices
     of a zero expert (index ``num_experts``, LongCat-Flash's) sort with padding: their callers
-    pass ``whole=False``, so they are never computed.
+    pass ``whole=False``, so they are never computed. ``hidden_matmul`` (None: ``matmul``): the
+    gate's and up's, whose output the activation reads before the hidden is cast to ``x``'s dtype.
     """
     b, length, d = x.shape
     k, num_experts = top_idx.shape[-1], wo.shape[0]
@@ -321,14 +322,15 @@ def sorted_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, biases=None, sca
     else:  # rows outside every group: their gradients too, which the kernel leaves unwritten
         xs = jnp.where(valid, xs, 0)
 
-    def project(h, w, bias):  # [rows, in] -> [rows, out], padding's rows 0
+    def project(h, w, bias, matmul=matmul):  # [rows, in] -> [rows, out], padding's rows 0
         y = matmul(h, w, sizes)
         return y if whole else jnp.where(valid, y if bias is None else y + bias[expert], 0)
 
     biases = biases or (None,) * 3
-    up = project(xs, wi_up, biases[1])
-    gate, up = _named(None if wi_gate is None else project(xs, wi_gate, biases[0]), up)
-    ys = project(act(gate, up), wo, biases[2])[:n]  # [batch*length*k, embed]
+    hidden = functools.partial(project, matmul=hidden_matmul or matmul)
+    up = hidden(xs, wi_up, biases[1])
+    gate, up = _named(None if wi_gate is None else hidden(xs, wi_gate, biases[0]), up)
+    ys = project(act(gate, up).astype(xs.dtype), wo, biases[2])[:n]  # [batch*length*k, embed]
     ys = einops.rearrange(_permuted(ys, inverse, order), "(b l k) d -> b l k d", b=b, l=length)  # token order
     return jnp.einsum("blkd,blk->bld", ys, top_p.astype(ys.dtype))
 
@@ -359,21 +361,60 @@ class GmmTiling:
         return min(m, self.rows), _tile(k, self.cols), _tile(n, self.cols)
 
 
-def gmm_matmul(tiling: GmmTiling, interpret: bool):
-    """``(rows, weights, group_sizes) -> rows @ weights[group]`` by megablox's grouped matmul."""
+def gmm_matmul(tiling: GmmTiling, interpret: bool, wide: bool = False):
+    """``(rows, weights, group_sizes) -> rows @ weights[group]`` by megablox's grouped matmul, in
+    the rows' dtype; ``wide``: in float32, the kernel's accumulation unrounded (``_gmm_wide``)."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm  # noqa: I001 - lazily: Pallas only here
 
     def matmul(lhs, rhs, sizes):
+        if wide and lhs.dtype != jnp.float32:
+            return _gmm_wide(lhs, rhs, sizes, tiling, interpret)
         return gmm(lhs, rhs, sizes, lhs.dtype, tiling, interpret=interpret)
 
     return matmul
 
 
+def _megablox():
+    """megablox's kernels module (its package exports the custom-vjp ``gmm`` under the same name)."""
+    import importlib
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_wide(lhs, rhs, sizes, tiling, interpret):
+    """megablox's ``gmm`` with a float32 output from bfloat16 operands. Its backward rounds the
+    output's gradient to the operands' dtype and runs megablox's own (``gmm`` against the
+    transposed weights, ``tgmm``), as a bfloat16 output's would be: the kernels see one dtype."""
+    return _megablox().gmm(lhs, rhs, sizes, jnp.float32, tiling, interpret=interpret)
+
+
+def _gmm_wide_fwd(lhs, rhs, sizes, tiling, interpret):
+    return _gmm_wide(lhs, rhs, sizes, tiling, interpret), (lhs, rhs, sizes)
+
+
+def _gmm_wide_bwd(tiling, interpret, residuals, g):
+    backend = _megablox()
+    lhs, rhs, sizes = residuals
+    g = g.astype(lhs.dtype)
+    grad_lhs = backend.gmm(g, rhs, sizes, lhs.dtype, tiling, transpose_rhs=True, interpret=interpret)
+    grad_rhs = backend.tgmm(lhs.swapaxes(0, 1), g, sizes, rhs.dtype, tiling, None, rhs.shape[0], interpret=interpret)
+    return grad_lhs, grad_rhs, None
+
+
+_gmm_wide.defvjp(_gmm_wide_fwd, _gmm_wide_bwd)
+
+
 def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=None, scale_input=False,
-                 token_mask=None, tiling=None, interpret=None, whole=None):
+                 token_mask=None, tiling=None, interpret=None, whole=None, wide_hidden=False):
     """``sorted_dispatch`` by megablox's grouped matmul; on a mesh, inside a ``shard_map`` over the
     mesh axes of the tokens' ``batch`` and ``length`` (where they divide them), every expert's
-    weights whole on each device. ``interpret`` None: Pallas' interpret mode off a TPU."""
+    weights whole on each device. ``interpret`` None: Pallas' interpret mode off a TPU.
+    ``wide_hidden``: the gate and up come out of the kernel in float32, for an activation that
+    clamps them (GPT-OSS's): a bfloat16 output moved values across the limit where float32 did
+    not, so the gradients of the clamped experts strayed from float32's (on the chip 3.5e-2
+    against the indexed dispatch's 4.8e-3, whose fusions keep the matmul's float32 there; on a
+    CPU in bfloat16, 6.1e-2 bfloat16 out against 2.4e-3 float32 out)."""
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     tiling = tiling or GmmTiling(cols=1024 if x.dtype.itemsize < 4 else 512)
     whole = whole_groups(act, wi_gate is not None, biases, x.dtype) if whole is None else whole  # not in shard_map
@@ -381,8 +422,9 @@ def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=N
     def local(x, top_idx, top_p, token_mask, weights, biases):
         matmul = gmm_matmul(tiling, interpret)
         multiple = tiling.row_multiple(top_idx.size)
+        hidden = gmm_matmul(tiling, interpret, wide=True) if wide_hidden else None
         return sorted_dispatch(x, top_idx, top_p, *weights, act, biases, scale_input, token_mask, matmul, multiple,
-                               whole)
+                               whole, hidden)
 
     weights = (wi_gate, wi_up, wo)
     token_mask = jnp.ones(x.shape[:2], bool) if token_mask is None else token_mask
@@ -399,7 +441,9 @@ def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=N
 def resolve_dispatch(dispatch: str, placement, dtype: str, clamped: bool = False) -> str:
     """The dispatch that ``auto`` stands for (see the module docstring); any other as it is.
     ``clamped`` (GPT-OSS's clamped SwiGLU): indexed, since on the chip gmm's bf16 gradients of
-    clamped experts strayed 7x further from float32 than indexed's (BENCHMARKS.md, TPU)."""
+    clamped experts strayed 7x further from float32 than indexed's (BENCHMARKS.md, TPU). gmm now
+    decides the clamp in float32 (``gmm_dispatch``'s ``wide_hidden``), as close as indexed on a
+    CPU; ``auto`` waits for the chip's figure before it takes gmm for them."""
     if dispatch != "auto":
         return dispatch
     split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP))

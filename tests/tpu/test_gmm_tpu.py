@@ -8,9 +8,11 @@ Tolerance, per array (the output and the gradients of <output, projection> + aux
 input, the router and every expert weight): ||a - ref|| / ||ref|| no more than 1.5 x the indexed
 dispatch's own error + 1e-3 (gmm is as close to exact as XLA's bfloat16 path), and under 2e-2
 (bfloat16 rounds each matmul's inputs and the hidden to 2^-9; seen on CPU at the small shapes:
-5e-3 for both dispatches); under 1e-1 with GPT-OSS's clamp, whose gradient jumps where rounding
-moves a value across the limit (seen on CPU: 6e-2 for both). Capacity factor 2 is twice
-the mean load, so the indexed dispatch drops nothing (asserted).
+5e-3 for both dispatches). GPT-OSS's clamp, whose gradient jumps where rounding moves a value
+across the limit, is decided on the gate's and up's float32 accumulation (``wide_hidden``): with
+a bfloat16 output gmm strayed to 3.5e-2 on the chip where indexed (whose fusions keep the
+matmul's float32 there) stayed at 4.8e-3; with the float32 one, 4e-3 on CPU. Capacity factor 2
+is twice the mean load, so the indexed dispatch drops nothing (asserted).
 """
 
 import dataclasses
@@ -75,4 +77,4 @@ def test_small_layers_every_expert_type(fields):
     """Tiles as small as the shapes (embed 32: one full-width tile), each expert type."""
     cfg = MoeConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64, capacity_factor=4.0,
                     dtype="bfloat16", param_dtype="bfloat16", **fields)
-    check(relative_errors(cfg, 2, 32, 32), 1e-1 if cfg.swiglu_limit else 2e-2)
+    check(relative_errors(cfg, 2, 32, 32))
