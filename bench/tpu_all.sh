@@ -13,6 +13,9 @@
 #   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32:scan:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
 #   bash bench/tpu_all.sh install "decodeflags:llama3.2-1b:1:unroll:default;--xla_tpu_sliced_prefetch_max_slices=0"
 #
+# Parts run in order until TPU_DEADLINE_S (585) seconds from the start; set it lower with a shorter
+# device timeout. Each part's own timeout is cut to what is left.
+#
 # install: the recipe of shared/TPU.md (the machine's own package index, /tmp/site after its jax).
 # Run every part through this script: the machine's PYTHONPATH holds its TPU jax, and a command
 # that replaces PYTHONPATH instead of adding to it silently runs on the CPU.
@@ -21,7 +24,15 @@ cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/tpu_run}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The device tool ends a command at 10 minutes and a killed pipeline prints nothing, so each part's
+# timeout is cut to what is left of TPU_DEADLINE_S (from this script's start), and a part that
+# would start with under 20 s left is skipped, named: what ran before it still prints.
+deadline=${TPU_DEADLINE_S:-585}
+cap() { local left=$((deadline - SECONDS - 5)); echo $(( left < $1 ? left : $1 )); }
 for part in "$@"; do
+  if [ "$part" != install ] && [ "$(cap 20)" -lt 20 ]; then
+    echo "skipped $part: ${SECONDS}s of TPU_DEADLINE_S=${deadline} spent"; continue
+  fi
   case "$part" in
     install)
       if [ ! -d /tmp/site/flax ]; then
@@ -36,17 +47,17 @@ for part in "$@"; do
       ;;
     tests|tests:*)
       sel=${part#tests}; sel=${sel#:}
-      JAX_PLATFORMS=tpu timeout 540 python3 -m pytest -q -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
+      JAX_PLATFORMS=tpu timeout $(cap 540) python3 -m pytest -q -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
         | tee "$out/tpu_tests.log" | tail -60
       ;;
     train)  # a tiny `shardzoo train` run as a user starts it, its whole output kept (issue 34 asks for it in the note)
       rm -rf /tmp/tiny_run
-      timeout 300 python3 -m shardzoo train --out /tmp/tiny_run --model llama-tiny --override dtype=bfloat16 \
+      timeout $(cap 300) python3 -m shardzoo train --out /tmp/tiny_run --model llama-tiny --override dtype=bfloat16 \
         --steps 20 --batch-size 16 --seq-len 128 --log-every 2 --eval-every 0 2>&1 | tee "$out/tpu_train_tiny.log" | tail -45
       ;;
     mfu:*)  # files named without commas: the device tool returns no file with one in its name
       rows=${part#mfu:}; name=${rows//,/_}
-      timeout 560 python3 bench/tpu_mfu.py --only "$rows" --steps 5 --timeout 300 \
+      timeout $(cap 560) python3 bench/tpu_mfu.py --only "$rows" --steps 5 --timeout $(cap 300) \
         --out "$out/tpu_mfu_$name.md" > "$out/tpu_mfu_$name.log" 2>&1
       cat "$out/tpu_mfu_$name.md"; grep -E "^batch|fits|Error|error" "$out/tpu_mfu_$name.log" | tail -30
       ;;
@@ -54,23 +65,23 @@ for part in "$@"; do
       IFS=: read -r _ model shape remat kvs <<< "$part"
       overrides=(); IFS=, read -ra pairs <<< "${kvs:-}"
       for kv in "${pairs[@]}"; do overrides+=(--override "$kv"); done
-      timeout 400 python3 bench/gpu_mfu.py --model "$model" --param-dtype bfloat16 --candidates "$shape:$remat" \
+      timeout $(cap 400) python3 bench/gpu_mfu.py --model "$model" --param-dtype bfloat16 --candidates "$shape:$remat" \
         "${overrides[@]}" --steps 3 --profile /tmp/trace_$model --out "$out/tpu_profile_$model.md" 2>&1 | tail -60
       ;;
     decode:*)
-      timeout 400 python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \
+      timeout $(cap 400) python3 bench/bench_decode_depth.py --models "${part#decode:}" --dtype bfloat16 --batches 1,32 \
         --prompt 128 --new 256 --layers 0 --out "$out/tpu_decode_${part#decode:}.md" 2>&1 | tail -20
       ;;
     decodeprof:*)  # decodeprof:MODEL:BATCH:scan|unroll -- where a generate call's device time goes
       IFS=: read -r _ model batch mode <<< "$part"
-      timeout 400 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
+      timeout $(cap 400) python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batch" \
         --prompt 128 --new 256 --layers 0 --scan "$mode" --profile /tmp/dtrace --hlo "$out/hlo" 2>&1 \
         | tee "$out/tpu_decodeprof_${model}_${batch}_${mode}.log" | tail -60
       ;;
     decodevmem:*)  # decodevmem:MODEL:KIB -- batch-32 unrolled decoding with libtpu's scoped VMEM at KIB (0: default)
       IFS=: read -r _ model kib <<< "$part"
       flag=""; [ "$kib" != 0 ] && flag="--xla_tpu_scoped_vmem_limit_kib=$kib"
-      LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
+      LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $flag" timeout $(cap 300) python3 bench/bench_decode_depth.py --models "$model" \
         --dtype bfloat16 --batches 32 --prompt 128 --new 256 --layers 0 --scan unroll 2>&1 | grep "^| $model" | head -1
       ;;
     decodeflags:*)  # decodeflags:MODEL:BATCHES:scan|unroll:SET;SET -- libtpu flag sets A/B (a fresh process each;
@@ -81,25 +92,25 @@ for part in "$@"; do
       for set in "${flagsets[@]}"; do
         [ "$set" = default ] && set=""
         echo "flags: ${set:-none (the defaults)}"
-        LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $set" timeout 300 python3 bench/bench_decode_depth.py --models "$model" \
+        LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} $set" timeout $(cap 300) python3 bench/bench_decode_depth.py --models "$model" \
           --dtype bfloat16 --batches "$batches" --prompt 128 --new 256 --layers 0 --scan "$mode" 2>&1 \
           | grep -E "^\| $model|Error" | awk '!seen[$0]++'
       done
       ;;
     decodevar:*)  # decodevar:MODEL:BATCHES:scan|unroll|both:VARIANTS -- a row per ';'-separated override set
       IFS=: read -r _ model batches mode variants <<< "$part"
-      timeout 560 python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batches" \
+      timeout $(cap 560) python3 bench/bench_decode_depth.py --models "$model" --dtype bfloat16 --batches "$batches" \
         --prompt 128 --new 256 --layers 0 --scan "$mode" --variants "$variants" 2>&1 \
         | tee "$out/tpu_decodevar_${model}_${batches//,/-}_${mode}.log" | grep --line-buffered -E "^\| $model|Error"
       ;;
     gather)  # the MoE sorted dispatch's row gathers and their gradients, written several ways (bench/tpu_gather.py)
-      timeout 200 python3 bench/tpu_gather.py --tokens 8192 --k 8 --embed 2048 2>&1 | tee "$out/tpu_gather.log" | tail -12
+      timeout $(cap 200) python3 bench/tpu_gather.py --tokens 8192 --k 8 --embed 2048 2>&1 | tee "$out/tpu_gather.log" | tail -12
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
-      timeout 200 python3 bench/tpu_kv_layout.py 2>&1 | tail -4
+      timeout $(cap 200) python3 bench/tpu_kv_layout.py 2>&1 | tail -4
       ;;
     moe)
-      JAX_PLATFORMS=tpu timeout 300 python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \
+      JAX_PLATFORMS=tpu timeout $(cap 300) python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \
         --length 1024 --dtype bfloat16 --rounds 3 --iters 2 --out "$out/tpu_moe.md" 2>&1 | tail -20
       ;;
     *) echo "unknown part $part"; exit 2 ;;
