@@ -374,19 +374,14 @@ def gmm_matmul(tiling: GmmTiling, interpret: bool, wide: bool = False):
     return matmul
 
 
-def _megablox():
-    """megablox's kernels module (its package exports the custom-vjp ``gmm`` under the same name)."""
-    import importlib
-
-    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm_wide(lhs, rhs, sizes, tiling, interpret):
     """megablox's ``gmm`` with a float32 output from bfloat16 operands. Its backward rounds the
     output's gradient to the operands' dtype and runs megablox's own (``gmm`` against the
     transposed weights, ``tgmm``), as a bfloat16 output's would be: the kernels see one dtype."""
-    return _megablox().gmm(lhs, rhs, sizes, jnp.float32, tiling, interpret=interpret)
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm  # noqa: I001 - the kernel, not ops' custom vjp
+
+    return gmm(lhs, rhs, sizes, jnp.float32, tiling, interpret=interpret)
 
 
 def _gmm_wide_fwd(lhs, rhs, sizes, tiling, interpret):
@@ -394,11 +389,12 @@ def _gmm_wide_fwd(lhs, rhs, sizes, tiling, interpret):
 
 
 def _gmm_wide_bwd(tiling, interpret, residuals, g):
-    backend = _megablox()
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm  # noqa: I001
+
     lhs, rhs, sizes = residuals
     g = g.astype(lhs.dtype)
-    grad_lhs = backend.gmm(g, rhs, sizes, lhs.dtype, tiling, transpose_rhs=True, interpret=interpret)
-    grad_rhs = backend.tgmm(lhs.swapaxes(0, 1), g, sizes, rhs.dtype, tiling, None, rhs.shape[0], interpret=interpret)
+    grad_lhs = gmm(g, rhs, sizes, lhs.dtype, tiling, transpose_rhs=True, interpret=interpret)
+    grad_rhs = tgmm(lhs.swapaxes(0, 1), g, sizes, rhs.dtype, tiling, None, rhs.shape[0], interpret=interpret)
     return grad_lhs, grad_rhs, None
 
 

@@ -88,6 +88,11 @@ def tiles(execution, tokens: int, vocab: int) -> bool:
     return execution.tiled_loss == "on"
 
 
+def _chunk_count(size: int, chunk: int) -> int:
+    """How many chunks of at most ``chunk`` cover ``size``."""
+    return -(-size // min(chunk, size))
+
+
 def contiguous_chunks(execution, vocab: int, placement=None) -> bool:
     """Whether the ``vocab`` columns' chunks are contiguous (``execution.loss_vocab_chunks``):
     "auto" where they read the kernel in place, i.e. the chunks divide the vocabulary and no mesh
@@ -95,7 +100,7 @@ def contiguous_chunks(execution, vocab: int, placement=None) -> bool:
     contiguous kernel would be padded (a copy, as strided's) or a chunk would sit on few devices."""
     if execution.loss_vocab_chunks != "auto":
         return execution.loss_vocab_chunks == "contiguous"
-    n_v = -(-vocab // min(execution.loss_vocab_chunk, vocab))
+    n_v = _chunk_count(vocab, execution.loss_vocab_chunk)
     return vocab % n_v == 0 and (placement is None or not any(  # the table's vocabulary, the head's
         placement.mesh_axes(ax.VOCAB, within) for within in ((ax.VOCAB, ax.EMBED), (ax.EMBED, ax.VOCAB))))
 
@@ -190,9 +195,9 @@ def _layout(static, hidden, kernel, bias, targets):
     another's columns), or with ``static[6]`` (contiguous) the kernel's rows ``[n_v, vc, embed]``
     (``kernel.T``, a tied embedding as it is, cut in place) and the bias ``[n_v, vc]`` in order;
     and each chunk's column ids, ``cols(v)``."""
-    n_l = -(-hidden.shape[1] // min(static[3], hidden.shape[1]))
+    n_l = _chunk_count(hidden.shape[1], static[3])
     vocab = kernel.shape[1]
-    n_v = -(-vocab // min(static[4], vocab))
+    n_v = _chunk_count(vocab, static[4])
     hs, ts = _strided(hidden, 1, n_l), _strided(targets, 1, n_l)
     vc = -(-vocab // n_v)
     if static[6]:

@@ -74,9 +74,13 @@ class Decoding:
             return (lambda dim: True) if mode == "on" else None
         placement = self.program.placement
         held = placement is not None and any(placement.mesh_axes(n) for n in (ax.HEADS, ax.KV_HEADS, ax.HEAD_DIM))
-        mesh = self.program.mesh  # an AbstractMesh (a plan) has no devices: then this machine's backend
-        platform = jax.default_backend() if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
-        return (lambda dim: dim % 128 != 0) if platform == "tpu" and not held else None
+        return (lambda dim: dim % 128 != 0) if self._platform == "tpu" and not held else None
+
+    @functools.cached_property
+    def _platform(self) -> str:
+        """The mesh's devices' platform; an AbstractMesh's (a plan's, no devices): this machine's backend."""
+        mesh = self.program.mesh
+        return jax.default_backend() if isinstance(mesh, AbstractMesh) else mesh.devices.flat[0].platform
 
     def decoding_params(self, params):
         """``params`` as decoding takes them (``self.decoder``: every layer unrolled, or as they
@@ -141,7 +145,7 @@ class Decoding:
         of the chip's VMEM as Pallas knows it, by this cache's and the weights' bytes); none
         elsewhere, nor on a chip Pallas does not know."""
         kib = self.program.config.execution.decode_vmem_kib
-        if self.program.mesh.devices.flat[0].platform != "tpu" or kib == 0:
+        if self._platform != "tpu" or kib == 0:
             return {}
         if kib == -1:
             from jax.experimental.pallas import tpu as pltpu  # noqa: I001 - lazily: Pallas on a TPU only
