@@ -47,7 +47,7 @@ for part in "$@"; do
       ;;
     tests|tests:*)
       sel=${part#tests}; sel=${sel#:}
-      JAX_PLATFORMS=tpu timeout $(cap 540) python3 -m pytest -q -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
+      JAX_PLATFORMS=tpu timeout $(cap 540) python3 -m pytest -v -p no:cacheprovider -rA tests/tpu ${sel:+-k "$sel"} 2>&1 \
         | tee "$out/tpu_tests.log" | tail -60
       ;;
     train)  # a tiny `shardzoo train` run as a user starts it, its whole output kept (issue 34 asks for it in the note)
