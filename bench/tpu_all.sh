@@ -53,7 +53,7 @@ for part in "$@"; do
     train)  # a tiny `shardzoo train` run as a user starts it, its whole output kept (issue 34 asks for it in the note)
       rm -rf /tmp/tiny_run
       timeout $(cap 300) python3 -m shardzoo train --out /tmp/tiny_run --model llama-tiny --override dtype=bfloat16 \
-        --steps 20 --batch-size 16 --seq-len 128 --log-every 2 --eval-every 0 2>&1 | tee "$out/tpu_train_tiny.log" | tail -45
+        --steps 20 --warmup-steps 2 --batch-size 16 --seq-len 128 --log-every 2 --eval-every 0 2>&1 | tee "$out/tpu_train_tiny.log" | tail -45
       ;;
     mfu:*)  # files named without commas: the device tool returns no file with one in its name
       rows=${part#mfu:}; name=${rows//,/_}

@@ -216,4 +216,4 @@ def tokenize_chats(ds, tokenizer, column: str, add_bos: bool = False) -> Documen
             masks.append(mask)
         return {"input_ids": ids, "loss_mask": masks}
 
-    return _documents_from(_map(ds, encode, with_indices=True))
+    return _documents_from(_map(ds, encode, tokenizer, column, add_bos, with_indices=True))

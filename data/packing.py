@@ -19,6 +19,8 @@ segment's last position in the row, on padding and (examples) where the target i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import numpy as np
 import pyarrow.compute as pc
@@ -95,11 +97,19 @@ def _encode(tokenizer, texts) -> list:
     return [tokenizer.encode(t) for t in texts]
 
 
-def _map(ds, encode, with_indices: bool = False):
+def _map(ds, encode, tokenizer, *what, with_indices: bool = False):
+    """``ds.map(encode)`` batched, fingerprinted by the input's fingerprint, ``tokenizer``'s and
+    ``what`` (the function's name and every argument that changes its output): datasets would
+    otherwise hash the function with dill, and a closure it cannot pickle (datasets 5.0.1 on the
+    TPU machine) costs a warning and a random fingerprint, so a file-backed dataset's cache
+    was written anew on every run."""
+    mine = getattr(tokenizer, "fingerprint", None)  # None: a tokenizer of the user's, left to datasets
+    key = json.dumps([getattr(ds, "_fingerprint", None), mine, encode.__qualname__, *what], default=str)
     # num_proc=None, not 1: datasets 5.2 runs num_proc=1 in a forked worker pool, and a fork
     # after JAX has started its threads can deadlock.
     return ds.map(encode, batched=True, with_indices=with_indices, remove_columns=ds.column_names,
-                  desc="tokenizing")
+                  desc="tokenizing",
+                  new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16] if mine else None)
 
 
 def _documents_from(ds) -> Documents:
@@ -126,7 +136,7 @@ def tokenize_documents(ds, tokenizer, text_column: str, add_bos: bool = False) -
         ]
         return {"input_ids": docs, "loss_mask": [np.ones(len(d), bool) for d in docs]}
 
-    return _documents_from(_map(ds, encode))
+    return _documents_from(_map(ds, encode, tokenizer, text_column, add_bos))
 
 
 def tokenize_examples(
@@ -149,7 +159,7 @@ def tokenize_examples(
             masks.append(np.arange(len(docs[-1])) >= head)
         return {"input_ids": docs, "loss_mask": masks}
 
-    return _documents_from(_map(ds, encode))
+    return _documents_from(_map(ds, encode, tokenizer, prompt_column, completion_column, add_bos))
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

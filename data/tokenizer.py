@@ -15,6 +15,8 @@ it) keeps it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 
@@ -124,6 +126,11 @@ class ByteTokenizer:
             with open(os.path.join(directory, TEMPLATE_FILE), "w", encoding="utf-8") as f:
                 f.write(self.chat_template.source)
 
+    @property
+    def fingerprint(self) -> str:
+        """What fixes its output (datasets' map fingerprint, ``data/packing.py``): its chat template."""
+        return _digest(BYTE_SPEC, self.chat_template.source if self.chat_template else "")
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
@@ -185,8 +192,20 @@ class HFTokenizer:
             json.dump(config, f, indent=1)
         _write_chat_template(self.chat_template, directory)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What fixes its output (datasets' map fingerprint, ``data/packing.py``): its
+        ``tokenizer.json``, special ids, config and chat template."""
+        return _digest(self.tokenizer.to_str(), self.bos_id, self.eos_id, self.pad_id,
+                       json.dumps(self.config, sort_keys=True, default=str),
+                       self.chat_template.source if self.chat_template else "")
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.spec!r}, vocab_size={self.vocab_size})"
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256("\x00".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 def _read_json(path: str) -> dict:

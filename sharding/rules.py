@@ -78,13 +78,18 @@ class Rules(tuple):
 
 
 def format_rules(rules: Sequence) -> str:
-    """A readable two-column table of a rule table, in order."""
+    """A readable two-column table of a rule table: a row per logical axis in the order it first
+    appears, its later rules as "(else ...)": flax takes the first rule of a name whose mesh axes
+    the array's earlier dimensions have not taken (a preset's replicated tail is such a fallback)."""
     title = getattr(rules, "name", "") or "rules"
-    width = max([len(n) for n, _ in rules] + [12])
-    lines = [f"rule table: {title}", f"  {'logical axis':<{width}}  mesh axes"]
+    shown: dict[str, list[str]] = {}
     for logical, mesh_axes in rules:
-        shown = "-" if mesh_axes is None else (mesh_axes if isinstance(mesh_axes, str) else ",".join(mesh_axes))
-        lines.append(f"  {logical:<{width}}  {shown}")
+        text = "-" if mesh_axes is None else (mesh_axes if isinstance(mesh_axes, str) else ",".join(mesh_axes))
+        shown.setdefault(logical, []).append(text)
+    width = max([len(n) for n in shown] + [12])
+    lines = [f"rule table: {title}", f"  {'logical axis':<{width}}  mesh axes"]
+    for logical, (first, *rest) in shown.items():
+        lines.append(f"  {logical:<{width}}  {first}" + "".join(f" (else {r})" for r in rest))
     return "\n".join(lines)
 
 

@@ -193,3 +193,32 @@ def test_prompt_completion_weights_only_on_completion(tmp_path):
             np.testing.assert_array_equal(batch["targets"][row][: n - 1], full[1:n])
             seen += 1
     assert seen == len(pairs)
+
+
+def test_tokenizing_is_fingerprinted_by_its_inputs_not_by_hashing_the_function(caplog):
+    """datasets hashes a map's function with dill unless given ``new_fingerprint``; on the TPU
+    machine (datasets 5.0.1) it could not, and warned of a random fingerprint on every run. The
+    map is fingerprinted by the input, the tokenizer and the arguments instead: equal for equal
+    inputs, apart for any one changed, and without a warning for a tokenizer dill cannot pickle."""
+    import datasets
+    from shardzoo.data.packing import _map, tokenize_documents
+    from shardzoo.data.tokenizer import ByteTokenizer, ChatTemplateSource
+
+    ds = datasets.Dataset.from_dict({"text": DOCS[:5], "other": DOCS[5:10]})
+
+    def mapped(tokenizer, *what):
+        return _map(ds, lambda b: {"input_ids": b["text"], "loss_mask": b["text"]}, tokenizer, *what)._fingerprint
+
+    class Unpicklable(ByteTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.stream = (i for i in range(3))  # dill cannot pickle a generator
+
+    base = mapped(TOK, "text", False)
+    assert mapped(ByteTokenizer(), "text", False) == base
+    templated = ByteTokenizer(ChatTemplateSource("{{ messages }}", None))
+    assert len({base, mapped(TOK, "other", False), mapped(TOK, "text", True), mapped(templated, "text", False)}) == 4
+    with caplog.at_level("WARNING"):
+        docs = tokenize_documents(ds, Unpicklable(), "text")
+    assert not [r for r in caplog.records if "hashed" in r.getMessage()]
+    assert TOK.decode(docs.tokens[docs.offsets[0]:docs.offsets[1]]) == DOCS[0]

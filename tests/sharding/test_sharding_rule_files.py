@@ -88,3 +88,15 @@ def test_unknown_mesh_axis_in_a_file(tmp_path):
     [problem] = e.value.problems
     assert problem.kind == "unknown_mesh_axis"
     assert "'tensr'" in problem.message and "typo.yaml" in problem.message
+
+
+def test_printed_table_has_a_row_per_logical_axis_with_its_fallbacks(tmp_path):
+    """A file's rule in front of its base's shows the base's rule for that name as its fallback;
+    a preset's replicated tail shows as "(else -)", not as a second row of the same name."""
+    path = tmp_path / "r.yaml"
+    path.write_text("base: fsdp\nrules:\n  - [mlp, tensor]\n  - [embed, [fsdp, tensor]]\n")
+    rows = str(get_rules(str(path))).splitlines()[2:]
+    names = [row.split()[0] for row in rows]
+    assert len(names) == len(set(names))
+    assert "  mlp " in rows[0] and rows[0].endswith("tensor (else -)")
+    assert rows[1].split(None, 1)[1] == "fsdp,tensor (else fsdp) (else -)"
