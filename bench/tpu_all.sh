@@ -10,6 +10,7 @@
 #   bash bench/tpu_all.sh install profile:qwen3-30b-a3b:4x2048:save_attn_mlp:num_hidden_layers=4,num_local_experts=32,moe_dispatch=auto
 #   bash bench/tpu_all.sh install decodevmem:qwen3-0.6b:0 decodevmem:qwen3-0.6b:114688   # libtpu scoped VMEM A/B
 #
+#   bash bench/tpu_all.sh install cpubench           # issue 39's CPU rows on the TPU host's own CPU, 2 cores
 #   bash bench/tpu_all.sh install "decodevar:qwen3-0.6b:32:scan:decode_vmem_kib=-1;decode_vmem_kib=0"   # config A/B
 #   bash bench/tpu_all.sh install "decodeflags:llama3.2-1b:1:unroll:default;--xla_tpu_sliced_prefetch_max_slices=0"
 #
@@ -108,6 +109,19 @@ for part in "$@"; do
       ;;
     kvlayout)  # the decoding cache's layout chosen by XLA, plain against packed (bench/tpu_kv_layout.py)
       timeout $(cap 200) python3 bench/tpu_kv_layout.py 2>&1 | tail -4
+      ;;
+    cpubench)  # issue 39's CPU rows on this machine's host CPU (not the chip): its model and ISA first, then the
+      # train step and decoding against transformers, pinned to 2 cores as the issue measured (torch from /opt/wheels)
+      grep -m1 "model name" /proc/cpuinfo; nproc
+      grep -m1 -o -wE "avx512f|avx512_bf16|amx_bf16|amx_tile" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+      if [ ! -d /tmp/site/torch ]; then
+        PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple \
+          --find-links /opt/wheels --target /tmp/site torch==2.13.0 transformers 2>&1 | tail -3
+      fi
+      JAX_PLATFORMS=cpu timeout $(cap 330) taskset -c 0,1 python3 bench/bench_cpu.py --rounds 3 --only default \
+        --out "$out/cpu_host.md" 2>&1 | grep -vE "warn" | tail -30
+      JAX_PLATFORMS=cpu timeout $(cap 240) taskset -c 0,1 python3 bench/bench_decode.py --rounds 2 \
+        --out "$out/cpu_host_decode.md" 2>&1 | grep -vE "warn" | tail -20
       ;;
     moe)
       JAX_PLATFORMS=tpu timeout $(cap 300) python3 bench/bench_moe.py --settings qwen3-30b-a3b --embed 2048 --batch 8 \

@@ -436,10 +436,11 @@ def gmm_dispatch(x, top_idx, top_p, wi_gate, wi_up, wo, act, placement, biases=N
 
 def resolve_dispatch(dispatch: str, placement, dtype: str, clamped: bool = False) -> str:
     """The dispatch that ``auto`` stands for (see the module docstring); any other as it is.
-    ``clamped`` (GPT-OSS's clamped SwiGLU): indexed, since on the chip gmm's bf16 gradients of
-    clamped experts strayed 7x further from float32 than indexed's (BENCHMARKS.md, TPU). gmm now
-    decides the clamp in float32 (``gmm_dispatch``'s ``wide_hidden``), closer to float32 than
-    indexed on a CPU; ``auto`` waits for the chip's figure before it takes gmm for them."""
+    ``clamped`` (GPT-OSS's clamped SwiGLU): indexed. gmm decides their clamp in float32
+    (``gmm_dispatch``'s ``wide_hidden``; its bf16 gate had strayed 7x further from float32 than
+    indexed on the chip), and the chip has confirmed its gradients within the other expert
+    types' bound (BENCHMARKS.md, TPU); ``auto`` waits for a timing of that wider gate on the
+    chip before it takes gmm for them (``moe_dispatch=gmm`` asks for it)."""
     if dispatch != "auto":
         return dispatch
     split = placement is not None and any(placement.mesh_axes(n) for n in (ax.EXPERT, ax.MLP))
