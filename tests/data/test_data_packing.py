@@ -201,6 +201,7 @@ def test_tokenizing_is_fingerprinted_by_its_inputs_not_by_hashing_the_function(c
     map is fingerprinted by the input, the tokenizer and the arguments instead: equal for equal
     inputs, apart for any one changed, and without a warning for a tokenizer dill cannot pickle."""
     import datasets
+
     from shardzoo.data.packing import _map, tokenize_documents
     from shardzoo.data.tokenizer import ByteTokenizer, ChatTemplateSource
 
